@@ -1,0 +1,28 @@
+"""Engine configuration: one frozen dataclass built once by the caller."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+CPU_KV_CACHE_BYTES = 512 * 1024**2  # fixed CPU budget; GPUs size from free memory
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL          # known name, local path, fsspec URL, or "dummy:<config.json>"
+    dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                # auto | cpu | cuda | cuda:N
+    quantization: str = "none"          # none | int8 | int4 | w8a8 | fp8
+    kv_cache_dtype: str = "auto"        # auto | int8 | fp8
+    kv_cache_memory: int | None = None  # bytes; None: a share of free GPU memory, or CPU_KV_CACHE_BYTES
+    gpu_memory_share: float = 0.85
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None      # CPU intra-op threads; None: torch's default
+    seed: int = 0
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what to change."""

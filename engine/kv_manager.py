@@ -1,0 +1,119 @@
+"""Per-sequence KV bookkeeping over the block pool: prefix matching, slot allocation, forks.
+
+No torch. Block hashes chain over full blocks: hash(block i) = hash((hash(block i-1), tokens of block i)),
+so equal hashes mean equal whole prefixes. Python's tuple hash is 64-bit; a collision would be a
+silent wrong answer, at odds of about n^2 / 2^64 for n cached blocks.
+
+A full block gets its hash when it is allocated for a chunk that fills it (its tokens are known
+then), before it is computed. Another sequence may share such a block only if the block is
+computed by the end of the current step's writes, which precede every attention read in the
+same forward: that is how N rows admitted together compute their shared prefix once.
+"""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence
+
+WAIT = None  # match_prefix's answer when a matched block is still being computed by another sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks = num_blocks
+        self.ready_this_step: set[int] = set()   # blocks whose K/V this step's forward will write
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hash_chain(self, tokens: list[int], num_blocks: int, start: int = 0, prev: int = 0) -> list[int]:
+        bs, hashes = self.block_size, []
+        for i in range(start, num_blocks):
+            prev = hash((prev, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(prev)
+        return hashes
+
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> list[int] | None:
+        """Block ids of the longest cached prefix of at most max_tokens tokens (not yet acquired),
+        or WAIT when that prefix continues into a block another sequence has yet to compute."""
+        if not self.enable_prefix_caching or not seq.cacheable_prefix:
+            return []
+        matched = []
+        for h in self._hash_chain(seq.token_ids, max_tokens // self.block_size):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            if not block.computed and block.id not in self.ready_this_step:
+                return WAIT
+            matched.append(block.id)
+        return matched
+
+    def admit(self, seq: Sequence, cached_blocks: list[int]) -> None:
+        """Gives a waiting sequence its matched prefix blocks. Changes ref counts."""
+        for block_id in cached_blocks:
+            self.pool.acquire(block_id)
+        seq.block_table = list(cached_blocks)
+        seq.num_computed_tokens = len(cached_blocks) * self.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        return needed <= self.pool.num_free - reclaimable
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Ensures slots for the next num_new_tokens tokens and hashes the blocks this chunk fills.
+        False, and nothing changed, when the pool is short."""
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = self.blocks_for(end) - len(seq.block_table)
+        if needed > 0:
+            new = self.pool.allocate(needed)
+            if new is None:
+                return False
+            seq.block_table.extend(new)
+        first_full = seq.num_computed_tokens // self.block_size
+        last_full = end // self.block_size
+        if last_full > first_full:
+            self.ready_this_step.update(seq.block_table[first_full:last_full])
+            if self.enable_prefix_caching:
+                prev = self._prefix_hash(seq, first_full)
+                for i, h in enumerate(self._hash_chain(seq.token_ids, last_full, first_full, prev), first_full):
+                    self.pool.register(seq.block_table[i], h)
+        return True
+
+    def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
+        if num_blocks == 0:
+            return 0
+        block = self.pool.blocks[seq.block_table[num_blocks - 1]]
+        if block.hash is not None:
+            return block.hash
+        return self._hash_chain(seq.token_ids, num_blocks)[-1]
+
+    def end_step(self) -> None:
+        """After the forward: every block written this step is computed."""
+        self.pool.mark_computed(self.ready_this_step)
+        self.ready_this_step.clear()
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Child shares the parent's full computed blocks; the partial last block is copied.
+        Returns the (src, dst) block copies the runner must do, or None if no block is free."""
+        num_full = parent.num_computed_tokens // self.block_size
+        partial = parent.num_computed_tokens % self.block_size
+        copies = []
+        if partial:
+            new = self.pool.allocate(1)
+            if new is None:
+                return None
+            copies.append((parent.block_table[num_full], new[0]))
+        for block_id in parent.block_table[:num_full]:
+            self.pool.acquire(block_id)
+        child.block_table = parent.block_table[:num_full] + [dst for _, dst in copies]
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        return copies

@@ -1,0 +1,131 @@
+"""Runs one scheduled step on the model: builds the flattened batch, runs the forward,
+computes logits only where a token is sampled or scored, and samples.
+
+    runner.execute(SchedulerOutput) -> RunnerOutput
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model import CausalLM
+from engine.request import TokenLogprob
+from engine.sampler import SampleRow, make_generator, sample
+from engine.scheduler import SchedulerOutput
+from kernels import AttentionMetadata
+
+LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[int, list[int]] = field(default_factory=dict)                 # seq_id -> tokens (one per sample)
+    sample_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    token_logprobs: dict[int, list[float]] = field(default_factory=dict)        # seq_id -> scored tokens' logprobs
+    candidate_first: dict[int, list[float]] = field(default_factory=dict)       # seq_id -> logprob of each candidate's first token
+    num_tokens: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.generators: dict[tuple[int, int], torch.Generator] = {}
+        self.sliding_window = cfg.sliding_window
+
+    @staticmethod
+    def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+
+    def generator(self, seed: int, sample_index: int) -> torch.Generator:
+        key = (seed, sample_index)
+        if key not in self.generators:
+            self.generators[key] = make_generator(seed * 1_000_003 + sample_index, self.device)
+        return self.generators[key]
+
+    def release(self, seed: int, sample_index: int) -> None:
+        self.generators.pop((seed, sample_index), None)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput(num_tokens=sched.num_tokens)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        if not sched.chunks:
+            return out
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[tuple] = []     # (hidden row, chunk)
+        score_rows: list[tuple] = []      # (hidden row, target token, seq_id)
+        for chunk in sched.chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            base = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(table)
+            if seq.logprobs_from:
+                last = seq.num_tokens - 1 if seq.scoring else seq.num_prompt_tokens - 1
+                for p in range(max(start, seq.logprobs_from - 1), min(end, last)):
+                    score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
+            if chunk.completes and not seq.scoring:
+                sample_rows.append((base + end - start - 1, chunk))
+
+        dev = self.device
+        meta = AttentionMetadata.build(bs, sched.num_decodes, query_lens, seq_lens, slots, tables, dev,
+                                       self.sliding_window)
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, meta)
+        if sample_rows:
+            self._sample(hidden, sample_rows, out)
+        if score_rows:
+            self._score(hidden, score_rows, out)
+        return out
+
+    def _sample(self, hidden, sample_rows, out: RunnerOutput) -> None:
+        idx = torch.tensor([r for r, _ in sample_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        rows, owners = [], []
+        for i, (_, chunk) in enumerate(sample_rows):
+            seq = chunk.seq
+            if seq.candidate_first_tokens is not None:
+                lp = torch.log_softmax(logits[i], dim=-1)
+                out.candidate_first[seq.seq_id] = lp[seq.candidate_first_tokens].tolist()
+                continue
+            for k in range(seq.fork_samples):
+                index = seq.sample_index + k
+                gen = self.generator(seq.seed, index) if seq.sampling.temperature > 0 else None
+                rows.append(SampleRow(i, seq.sampling, gen))
+                owners.append(seq.seq_id)
+        tokens, logprobs = sample(logits, rows)
+        for seq_id, tok, lp in zip(owners, tokens, logprobs):
+            out.sampled.setdefault(seq_id, []).append(tok)
+            out.sample_logprobs.setdefault(seq_id, []).append(lp)
+
+    def _score(self, hidden, score_rows, out: RunnerOutput) -> None:
+        for lo in range(0, len(score_rows), LOGITS_ROWS_PER_PASS):
+            part = score_rows[lo:lo + LOGITS_ROWS_PER_PASS]
+            idx = torch.tensor([r for r, _, _ in part], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            targets = torch.tensor([t for _, t, _ in part], device=hidden.device)
+            lp = (logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+            for (_, _, seq_id), value in zip(part, lp):
+                out.token_logprobs.setdefault(seq_id, []).append(value)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

@@ -1,0 +1,122 @@
+"""Start-up: resolve device and dtype, load the model, size the KV cache.
+
+Values found at start-up live here, not in the frozen EngineConfig.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from engine.config import ConfigError
+from engine.model import CausalLM
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineRuntime:
+    model: CausalLM
+    model_config: ModelConfig
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    weight_bytes: int
+    load_s: float
+    source: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
+    t0 = time.perf_counter()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.num_threads and device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
+    if bundle is None:
+        from engine.loader import load_model_bundle
+        bundle = load_model_bundle(config.model)
+    model = build_model(bundle, device, dtype, config.seed)
+    if config.quantization != "none":
+        from engine.quant import quantize_model
+        quantize_model(model, config.quantization, bundle)
+    weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
+    kv_dtype = dtype
+    per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype)
+    budget = config.kv_cache_memory or _default_kv_budget(device, config)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"--kv-cache-memory {budget} bytes holds no KV block of {per_block} bytes; raise it")
+    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
+    return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
+                         weight_bytes, time.perf_counter() - t0, bundle.source)
+
+
+def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """Allocates the model without initializing it, then fills it from the weights, one tensor at a time."""
+    cfg = bundle.config
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    from kernels.rotary import inverse_frequencies
+    model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict).to(device)
+    if bundle.weight_format == "dummy":
+        _random_init(model, seed)
+    else:
+        filled = model.load_weights(bundle.weights())
+        missing = model.expected_weight_names() - filled
+        if missing:
+            raise ConfigError(f"model {bundle.source} lacks weights: {', '.join(sorted(missing)[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _random_init(model: CausalLM, seed: int) -> None:
+    g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
+def _unique_tensors(model):
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = t
+    return seen.values()
+
+
+def _default_kv_budget(device: torch.device, config: EngineConfig) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.gpu_memory_share)
+    return CPU_KV_CACHE_BYTES

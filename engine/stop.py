@@ -1,0 +1,34 @@
+"""When a generating sequence stops, and the text it returns."""
+from __future__ import annotations
+
+from engine.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+
+    def check(self, seq: Sequence, max_model_len: int) -> str | None:
+        """Finish reason after the token just appended, or None to go on."""
+        p, last = seq.sampling, seq.token_ids[-1]
+        if (last in self.eos and not p.ignore_eos) or last in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._stop_string_at(seq) is not None:
+            return "stop"
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def final_text(self, seq: Sequence) -> tuple[str, list[int]]:
+        ids = seq.token_ids[seq.num_prompt_tokens:]
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        cut = self._stop_string_at(seq, text) if seq.sampling.stop else None
+        return (text[:cut] if cut is not None else text), ids
+
+    def _stop_string_at(self, seq: Sequence, text: str | None = None) -> int | None:
+        """Index of the earliest stop string in the completion's text (the stop string is not returned)."""
+        if text is None:
+            text = self.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:])
+        hits = [i for i in (text.find(s) for s in seq.sampling.stop if s) if i >= 0]
+        return min(hits) if hits else None

@@ -1,0 +1,122 @@
+"""Attention over a paged KV cache, and writing new K/V into it.
+
+Cache layout, per layer (block_size slots a block, slot = block_id * block_size + offset):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A step's tokens are flattened: the decodes first (one token per sequence), then the
+prefill chunks, each sequence's tokens contiguous and in position order. Each new token
+attends causally to its sequence's cached tokens and to the chunk's earlier tokens; the
+step's K/V are written to the cache before any attention reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    block_size: int
+    num_decodes: int                 # sequences (= tokens) at the front with one query token
+    query_lens: list[int]            # per sequence
+    seq_lens: list[int]              # per sequence: context length including this step's tokens
+    slot_mapping: torch.Tensor       # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] int32 (padded with 0)
+    query_start_loc: torch.Tensor    # [num_seqs + 1] int32
+    seq_lens_t: torch.Tensor         # [num_seqs] int32
+    sliding_window: int | None = None
+    # Torch path, built once per step by prepare() and shared by all layers:
+    _decode: tuple | None = None
+    _prefill: tuple | None = None
+
+    @classmethod
+    def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
+              device, sliding_window=None) -> "AttentionMetadata":
+        width = max(len(t) for t in block_tables) if block_tables else 1
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        meta = cls(
+            block_size=block_size, num_decodes=num_decodes, query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=tables.to(device), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device), sliding_window=sliding_window,
+        )
+        if device == "cpu" or str(device).startswith("cpu"):
+            meta.prepare()
+        return meta
+
+    def prepare(self) -> None:
+        """Gather indices and masks for the torch path (one padded batch for decodes, one for prefills)."""
+        dev = self.block_tables.device
+        nd = self.num_decodes
+        if nd:
+            self._decode = self._gather(0, nd, dev)
+        if len(self.query_lens) > nd:
+            self._prefill = self._gather(nd, len(self.query_lens), dev)
+
+    def _gather(self, lo: int, hi: int, dev):
+        seq_lens = self.seq_lens_t[lo:hi].long()
+        qlens = torch.tensor(self.query_lens[lo:hi], device=dev)
+        kmax, qmax = int(seq_lens.max()), int(qlens.max())
+        j = torch.arange(kmax, device=dev)
+        tables = self.block_tables[lo:hi].long()
+        slots = tables.gather(1, (j // self.block_size).expand(hi - lo, -1).clamp(max=tables.shape[1] - 1))
+        slots = slots * self.block_size + j % self.block_size                       # [B, kmax]
+        i = torch.arange(qmax, device=dev)
+        q_pos = (seq_lens - qlens)[:, None] + i[None, :]                             # [B, qmax]
+        q_valid = i[None, :] < qlens[:, None]
+        mask = j[None, None, :] <= q_pos[:, :, None]                                 # causal
+        if self.sliding_window:
+            mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        mask[:, :, 0] |= ~q_valid                                                    # padding rows see one key, never NaN
+        q_start = self.query_start_loc[lo:hi].long() - int(self.query_start_loc[lo])
+        q_index = (q_start[:, None] + i[None, :]).clamp(max=int(qlens.sum()) - 1)   # [B, qmax]
+        return slots, mask[:, None], q_index, q_valid
+
+
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k, v: [T, Hk, D] written at slot_mapping [T] of the flattened caches."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]."""
+    if meta._decode is None and meta._prefill is None:
+        meta.prepare()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if meta._decode is not None:
+        slots, mask, _, _ = meta._decode
+        out[:nd] = _sdpa(q[:nd, None], k_flat[slots], v_flat[slots], mask, scale)[:, 0]
+    if meta._prefill is not None:
+        slots, mask, q_index, q_valid = meta._prefill
+        qp = q[nd:][q_index]                                                         # [B, qmax, Hq, D]
+        o = _sdpa(qp, k_flat[slots], v_flat[slots], mask, scale)
+        out[nd:] = o[q_valid]
+    return out
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q: [B, Lq, Hq, D], k/v: [B, Lk, Hk, D], mask: [B, 1, Lq, Lk] -> [B, Lq, Hq, D]."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, meta, scale):
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
