@@ -75,6 +75,11 @@ class Engine:
                 done[o.id] = o
         return [done[r.id] for r in requests]
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet returned."""
+        return len(self._states) + len(self._finished)
+
     def has_unfinished(self) -> bool:
         return bool(self._finished) or self.scheduler.has_unfinished()
 

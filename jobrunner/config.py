@@ -1,0 +1,165 @@
+"""The job's configuration: one frozen dataclass, built once by the CLI (command line over TOML file
+over these defaults) and validated before any work starts."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+KINDS = ("generate", "classify", "score")
+FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
+
+
+class JobConfigError(ValueError):
+    """A job configuration that cannot run; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    dataset: str
+    output: str | None = None               # default: <dataset>.results/ beside the dataset
+    model: str = DEFAULT_MODEL
+    format: str = "auto"
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    messages_column: str | None = None
+    template: str | None = None
+    system: str | None = None
+    chat: bool | None = None                # None: chat when the model has a chat template
+    # sampling
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    # job kinds
+    kind: str = "generate"
+    labels: tuple[str, ...] = ()
+    labels_column: str | None = None
+    normalize: str = "sum"                  # classify: sum | mean of label token logprobs
+    reference_column: str | None = None
+    match: str = "normalized"               # exact | normalized | contains
+    score_column: str | None = None
+    # engine
+    device: str = "auto"
+    dtype: str = "auto"
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048
+    plan: bool = True                       # order rows so shared prefixes run back to back
+    prefix_cache: bool = True
+    data_parallel: int | None = None
+    # output
+    part_rows: int = 10_000
+    overwrite: bool = False
+    max_error_rate: float | None = None
+    device_hourly_cost: float | None = None
+    output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
+    limit: int | None = None                # only the first N rows (for trying a job out)
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
+            enable_prefix_caching=self.prefix_cache, seed=self.seed or 0)
+
+    @property
+    def output_url(self) -> str:
+        if self.output:
+            return self.output
+        base = self.dataset.rstrip("/")
+        for suffix in (".gz", ".zst", ".parquet", ".pq", ".jsonl", ".ndjson", ".json", ".csv"):
+            base = base.removesuffix(suffix)
+        return base.replace("*", "_") + ".results"
+
+    def fingerprint_fields(self) -> dict:
+        """What decides the rows' outputs: a different value refuses to resume into the same output."""
+        skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
+                "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "kv_cache_memory", "limit", "extra",
+                "device", "block_size"}
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
+        d["stop"], d["labels"] = list(self.stop), list(self.labels)
+        return d
+
+    def validate(self) -> None:
+        """Checks that need no file or model; raises JobConfigError."""
+        def bad(msg):
+            raise JobConfigError(msg)
+        if self.kind not in KINDS:
+            bad(f"--kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.format not in FORMATS:
+            bad(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}")
+        if self.max_tokens < 0:
+            bad("--max-tokens must be >= 0")
+        if self.temperature < 0:
+            bad("--temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("--top-p must be in (0, 1]")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+            bad("--top-k must be >= 0 and --min-p in [0, 1]")
+        if self.n < 1:
+            bad("--n must be >= 1")
+        if self.n > 1 and self.temperature == 0:
+            bad(f"--n {self.n} with --temperature 0 gives {self.n} identical samples; set --temperature > 0")
+        if self.part_rows < 1:
+            bad("--part-rows must be >= 1")
+        if self.max_error_rate is not None and not 0 <= self.max_error_rate <= 1:
+            bad("--max-error-rate is a fraction in [0, 1], e.g. 0.01")
+        if self.template and self.messages_column:
+            bad("--template and --messages-column contradict each other: a row's prompt comes from one of them")
+        if self.kind == "classify":
+            if bool(self.labels) == bool(self.labels_column):
+                bad("classify needs exactly one of --labels a,b,c or --labels-column COL")
+            if self.labels and len(set(self.labels)) != len(self.labels):
+                bad("--labels has duplicates")
+            if self.n > 1:
+                bad("--n applies to generation, not to classify")
+        elif self.labels or self.labels_column:
+            bad("--labels/--labels-column need --kind classify")
+        if self.kind == "score" and not self.score_column:
+            bad("--kind score needs --score-column COL (the text whose log-likelihood is measured)")
+        if self.score_column and self.kind != "score":
+            bad("--score-column needs --kind score")
+        if self.normalize not in ("sum", "mean"):
+            bad("--normalize must be sum or mean")
+        if self.match not in ("exact", "normalized", "contains"):
+            bad("--match must be exact, normalized or contains")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
+            bad("--block-size, --max-num-seqs and --max-batched-tokens must be >= 1")
+        if self.output_format not in ("parquet", "openai-batch"):
+            bad("--output-format must be parquet or openai-batch")
+        if self.quantization not in ("none", "int8", "int4", "w8a8", "fp8"):
+            bad("--quantization must be one of none, int8, int4, w8a8, fp8")
+        if self.data_parallel is not None and self.data_parallel < 1:
+            bad("--data-parallel must be >= 1")
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'64MB' -> 64_000_000, '8GiB' -> 8 * 2**30, 1024 -> 1024."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise JobConfigError(f"cannot read size {text!r}; write e.g. 512MB, 8GiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def config_fields() -> dict:
+    return {f.name: f for f in fields(JobConfig)}

@@ -1,0 +1,233 @@
+"""Runs one job: dataset rows -> job kind -> planner -> engine -> writer, with stats.
+
+Every row read ends as exactly one output row (n > 1: one per sample), with its output or
+its error. Rows already in the output are skipped, so running the same job again resumes it.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
+from jobrunner.progress import Progress
+from jobrunner.stats import JobStats
+
+log = logging.getLogger("jobrunner")
+
+EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
+                  "queue_s", "prefill_s", "decode_s", "error")
+WINDOW_ROWS = 50_000
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    stats: dict
+    output: str
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class Job:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.stop_requested = False
+
+    # --- set-up: everything that can fail fails here, before any work ------------------------
+
+    def prepare(self, engine=None) -> None:
+        from jobrunner import checks
+        from jobrunner.writer import ResultWriter
+
+        cfg = self.cfg
+        cfg.validate()
+        self.fmt, self.columns = checks.check_dataset(cfg)
+        self.template = checks.check_template(cfg, self.columns)
+        self.engine = engine or checks.load_engine(cfg)
+        from jobs import PromptBuilder, make_job
+        self.job = make_job(cfg, self.engine.tokenizer)
+        self.builder = PromptBuilder(cfg, self.engine.tokenizer, self.template)
+        manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
+                    "dataset_format": self.fmt}
+        self.writer = checks.open_writer(cfg, manifest, ResultWriter)
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        cfg, engine = self.cfg, self.engine
+        self.stats = JobStats()
+        self.prefix = PrefixStats(block_size=cfg.block_size)
+        self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
+        self.seen: set[str] = set(self.writer.done_ids)
+        self.progress = Progress(total=self._total_rows())
+        max_in_flight = max(2 * cfg.max_num_seqs, 64)
+        interrupted = False
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for unit in self._units():
+                for key in unit.items:
+                    engine.add_request(self.pending[key][1])
+                while engine.num_in_flight >= max_in_flight:
+                    self._step()
+            while engine.has_unfinished():
+                self._step()
+        except _Interrupted:
+            interrupted = True
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        self.writer.flush()
+        self.progress.close()
+        summary = self.stats.summary(
+            device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
+            quantization=cfg.quantization, prefix=self.prefix, engine_counters=engine.counters,
+            device_hourly_cost=cfg.device_hourly_cost, job_metrics=self.job.summary(), load_s=engine.rt.load_s,
+            interrupted=interrupted)
+        if interrupted:
+            self.writer.write_stats(summary)
+            log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
+            return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
+        self.writer.close(summary)
+        if cfg.output_format == "openai-batch":
+            from jobrunner.writer import write_openai_batch_output
+            write_openai_batch_output(cfg.output_url)
+        code = EXIT_OK
+        if cfg.max_error_rate is not None and self.stats.rows and \
+                self.stats.rows_failed / self.stats.rows > cfg.max_error_rate:
+            log.error("%d of %d rows failed, over --max-error-rate %s", self.stats.rows_failed, self.stats.rows,
+                      cfg.max_error_rate)
+            code = EXIT_ERROR_RATE
+        return JobResult(code, summary, cfg.output_url)
+
+    def _on_signal(self, signum, frame):
+        if self.stop_requested:          # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        log.warning("signal %d: finishing what is written, then exiting", signum)
+
+    def _total_rows(self) -> int | None:
+        from jobrunner.dataset import count_rows
+        try:
+            n = count_rows(self.cfg.dataset, self.fmt)
+        except Exception:
+            return None
+        return min(n, self.cfg.limit) if (n is not None and self.cfg.limit) else n
+
+    # --- rows in ---------------------------------------------------------------------------------
+
+    def _items(self):
+        """Rows -> plan items; rows that can't run become error rows at once."""
+        from jobrunner.dataset import read_rows
+        from jobs import RowError
+
+        cfg, read = self.cfg, 0
+        for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
+            ready = []
+            for row in batch:
+                if cfg.limit is not None and read >= cfg.limit:
+                    break
+                read += 1
+                if row.id in self.writer.done_ids:
+                    self.stats.rows_skipped += 1
+                    continue
+                if row.id in self.seen:
+                    self.stats.duplicate_ids += 1
+                    self._write_error(row, f"duplicate id {row.id!r}: an earlier row has the same id")
+                    continue
+                self.seen.add(row.id)
+                if row.error is not None:
+                    self._write_error(row, row.error)
+                    continue
+                try:
+                    text, special = self.builder.render(row.data)
+                except RowError as e:
+                    self._write_error(row, str(e))
+                    continue
+                ready.append((row, text, special))
+            for (row, text, special), ids in zip(ready, self._encode(ready)):
+                try:
+                    req = self.job.request(row.id, ids, row.data)
+                except RowError as e:
+                    self._write_error(row, str(e))
+                    continue
+                req.prompt = text
+                self.pending[row.id] = (row, req)
+                yield PlanItem(row.id, req.prompt_token_ids)
+            if self.stop_requested:
+                raise _Interrupted
+            if cfg.limit is not None and read >= cfg.limit:
+                break
+
+    def _encode(self, ready) -> list[list[int]]:
+        """Batch tokenization (all cores), grouped by whether special tokens are added."""
+        tok, out = self.engine.tokenizer, [None] * len(ready)
+        for special in (True, False):
+            idx = [i for i, r in enumerate(ready) if r[2] == special]
+            if idx:
+                for i, ids in zip(idx, tok.encode_batch([ready[i][1] for i in idx], add_special_tokens=special)):
+                    out[i] = ids
+        return out
+
+    def _units(self):
+        cfg = self.cfg
+        if cfg.plan:
+            yield from plan(self._items(), window_rows=WINDOW_ROWS, block_size=cfg.block_size, stats=self.prefix)
+            return
+        window: list[PlanItem] = []     # unplanned: dataset order; stats still measured per window
+        for item in self._items():
+            window.append(item)
+            if len(window) >= WINDOW_ROWS:
+                yield from self._flush_unplanned(window)
+        yield from self._flush_unplanned(window)
+
+    def _flush_unplanned(self, window: list[PlanItem]):
+        if window:
+            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=self.cfg.block_size))
+        for it in window:
+            yield WorkUnit([it.key], len(it.tokens), len(it.tokens))
+        window.clear()
+
+    # --- rows out ----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        if self.stop_requested:
+            raise _Interrupted
+        for out in self.engine.step():
+            row, _ = self.pending.pop(out.id)
+            base = self._base(row)
+            base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                        queue_s=out.queue_s, prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error)
+            rows = []
+            for cols in self.job.columns(out, row.data):
+                r = dict(base)
+                r.update(cols)
+                if out.error is not None:
+                    r["finish_reason"] = "error"
+                rows.append(r)
+            self._emit(rows)
+        self.progress.update(self.stats)
+
+    def _base(self, row) -> dict:
+        base = {"id": row.id}
+        for k, v in (row.data or {}).items():
+            base[k if k not in RESULT_COLUMNS else f"input_{k}"] = v
+        return base
+
+    def _write_error(self, row, message: str) -> None:
+        r = self._base(row)
+        r.update(output=None, finish_reason="error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
+                 queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message)
+        self._emit([r])
+
+    def _emit(self, rows: list[dict]) -> None:
+        self.stats.add_row(rows[0])
+        for extra in rows[1:]:
+            self.stats.completion_tokens += extra.get("completion_tokens") or 0
+        self.writer.write(rows)

@@ -1,0 +1,37 @@
+"""Progress: a tqdm bar with rows, tokens/s and ETA on a terminal; plain log lines otherwise."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+log = logging.getLogger("jobrunner")
+LOG_EVERY_S = 30.0
+
+
+class Progress:
+    def __init__(self, total: int | None):
+        self.total = total
+        self.bar = None
+        self.last_log = time.time()
+        self.start = time.time()
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
+
+    def update(self, stats) -> None:
+        done = stats.rows + stats.rows_skipped
+        tokens = stats.prompt_tokens + stats.completion_tokens
+        elapsed = max(time.time() - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s, {stats.rows_failed} errors", refresh=False)
+            self.bar.refresh()
+        elif time.time() - self.last_log >= LOG_EVERY_S:
+            self.last_log = time.time()
+            of = f"/{self.total}" if self.total else ""
+            log.info("%d%s rows, %d failed, %.0f tokens/s", done, of, stats.rows_failed, tokens / elapsed)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,73 @@
+"""`jobrunner validate`: check everything a job needs and count its tokens, without running the model."""
+from __future__ import annotations
+
+from jobrunner import checks
+from jobrunner.config import JobConfig, JobConfigError
+
+# Rough sustained rates for the estimate (float32 matmul on a 2-core CPU; bf16 on a modern GPU).
+CPU_FLOPS, GPU_FLOPS = 100e9, 300e12
+
+
+def flops_per_token(mc) -> float:
+    """2 x the parameters each token multiplies through (attention over the context not counted)."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    return 2.0 * (mc.num_layers * layer + mc.vocab_size * mc.hidden_size)
+
+
+def validate_job(cfg: JobConfig) -> dict:
+    import torch
+
+    from engine.errors import ModelError
+    from engine.loader import load_model_bundle
+    from jobrunner.dataset import read_rows
+    from jobs import PromptBuilder, RowError, make_job
+
+    cfg.validate()
+    fmt, columns = checks.check_dataset(cfg)
+    template = checks.check_template(cfg, columns)
+    try:
+        bundle = load_model_bundle(cfg.model)
+    except ModelError as e:
+        raise JobConfigError(str(e)) from None
+    tok = bundle.tokenizer
+    builder, job = PromptBuilder(cfg, tok, template), make_job(cfg, tok)
+    rows = bad = prompt_tokens = longest = 0
+    errors: dict[str, int] = {}
+    seen: set[str] = set()
+    dup = 0
+    for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
+        for row in batch:
+            if cfg.limit is not None and rows >= cfg.limit:
+                break
+            rows += 1
+            if row.id in seen:
+                dup += 1
+            seen.add(row.id)
+            try:
+                if row.error:
+                    raise RowError(row.error.split(": ", 1)[-1])
+                _, ids = builder.build(row.data)
+                req = job.request(row.id, ids, row.data)
+            except RowError as e:
+                bad += 1
+                errors[str(e)[:80]] = errors.get(str(e)[:80], 0) + 1
+                continue
+            prompt_tokens += len(req.prompt_token_ids)
+            longest = max(longest, len(req.prompt_token_ids))
+    ok = rows - bad
+    out_tokens = ok * cfg.max_tokens * cfg.n if cfg.kind == "generate" else 0
+    rate = GPU_FLOPS if torch.cuda.is_available() and cfg.device != "cpu" else CPU_FLOPS
+    seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
+    report = {
+        "dataset": cfg.dataset, "format": fmt, "columns": ", ".join(columns), "model": bundle.source,
+        "kind": cfg.kind, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
+        "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
+        "max_output_tokens": out_tokens, "output": cfg.output_url,
+        "estimated_seconds_upper": round(seconds, 1),
+    }
+    if cfg.device_hourly_cost is not None:
+        report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
+    for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
+        report[f"error x{n}"] = msg
+    return report

@@ -1,0 +1,91 @@
+"""What every job kind shares: turning a row into a prompt, and the row errors that stop one row only."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import SamplingParams
+
+
+class RowError(ValueError):
+    """This row cannot run; it becomes an output row with `error` set and the job goes on."""
+
+
+class PromptBuilder:
+    """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw."""
+
+    def __init__(self, cfg, tokenizer, template=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.template = template                     # jobrunner.template.PromptTemplate or None
+        self.chat = cfg.chat if cfg.chat is not None else bool(getattr(tokenizer, "has_chat_template", False))
+
+    def messages(self, data: dict) -> list[dict] | None:
+        """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
+        if "messages" in data and isinstance(data.get("params"), dict):          # OpenAI batch rows
+            return _check_messages(data["messages"])
+        if self.cfg.messages_column:
+            return _check_messages(data.get(self.cfg.messages_column))
+        text = self.text(data)
+        if not self.chat:
+            return None
+        msgs = [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
+        return msgs + [{"role": "user", "content": text}]
+
+    def text(self, data: dict) -> str:
+        if self.template is not None:
+            try:
+                return self.template.render(data)
+            except KeyError as e:
+                raise RowError(str(e)) from None
+        col = self.cfg.prompt_column
+        if col not in data or data[col] is None:
+            raise RowError(f"prompt column {col!r} is missing or null")
+        value = data[col]
+        if not isinstance(value, str):
+            raise RowError(f"prompt column {col!r} is a {type(value).__name__}, not a string")
+        if not value.strip():
+            raise RowError(f"prompt column {col!r} is empty")
+        return value
+
+    def render(self, data: dict) -> tuple[str, bool]:
+        """The prompt text, and whether the tokenizer adds its special tokens (raw text: yes;
+        a rendered chat template already has them)."""
+        msgs = self.messages(data)
+        if msgs is None:
+            text = self.text(data)
+            return (f"{self.cfg.system}\n\n{text}" if self.cfg.system else text), True
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise RowError("messages need a chat template, and this model has none")
+        try:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True), False
+        except Exception as e:  # a template's raise_exception, or a message it rejects
+            raise RowError(f"chat template failed: {e}") from None
+
+    def build(self, data: dict) -> tuple[str, list[int]]:
+        text, special = self.render(data)
+        return text, self.tokenizer.encode(text, add_special_tokens=special)
+
+
+def _check_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RowError("messages must be a non-empty list of {role, content} objects")
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError("every message needs a string role and a string content")
+    return value
+
+
+def sampling_params(cfg, overrides: dict | None = None, **fixed) -> SamplingParams:
+    """The job's sampling settings; an OpenAI batch row's own body parameters win."""
+    p = dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+             min_p=cfg.min_p, seed=cfg.seed, stop=tuple(cfg.stop), ignore_eos=cfg.ignore_eos, n=cfg.n)
+    for key, value in (overrides or {}).items():
+        if key == "max_completion_tokens":
+            key = "max_tokens"
+        if key in p and value is not None:
+            p[key] = tuple([value] if isinstance(value, str) else value) if key == "stop" else value
+    p.update(fixed)
+    try:
+        return SamplingParams(**p)
+    except (TypeError, ValueError) as e:
+        raise RowError(f"bad sampling parameters: {e}") from None

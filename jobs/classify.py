@@ -1,0 +1,77 @@
+"""classify: score each candidate label as the assistant's reply; no free text is generated.
+
+A label's tokens are the tokenizer's encoding of the label text alone, appended to the prompt's
+tokens; its score is the sum (or, with --normalize mean, the mean) of those tokens' logprobs.
+Probabilities are a softmax over the scores of the row's labels.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from engine.request import Request, RequestOutput, SamplingParams
+from jobs.base import RowError
+from jobs.metrics import ClassificationMetrics
+
+
+class ClassifyJob:
+    name = "classify"
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self._encoded: dict[str, list[int]] = {}
+        self.metrics = ClassificationMetrics(cfg.match) if cfg.reference_column else None
+
+    def labels(self, data: dict) -> list[str]:
+        if self.cfg.labels:
+            return list(self.cfg.labels)
+        value = data.get(self.cfg.labels_column)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+            except json.JSONDecodeError:
+                raise RowError(f"labels column {self.cfg.labels_column!r} is not a list") from None
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+            raise RowError(f"labels column {self.cfg.labels_column!r} must hold a non-empty list of strings")
+        labels = [v.strip() for v in value]
+        if len(set(labels)) != len(labels):
+            raise RowError("duplicate labels in this row")
+        return labels
+
+    def encode(self, label: str) -> list[int]:
+        if label not in self._encoded:
+            ids = self.tokenizer.encode(label, add_special_tokens=False)
+            if not ids:
+                raise RowError(f"label {label!r} encodes to no tokens")
+            self._encoded[label] = ids
+        return self._encoded[label]
+
+    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+        cands = [self.encode(label) for label in self.labels(data)]
+        return Request(row_id, prompt_ids, SamplingParams(max_tokens=0), candidates=cands)
+
+    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+        if out.error is not None:
+            return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
+        labels = self.labels(data)
+        sums = [sum(lp) for lp in out.candidate_logprobs]
+        scores = sums if self.cfg.normalize == "sum" else [
+            s / len(lp) for s, lp in zip(sums, out.candidate_logprobs)]
+        top = max(scores)
+        exp = [math.exp(s - top) for s in scores]
+        total = sum(exp)
+        probs = [e / total for e in exp]
+        best = max(range(len(labels)), key=lambda i: scores[i])
+        row = {
+            "output": labels[best], "label": labels[best], "finish_reason": "stop", "completion_tokens": 0,
+            "label_probs": json.dumps(dict(zip(labels, probs))),
+            "label_logprobs": json.dumps(dict(zip(labels, sums))),
+            "confidence": probs[best],
+        }
+        if self.metrics is not None:
+            row["correct"] = self.metrics.add(labels[best], data.get(self.cfg.reference_column))
+        return [row]
+
+    def summary(self) -> dict:
+        return self.metrics.summary() if self.metrics else {}

@@ -1,0 +1,42 @@
+"""score: the log-likelihood of a given completion after the prompt (held-out text evaluation)."""
+from __future__ import annotations
+
+import math
+
+from engine.request import Request, RequestOutput, SamplingParams
+from jobs.base import RowError
+
+
+class ScoreJob:
+    name = "score"
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.total_logprob = 0.0
+        self.total_tokens = 0
+
+    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+        text = data.get(self.cfg.score_column)
+        if not isinstance(text, str) or not text:
+            raise RowError(f"score column {self.cfg.score_column!r} is missing, empty or not a string")
+        completion = self.tokenizer.encode(text, add_special_tokens=False)
+        if not completion:
+            raise RowError("the scored text encodes to no tokens")
+        return Request(row_id, prompt_ids + completion, SamplingParams(max_tokens=0), score_from=len(prompt_ids))
+
+    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+        if out.error is not None or not out.prompt_logprobs:
+            return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
+        lps = out.prompt_logprobs
+        total = sum(lps)
+        self.total_logprob += total
+        self.total_tokens += len(lps)
+        return [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "scored_tokens": len(lps),
+                 "logprob": total, "mean_logprob": total / len(lps), "perplexity": math.exp(-total / len(lps))}]
+
+    def summary(self) -> dict:
+        if not self.total_tokens:
+            return {"scored_tokens": 0, "perplexity": None}
+        return {"scored_tokens": self.total_tokens, "mean_logprob": self.total_logprob / self.total_tokens,
+                "perplexity": math.exp(-self.total_logprob / self.total_tokens)}

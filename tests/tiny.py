@@ -1,0 +1,66 @@
+"""Tiny random HF models for engine tests, handed to the engine without files in between."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_config import ModelConfig
+from engine.runtime import build_runtime
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
+
+
+def hf_model(arch: str, seed: int = 0):
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False)
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=True)
+    elif arch == "smollm2":
+        cfg = tf.LlamaConfig(**(common | {"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96}),
+                             rope_theta=100000.0, tie_word_embeddings=True)
+    else:
+        raise ValueError(arch)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return model
+
+
+def bundle_of(hf) -> types.SimpleNamespace:
+    d = hf.config.to_dict()
+    d["architectures"] = d.get("architectures") or [type(hf).__name__]
+    cfg = ModelConfig.from_hf(d)
+    state = hf.state_dict()
+    return types.SimpleNamespace(config=cfg, hf_config=d, tokenizer=None, weights=lambda: iter(state.items()),
+                                 source=f"tiny-{cfg.architecture}", weight_format="safetensors")
+
+
+def engine_for(hf, **overrides) -> Engine:
+    cfg = EngineConfig(**({"model": "tiny", "kv_cache_memory": 4 * 2**20, "max_num_batched_tokens": 256} | overrides))
+    return Engine(cfg, build_runtime(cfg, bundle_of(hf)))
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
+    return tokens, lps
+
+
+def prompts(seed: int, lengths=(5, 17, 33, 2, 48, 16)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 320, (n,), generator=g).tolist() for n in lengths]
