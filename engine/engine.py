@@ -111,27 +111,27 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the requests that finished in it."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         out = self.runner.execute(sched)
         self.scheduler.finish_step(sched)
-        self._account(sched)
+        self._account(sched, start)
         self._process(sched, out)
         finished, self._finished = self._finished, []
         return finished
 
     # --- step processing -----------------------------------------------------------------
 
-    def _account(self, sched: SchedulerOutput) -> None:
+    def _account(self, sched: SchedulerOutput, step_start: float) -> None:
         c = self.counters
         c.steps += 1
         c.preemptions += len(sched.preempted)
         c.tokens_computed += sched.num_tokens
-        now = time.perf_counter()
         for chunk in sched.chunks:
             seq = chunk.seq
             state = self._seq_state[seq.seq_id]
             if state.first_scheduled is None:
-                state.first_scheduled = now
+                state.first_scheduled = step_start
                 state.cached_tokens = seq.num_cached_tokens
                 c.prompt_tokens_cached += seq.num_cached_tokens
             prompt_end = state.prompt_tokens

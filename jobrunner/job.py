@@ -217,7 +217,8 @@ class Job:
     def _base(self, row) -> dict:
         base = {"id": row.id}
         for k, v in (row.data or {}).items():
-            base[k if k not in RESULT_COLUMNS else f"input_{k}"] = v
+            if k != self.cfg.id_column:
+                base[k if k not in RESULT_COLUMNS else f"input_{k}"] = v
         return base
 
     def _write_error(self, row, message: str) -> None:

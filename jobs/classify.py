@@ -65,8 +65,8 @@ class ClassifyJob:
         best = max(range(len(labels)), key=lambda i: scores[i])
         row = {
             "output": labels[best], "label": labels[best], "finish_reason": "stop", "completion_tokens": 0,
-            "label_probs": json.dumps(dict(zip(labels, probs))),
-            "label_logprobs": json.dumps(dict(zip(labels, sums))),
+            "label_probs": dict(zip(labels, probs)),
+            "label_logprobs": dict(zip(labels, sums)),
             "confidence": probs[best],
         }
         if self.metrics is not None:
