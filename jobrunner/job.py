@@ -67,6 +67,7 @@ class Job:
         self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
         self.seen: set[str] = set(self.writer.done_ids)
         self.progress = Progress(total=self._total_rows())
+        counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
         max_in_flight = max(2 * cfg.max_num_seqs, 64)
         interrupted = False
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -87,7 +88,8 @@ class Job:
         self.progress.close()
         summary = self.stats.summary(
             device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
-            quantization=cfg.quantization, prefix=self.prefix, engine_counters=engine.counters,
+            quantization=cfg.quantization, prefix=self.prefix,
+            engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
             device_hourly_cost=cfg.device_hourly_cost, job_metrics=self.job.summary(), load_s=engine.rt.load_s,
             interrupted=interrupted)
         if interrupted:

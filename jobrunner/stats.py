@@ -64,7 +64,7 @@ class JobStats:
                                                if prefix.block_optimum_tokens else None)
             s["optimum_exact"] = prefix.exact
         if engine_counters is not None:
-            s["engine"] = dict(vars(engine_counters))
+            s["engine"] = dict(engine_counters)
         if device_hourly_cost is not None:
             cost = s["device_hours"] * device_hourly_cost
             s["cost_usd"] = cost

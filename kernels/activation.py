@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.triton_utils import use_triton
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * d] = [gate | up] -> [..., d]."""
@@ -12,4 +14,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x):
+    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere."""
+    if use_triton(x):
+        from kernels.triton_activation import silu_and_mul_triton
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

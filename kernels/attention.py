@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.triton_utils import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -115,8 +117,22 @@ def _sdpa(q, k, v, mask, scale):
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere.
+    (int8 caches: kernels.kv_int8.store_kv_int8.)"""
+    if use_triton(k):
+        from kernels.triton_kv_cache import store_kv_triton
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale):
+def paged_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
+    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere.
+    k_scale/v_scale: only for int8 caches (layout in kernels/kv_int8.py)."""
+    if use_triton(q):
+        from kernels.triton_attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if k_cache.dtype == torch.int8:
+        from kernels.kv_int8 import paged_attention_int8_ref
+        return paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from kernels.triton_utils import use_triton
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -48,4 +50,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(q, k, cos, sin):
+    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere. Out of place."""
+    if use_triton(q):
+        from kernels.triton_rotary import apply_rotary_triton
+        return apply_rotary_triton(q, k, cos, sin)
     return apply_rotary_ref(q, k, cos, sin)

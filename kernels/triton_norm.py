@@ -23,16 +23,21 @@ from kernels.triton_utils import (check, check_float, check_last_contiguous, che
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
+    stride_x0, stride_x1, stride_r0, stride_r1, stride_o, stride_ro,
+    n_inner, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # Row `row` of the flattened [N, H] output is x[row // n_inner, row % n_inner, :] of
+    # the [N0, n_inner, H] input view: strided per-head rows (q/k norm on a slice of a
+    # fused qkv output) are read in place, without a gathering copy.
     row = tl.program_id(0).to(tl.int64)
+    i0 = row // n_inner
+    i1 = row % n_inner
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        r = tl.load(r_ptr + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     h = x.to(tl.float32)
@@ -67,30 +72,33 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         tensors["residual"] = residual
     device = check_same_device(**tensors)
 
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=device)
-    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    n_rows = x2.shape[0]
-    if n_rows == 0:
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else x
+    if out.numel() == 0:
         return out, res_out
+    x3 = _rows3(x)
+    r3 = _rows3(residual) if residual is not None else x3
     o2 = out.view(-1, H)
     ro2 = res_out.view(-1, H) if residual is not None else o2
     BLOCK = next_pow2(H)
     num_warps = min(max(BLOCK // 256, 1), 16)
-    launch(_rms_norm_kernel, (n_rows,), device,
-           x2, r2, weight, o2, ro2,
-           x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-           H, float(eps),
+    launch(_rms_norm_kernel, (o2.shape[0],), device,
+           x3, r3, weight, o2, ro2,
+           x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o2.stride(0), ro2.stride(0),
+           x3.shape[1], H, float(eps),
            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps)
     return out, res_out
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., H] -> [N, H] without copying when the leading dims flatten; copy otherwise."""
+def _rows3(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> a [N0, N1, H] view (no copy) when the leading dims allow it; a copy otherwise."""
     H = t.shape[-1]
+    if t.dim() == 1:
+        return t.view(1, 1, H)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
     try:
-        return t.view(-1, H)
+        return t.view(-1, t.shape[-2], H)
     except RuntimeError:
-        return t.reshape(-1, H).contiguous()
+        return t.reshape(-1, 1, H).contiguous()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -48,6 +49,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 _interpreted: dict = {}
+_interpret_lock = threading.Lock()
 
 
 def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
@@ -75,12 +77,14 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
     # functions decorated when triton was imported; unless TRITON_INTERPRET was set then,
     # they are JITFunctions, whose __call__ refuses to run outside a compiled kernel.
     # Route those calls through the interpreter for the duration of this launch only.
-    original_call = JITFunction.__call__
-    JITFunction.__call__ = lambda self, *a, **k: interpreted(self)(*a, **k)
-    try:
-        interpreted(kernel)[grid](*args, **kwargs)
-    finally:
-        JITFunction.__call__ = original_call
+    # (A lock: two threads patching and restoring in turn could leave the patch in place.)
+    with _interpret_lock:
+        original_call = JITFunction.__call__
+        JITFunction.__call__ = lambda self, *a, **k: interpreted(self)(*a, **k)
+        try:
+            interpreted(kernel)[grid](*args, **kwargs)
+        finally:
+            JITFunction.__call__ = original_call
 
 
 # ----------------------------------------------------------------------------- checks

@@ -1,0 +1,285 @@
+"""Find a model and open it: config, tokenizer, and a lazy iterator over its weights.
+
+`model` may be:
+  * a known name (engine.hub), pulled into the cache on first use;
+  * a local directory or fsspec URL of an HF model directory (config.json, *.safetensors,
+    tokenizer.json, ...); remote files are copied to <cache>/remote/ first, then mmapped;
+  * a local path or fsspec URL of a single .gguf file (or of a directory holding one .gguf
+    and no config.json);
+  * "dummy:<name or config.json path/URL>": a config alone, no weights.
+
+Invariants: only safetensors and GGUF are ever read (never pickles, never checkpoint code);
+every file is validated when the bundle is built, so a truncated or corrupt file fails
+here with a ModelError naming it, not halfway through loading; `weights()` yields one
+tensor at a time, so a checkpoint is never held twice in memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from engine import hub
+from engine.errors import ModelError
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+__all__ = ["ModelBundle", "ModelError", "load_model_bundle", "DUMMY_CONFIGS"]
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+# HF directory files we read; weights are the *.safetensors the index (or the listing) names.
+_HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+             "chat_template.jinja", "model.safetensors.index.json")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass
+class ModelBundle:
+    config: ModelConfig
+    hf_config: dict
+    tokenizer: Tokenizer          # tokenizer.eos_token_ids is the full stop set (config + template)
+    # HF parameter names -> floating tensors, one at a time, in the checkpoint's float dtype
+    # (float32 for GGUF, usually bfloat16 for safetensors); the caller casts. Each call
+    # starts a fresh pass. For weight_format == "dummy" it yields nothing: the engine
+    # initializes random weights itself.
+    weights: Callable[[], WeightIterator]
+    source: str                   # what was loaded, for logs
+    weight_format: str            # safetensors | gguf | dummy
+    # GGUF only: the stored (quantized) tensors, rows in HF order (engine.gguf.RawTensor).
+    raw_weights: Callable[[], Iterator] | None = None
+
+
+def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
+    """Open `model` (see the module docstring); raises ModelError with a clear message."""
+    if model.startswith("dummy:"):
+        return _load_dummy(model[len("dummy:"):])
+    if model in hub.KNOWN_MODELS:
+        path = hub.pull(model, cache_dir)
+        return _load_gguf(path, source=f"{model} ({path})")
+    fs, path = _url_to_fs(model)
+    try:
+        return _load_path(fs, path, model, cache_dir)
+    except ModelError:
+        raise
+    except Exception as e:  # network and filesystem errors of remote fsspec backends
+        raise ModelError(f"cannot read model {model!r}: {type(e).__name__}: {e}") from e
+
+
+def _load_path(fs, path: str, model: str, cache_dir) -> ModelBundle:
+    if not fs.exists(path):
+        raise ModelError(
+            f"model {model!r} is not a known model name, an existing path or a reachable URL. "
+            f"Known models: {', '.join(sorted(hub.KNOWN_MODELS))}; "
+            f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
+    local = _is_local(fs)
+    if fs.isdir(path) and not fs.exists(posixpath.join(path, "config.json")):
+        ggufs = [p for p in fs.ls(path, detail=False) if p.endswith(".gguf")]
+        if len(ggufs) != 1:
+            raise ModelError(f"{model}: a model directory needs config.json, or exactly one .gguf file "
+                             f"(found {len(ggufs)})")
+        path = ggufs[0]
+    if fs.isdir(path):
+        if not local:
+            path = str(_copy_hf_dir(fs, path, model, cache_dir))
+        return _load_hf_dir(path, source=model)
+    if path.endswith(".gguf") or _has_gguf_magic(fs, path):
+        if not local:
+            path = str(_copy_files(fs, [path], _remote_dir(model, cache_dir))[0])
+        return _load_gguf(Path(path), source=model)
+    raise ModelError(f"{model}: expected an HF model directory (config.json, *.safetensors) or a .gguf file")
+
+
+# -- GGUF ------------------------------------------------------------------------
+
+def _load_gguf(path: Path, source: str) -> ModelBundle:
+    from engine.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    hf_config = f.hf_config()
+    return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config,
+                       tokenizer=Tokenizer.from_gguf(f), weights=f.iter_tensors, source=source,
+                       weight_format="gguf", raw_weights=f.iter_raw_tensors)
+
+
+# -- HF directories (safetensors) ------------------------------------------------
+
+def _load_hf_dir(path: str, source: str) -> ModelBundle:
+    """A local HF directory: config.json, safetensors (one or sharded), tokenizer.json."""
+    import fsspec
+    from safetensors import safe_open
+
+    root = Path(path)
+    hf_config = _read_json(root / "config.json", required=True)
+    files = _safetensors_files(root)
+    names: dict[str, Path] = {}
+    for file in files:  # validate every header now: truncation and corruption show up here
+        try:
+            with safe_open(file, framework="pt") as st:
+                names.update((k, file) for k in st.keys())
+        except Exception as e:
+            raise ModelError(f"{file}: corrupt or truncated safetensors file ({e})") from e
+    index = _read_json(root / "model.safetensors.index.json")
+    missing = [k for k in index.get("weight_map", {}) if k not in names]
+    if missing:
+        raise ModelError(f"{root}: model.safetensors.index.json names tensors no shard has: {missing[:5]}")
+
+    def weights() -> WeightIterator:
+        for file in files:
+            with safe_open(file, framework="pt") as st:
+                for name in st.keys():
+                    if not name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
+                        yield name, st.get_tensor(name)
+
+    tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
+    return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
+                       tokenizer=tokenizer, weights=weights, source=source, weight_format="safetensors")
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index = _read_json(root / "model.safetensors.index.json")
+    if index:
+        files = [root / f for f in sorted(set(index.get("weight_map", {}).values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelError(f"{f}: listed in model.safetensors.index.json but missing")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES]
+        why = f" (found {', '.join(pickled)}: pickled weights are never loaded)" if pickled else ""
+        raise ModelError(f"{root}: no *.safetensors weights{why}")
+    return files
+
+
+# -- dummy -----------------------------------------------------------------------
+
+DUMMY_CONFIGS: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def _load_dummy(spec: str) -> ModelBundle:
+    """Config only. Tokenizer: tokenizer.json beside the config if any, else bytes_fallback."""
+    tokenizer = None
+    if spec in DUMMY_CONFIGS:
+        hf_config = dict(DUMMY_CONFIGS[spec])
+    else:
+        fs, path = _url_to_fs(spec)
+        if fs.isdir(path):
+            path = posixpath.join(path, "config.json")
+        if not fs.isfile(path):
+            raise ModelError(f"dummy:{spec}: not a built-in dummy model ({', '.join(sorted(DUMMY_CONFIGS))}) "
+                             "nor a config.json path")
+        try:
+            hf_config = json.loads(fs.cat_file(path))
+        except ValueError as e:
+            raise ModelError(f"{path}: invalid JSON ({e})") from e
+        folder = posixpath.dirname(path)
+        if fs.exists(posixpath.join(folder, "tokenizer.json")):
+            tokenizer = Tokenizer.from_hf_dir(fs, folder)
+    config = _model_config(hf_config, f"dummy:{spec}")
+    if tokenizer is None:
+        tokenizer = Tokenizer.bytes_fallback(config.vocab_size)
+    return ModelBundle(config=config, hf_config=hf_config, tokenizer=tokenizer, weights=lambda: iter(()),
+                       source=f"dummy:{spec}", weight_format="dummy")
+
+
+# -- helpers ---------------------------------------------------------------------
+
+def _model_config(hf_config: dict, where: str) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelError(f"{where}: unsupported or incomplete model config ({type(e).__name__}: {e})") from e
+
+
+def _read_json(path: Path, required: bool = False) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelError(f"{path}: missing")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ModelError(f"{path}: invalid JSON ({e})") from e
+
+
+def _url_to_fs(url: str):
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        hint = " (hf:// needs `pip install huggingface_hub`)" if url.startswith("hf://") else ""
+        raise ModelError(f"cannot open {url!r}: {e}{hint}") from e
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def _has_gguf_magic(fs, path: str) -> bool:
+    with fs.open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _remote_dir(url: str, cache_dir) -> Path:
+    return hub.cache_root(cache_dir) / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _copy_hf_dir(fs, path: str, url: str, cache_dir) -> Path:
+    """Copy an HF directory's config, tokenizer and safetensors files to the local cache."""
+    listing = {posixpath.basename(p.rstrip("/")): p for p in fs.ls(path, detail=False)}
+    wanted = [listing[n] for n in _HF_FILES if n in listing]
+    wanted += [p for n, p in sorted(listing.items()) if n.endswith(".safetensors")]
+    dest = _remote_dir(url, cache_dir)
+    _copy_files(fs, wanted, dest)
+    return dest
+
+
+def _copy_files(fs, paths: list[str], dest: Path) -> list[Path]:
+    """Copy remote files into dest, skipping ones already there with the same size; atomic per file."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in paths:
+        target = dest / posixpath.basename(p)
+        size = fs.info(p).get("size")
+        if not (target.is_file() and size is not None and target.stat().st_size == size):
+            fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{target.name}.", suffix=".part")
+            try:
+                with os.fdopen(fd, "wb") as out_f, fs.open(p, "rb") as src:
+                    while chunk := src.read(1 << 22):
+                        out_f.write(chunk)
+                os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+                os.replace(tmp, target)
+            except Exception as e:
+                raise ModelError(f"cannot copy {p} to {target}: {e}") from e
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        out.append(target)
+    return out

@@ -1,0 +1,35 @@
+"""Global prefix planner: order a dataset's prompts so shared prefixes run back to back.
+
+    units = plan(PlanItem(key, token_ids) for ...)   # window by window, bounded memory
+    stats = prefix_stats(token_lists)               # what a perfect / block cache could reuse
+    n = rows_in_flight(kv_tokens, avg_prompt, avg_output, shared_prefix_tokens=...)
+
+window.py orders a window (sort = depth-first trie walk), units.py cuts it into work
+units, stats.py holds the prefix figures, flight.py sizes the engine's in-flight window.
+"""
+
+from .flight import rows_in_flight
+from .stats import (
+    PrefixStats,
+    block_level_reuse,
+    cacheable_prefix_tokens,
+    partial_block_tokens,
+    prefix_stats,
+)
+from .units import PlanItem, WorkUnit, cut_window, join_threshold, plan
+from .window import lcp
+
+__all__ = [
+    "PlanItem",
+    "PrefixStats",
+    "WorkUnit",
+    "block_level_reuse",
+    "cacheable_prefix_tokens",
+    "cut_window",
+    "join_threshold",
+    "lcp",
+    "partial_block_tokens",
+    "plan",
+    "prefix_stats",
+    "rows_in_flight",
+]

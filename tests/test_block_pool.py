@@ -1,0 +1,113 @@
+"""Block pool, KV manager and scheduler on tiny pools, with exact block ids. No model, no torch."""
+from engine.block_pool import BlockPool
+from engine.kv_manager import WAIT, KVCacheManager
+from engine.request import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+def seq(tokens, max_tokens=4, **kw):
+    return Sequence("r", list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), **kw)
+
+
+def test_pool_allocates_front_and_frees_to_back():
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) is None and pool.num_free == 2
+    pool.release([0, 1])                      # released in reverse: tail block first
+    assert list(pool.free) == [2, 3, 1, 0]
+    assert pool.allocate(3) == [2, 3, 1]
+
+
+def test_cached_block_evicted_lru_and_reacquired():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.register(a, 111)
+    pool.register(b, 222)
+    pool.mark_computed([a, b])
+    pool.release([b])
+    pool.release([a])
+    assert list(pool.free) == [2, b, a]
+    assert pool.lookup(222).id == b
+    pool.acquire(a)                           # reuse from the free list keeps its contents
+    assert a not in pool.free and pool.blocks[a].ref_count == 1
+    assert pool.allocate(2) == [2, b]         # evicts b: its hash is forgotten
+    assert pool.lookup(222) is None and pool.lookup(111).id == a
+
+
+def test_uncomputed_block_loses_hash_on_release():
+    pool = BlockPool(2)
+    [a] = pool.allocate(1)
+    pool.register(a, 7)
+    pool.release([a])
+    assert pool.lookup(7) is None
+
+
+def test_prefix_match_full_blocks_only_and_last_token_recomputed():
+    kv = KVCacheManager(8, block_size=4)
+    s1 = seq(range(10))
+    kv.admit(s1, [])
+    assert kv.allocate(s1, 10) and s1.block_table == [0, 1, 2]
+    kv.end_step()
+    s2 = seq(list(range(8)) + [99])
+    assert kv.match_prefix(s2, 8) == [0, 1]
+    s3 = seq(range(8))                        # identical 8 tokens: at most 7 may be matched
+    assert kv.match_prefix(s3, 7) == [0]
+
+
+def test_shared_prefix_in_same_step_is_computed_once():
+    kv = KVCacheManager(8, block_size=4)
+    s1 = seq(range(9))
+    kv.admit(s1, [])
+    kv.allocate(s1, 9)                        # blocks 0, 1 filled this step
+    s2 = seq(list(range(8)) + [50, 51])
+    assert kv.match_prefix(s2, 9) == [0, 1]  # ready by the time attention reads them
+    kv.end_step()
+
+
+def test_match_waits_for_block_not_computed_this_step():
+    kv = KVCacheManager(8, block_size=4)
+    s1 = seq(range(12))
+    kv.admit(s1, [])
+    kv.allocate(s1, 12)
+    kv.ready_this_step.clear()                # as if s1's chunk ran in an earlier, unfinished step
+    assert kv.match_prefix(seq(range(12)), 11) is WAIT
+
+
+def test_fork_shares_full_blocks_and_copies_partial():
+    kv = KVCacheManager(8, block_size=4)
+    parent = seq(range(6))
+    kv.admit(parent, [])
+    kv.allocate(parent, 6)
+    kv.end_step()
+    parent.num_computed_tokens = 6
+    child = seq(range(6))
+    copies = kv.fork(parent, child)
+    assert parent.block_table == [0, 1] and child.block_table == [0, 2] and copies == [(1, 2)]
+    assert kv.pool.blocks[0].ref_count == 2
+
+
+def test_scheduler_budget_mixed_batch_and_preemption():
+    kv = KVCacheManager(4, block_size=4, enable_prefix_caching=False)
+    sch = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = seq(range(6), max_tokens=8), seq(range(100, 106), max_tokens=8)
+    sch.add(a)
+    sch.add(b)
+    out = sch.schedule()                      # a: 6 tokens, b: 2-token chunk (budget 8)
+    assert [(c.seq is a, c.start, c.num_tokens) for c in out.chunks] == [(True, 0, 6), (False, 0, 2)]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    sch.finish_step(out)
+    a.token_ids.append(7)                     # a sampled a token
+    out = sch.schedule()                      # a decodes first, b continues its prefill
+    assert [(c.seq is a, c.start, c.num_tokens) for c in out.chunks] == [(True, 6, 1), (False, 2, 4)]
+    assert b.block_table == [2, 3]
+    sch.finish_step(out)
+    b.token_ids.append(9)
+    for t in (8, 9):
+        a.token_ids.append(t)
+    a.num_computed_tokens = 8                 # a needs a third block: none free, so b is preempted
+    a.token_ids.append(10)
+    out = sch.schedule()
+    assert out.preempted == [b] and b.block_table == [] and b.num_computed_tokens == 0
+    assert a.block_table == [0, 1, 3]
+    assert list(sch.waiting) == [b]

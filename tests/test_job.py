@@ -1,0 +1,189 @@
+"""`jobrunner submit` end to end on the default model: formats, fsspec, resume, bad rows, job kinds."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobrunner.config import JobConfig
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK, Job
+
+pytestmark = pytest.mark.default_model
+
+ROWS = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate([
+    ("What is the capital of France? Answer in one word.", "Paris"),
+    ("What is 2 + 2? Answer with a number.", "4"),
+    ("Name a primary color. One word.", "red"),
+    ("What is the opposite of hot? One word.", "cold"),
+    ("Which animal says moo? One word.", "cow"),
+])]
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf_path):
+    from jobrunner.checks import load_engine
+    return load_engine(JobConfig("unused"))
+
+
+def run(engine, dataset, tmp_path=None, **kw):
+    kw.setdefault("output", str(tmp_path / "out") if tmp_path else None)
+    kw.setdefault("max_tokens", 8)
+    job = Job(JobConfig(dataset, **kw))
+    job.prepare(engine=engine)
+    return job.run()
+
+
+def results(output) -> pl.DataFrame:
+    fs, root = fsspec.core.url_to_fs(output)
+    tables = [pq.read_table(fs.open(p, "rb")) for p in sorted(fs.glob(f"{root}/part-*.parquet"))]
+    return pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def test_generate_jsonl_writes_every_row_with_stats(engine, tmp_path):
+    ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
+    res = run(engine, ds, tmp_path, reference_column="answer", match="contains")
+    assert res.exit_code == EXIT_OK
+    df = results(res.output)
+    assert sorted(df["id"]) == [r["id"] for r in ROWS]
+    assert df["error"].null_count() == len(ROWS)
+    assert (df["completion_tokens"] > 0).all() and (df["prompt_tokens"] > 20).all()
+    paris = df.filter(pl.col("id") == "q0")["output"][0]
+    assert "Paris" in paris
+    stats = json.loads(open(os.path.join(res.output, "_stats.json")).read())
+    for key in ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens", "wall_s",
+                "prefill_tokens_per_s", "decode_tokens_per_s", "cache_hit_rate", "queue_s_p50", "decode_s_p99",
+                "device", "device_hours", "model_weight_bytes"):
+        assert key in stats, key
+    assert stats["rows"] == 5 and stats["rows_ok"] == 5
+    assert stats["prompt_tokens"] == df["prompt_tokens"].sum()
+    assert stats["metrics"]["evaluated_rows"] == 5 and 0 <= stats["metrics"]["accuracy"] <= 1
+
+
+def test_formats_and_memory_fs_give_same_outputs(engine, tmp_path):
+    table = pa.Table.from_pylist(ROWS)
+    pq.write_table(table, tmp_path / "q.parquet")
+    pl.from_arrow(table).write_csv(tmp_path / "q.csv")
+    with fsspec.open("memory://ds/q.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in ROWS))
+    outs = {}
+    for name, ds, out in [("parquet", str(tmp_path / "q.parquet"), str(tmp_path / "o1")),
+                          ("csv", str(tmp_path / "q.csv"), str(tmp_path / "o2")),
+                          ("memory", "memory://ds/q.jsonl", "memory://out/q")]:
+        res = run(engine, ds, output=out)
+        assert res.exit_code == EXIT_OK, name
+        df = results(out).sort("id")
+        outs[name] = df["output"].to_list()
+    assert outs["parquet"] == outs["csv"] == outs["memory"]
+
+
+def test_resume_skips_done_rows_and_refuses_other_config(engine, tmp_path):
+    ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
+    first = run(engine, ds, tmp_path, limit=2)
+    assert first.stats["rows"] == 2
+    second = run(engine, ds, tmp_path)
+    assert second.stats["rows"] == 3 and second.stats["rows_skipped_done"] == 2
+    assert sorted(results(second.output)["id"]) == [r["id"] for r in ROWS]
+    from jobrunner.config import JobConfigError
+    with pytest.raises(JobConfigError, match="max_tokens"):
+        run(engine, ds, tmp_path, max_tokens=9)
+    again = run(engine, ds, tmp_path, max_tokens=9, overwrite=True)
+    assert again.stats["rows"] == 5
+
+
+def test_bad_rows_become_error_rows(engine, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"id": "ok", "prompt": "Say hi."}), "{not json", json.dumps({"id": "null", "prompt": None}),
+             json.dumps({"id": "num", "prompt": 42}), json.dumps({"id": "empty", "prompt": "  "}),
+             json.dumps({"id": "long", "prompt": "word " * 9000}), json.dumps({"id": "ok", "prompt": "dup id"})]
+    path.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe broken utf8\n")
+    res = run(engine, str(path), tmp_path, max_error_rate=0.5)
+    df = results(res.output)
+    assert df.height == 8
+    errors = dict(zip(df["id"], df["error"]))
+    ok_rows = df.filter(pl.col("error").is_null())
+    assert ok_rows.height == 1 and ok_rows["id"][0] == "ok"
+    assert "context" in errors["long"] or "KV" in errors["long"]
+    assert res.stats["duplicate_ids"] == 1
+    assert any("line 2" in (e or "") for e in errors.values())
+    assert any("line 8" in (e or "") for e in errors.values())
+    assert res.exit_code == EXIT_ERROR_RATE
+
+
+def test_openai_batch_in_and_out(engine, tmp_path):
+    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "x", "messages": [{"role": "user", "content": q}], "max_tokens": 3 + i}}
+            for i, q in enumerate(["Hi!", "Name a fruit."])]
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    res = run(engine, ds, tmp_path, output_format="openai-batch")
+    df = results(res.output).sort("id")
+    assert df["id"].to_list() == ["req-0", "req-1"]
+    assert df["completion_tokens"].to_list()[0] <= 3 and df["completion_tokens"].to_list()[1] <= 4
+    lines = [json.loads(x) for x in open(os.path.join(res.output, "results.openai.jsonl"))]
+    assert sorted(x["custom_id"] for x in lines) == ["req-0", "req-1"]
+
+
+def test_classify_prefills_prompt_once(engine, tmp_path):
+    ds = write_jsonl(tmp_path / "q.jsonl", [{"id": "a", "text": "I loved this film."},
+                                            {"id": "b", "text": "Worst film ever."}])
+    res = run(engine, ds, tmp_path, kind="classify", labels=("positive", "negative", "neutral and calm"),
+              template="Is this review positive or negative? {text}", prefix_cache=False)
+    df = results(res.output).sort("id")
+    probs = df["label_probs"].to_list()
+    assert all(abs(sum(p["prob"] for p in row) - 1) < 1e-5 for row in probs)
+    assert set(df["label"]) <= {"positive", "negative", "neutral and calm"}
+    counters = res.stats["engine"]
+    # every prompt token is computed once or served from the cache: never once per label
+    assert counters["prompt_tokens_computed"] + df["cached_tokens"].sum() == df["prompt_tokens"].sum()
+
+
+def test_kill_9_then_resume_every_id_once(default_gguf_path, tmp_path):
+    rows = [{"id": f"k{i:03d}", "prompt": f"Count from {i} to {i + 20}, separated by commas."} for i in range(40)]
+    ds = write_jsonl(tmp_path / "k.jsonl", rows)
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "48", "--ignore-eos",
+           "--part-rows", "3", "--max-num-seqs", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len([p for p in os.listdir(out) if p.startswith("part-")] if os.path.isdir(out)
+                                          else []) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(results(out)) if os.path.isdir(out) else 0
+    assert 0 < done_before < 40
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    ids = results(out)["id"].to_list()
+    assert sorted(ids) == [r["id"] for r in rows]      # every id exactly once
+
+
+def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
+    ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
+    cases = [
+        [str(tmp_path / "missing.jsonl")],
+        [ds, "--prompt-column", "nope"],
+        [ds, "--template", "Q: {nope}"],
+        [ds, "--model", "no-such-model"],
+        [ds, "--kind", "classify"],
+        [ds, "--template", "{prompt}", "--messages-column", "prompt"],
+        [ds, "--kv-cache-memory", "lots"],
+    ]
+    for args in cases:
+        r = subprocess.run([sys.executable, "-m", "jobrunner.cli", "submit", *args, "-o", str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == EXIT_CONFIG, (args, r.stderr)
+        assert "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "o" / "part-00000.parquet")
