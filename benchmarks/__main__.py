@@ -62,10 +62,10 @@ def suite_cases(suite: str, tok) -> list[Case]:
         gen = W.free_generation(tok, n=4, min_tokens=16, max_tokens=32)
         return [
             Case("shared-prefix/generate", cls, max_tokens=4, systems=("jobrunner", "ablation", "transformers",
-                                                                       "llamacpp"), hf_batch=2),
+                                                                       "llamacpp"), hf_batch=4),
             Case("shared-prefix/classify", cls, kind="classify", systems=("jobrunner", "transformers"),
-                 hf_batch=2, compare_with="shared-prefix/generate"),
-            Case("free-generation", gen, max_tokens=4, systems=("jobrunner", "transformers"), hf_batch=4),
+                 hf_batch=4, compare_with="shared-prefix/generate"),
+            Case("free-generation", gen, max_tokens=4),
             Case("rag", W.rag(tok, n=2, prompt_tokens=128, docs_per_prompt=2, pool=3), max_tokens=4),
             Case("evaluation/classify", W.evaluation(tok, n=4), kind="classify", reference=True),
             Case("openai-batch", W.openai_batch(tok, gen, max_tokens=(2, 4))),

@@ -66,15 +66,27 @@ def versions() -> dict:
     return out
 
 
+def code_repo() -> Path:
+    """The checkout whose jobrunner is measured (the installed package's), else this one."""
+    try:
+        import jobrunner
+        return Path(jobrunner.__file__).resolve().parent.parent
+    except ImportError:
+        return REPO
+
+
 def git() -> dict:
+    repo = code_repo()
+
     def cmd(*args):
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = cmd("rev-parse", "HEAD")
     status = cmd("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit or None, "dirty": bool(status), "branch": cmd("rev-parse", "--abbrev-ref", "HEAD") or None}
+    return {"commit": commit or None, "dirty": bool(status), "branch": cmd("rev-parse", "--abbrev-ref", "HEAD") or None,
+            "repo": str(repo)}
 
 
 def loaded(result: dict) -> tuple[bool, str]:

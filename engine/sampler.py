@@ -23,8 +23,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     """logits: [N, vocab] float32. Returns the chosen token and, when asked, its logprob per row."""
     if not rows:
         return [], []
-    index = torch.tensor([r.logits_row for r in rows], device=logits.device)
-    x = logits.index_select(0, index)
+    order = [r.logits_row for r in rows]
+    if order == list(range(logits.shape[0])):
+        x = logits                                   # the common case: no copy of [N, vocab]
+    else:
+        x = logits.index_select(0, torch.tensor(order, device=logits.device))
     tokens = x.argmax(dim=-1)
     for i, r in enumerate(rows):
         if r.params.temperature > 0:

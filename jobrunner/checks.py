@@ -62,9 +62,10 @@ def load_engine(cfg: JobConfig):
     return engine
 
 
-def open_writer(cfg: JobConfig, manifest: dict, writer_cls):
+def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part"):
     from jobrunner.writer import OutputError
     try:
-        return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite)
+        return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
+                          part_prefix=part_prefix)
     except OutputError as e:
         raise JobConfigError(str(e)) from None

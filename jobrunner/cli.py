@@ -156,14 +156,19 @@ def submit(ctx, dataset, **params):
     """
     _setup_logging(params["verbose"])
     from jobrunner.job import EXIT_STORAGE, Job
+    from jobrunner.parallel import run_parallel, wants_parallel
+    job = None
     try:
         cfg = build_config(ctx, dataset, params)
-        job = Job(cfg)
-        job.prepare()
+        if not wants_parallel(cfg):     # else one worker per device, or a rank under torchrun: jobrunner.parallel
+            job = Job(cfg)
+            job.prepare()
     except JobConfigError as e:
         _fail_config(e)
     try:
-        result = job.run()
+        result = job.run() if job is not None else run_parallel(cfg)
+    except JobConfigError as e:
+        _fail_config(e)
     except OSError as e:
         click.echo(f"error: writing the output failed: {e}. Nothing written is lost; "
                    f"fix the storage and run the same command again to resume.", err=True)

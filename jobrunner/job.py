@@ -36,8 +36,17 @@ class _Interrupted(Exception):
 
 
 class Job:
-    def __init__(self, cfg: JobConfig):
+    """One worker's share of a job. Alone (world 1) it runs every row. In a data-parallel job every
+    worker reads and plans the same dataset identically, runs only the work units `claim(index)`
+    grants it, and writes its own parts; only rank 0 writes rows that never reach the planner."""
+
+    max_in_flight: int | None = None    # requests queued in the engine ahead of it; None: max(2 * max_num_seqs, 64)
+    progress_factory = Progress         # data-parallel workers report to their coordinator instead
+
+    def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1, claim=None):
         self.cfg = cfg
+        self.rank, self.world = rank, world
+        self.claim = claim or (lambda index: True)
         self.stop_requested = False
 
     # --- set-up: everything that can fail fails here, before any work ------------------------
@@ -56,7 +65,8 @@ class Job:
         self.builder = PromptBuilder(cfg, self.engine.tokenizer, self.template)
         manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
                     "dataset_format": self.fmt}
-        self.writer = checks.open_writer(cfg, manifest, ResultWriter)
+        prefix = "part" if self.world == 1 else f"part-r{self.rank}"
+        self.writer = checks.open_writer(cfg, manifest, ResultWriter, part_prefix=prefix)
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -66,13 +76,17 @@ class Job:
         self.prefix = PrefixStats(block_size=cfg.block_size)
         self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
         self.seen: set[str] = set(self.writer.done_ids)
-        self.progress = Progress(total=self._total_rows())
+        self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
-        max_in_flight = max(2 * cfg.max_num_seqs, 64)
+        max_in_flight = self.max_in_flight or max(2 * cfg.max_num_seqs, 64)
         interrupted = False
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for unit in self._units():
+            for index, unit in enumerate(self._units()):
+                if not self.claim(index):
+                    for key in unit.items:
+                        del self.pending[key]
+                    continue
                 for key in unit.items:
                     engine.add_request(self.pending[key][1])
                 while engine.num_in_flight >= max_in_flight:
@@ -93,9 +107,13 @@ class Job:
             device_hourly_cost=cfg.device_hourly_cost, job_metrics=self.job.summary(), load_s=engine.rt.load_s,
             interrupted=interrupted)
         if interrupted:
-            self.writer.write_stats(summary)
+            if self.world == 1:
+                self.writer.write_stats(summary)
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
             return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
+        if self.world > 1:      # a data-parallel worker: its coordinator merges the stats and marks the job complete
+            self.writer.close()
+            return JobResult(EXIT_OK, summary, cfg.output_url)
         self.writer.close(summary)
         if cfg.output_format == "openai-batch":
             from jobrunner.writer import write_openai_batch_output
@@ -224,6 +242,8 @@ class Job:
         return base
 
     def _write_error(self, row, message: str) -> None:
+        if self.rank != 0:
+            return
         r = self._base(row)
         r.update(output=None, finish_reason="error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                  queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message)

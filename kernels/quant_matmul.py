@@ -24,9 +24,12 @@ int4 (weight-only, group-wise with a zero point, two values a byte):
     so a group unpacks with two whole-vector ops (b & 15, b >> 4) and no interleave, and the
     Triton kernel multiplies the low half and the high half of a group as two dense tiles.
 
-w8a8 (int8 weights, int8 activations): qweight/scales as int8 per channel (G = K); x is quantized
-    per token at run time (scale = max|x_row| / 127) and the product accumulates exactly in int32:
-    y[m, n] = sum_k xq[m, k] * qweight[n, k] * xscale[m] * scales[n].
+w8a8 (int8 weights, int8 activations): qweight/scales as int8 per channel (G = K), weights in
+    [-qmax, qmax] (qmax 127, or 63 where the CPU's int8 GEMM needs it: see int_mm_exact); x is
+    quantized per token at run time (scale = max|x_row| / 127) and the product accumulates
+    exactly in int32:  y[m, n] = sum_k xq[m, k] * qweight[n, k] * xscale[m] * scales[n].
+    The fbgemm variant instead quantizes x per batch (one scale and zero point for the whole
+    [M, K], 7-bit: reduce_range), as torch.ao's dynamic quantized Linear does.
 
 fp8 (e4m3): qweight float8_e4m3fn [N, K], scales float32 [N, 1]; x is scaled per token into
     e4m3's range (max 448) at run time; torch._scaled_mm on CUDA GPUs of compute capability >= 8.9.
@@ -126,6 +129,23 @@ def w8a8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return y.to(x.dtype).view(*shape[:-1], -1)
 
 
+def w8a8_per_batch_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What fbgemm's dynamic linear computes (up to its float32 rounding): x quantized as uint8
+    with one scale and zero point for the whole batch, 7-bit (reduce_range), asymmetric."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    lo, hi = min(x2.min().item(), 0.0), max(x2.max().item(), 0.0)
+    s = max((hi - lo) / 127.0, AMAX_FLOOR)
+    zp = min(max(round(-lo / s), 0), 127)
+    xq = (torch.round(x2 / s) + zp).clamp_(0, 127) - zp
+    acc = xq.double() @ qweight.double().t()
+    y = (acc * s * scales.double().view(1, -1)).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*shape[:-1], -1)
+
+
 def quantize_fp8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (float8_e4m3fn [M, K], float32 scale [M, 1])."""
     xf = x.float()
@@ -210,20 +230,22 @@ def int4_matmul(x, packed, scales, zeros, group_size, bias=None):
 
 
 @functools.lru_cache(maxsize=None)
-def int_mm_exact(device_type: str = "cpu") -> bool:
-    """Whether torch._int_mm returns the exact int32 product here. On CPUs without VNNI
-    (AVX2 only) oneDNN's int8 GEMM saturates 16-bit intermediate sums and returns garbage
-    for full-range int8 inputs; probe once with worst-case values."""
+def int_mm_exact(weight_qmax: int = 127, device_type: str = "cpu") -> bool:
+    """Whether torch._int_mm returns the exact int32 product for activations in [-127, 127]
+    and weights in [-weight_qmax, weight_qmax]. On CPUs without VNNI (AVX2, AVX-512 without
+    VNNI) oneDNN shifts the activations to uint8 and multiplies with vpmaddubsw, whose 16-bit
+    pair sums saturate for full-range weights (255 * 127 * 2 > 32767) and return garbage;
+    with 7-bit weights (255 * 63 * 2 < 32767) they cannot. Probed once with worst cases."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
         m, k, n = 32, 256, 32
         g = torch.Generator().manual_seed(0)
         a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
-        b = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g)
-        a[0], b[:, 0] = 127, -127    # the worst case for 16-bit pair sums
-        a[1], b[:, 1] = -127, -127
-        ref = (a.long() @ b.long())
+        b = torch.randint(-weight_qmax, weight_qmax + 1, (k, n), dtype=torch.int8, generator=g)
+        a[0], a[1] = 127, -127
+        b[:, 0], b[:, 1] = weight_qmax, -weight_qmax
+        ref = a.long() @ b.long()
         got = torch._int_mm(a.to(device_type), b.to(device_type)).long().cpu()
         return torch.equal(got, ref)
     except (RuntimeError, NotImplementedError):
@@ -252,6 +274,14 @@ def w8a8_matmul_int_mm(x, qweight, scales, bias=None):
     if bias is not None:
         y.add_(bias.float())
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def w8a8_matmul_fbgemm(x, packed, out_features: int):
+    """fbgemm's dynamic int8 linear over prepacked weights (torch.ops.quantized.linear_prepack);
+    x quantized per batch, 7-bit (reduce_range, which AVX2's 16-bit pair sums need)."""
+    k = x.shape[-1]
+    y = torch.ops.quantized.linear_dynamic(x.reshape(-1, k).float(), packed, True)
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 def fp8_matmul(x, qweight, scales, bias=None, rowwise: bool = True):

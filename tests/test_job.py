@@ -41,9 +41,8 @@ def run(engine, dataset, tmp_path=None, **kw):
 
 
 def results(output) -> pl.DataFrame:
-    fs, root = fsspec.core.url_to_fs(output)
-    tables = [pq.read_table(fs.open(p, "rb")) for p in sorted(fs.glob(f"{root}/part-*.parquet"))]
-    return pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
+    from jobrunner.writer import read_results
+    return pl.from_arrow(read_results(output))
 
 
 def write_jsonl(path, rows):

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU machine's check, in one go and in under 8 minutes: the GPU tests, engine throughput on
+# dummy-weight Llama-3.1-8B (1000 prompts 256/256, then 1000 prompts 1024/512, each bounded by a
+# time limit), and transformers batched generate on a subset as the peer. Installs nothing and
+# needs no network (torch, triton, transformers, pytest are on that machine; polars and gguf are
+# not, and nothing here imports them). Each part's failure is reported; none stops the others.
+#
+#   bash benchmarks/gpu_check.sh                    # GPU machine; logs and JSON in $OUT/gpu-<stamp>/
+#                                                   # (or benchmarks/results/gpu-<stamp>/ without $OUT)
+#   GPU_CHECK_SMALL=1 bash benchmarks/gpu_check.sh  # the same steps at toy sizes on any machine
+#
+# Ends with a compact summary (also in summary.txt); exit status 0 when every part passed.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+DIR=${OUT:-benchmarks/results}/gpu-$STAMP
+mkdir -p "$DIR"
+BUDGET=${GPU_CHECK_BUDGET:-450}          # seconds for all parts together (8 minutes = 480)
+T0=$(date +%s)
+FAILED=0
+: > "$DIR/summary.txt"
+
+if [ -n "${GPU_CHECK_SMALL:-}" ]; then    # toy sizes: checks the script itself, e.g. on a CPU machine
+  MODEL=dummy:smollm2-135m; A="--num-prompts 8 --input-len 32 --output-len 8"
+  B="--num-prompts 8 --input-len 16:64 --output-len 4:8"; HF="--num-prompts 4 --input-len 32 --output-len 8"
+  L_TEST=120; L_A=150; TL_A=60; L_B=150; TL_B=60; L_HF=150; TL_HF=60
+else
+  MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
+  B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
+  L_TEST=90; L_A=100; TL_A=55; L_B=140; TL_B=85; L_HF=80; TL_HF=35
+fi
+
+note() { echo "$*" | tee -a "$DIR/summary.txt"; }
+
+# part NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, capped by what is left of BUDGET;
+# logs to NAME.log; one summary line with the status, the seconds and the part's key figure.
+part() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) ))
+  if [ "$left" -lt 20 ]; then note "$name: SKIPPED (out of time budget)"; FAILED=1; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local s=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$DIR/$name.log" 2>&1
+  local rc=$? secs=$(( $(date +%s) - s )) status
+  case $rc in
+    0) status=ok ;;
+    124|137) status="TIMEOUT after ${limit}s"; FAILED=1 ;;
+    *) status="FAILED rc=$rc"; FAILED=1 ;;
+  esac
+  local key
+  key=$(grep -E "^(jobrunner|transformers) .* requests in |[0-9]+ (passed|failed|skipped|deselected)|no tests ran|^GPU:" "$DIR/$name.log" \
+        | tail -n 2 | tr '\n' ' ')
+  [ -z "$key" ] && key=$(tail -n 1 "$DIR/$name.log")
+  note "$name: $status (${secs}s) $key"
+}
+
+note "gpu_check $STAMP model=$MODEL budget=${BUDGET}s dir=$DIR"
+part env 30 "$PY" -c '
+import torch, sys
+print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])
+for m in ("triton", "transformers"):
+    try: print(m, __import__(m).__version__)
+    except Exception as e: print(m, "missing:", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info()
+    print(f"GPU: {p.name}, {p.multi_processor_count} SMs, {total / 2**30:.0f} GiB ({free / 2**30:.0f} free)")
+else:
+    print("GPU: none visible (CPU run)")
+'
+
+# GPU tests: the test files that have any (collecting every file would fail on modules that need polars)
+GPU_TESTS=$(grep -l -E "mark\.gpu|cuda_only" tests/test_*.py 2>/dev/null | tr '\n' ' ')
+if [ -n "$GPU_TESTS" ]; then
+  part gpu-tests "$L_TEST" "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS
+else
+  note "gpu-tests: SKIPPED (no test file marks gpu tests)"
+fi
+
+part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" \
+  --json "$DIR/throughput-256-256.json"
+part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B" \
+  --json "$DIR/throughput-1024-512.json"
+part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
+  --hf-batch 64 --time-limit "$TL_HF" --json "$DIR/transformers-256-256.json"
+
+note "total $(( $(date +%s) - T0 ))s; $( [ $FAILED = 0 ] && echo 'all parts ok' || echo 'SOME PARTS FAILED: see the logs' ) in $DIR"
+echo "---- summary ----"
+cat "$DIR/summary.txt"
+exit $FAILED

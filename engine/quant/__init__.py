@@ -1,0 +1,13 @@
+"""Quantization: weight transforms plus a module swap (see apply.py for what each scheme covers).
+
+    check_quantization(scheme, device, dtype)   # ConfigError before any work (fp8 off CUDA >= 8.9, ...)
+    quantize_model(model, scheme, bundle)       # in place, after the float weights are loaded
+
+Schemes: none | int8 | int4 (int4-g32, -g64, -g128) | w8a8 | fp8. Layouts and kernels:
+kernels/quant_matmul.py; modules: engine/quant/modules.py; float/GGUF -> layouts: formats.py.
+"""
+from engine.quant.apply import SCHEMES, check_quantization, parse_scheme, quantize_model, w8a8_backend
+from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, W8A8Linear
+
+__all__ = ["SCHEMES", "check_quantization", "parse_scheme", "quantize_model", "w8a8_backend", "Fp8Linear",
+           "Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear", "W8A8Linear"]

@@ -1,0 +1,181 @@
+"""quantize_model: swap a loaded CausalLM's linears (and its embedding) for quantized modules.
+
+What each scheme quantizes (decoder linears = qkv_proj, o_proj, gate_up_proj, down_proj):
+
+    scheme  decoder linears                      embedding + lm_head
+    int8    Int8Linear, per channel              int8 (QuantEmbedding; a tied lm_head shares it)
+    int4    Int4Linear, group 32 (or 64, 128)    int8 (as int8)
+    w8a8    W8A8Linear                           int8 per row; lm_head W8A8Linear
+    fp8     Fp8Linear                            left in the model dtype
+
+The embedding and lm_head are int8 even under int4: SmolLM2-135M's tied 49152 x 576
+embedding is a fifth of its weights, so 0.2x of float32 is out of reach with a float
+embedding, and 4-bit logits cost more quality than 8-bit ones (llama.cpp keeps its output
+matrix at 6-8 bits for the same reason).
+
+GGUF checkpoints (bundle.raw_weights): tensors stored as Q4_0/Q4_1 load into int4 (group 32)
+and Q8_0 into int8 (group 32) straight from the file's bytes, no float round trip, so the
+default model runs in int4 exactly as shipped. Other cases quantize the float weights the
+loader already put in the model.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError
+from engine.quant import formats
+from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
+from kernels import quant_matmul as qm
+
+SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)
+_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+# HF checkpoint piece -> (our fused module, shard index); the model's own table
+_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def parse_scheme(scheme: str) -> tuple[str, int | None]:
+    """"int4" | "int4-g64" | ... -> (name, int4 group size or None); ConfigError when unknown."""
+    name, _, group = (scheme or "none").partition("-g")
+    if name not in SCHEMES or (group and name != "int4"):
+        raise ConfigError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)} "
+                          f"(int4 takes a group size as int4-g32, int4-g64 or int4-g128)")
+    if name != "int4":
+        return name, None
+    size = int(group) if group.isdigit() else (32 if not group else -1)
+    if size not in INT4_GROUP_SIZES:
+        raise ConfigError(f"int4 group size {group!r}: choose one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+    return name, size
+
+
+def check_quantization(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Raises ConfigError (before any loading) when `scheme` cannot run on `device`."""
+    name, _ = parse_scheme(scheme)
+    device = torch.device(device)
+    if name == "fp8":
+        if device.type != "cuda":
+            raise ConfigError(f"--quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer "
+                              f"(Ada, Hopper, Blackwell); the engine runs on {device.type}. "
+                              f"On CPU use w8a8 (fast) or int8/int4 (small)")
+        cc = torch.cuda.get_device_capability(device)
+        if cc < (8, 9) or not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            raise ConfigError(f"--quantization fp8 needs compute capability 8.9 or newer and torch._scaled_mm; "
+                              f"{torch.cuda.get_device_name(device)} has {cc[0]}.{cc[1]}. Use int8 or int4")
+    if name in ("w8a8", "fp8") and dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ConfigError(f"--quantization {name} needs float activations, got {dtype}")
+
+
+def w8a8_backend(device: torch.device) -> tuple[str, int]:
+    """(backend, weight qmax) for W8A8Linear on `device`; see kernels.quant_matmul.int_mm_exact."""
+    if device.type == "cuda":
+        return "int_mm", 127
+    for qmax in (127, 63):
+        if qm.int_mm_exact(qmax):
+            return "int_mm", qmax
+    if {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
+        return "fbgemm", 127
+    warnings.warn("w8a8: no exact int8 GEMM on this machine (torch._int_mm, fbgemm); using the slow reference")
+    return "ref", 127
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_name: str | None = None,
+                   quantize_lm_head: bool | None = None) -> nn.Module:
+    """Swaps `model`'s modules in place for quantized ones (see the module doc); returns model.
+
+    bundle: the ModelBundle the model was loaded from; with a GGUF bundle, Q4_0/Q4_1/Q8_0 tensors
+    load straight from the file. w8a8_backend_name: "int_mm" | "fbgemm" | "ref" (default: the
+    fastest exact one here). quantize_lm_head: default True for int8/int4/w8a8, False for fp8."""
+    name, group = parse_scheme(scheme)
+    if name == "none":
+        return model
+    device = model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    check_quantization(scheme, device, dtype)
+    raw = _raw_tensors(bundle)
+    if name == "w8a8":
+        backend, qmax = w8a8_backend(device)
+        if w8a8_backend_name is not None:
+            backend, qmax = w8a8_backend_name, (qmax if w8a8_backend_name == "int_mm" else 127)
+    rowwise = name == "fp8" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+    def make(full: str, lin: nn.Linear) -> nn.Module:
+        w, bias = lin.weight, lin.bias
+        if name == "int8":
+            parts = raw.get(full)
+            if parts and all(p.ggml_type in formats.GGUF_INT8_TYPES for p in parts):
+                return Int8Linear(*_to(formats.int8_from_gguf(parts), device), bias=bias)
+            return Int8Linear(*formats.quantize_int8(w), bias=bias)
+        if name == "int4":
+            parts = raw.get(full)
+            if group == formats.GGUF_GROUP and parts and all(p.ggml_type in formats.GGUF_INT4_TYPES for p in parts) \
+                    and len({p.ggml_type for p in parts}) == 1:
+                packed, s, z = _to(formats.int4_from_gguf(parts), device)
+                return Int4Linear(packed, s, z, formats.GGUF_GROUP, lin.in_features, bias=bias)
+            return Int4Linear(*formats.quantize_int4(w, group), group, lin.in_features, bias=bias)
+        if name == "w8a8":
+            return W8A8Linear(*formats.quantize_int8(w, qmax=qmax), bias=bias, backend=backend)
+        return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=rowwise)
+
+    for i, layer in enumerate(model.layers):
+        for parent_name, attr in _LINEARS:
+            parent = getattr(layer, parent_name)
+            lin = getattr(parent, attr)
+            setattr(parent, attr, make(f"layers.{i}.{parent_name}.{attr}", lin))
+            del lin
+
+    if quantize_lm_head is None:
+        quantize_lm_head = name != "fp8"
+    if quantize_lm_head:
+        _quantize_embedding_and_head(model, name, raw, device, dtype,
+                                     qmax=qmax if name == "w8a8" else 127,
+                                     backend=backend if name == "w8a8" else None)
+    model.quantization = scheme
+    return model
+
+
+def _quantize_embedding_and_head(model, name, raw, device, dtype, qmax, backend) -> None:
+    """int8 embedding (GGUF Q8_0 as stored, else per row) and an int8 lm_head sharing it when tied."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    emb_raw = raw.get("embed_tokens")
+    if name != "w8a8" and emb_raw and emb_raw[0].ggml_type in formats.GGUF_INT8_TYPES:
+        q, s = _to(formats.int8_from_gguf(emb_raw), device)
+    else:   # w8a8's head needs per-row (= per output channel) scales
+        q, s = formats.quantize_int8(model.embed_tokens.weight, qmax=qmax)
+    head_weight = None if tied else model.lm_head.weight
+    model.embed_tokens = QuantEmbedding(q, s, dtype)
+    if not tied:
+        head_raw = raw.get("lm_head")
+        if name != "w8a8" and head_raw and head_raw[0].ggml_type in formats.GGUF_INT8_TYPES:
+            q, s = _to(formats.int8_from_gguf(head_raw), device)
+        else:
+            q, s = formats.quantize_int8(head_weight, qmax=qmax)
+    model.lm_head = (W8A8Linear(q, s, backend=backend) if name == "w8a8" else Int8Linear(q, s))
+
+
+def _to(tensors, device):
+    return tuple(t.to(device) for t in tensors)
+
+
+def _raw_tensors(bundle) -> dict[str, list]:
+    """Our module name -> its GGUF RawTensors in shard order ({} when not a GGUF bundle).
+    e.g. "layers.0.self_attn.qkv_proj" -> [q_proj, k_proj, v_proj]; "embed_tokens"; "lm_head"."""
+    if bundle is None or getattr(bundle, "raw_weights", None) is None:
+        return {}
+    shards: dict[str, dict[int, object]] = {}
+    for t in bundle.raw_weights():
+        hf = t.name.removeprefix("model.")
+        if not hf.endswith(".weight"):
+            continue
+        module = hf[:-len(".weight")]
+        index = 0
+        for piece, (fused, shard) in _SHARDS.items():
+            if module.endswith(f".{piece}"):
+                module, index = module[:-len(piece)] + fused, shard
+                break
+        shards.setdefault(module, {})[index] = t
+    return {m: [parts[i] for i in sorted(parts)] for m, parts in shards.items()}

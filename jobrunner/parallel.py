@@ -1,0 +1,728 @@
+"""Data parallelism: one worker process per device, each with its own engine, sharing one job.
+
+Two ways to start the workers, one protocol between them:
+
+    jobrunner submit --data-parallel N            torchrun / srun / PyTorchJob (RANK, WORLD_SIZE, ...)
+    ----------------------------------            ---------------------------------------------------
+    this launcher hosts a TCPStore, starts N      every rank is a worker; rank 0 (or torchrun's agent)
+    workers (`python -m jobrunner.parallel`,      hosts the store; a thread of rank 0 coordinates;
+    one GPU or cores // N threads each) and       a rank that stops beating its heart fails the job,
+    coordinates; it sees a worker die at once     and torchrun's restart (or a rerun) resumes it
+
+Every worker reads and plans the same dataset identically (Job's contract), so a work unit is
+named by its index in the plan. The coordinator and the workers talk only through the store:
+
+    loaded/<rank>           worker: engine loaded ({"device"}) or {"error": config error}
+    round/<r>               coordinator: {"op": "run", "slots": {rank: slot}} or {"op": "stop"}
+    r<r>/ready/<rank>       worker: its writer is open, so it has read the done ids
+    r<r>/go                 coordinator: every member is ready; start claiming units
+    r<r>/next_unit          the work queue: store.add(key, 1) - 1 is the next unit index to run
+    r<r>/progress/<rank>    worker: rows and tokens so far, for the coordinator's progress line
+    r<r>/result/<rank>      worker: its summary, units run, exit code
+    abort                   coordinator: give up ({"exit_code"}), e.g. a worker's config error
+    hb/<rank>, exited       heartbeats (torchrun mode) and the final acknowledgement
+
+A round is one pass over the rows not yet in the output. The `ready` barrier makes every member
+read the done ids before anyone writes, so all plan the same rows into the same units. Units are
+handed out as workers ask for them (a worker asks when its engine has room), so a fast worker
+takes more and all finish within about one engine queue of each other. The finished-units set is
+the output directory itself: a row is done when a part file holding it exists (parts appear by
+atomic rename). When a worker dies, the units it claimed but had not written are lost for that
+round; the coordinator then runs another round with the survivors, whose plans cover exactly the
+rows still missing, so every id is written exactly once. Under torchrun a lost rank ends the job
+(exit 1) instead: torchrun's --max-restarts, or the next run, resumes it the same way.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, replace
+from datetime import timedelta
+
+from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Job, JobResult
+from jobrunner.stats import percentile
+
+log = logging.getLogger("jobrunner")
+
+EXIT_FAILED = 1                 # workers died and the job could not finish; run again to resume
+MAX_ROUNDS = 4                  # launcher mode: passes over the remaining rows after workers died
+SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles
+STORE_TIMEOUT = timedelta(hours=2)
+TEST_DIE_ENV = "JOBRUNNER_TEST_DIE"     # "RANK:ROWS": in round 0 that rank os._exit()s, holding unfinished
+                                        # units, once it has written ROWS rows (tests only)
+
+
+# --- when and how ------------------------------------------------------------------------------
+
+def distributed_env() -> dict | None:
+    """RANK, WORLD_SIZE, ... when started by torchrun (or srun, PyTorchJob) with a world over 1."""
+    if os.environ.get("JOBRUNNER_LAUNCHER_PID"):
+        return None                         # our own worker processes; see _worker_process_main
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise JobConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the job with torchrun, "
+                             "or set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port")
+    rank = int(os.environ["RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {"rank": rank, "world": world, "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world)),
+            "local_world": local_world}
+
+
+def _cuda_count(device: str) -> int:
+    if not (device == "auto" or device.startswith("cuda")):
+        return 0
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA: CPU
+        return 0
+
+
+def data_parallel_size(cfg: JobConfig) -> int:
+    """--data-parallel, or by default the number of visible GPUs (1 on CPU or with --device cuda:N)."""
+    if cfg.data_parallel is not None:
+        return cfg.data_parallel
+    if cfg.device.startswith("cuda:") or cfg.device == "cpu":
+        return 1
+    return max(1, _cuda_count(cfg.device))
+
+
+def wants_parallel(cfg: JobConfig) -> bool:
+    return distributed_env() is not None or data_parallel_size(cfg) > 1
+
+
+def run_parallel(cfg: JobConfig) -> JobResult:
+    """The job over several workers: under torchrun this process is one rank, else a launcher.
+    Raises JobConfigError for a configuration that can't run (nothing written)."""
+    env = distributed_env()
+    if env is not None:
+        if cfg.data_parallel not in (None, env["world"]):
+            log.warning("--data-parallel %s ignored: WORLD_SIZE=%d decides", cfg.data_parallel, env["world"])
+        return _run_distributed(cfg, env)
+    return _launch(cfg, data_parallel_size(cfg))
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _preflight(cfg: JobConfig) -> None:
+    """What can fail without a model, before any process starts."""
+    from jobrunner import checks
+    cfg.validate()
+    _, columns = checks.check_dataset(cfg)
+    checks.check_template(cfg, columns)
+
+
+# --- the single-node launcher ------------------------------------------------------------------
+
+def _launch(cfg: JobConfig, n: int) -> JobResult:
+    import torch.distributed as dist
+
+    _preflight(cfg)
+    gpus = _cuda_count(cfg.device)
+    on_gpu = gpus > 0 and cfg.device != "cpu"
+    if cfg.device.startswith("cuda:"):
+        raise JobConfigError(f"--device {cfg.device} names one GPU; use --device cuda --data-parallel {n} "
+                             "(or CUDA_VISIBLE_DEVICES) to spread the job over several")
+    if cfg.device == "cuda" and not on_gpu:
+        raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
+    if on_gpu and n > gpus:
+        raise JobConfigError(f"--data-parallel {n} but only {gpus} GPUs are visible (one worker per GPU)")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(gpus)]
+    threads = max(1, _cpu_cores() // n)
+    server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    store = dist.PrefixStore("jobrunner", server)
+    worker_cfg = json.dumps(asdict(cfg))
+    procs: dict[int, subprocess.Popen] = {}
+    for rank in range(n):
+        env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
+                   RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+        if on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = visible[rank]
+        else:
+            env.update(OMP_NUM_THREADS=str(threads), RAYON_NUM_THREADS=str(threads), JOBRUNNER_THREADS=str(threads))
+        # A session of its own: a Ctrl-C on the terminal reaches the launcher only, which forwards one SIGTERM.
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "jobrunner.parallel"], env=env, start_new_session=True)
+    log.info("data parallel: %d workers on %s", n, f"GPUs {','.join(visible[:n])}" if on_gpu
+             else f"CPU, {threads} threads each")
+    coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True)
+
+    def on_signal(signum, frame):
+        coord.stopping = True
+        log.warning("signal %d: workers finish what is written, then stop", signum)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = coord.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        deadline = time.time() + 30
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return coord.raise_or(result)
+
+
+def _worker_process_main() -> int:
+    """`python -m jobrunner.parallel`: one worker started by _launch."""
+    import torch.distributed as dist
+
+    _setup_worker_logging(int(os.environ["RANK"]))
+    cfg = config_from_json(os.environ["JOBRUNNER_WORKER_CONFIG"])
+    parent = int(os.environ["JOBRUNNER_LAUNCHER_PID"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, False,
+                           timeout=STORE_TIMEOUT)
+    threads = int(os.environ.get("JOBRUNNER_THREADS") or 0) or None
+    return worker_loop(cfg, rank, world, dist.PrefixStore("jobrunner", client), threads=threads)
+
+
+def _orphan_watch(parent: int) -> None:
+    """The launcher was killed (SIGKILL, OOM): stop at once, so that a rerun never races this worker."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(EXIT_FAILED)
+
+
+def config_from_json(text: str) -> JobConfig:
+    d = json.loads(text)
+    for key in ("stop", "labels"):
+        d[key] = tuple(d.get(key) or ())
+    return JobConfig(**d)
+
+
+def _setup_worker_logging(rank: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+                            format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")
+
+
+# --- torchrun / srun: every rank a worker, rank 0 also coordinates -------------------------------
+
+def _run_distributed(cfg: JobConfig, env: dict) -> JobResult:
+    import torch.distributed as dist
+
+    rank, world = env["rank"], env["world"]
+    on_gpu = _cuda_count(cfg.device) > 0 and cfg.device != "cpu"
+    threads = None
+    if on_gpu:
+        cfg = replace(cfg, device=f"cuda:{env['local_rank']}")
+    else:
+        threads = max(1, _cpu_cores() // env["local_world"])
+    _preflight(cfg)
+    store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
+    # torchrun's agent makes a fresh store per restart; the attempt in the prefix guards a reused one
+    ns = dist.PrefixStore(f"jobrunner/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    beat = _Heartbeat(ns.clone(), rank)
+    beat.start()
+    coord = thread = None
+    if rank == 0:
+        coord = Coordinator(cfg, ns.clone(), world, alive=_HeartbeatMonitor(ns.clone()), retry=False)
+        thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)
+        thread.start()
+    log.info("rank %d of %d (%s)", rank, world, cfg.device if on_gpu else f"CPU, {threads} threads")
+    code = worker_loop(cfg, rank, world, ns, threads=threads)
+    beat.stop()
+    if coord is None:
+        return JobResult(code, {}, cfg.output_url)
+    thread.join()
+    return coord.raise_or(coord.result)
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, store, rank: int, every_s: float = 2.0):
+        super().__init__(name="jobrunner-heartbeat", daemon=True)
+        self.store, self.key, self.every_s = store, f"hb/{rank}", every_s
+        self._stop_event = threading.Event()
+
+    def run(self):
+        while not self._stop_event.is_set():
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                return
+            self._stop_event.wait(self.every_s)
+
+    def stop(self):
+        self._stop_event.set()
+
+
+class _HeartbeatMonitor:
+    """alive(rank): its heartbeat counter moved within JOBRUNNER_HEARTBEAT_TIMEOUT seconds (coordinator's clock)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.timeout = float(os.environ.get("JOBRUNNER_HEARTBEAT_TIMEOUT", "120"))
+        self.seen: dict[int, tuple[int, float]] = {}
+
+    def __call__(self, rank: int) -> bool:
+        key = f"hb/{rank}"
+        value = self.store.add(key, 0)
+        now = time.monotonic()
+        last = self.seen.get(rank)
+        if last is None or last[0] != value:
+            self.seen[rank] = (value, now)
+            return True
+        return now - last[1] < self.timeout
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+class _Stop(Exception):
+    pass
+
+
+def _wait(store, key: str, stop: list, poll: float = 0.02) -> dict:
+    """Poll for a key (JSON value); raise _Stop on a signal or the coordinator's abort."""
+    while True:
+        if store.check([key]):
+            return json.loads(store.get(key))
+        if store.check(["abort"]):
+            raise _Stop(json.loads(store.get("abort")).get("exit_code", EXIT_FAILED))
+        if stop:
+            raise _Stop(EXIT_INTERRUPTED)
+        time.sleep(poll)
+        poll = min(poll * 1.5, 0.25)
+
+
+def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None) -> int:
+    """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code."""
+    from jobrunner.checks import load_engine
+
+    stop: list = []
+
+    def on_signal(signum, frame):   # between rounds; Job.run has its own handlers while it runs
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    cfg = replace(cfg, overwrite=False)     # the coordinator alone prepares (and overwrites) the output
+    try:
+        engine = load_engine(cfg)
+    except JobConfigError as e:
+        store.set(f"loaded/{rank}", json.dumps({"error": str(e)}))
+        return EXIT_CONFIG
+    store.set(f"loaded/{rank}", json.dumps({"device": str(engine.rt.device)}))
+    try:
+        for r in itertools.count():
+            msg = _wait(store, f"round/{r}", stop)
+            if msg["op"] != "run" or str(rank) not in msg["slots"]:
+                store.add("exited", 1)
+                return msg.get("exit_code", EXIT_OK)
+            _run_round(cfg, engine, store, r, rank, msg["slots"][str(rank)], world, stop)
+    except _Stop as e:
+        return e.args[0]
+
+
+def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list) -> None:
+    claim = _Claim(store, f"r{r}/next_unit")
+    job = Job(cfg, rank=slot, world=world, claim=claim)
+    job.max_in_flight = cfg.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
+    job.progress_factory = lambda total: _StoreProgress(store, f"r{r}/progress/{rank}", total)
+    try:
+        job.prepare(engine=engine)
+    except JobConfigError as e:
+        store.set(f"r{r}/ready/{rank}", json.dumps({"error": str(e)}))
+        raise _Stop(EXIT_CONFIG) from None
+    store.set(f"r{r}/ready/{rank}", json.dumps({"model_source": engine.rt.source, "dataset_format": job.fmt}))
+    _wait(store, f"r{r}/go", stop)
+    if r == 0 and os.environ.get(TEST_DIE_ENV, "").split(":")[0] == str(rank):
+        claim.die_after_rows, claim.job = int(os.environ[TEST_DIE_ENV].split(":")[1]), job
+    t0 = time.time()
+    payload = {"rank": rank, "slot": slot, "round": r, "device": str(engine.rt.device), "error": None}
+    try:
+        result = job.run()
+        payload.update(exit_code=result.exit_code, summary=result.stats)
+    except OSError as e:
+        log.error("writing the output failed: %s", e)
+        payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
+    payload.update(units=claim.units, run_s=time.time() - t0, sketch=_sketch(getattr(job, "stats", None)))
+    store.set(f"r{r}/result/{rank}", json.dumps(payload))
+
+
+class _Claim:
+    """Job's claim(index) over the shared counter. Indices come in order 0, 1, 2, ...; a ticket drawn
+    from the counter is the next unit nobody holds. Every index is drawn by exactly one worker, and
+    that worker reaches it, because all workers walk the same plan in the same order."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+        self.ticket: int | None = None
+        self.units = 0
+        self.die_after_rows: int | None = None   # test hook (TEST_DIE_ENV)
+        self.job = None
+
+    def __call__(self, index: int) -> bool:
+        if self.die_after_rows is not None and self.job.stats.rows >= self.die_after_rows \
+                and self.job.engine.num_in_flight:
+            os._exit(17)        # as a crash would, holding unfinished units: they and unflushed rows are lost
+        while self.ticket is None or self.ticket < index:
+            self.ticket = self.store.add(self.key, 1) - 1
+        if self.ticket > index:
+            return False
+        self.ticket = None
+        self.units += 1
+        return True
+
+
+class _StoreProgress:
+    """Job's progress object for a worker: publishes its counts for the coordinator's progress line."""
+
+    def __init__(self, store, key: str, total: int | None, every_s: float = 1.0):
+        self.store, self.key, self.total, self.every_s = store, key, total, every_s
+        self.last = 0.0
+
+    def update(self, stats, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self.last >= self.every_s:
+            self.last = now
+            self.store.set(self.key, json.dumps({
+                "rows": stats.rows, "skipped": stats.rows_skipped, "failed": stats.rows_failed,
+                "tokens": stats.prompt_tokens + stats.completion_tokens, "total": self.total}))
+
+    def close(self) -> None:
+        pass
+
+
+def _sketch(stats) -> dict:
+    """Each latency series as (count, evenly spaced quantiles): enough to merge percentiles across workers."""
+    out = {}
+    for name in ("queue", "prefill", "decode"):
+        values = sorted(getattr(stats, name, ()) or ())
+        n = len(values)
+        k = min(n, SKETCH_POINTS)
+        out[name] = {"n": n, "q": [values[round(i * (n - 1) / (k - 1))] if k > 1 else values[0] for i in range(k)]}
+    return out
+
+
+# --- the coordinator -----------------------------------------------------------------------
+
+class Coordinator:
+    """Opens rounds, hands nothing out itself (the counter does), notices lost workers, and at the end
+    merges the workers' stats, writes _stats.json and marks the manifest complete."""
+
+    def __init__(self, cfg: JobConfig, store, world: int, alive, retry: bool):
+        self.cfg, self.store, self.world, self.alive, self.retry = cfg, store, world, alive, retry
+        self.stopping = False
+        self.result: JobResult | None = None
+        self.error: Exception | None = None
+        self.bar = None
+        self.last_log = self.last_progress = time.time()
+
+    def run_in_thread(self) -> None:
+        try:
+            self.result = self.run()
+        except Exception as e:  # noqa: BLE001 - handed to the main thread by raise_or
+            self.error = e
+            self._abort(EXIT_CONFIG if isinstance(e, JobConfigError) else EXIT_FAILED)
+
+    def raise_or(self, result: JobResult | None) -> JobResult:
+        if self.error is not None:
+            raise self.error
+        return result
+
+    def run(self) -> JobResult:
+        from jobrunner.writer import OutputError, prepare_output
+
+        cfg = self.cfg
+        loaded = self._gather("loaded", range(self.world))
+        self._config_errors(loaded)
+        if not loaded:
+            self._abort(EXIT_FAILED)
+            return self._fail("no worker started; see the workers' logs above")
+        try:
+            prepare_output(cfg.output_url, {"config": cfg.fingerprint_fields()}, overwrite=cfg.overwrite)
+        except OutputError as e:
+            self._abort(EXIT_CONFIG)
+            raise JobConfigError(str(e)) from None
+        members, results, lost, complete, start, manifest, rounds = sorted(loaded), [], [], False, None, {}, 0
+        for r in range(MAX_ROUNDS if self.retry else 1):
+            if self.stopping:
+                break
+            rounds = r + 1
+            slots = {str(k): i for i, k in enumerate(members)}
+            self.store.set(f"round/{r}", json.dumps({"op": "run", "slots": slots}))
+            ready = self._gather(f"r{r}/ready", members)
+            self._config_errors(ready)
+            manifest = next(iter(ready.values()), manifest)
+            start = start or time.time()
+            self.store.set(f"r{r}/go", "{}")
+            done = self._gather(f"r{r}/result", sorted(ready), progress=r)
+            results += done.values()
+            gone = [k for k in members if k not in done]
+            lost += gone
+            members = sorted(done)
+            codes = {v["exit_code"] for v in done.values()}
+            if self.stopping or codes & {EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_CONFIG}:
+                break
+            if not gone:
+                complete = True
+                break
+            log.warning("worker%s %s stopped before finishing; %s", "s" if len(gone) > 1 else "",
+                        ", ".join(map(str, gone)), "the rows they had not written go to the workers left"
+                        if self.retry and members else "the job ends unfinished: run it again to resume")
+            if not members:
+                break
+        if self.bar is not None:
+            self.bar.close()
+        summary = merge_stats(results, cfg, wall_s=time.time() - (start or time.time()), devices=self.world,
+                              rounds=rounds, lost=lost)
+        code = self._exit_code(results, summary, complete)
+        self._finish(summary, manifest, complete, code)
+        return JobResult(code, summary, cfg.output_url)
+
+    # -- steps
+
+    def _gather(self, prefix: str, ranks, progress: int | None = None) -> dict[int, dict]:
+        """Each rank's `prefix/rank` value, until all have one or are gone (dead, or its heart stopped)."""
+        waiting, got, poll = set(ranks), {}, 0.02
+        while waiting:
+            for k in sorted(waiting):
+                key = f"{prefix}/{k}"
+                if self.store.check([key]):
+                    got[k] = json.loads(self.store.get(key))
+                    waiting.discard(k)
+                elif not self.alive(k) and not self.store.check([key]):
+                    waiting.discard(k)
+            if progress is not None and time.time() - self.last_progress >= 1.0:
+                self.last_progress = time.time()
+                self._progress(progress, list(got) + list(waiting))
+            if waiting:
+                time.sleep(poll)
+                poll = min(poll * 1.5, 0.25)
+        return got
+
+    def _config_errors(self, replies: dict) -> None:
+        errors = [v["error"] for v in replies.values() if v.get("error")]
+        if errors:
+            self._abort(EXIT_CONFIG)
+            raise JobConfigError(errors[0])
+
+    def _abort(self, code: int) -> None:
+        try:
+            self.store.set("abort", json.dumps({"exit_code": code}))
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting
+            pass
+
+    def _fail(self, message: str) -> JobResult:
+        log.error("%s", message)
+        return JobResult(EXIT_FAILED, {}, self.cfg.output_url)
+
+    def _progress(self, r: int, ranks: list[int]) -> None:
+        rows = skipped = failed = tokens = 0
+        total = None
+        for k in ranks:
+            key = f"r{r}/progress/{k}"
+            if self.store.check([key]):
+                p = json.loads(self.store.get(key))
+                rows, failed, tokens = rows + p["rows"], failed + p["failed"], tokens + p["tokens"]
+                skipped, total = max(skipped, p["skipped"]), p["total"]
+        done = rows + skipped
+        if self.bar is None and sys.stderr.isatty() and threading.current_thread() is threading.main_thread():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.set_postfix_str(f"{len(ranks)} workers, {failed} errors", refresh=False)
+            self.bar.refresh()
+        elif time.time() - self.last_log >= 30:
+            self.last_log = time.time()
+            log.info("%d%s rows, %d failed, %d tokens, %d workers", done, f"/{total}" if total else "", failed,
+                     tokens, len(ranks))
+
+    def _exit_code(self, results: list[dict], summary: dict, complete: bool) -> int:
+        codes = {v["exit_code"] for v in results}
+        if EXIT_STORAGE in codes:
+            return EXIT_STORAGE
+        if EXIT_INTERRUPTED in codes or self.stopping:
+            return EXIT_INTERRUPTED
+        if not complete:
+            return EXIT_FAILED
+        rate = self.cfg.max_error_rate
+        if rate is not None and summary["rows"] and summary["rows_failed"] / summary["rows"] > rate:
+            log.error("%d of %d rows failed, over --max-error-rate %s", summary["rows_failed"], summary["rows"], rate)
+            return EXIT_ERROR_RATE
+        return EXIT_OK
+
+    def _finish(self, summary: dict, manifest: dict, complete: bool, code: int) -> None:
+        """Stats always; the manifest marked complete only when every round's rows were written."""
+        from jobrunner.writer import ResultWriter, write_openai_batch_output, write_stats
+
+        cfg = self.cfg
+        if complete:
+            m = {"config": cfg.fingerprint_fields(), **{k: manifest[k] for k in ("model_source", "dataset_format")
+                                                        if k in manifest}}
+            ResultWriter(cfg.output_url, m, part_rows=cfg.part_rows, part_prefix="part-merge").close(summary)
+            if cfg.output_format == "openai-batch":
+                write_openai_batch_output(cfg.output_url)
+        else:
+            write_stats(cfg.output_url, summary)
+            log.warning("%d rows written; run the same command again to resume", summary["rows"])
+        self.store.set(f"round/{summary['data_parallel']['rounds']}", json.dumps({"op": "stop", "exit_code": code}))
+        # the store may live in this process (torchrun without an agent): leave only once every worker has read it
+        deadline = time.time() + 60
+        while self.store.add("exited", 0) < len(self._members_alive()) and time.time() < deadline:
+            time.sleep(0.05)
+
+    def _members_alive(self) -> list[int]:
+        return [k for k in range(self.world) if self.alive(k)]
+
+
+# --- merged stats ---------------------------------------------------------------------------
+
+_SUMMED = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+
+def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: int, rounds: int,
+                lost: list[int]) -> dict:
+    """One job summary from the workers' (JobStats.summary keys, over the job's wall time), plus
+    `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance."""
+    summaries = [(v, v["summary"]) for v in results if v.get("summary")]
+    first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
+    wall = max(wall_s, 1e-9)
+    s = {k: sum(x.get(k) or 0 for _, x in summaries) for k in _SUMMED}
+    s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
+    s["duplicate_ids"] = first.get("duplicate_ids", 0)
+    s.update(wall_s=wall, model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries), default=0.0),
+             prefill_tokens_per_s=s["prompt_tokens"] / wall, decode_tokens_per_s=s["completion_tokens"] / wall,
+             rows_per_s=s["rows"] / wall,
+             cache_hit_rate=s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+             device=",".join(sorted({v["device"] for v in results})) or None, devices=devices,
+             device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
+             model_weight_bytes=first.get("model_weight_bytes", 0), quantization=cfg.quantization,
+             interrupted=any(x.get("interrupted") for _, x in summaries))
+    for name in ("queue", "prefill", "decode"):
+        points = [(q, v["sketch"][name]["n"] / len(v["sketch"][name]["q"]))
+                  for v in results if v.get("sketch") for q in v["sketch"][name]["q"]]
+        for q in (50, 95, 99):
+            s[f"{name}_s_p{q}"] = _weighted_percentile(points, q / 100)
+    for k in ("optimum_cached_tokens", "optimum_cache_hit_rate", "block_optimum_cached_tokens", "optimum_exact"):
+        if k in first:      # the plan of round 0 covers every row; its optimum is the job's
+            s[k] = first[k]
+    if first.get("block_optimum_cached_tokens"):
+        s["cache_hit_of_block_optimum"] = s["cached_tokens"] / first["block_optimum_cached_tokens"]
+    engines = [x["engine"] for _, x in summaries if isinstance(x.get("engine"), dict)]
+    if engines:
+        s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
+    if cfg.device_hourly_cost is not None:
+        cost = s["device_hours"] * cfg.device_hourly_cost
+        total = s["prompt_tokens"] + s["completion_tokens"]
+        s["cost_usd"] = cost
+        s["cost_per_million_input_tokens"] = s["cost_per_million_output_tokens"] = cost / total * 1e6 if total else None
+    metrics = merge_metrics([x.get("metrics") for _, x in summaries])
+    if metrics:
+        s["metrics"] = metrics
+    workers = {}
+    for v in sorted(results, key=lambda v: (v["rank"], v["round"])):
+        x = v.get("summary") or {}
+        w = workers.setdefault(f"rank{v['rank']}", {"device": v["device"], "rounds": 0, "units": 0, "rows": 0,
+                                                    "prompt_tokens": 0, "completion_tokens": 0, "run_s": 0.0,
+                                                    "device_hours": 0.0, "exit_code": 0})
+        w["rounds"] += 1
+        w["units"] += v.get("units") or 0
+        for k in ("rows", "prompt_tokens", "completion_tokens", "device_hours"):
+            w[k] += x.get(k) or 0
+        w["run_s"] += v.get("run_s") or 0.0
+        w["exit_code"] = v["exit_code"]
+        w["tokens_per_s"] = (w["prompt_tokens"] + w["completion_tokens"]) / max(w["run_s"], 1e-9)
+    s["workers"] = workers
+    runs = [w["run_s"] for w in workers.values()]
+    # rows a lost worker wrote before it died: the next round found them done, and nobody reported them
+    by_round: dict[int, list[dict]] = {}
+    for v, x in summaries:
+        by_round.setdefault(v["round"], []).append(x)
+    lost_rows = sum(max(x.get("rows_skipped_done", 0) for x in by_round[r]) - max(
+        x.get("rows_skipped_done", 0) for x in by_round[r - 1]) - sum(x["rows"] for x in by_round[r - 1])
+        for r in by_round if r - 1 in by_round)
+    s["data_parallel"] = {"workers": devices, "rounds": rounds, "lost_workers": sorted(lost),
+                          "rows_by_lost_workers": lost_rows,
+                          "units": sum(w["units"] for w in workers.values()),
+                          "balance": min(runs) / max(runs) if runs and max(runs) > 0 else None}
+    return s
+
+
+def _weighted_percentile(points: list[tuple[float, float]], q: float) -> float | None:
+    if not points:
+        return None
+    if all(w == points[0][1] for _, w in points):
+        return percentile([v for v, _ in points], q)
+    points = sorted(points)
+    total = sum(w for _, w in points)
+    target, acc = q * total, 0.0
+    for v, w in points:
+        acc += w
+        if acc >= target:
+            return v
+    return points[-1][0]
+
+
+def merge_metrics(metrics: list[dict | None]) -> dict | None:
+    """Job metrics of several workers as one: accuracy, confusion matrix, log-likelihood recombined from counts."""
+    ms = [m for m in metrics if m]
+    if not ms:
+        return None
+    if len(ms) == 1:
+        return ms[0]
+    from collections import Counter
+
+    from jobs.metrics import Accuracy, ClassificationMetrics
+
+    out: dict = {}
+    if any("evaluated_rows" in m for m in ms):
+        acc = ClassificationMetrics() if any("confusion_matrix" in m for m in ms) else Accuracy("normalized")
+        for m in ms:
+            n = m.get("evaluated_rows") or 0
+            acc.total += n
+            acc.correct += round((m.get("accuracy") or 0.0) * n)
+            cm = m.get("confusion_matrix")
+            if cm:
+                pairs = Counter({(r, p): c for r, row in zip(cm["labels"], cm["counts"])
+                                 for p, c in zip(cm["labels"], row) if c})
+                acc.pairs.update(pairs)
+        out.update(acc.summary())
+    if any("scored_tokens" in m for m in ms):
+        import math
+        tokens = sum(m.get("scored_tokens") or 0 for m in ms)
+        logprob = sum((m.get("mean_logprob") or 0.0) * (m.get("scored_tokens") or 0) for m in ms)
+        out.update(scored_tokens=tokens, mean_logprob=logprob / tokens if tokens else None,
+                   perplexity=math.exp(-logprob / tokens) if tokens else None)
+    for m in ms:            # anything else: as the first worker that has it reported it
+        for k, v in m.items():
+            out.setdefault(k, v)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_process_main())

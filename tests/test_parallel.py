@@ -1,0 +1,198 @@
+"""Data parallelism on CPU: 2 and 3 workers match 1, a worker killed mid-job, two ranks started the torchrun way.
+
+A tiny random Llama (dummy weights, byte tokenizer) keeps each worker's start-up to a few seconds;
+the rows are uneven on purpose: one big prefix group and many small unique prompts.
+"""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from jobrunner.config import JobConfig
+from jobrunner.job import EXIT_OK, Job
+from jobrunner.parallel import (TEST_DIE_ENV, data_parallel_size, distributed_env, merge_metrics, merge_stats,
+                                run_parallel)
+from jobrunner.writer import read_results, read_stats
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+        "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": 258}
+N_BIG, N_SMALL = 10, 16
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(TINY))
+    rnd = random.Random(0)
+    context = "Context: " + " ".join(f"fact {i} is {i * 7 % 13}." for i in range(16))
+    rows = [{"id": f"big{i}", "prompt": f"{context} Which fact is {i}? {rnd.choice('abcdefgh')}"}
+            for i in range(N_BIG)]
+    rows += [{"id": f"s{i}", "prompt": "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(8 + i))}
+             for i in range(N_SMALL)]
+    rnd.shuffle(rows)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = JobConfig(str(data), model=f"dummy:{root / 'model'}", max_tokens=6, max_num_seqs=2, part_rows=2,
+                    device="cpu", output=str(root / "one"))
+    job = Job(cfg)          # the reference: one worker, in this process
+    job.prepare()
+    res = job.run()
+    assert res.exit_code == EXIT_OK
+    return {"root": root, "cfg": cfg, "ids": sorted(r["id"] for r in rows), "reference": _outputs(res.output)}
+
+
+def _outputs(output: str) -> dict:
+    rows = read_results(output).to_pylist()
+    counts = Counter(r["id"] for r in rows)
+    assert max(counts.values()) == 1, f"ids written twice: {[k for k, v in counts.items() if v > 1]}"
+    return {r["id"]: (r["output"], r["completion_tokens"], r["error"]) for r in rows}
+
+
+def _check_same(setup, output: str) -> None:
+    got = _outputs(output)
+    assert sorted(got) == setup["ids"]
+    assert got == setup["reference"]
+    assert len({v[0] for v in got.values()}) > 5        # the outputs differ from row to row
+    manifest = json.loads(open(os.path.join(output, "_manifest.json")).read())
+    assert manifest["complete"] is True and manifest["model_source"].startswith("dummy:")
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_give_the_same_rows_as_one(setup, workers):
+    cfg = replace(setup["cfg"], data_parallel=workers, output=str(setup["root"] / f"dp{workers}"))
+    res = run_parallel(cfg)
+    assert res.exit_code == EXIT_OK
+    _check_same(setup, res.output)
+    s = read_stats(res.output)
+    assert s["rows"] == s["rows_ok"] == len(setup["ids"]) and s["devices"] == workers
+    assert set(s["workers"]) == {f"rank{k}" for k in range(workers)}
+    assert sum(w["rows"] for w in s["workers"].values()) == len(setup["ids"])
+    assert s["data_parallel"]["rounds"] == 1 and s["data_parallel"]["lost_workers"] == []
+    assert s["data_parallel"]["units"] >= N_SMALL       # small prompts are units of their own
+    reference = read_stats(setup["cfg"].output)
+    for k in ("prompt_tokens", "completion_tokens", "optimum_cached_tokens"):
+        assert s[k] == reference[k], k
+    assert s["device_hours"] == pytest.approx(sum(w["device_hours"] for w in s["workers"].values()))
+    assert s["decode_s_p50"] is not None
+
+
+def test_killed_worker_loses_only_its_unwritten_rows(setup, monkeypatch):
+    monkeypatch.setenv(TEST_DIE_ENV, "1:1")     # rank 1 dies like a crash once it has written a row
+    cfg = replace(setup["cfg"], data_parallel=2, part_rows=1, output=str(setup["root"] / "killed"))
+    res = run_parallel(cfg)
+    assert res.exit_code == EXIT_OK
+    _check_same(setup, res.output)
+    s = read_stats(res.output)
+    assert s["data_parallel"]["lost_workers"] == [1] and s["data_parallel"]["rounds"] == 2
+    assert any(n.startswith("part-r1-") for n in os.listdir(res.output))    # what rank 1 wrote was kept
+    by_rank1 = sum(len(read_results_part(res.output, n)) for n in os.listdir(res.output) if n.startswith("part-r1-"))
+    assert s["data_parallel"]["rows_by_lost_workers"] == by_rank1
+    assert s["rows"] + by_rank1 == len(setup["ids"]) and "rank1" not in s["workers"]
+
+
+def read_results_part(output, name):
+    import pyarrow.parquet as pq
+    return pq.read_table(os.path.join(output, name))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180):
+    cfg = setup["cfg"]
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
+        env.pop("JOBRUNNER_LAUNCHER_PID", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jobrunner.cli", "submit", cfg.dataset, "-m", cfg.model, "-o", out,
+             "--max-tokens", str(cfg.max_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
+             "--part-rows", str(cfg.part_rows), "--device", "cpu"], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_two_ranks_launched_the_torchrun_way_share_one_job(setup):
+    out = str(setup["root"] / "torchrun")
+    codes, logs = _torchrun_way(setup, out, 2)
+    assert codes == [0, 0], logs
+    _check_same(setup, out)
+    s = read_stats(out)
+    assert s["devices"] == 2 and set(s["workers"]) == {"rank0", "rank1"}
+    assert all(w["rows"] > 0 for w in s["workers"].values()), s["workers"]    # both took work
+
+
+def test_torchrun_rank_lost_then_resume(setup):
+    """Under torchrun a lost rank ends the job (exit 1) with what was written kept; the rerun finishes it."""
+    out = str(setup["root"] / "torchrun-lost")
+    codes, logs = _torchrun_way(setup, out, 2, {TEST_DIE_ENV: "1:1", "JOBRUNNER_HEARTBEAT_TIMEOUT": "3"})
+    assert codes[1] == 17 and codes[0] == 1, logs
+    assert json.loads(open(os.path.join(out, "_manifest.json")).read())["complete"] is False
+    before = len(read_results(out))
+    assert 0 < before < len(setup["ids"])
+    job = Job(replace(setup["cfg"], output=out))      # the resume: any number of workers; one here
+    job.prepare()
+    assert job.run().exit_code == EXIT_OK
+    _check_same(setup, out)
+    assert read_stats(out)["rows_skipped_done"] == before
+
+
+# --- pure parts -------------------------------------------------------------------------------
+
+def test_data_parallel_defaults(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "JOBRUNNER_LAUNCHER_PID"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed_env() is None
+    assert data_parallel_size(JobConfig("x", device="cpu")) == 1
+    assert data_parallel_size(JobConfig("x", device="cpu", data_parallel=3)) == 3
+    assert data_parallel_size(JobConfig("x", device="cuda:1")) == 1
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distributed_env() == {"rank": 1, "world": 4, "local_rank": 1, "local_world": 2}
+
+
+def test_merge_stats_and_metrics():
+    def result(rank, rows, wall, metrics):
+        summary = {"rows": rows, "rows_ok": rows, "rows_failed": 0, "prompt_tokens": 10 * rows, "cached_tokens": rows,
+                   "completion_tokens": 2 * rows, "rows_skipped_done": 5, "duplicate_ids": 0,
+                   "device_hours": wall / 3600, "model_load_s": 1.0, "metrics": metrics,
+                   "engine": {"steps": rows, "preemptions": 0}, "interrupted": False}
+        lat = [0.1 * (i + 1) for i in range(rows)]
+        return {"rank": rank, "slot": rank, "round": 0, "device": "cpu", "exit_code": 0, "units": rows,
+                "run_s": wall, "summary": summary,
+                "sketch": {k: {"n": rows, "q": lat} for k in ("queue", "prefill", "decode")}}
+    cm = lambda counts: {"labels": ["neg", "pos"], "counts": counts}    # noqa: E731
+    a = result(0, 3, 10.0, {"evaluated_rows": 3, "accuracy": 2 / 3, "confusion_matrix": cm([[1, 1], [0, 1]])})
+    b = result(1, 1, 8.0, {"evaluated_rows": 1, "accuracy": 1.0, "confusion_matrix": cm([[0, 0], [0, 1]])})
+    cfg = JobConfig("x", device_hourly_cost=3.6)
+    s = merge_stats([a, b], cfg, wall_s=10.0, devices=2, rounds=1, lost=[])
+    assert s["rows"] == 4 and s["prompt_tokens"] == 40 and s["rows_skipped_done"] == 5
+    assert s["device_hours"] == pytest.approx(18 / 3600) and s["cost_usd"] == pytest.approx(0.018)
+    assert s["decode_tokens_per_s"] == pytest.approx(0.8)
+    assert s["engine"] == {"steps": 4, "preemptions": 0}
+    assert s["workers"]["rank0"]["rows"] == 3 and s["data_parallel"]["balance"] == pytest.approx(0.8)
+    assert s["queue_s_p50"] == pytest.approx(0.1, abs=0.11)
+    m = s["metrics"]
+    assert m["evaluated_rows"] == 4 and m["accuracy"] == pytest.approx(0.75)
+    assert m["confusion_matrix"]["counts"] == [[1, 1], [0, 2]]
+    score = merge_metrics([{"scored_tokens": 2, "mean_logprob": -1.0, "perplexity": 2.7},
+                           {"scored_tokens": 2, "mean_logprob": -3.0, "perplexity": 20.1}])
+    assert score["mean_logprob"] == -2.0 and score["scored_tokens"] == 4
