@@ -20,6 +20,8 @@ class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None    # set once the block's tokens are all known (a full block)
+    parent: int = 0            # hash of the block before it in its sequence (0: the first block)
+    tokens: tuple = ()         # the block's tokens, kept for partial-prefix matches
     computed: bool = False     # its K and V have been written
 
 
@@ -30,6 +32,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}   # parent hash -> indexed blocks that follow it
 
     @property
     def num_free(self) -> int:
@@ -72,13 +75,31 @@ class BlockPool:
                     self._forget(block)
                 self.free[block_id] = None
 
-    def register(self, block_id: int, block_hash: int) -> None:
+    def register(self, block_id: int, block_hash: int, parent: int = 0, tokens: tuple = ()) -> None:
         """Gives a full block its hash; the first block with a given hash stays the indexed one."""
         block = self.blocks[block_id]
         if block.hash is not None:
             return
-        block.hash = block_hash
-        self.by_hash.setdefault(block_hash, block_id)
+        block.hash, block.parent, block.tokens = block_hash, parent, tokens
+        if self.by_hash.setdefault(block_hash, block_id) == block_id:
+            self.children.setdefault(parent, set()).add(block_id)
+        else:   # a duplicate of an indexed block: not a match candidate
+            siblings = self.children.get(parent)
+            if siblings is not None:
+                siblings.discard(block_id)
+
+    def index_partial(self, block_id: int, parent: int, tokens: tuple) -> None:
+        """Makes a not-yet-full block findable for partial-prefix matches by its leading tokens.
+        Its later tokens may change; the ones given here never do."""
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            return
+        block.parent, block.tokens = parent, tokens
+        self.children.setdefault(parent, set()).add(block_id)
+
+    def following(self, parent: int) -> list[Block]:
+        """Indexed blocks whose sequence continues the prefix ending in `parent`."""
+        return [self.blocks[b] for b in self.children.get(parent, ())]
 
     def mark_computed(self, block_ids) -> None:
         for block_id in block_ids:
@@ -87,7 +108,12 @@ class BlockPool:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.by_hash.get(block.hash) == block.id:
             del self.by_hash[block.hash]
-        block.hash = None
+        siblings = self.children.get(block.parent)
+        if siblings is not None and block.id in siblings:
+            siblings.discard(block.id)
+            if not siblings:
+                del self.children[block.parent]
+        block.hash, block.parent, block.tokens = None, 0, ()
         block.computed = False
 
     def reset_prefix_cache(self) -> None:

@@ -4,6 +4,11 @@ No torch. Block hashes chain over full blocks: hash(block i) = hash((hash(block 
 so equal hashes mean equal whole prefixes. Python's tuple hash is 64-bit; a collision would be a
 silent wrong answer, at odds of about n^2 / 2^64 for n cached blocks.
 
+Reuse need not stop at a block boundary: when the prefix continues part way into a cached block
+(short prompts sharing 37 tokens with 16-token blocks), that block is copied into a fresh one and
+its matching tokens count as computed. The copy runs before the step's forward, so its source
+must be computed already, not merely written this step.
+
 A full block gets its hash when it is allocated for a chunk that fills it (its tokens are known
 then), before it is computed. Another sequence may share such a block only if the block is
 computed by the end of the current step's writes, which precede every attention read in the
@@ -11,10 +16,22 @@ same forward: that is how N rows admitted together compute their shared prefix o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.block_pool import BlockPool
 from engine.sequence import Sequence
 
 WAIT = None  # match_prefix's answer when a matched block is still being computed by another sequence
+
+
+@dataclass
+class PrefixMatch:
+    blocks: list[int]                      # full cached blocks, in order
+    partial: tuple[int, int] | None = None  # (source block, leading tokens reused from it)
+
+    @property
+    def extra_blocks(self) -> int:
+        return 1 if self.partial else 0
 
 
 class KVCacheManager:
@@ -23,7 +40,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
-        self.ready_this_step: set[int] = set()   # blocks whose K/V this step's forward will write
+        self.ready_this_step: set[int] = set()   # full blocks whose K/V this step's forward completes
+        self.written_this_step: set[int] = set()  # every block this step's forward writes into
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -35,32 +53,54 @@ class KVCacheManager:
             hashes.append(prev)
         return hashes
 
-    def match_prefix(self, seq: Sequence, max_tokens: int) -> list[int] | None:
-        """Block ids of the longest cached prefix of at most max_tokens tokens (not yet acquired),
-        or WAIT when that prefix continues into a block another sequence has yet to compute."""
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> PrefixMatch | None:
+        """The longest cached prefix of at most max_tokens tokens (blocks not yet acquired), or WAIT
+        when that prefix continues into a block another sequence has yet to compute."""
         if not self.enable_prefix_caching or not seq.cacheable_prefix:
-            return []
-        matched = []
-        for h in self._hash_chain(seq.token_ids, max_tokens // self.block_size):
+            return PrefixMatch([])
+        matched, parent, bs = [], 0, self.block_size
+        for h in self._hash_chain(seq.token_ids, max_tokens // bs):
             block = self.pool.lookup(h)
             if block is None:
                 break
             if not block.computed and block.id not in self.ready_this_step:
                 return WAIT
             matched.append(block.id)
-        return matched
+            parent = h
+        start = len(matched) * bs
+        ours = seq.token_ids[start:min(start + bs, max_tokens)]
+        best, best_len, pending_len = None, 0, 0
+        for block in self.pool.following(parent) if ours else ():
+            n = _common_prefix(block.tokens, ours)
+            if block.computed and n > best_len:
+                best, best_len = block.id, n
+            elif not block.computed and block.id in self.written_this_step:
+                pending_len = max(pending_len, n)
+        if pending_len > best_len:
+            return WAIT     # a better source is being written this step: copy it next step
+        return PrefixMatch(matched, (best, best_len) if best is not None else None)
 
-    def admit(self, seq: Sequence, cached_blocks: list[int]) -> None:
-        """Gives a waiting sequence its matched prefix blocks. Changes ref counts."""
-        for block_id in cached_blocks:
+    def admit(self, seq: Sequence, match: PrefixMatch) -> list[tuple[int, int]]:
+        """Gives a waiting sequence its matched prefix. Changes ref counts; returns block copies to run.
+        The caller has checked can_allocate, so the partial block's copy target is free."""
+        for block_id in match.blocks:
             self.pool.acquire(block_id)
-        seq.block_table = list(cached_blocks)
-        seq.num_computed_tokens = len(cached_blocks) * self.block_size
+        seq.block_table = list(match.blocks)
+        seq.num_computed_tokens = len(match.blocks) * self.block_size
+        copies = []
+        if match.partial:
+            src, n = match.partial
+            [dst] = self.pool.allocate(1)
+            seq.block_table.append(dst)
+            seq.num_computed_tokens += n
+            copies.append((src, dst))
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        return copies
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
+        cached = match.blocks if match else []
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        reclaimable = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
         return needed <= self.pool.num_free - reclaimable
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -75,12 +115,19 @@ class KVCacheManager:
             seq.block_table.extend(new)
         first_full = seq.num_computed_tokens // self.block_size
         last_full = end // self.block_size
+        self.written_this_step.update(seq.block_table[first_full:self.blocks_for(end)])
+        bs = self.block_size
         if last_full > first_full:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
             if self.enable_prefix_caching:
                 prev = self._prefix_hash(seq, first_full)
                 for i, h in enumerate(self._hash_chain(seq.token_ids, last_full, first_full, prev), first_full):
-                    self.pool.register(seq.block_table[i], h)
+                    self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                    prev = h
+        if self.enable_prefix_caching and end % bs and end <= seq.num_prompt_tokens:
+            # a prompt's partial last block: findable by its leading tokens, for partial reuse
+            self.pool.index_partial(seq.block_table[last_full], self._prefix_hash(seq, last_full),
+                                    tuple(seq.token_ids[last_full * bs:end]))
         return True
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
@@ -94,7 +141,9 @@ class KVCacheManager:
     def end_step(self) -> None:
         """After the forward: every block written this step is computed."""
         self.pool.mark_computed(self.ready_this_step)
+        self.pool.mark_computed(b for b in self.written_this_step if self.pool.blocks[b].tokens)
         self.ready_this_step.clear()
+        self.written_this_step.clear()
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
@@ -117,3 +166,12 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         return copies
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -53,6 +53,9 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     t0 = time.perf_counter()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if config.quantization != "none":  # quantization: refuse an impossible scheme before loading anything
+        from engine.quant import check_quantization
+        check_quantization(config.quantization, device, dtype)
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
     if bundle is None:

@@ -102,13 +102,13 @@ class Scheduler:
             if not seq.block_table:
                 limit = (seq.logprobs_from - 1) if seq.logprobs_from else seq.compute_target - 1
                 limit = min(limit, seq.compute_target - 1)
-                cached = self.kv.match_prefix(seq, max(limit, 0))
-                if cached is WAIT:
+                match = self.kv.match_prefix(seq, max(limit, 0))
+                if match is WAIT:
                     break
-                n = min(seq.compute_target - len(cached) * self.kv.block_size, budget)
-                if not self.kv.can_allocate(seq, n, cached):
+                n = min(seq.compute_target - len(match.blocks) * self.kv.block_size, budget)
+                if not self.kv.can_allocate(seq, n, match):
                     break
-                self.kv.admit(seq, cached)
+                out.block_copies.extend(self.kv.admit(seq, match))
             n = min(seq.num_pending, budget)
             if not self.kv.allocate(seq, n):
                 break

@@ -1,6 +1,6 @@
 """Block pool, KV manager and scheduler on tiny pools, with exact block ids. No model, no torch."""
 from engine.block_pool import BlockPool
-from engine.kv_manager import WAIT, KVCacheManager
+from engine.kv_manager import WAIT, KVCacheManager, PrefixMatch
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -46,29 +46,60 @@ def test_uncomputed_block_loses_hash_on_release():
 def test_prefix_match_full_blocks_only_and_last_token_recomputed():
     kv = KVCacheManager(8, block_size=4)
     s1 = seq(range(10))
-    kv.admit(s1, [])
+    kv.admit(s1, PrefixMatch([]))
     assert kv.allocate(s1, 10) and s1.block_table == [0, 1, 2]
     kv.end_step()
     s2 = seq(list(range(8)) + [99])
-    assert kv.match_prefix(s2, 8) == [0, 1]
+    assert kv.match_prefix(s2, 8).blocks == [0, 1]
     s3 = seq(range(8))                        # identical 8 tokens: at most 7 may be matched
-    assert kv.match_prefix(s3, 7) == [0]
+    assert kv.match_prefix(s3, 7).blocks == [0]
 
 
 def test_shared_prefix_in_same_step_is_computed_once():
     kv = KVCacheManager(8, block_size=4)
     s1 = seq(range(9))
-    kv.admit(s1, [])
+    kv.admit(s1, PrefixMatch([]))
     kv.allocate(s1, 9)                        # blocks 0, 1 filled this step
     s2 = seq(list(range(8)) + [50, 51])
-    assert kv.match_prefix(s2, 9) == [0, 1]  # ready by the time attention reads them
+    assert kv.match_prefix(s2, 9).blocks == [0, 1]  # ready by the time attention reads them
     kv.end_step()
+
+
+def test_partial_block_reused_by_copy():
+    kv = KVCacheManager(8, block_size=4)
+    s1 = seq(range(12))
+    kv.admit(s1, PrefixMatch([]))
+    kv.allocate(s1, 12)
+    kv.end_step()
+    s2 = seq([0, 1, 2, 3, 4, 5, 77, 78])          # shares 6 tokens: one full block and 2 of the next
+    match = kv.match_prefix(s2, 7)
+    assert match.blocks == [0] and match.partial == (1, 2)
+    copies = kv.admit(s2, match)
+    assert copies == [(1, 3)] and s2.block_table == [0, 3]
+    assert s2.num_computed_tokens == 6 and s2.num_cached_tokens == 6
+    # a block still being written this step is never a copy source: wait a step for it
+    s3 = seq(range(100, 112))
+    kv.admit(s3, PrefixMatch([]))
+    kv.allocate(s3, 12)
+    assert kv.match_prefix(seq([100, 101, 102, 103, 104, 0]), 5) is WAIT
+    kv.end_step()
+    assert kv.match_prefix(seq([100, 101, 102, 103, 104, 0]), 5).partial == (5, 1)
+
+
+def test_short_prompt_partial_block_is_indexed():
+    kv = KVCacheManager(8, block_size=4)
+    s1 = seq(range(6))                            # ends part way into its second block
+    kv.admit(s1, PrefixMatch([]))
+    kv.allocate(s1, 6)
+    kv.end_step()
+    match = kv.match_prefix(seq([0, 1, 2, 3, 4, 5, 9]), 6)
+    assert match.blocks == [0] and match.partial == (1, 2)
 
 
 def test_match_waits_for_block_not_computed_this_step():
     kv = KVCacheManager(8, block_size=4)
     s1 = seq(range(12))
-    kv.admit(s1, [])
+    kv.admit(s1, PrefixMatch([]))
     kv.allocate(s1, 12)
     kv.ready_this_step.clear()                # as if s1's chunk ran in an earlier, unfinished step
     assert kv.match_prefix(seq(range(12)), 11) is WAIT
@@ -77,7 +108,7 @@ def test_match_waits_for_block_not_computed_this_step():
 def test_fork_shares_full_blocks_and_copies_partial():
     kv = KVCacheManager(8, block_size=4)
     parent = seq(range(6))
-    kv.admit(parent, [])
+    kv.admit(parent, PrefixMatch([]))
     kv.allocate(parent, 6)
     kv.end_step()
     parent.num_computed_tokens = 6

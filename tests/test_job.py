@@ -153,13 +153,12 @@ def test_kill_9_then_resume_every_id_once(default_gguf_path, tmp_path):
     rows = [{"id": f"k{i:03d}", "prompt": f"Count from {i} to {i + 20}, separated by commas."} for i in range(40)]
     ds = write_jsonl(tmp_path / "k.jsonl", rows)
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "48", "--ignore-eos",
-           "--part-rows", "3", "--max-num-seqs", "4"]
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "24", "--ignore-eos",
+           "--part-rows", "2", "--max-num-seqs", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len([p for p in os.listdir(out) if p.startswith("part-")] if os.path.isdir(out)
-                                          else []) < 2:
-        time.sleep(0.2)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (os.path.isdir(out) and any(p.startswith("part-") for p in os.listdir(out))):
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(results(out)) if os.path.isdir(out) else 0

@@ -16,6 +16,8 @@ reference its fast `forward` (kernel) is tested against, and `dequantize(dtype)`
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -115,8 +117,10 @@ class W8A8Linear(QuantLinear):
             raise ValueError(f"w8a8 needs one scale per output channel, got scales {tuple(scales.shape)}")
         self.backend = backend
         if backend == "fbgemm":
-            qw = torch._make_per_channel_quantized_tensor(
-                qweight.cpu(), scales[:, 0].double().cpu(), torch.zeros(qweight.shape[0], dtype=torch.long), 0)
+            with warnings.catch_warnings():   # torch marks quantized tensors deprecated (moving to torchao)
+                warnings.simplefilter("ignore")
+                qw = torch._make_per_channel_quantized_tensor(
+                    qweight.cpu(), scales[:, 0].double().cpu(), torch.zeros(qweight.shape[0], dtype=torch.long), 0)
             self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float().cpu())
             self.register_buffer("scales", scales)
             nbytes = qweight.numel() + 4 * qweight.shape[0]      # packed int8 matrix + column offsets
