@@ -62,6 +62,8 @@ class JobStats:
             s["block_optimum_cached_tokens"] = prefix.block_optimum_tokens
             s["cache_hit_of_block_optimum"] = (self.cached_tokens / prefix.block_optimum_tokens
                                                if prefix.block_optimum_tokens else None)
+            # the engine also copies partial last blocks, so it can pass the full-block optimum
+            s["partial_block_optimum_cached_tokens"] = prefix.partial_optimum_tokens
             s["optimum_exact"] = prefix.exact
         if engine_counters is not None:
             s["engine"] = dict(engine_counters)
