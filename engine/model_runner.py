@@ -27,6 +27,25 @@ class RunnerOutput:
     num_tokens: int = 0
 
 
+@dataclass
+class _Sample:
+    """The k-th sample drawn at a parent's first sampling event (n > 1): the child it becomes."""
+    parent: object
+    k: int
+
+    @property
+    def request_id(self):
+        return self.parent.request_id
+
+    @property
+    def sample_index(self):
+        return self.parent.sample_index + self.k
+
+    @property
+    def seed(self):
+        return self.parent.seed
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
         self.model = model
@@ -37,21 +56,23 @@ class ModelRunner:
         # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.generators: dict[tuple[int, int], torch.Generator] = {}
+        self.generators: dict[tuple[str, int], torch.Generator] = {}   # (request id, sample index)
         self.sliding_window = cfg.sliding_window
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
 
-    def generator(self, seed: int, sample_index: int) -> torch.Generator:
-        key = (seed, sample_index)
+    def generator(self, seq) -> torch.Generator:
+        """One generator per sample, seeded from the request's seed: the same seed gives the same
+        samples whatever else runs, and two requests never share a stream."""
+        key = (seq.request_id, seq.sample_index)
         if key not in self.generators:
-            self.generators[key] = make_generator(seed * 1_000_003 + sample_index, self.device)
+            self.generators[key] = make_generator(seq.seed * 1_000_003 + seq.sample_index, self.device)
         return self.generators[key]
 
-    def release(self, seed: int, sample_index: int) -> None:
-        self.generators.pop((seed, sample_index), None)
+    def release(self, seq) -> None:
+        self.generators.pop((seq.request_id, seq.sample_index), None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -104,8 +125,9 @@ class ModelRunner:
                 out.candidate_first[seq.seq_id] = lp[seq.candidate_first_tokens].tolist()
                 continue
             for k in range(seq.fork_samples):
-                index = seq.sample_index + k
-                gen = self.generator(seq.seed, index) if seq.sampling.temperature > 0 else None
+                gen = None
+                if seq.sampling.temperature > 0:
+                    gen = self.generator(seq) if k == 0 else self.generator(_Sample(seq, k))
                 rows.append(SampleRow(i, seq.sampling, gen))
                 owners.append(seq.seq_id)
         tokens, logprobs = sample(logits, rows)
