@@ -374,9 +374,11 @@ def test_tiny_gguf_blocks_give_float_logits(tiny_gguf_path, qtype, scheme):
 
 # ----------------------------------------------------------------------------- the default model (slow)
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colors are", "Water boils at a temperature of", "A good breakfast includes",
-           "In 1969, the first humans", "The best way to learn a new language is"]
+# Chat questions, as jobs send them to this instruct model; greedy, stopping at its end-of-turn token.
+QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "Name three primary colors.", "At what temperature does water boil?",
+             "Give me a tip for learning a new language.", "Who was the first person on the Moon?",
+             "Classify the sentiment of: 'I loved this movie!'", "Translate 'good morning' into Spanish."]
 
 
 @pytest.fixture(scope="module")
@@ -399,8 +401,9 @@ def default_runs(default_bundle):
     for scheme in ("none", "int8", "int4"):
         cfg = EngineConfig(quantization=scheme, kv_cache_memory=64 << 20)
         engine = Engine(cfg, runtime=build_runtime(cfg, default_bundle))
-        reqs = [Request(str(i), tok.encode(p), SamplingParams(max_tokens=16, ignore_eos=True))
-                for i, p in enumerate(PROMPTS)]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+                   for q in QUESTIONS]
+        reqs = [Request(str(i), tok.encode(p), SamplingParams(max_tokens=16)) for i, p in enumerate(prompts)]
         greedy = [o.token_ids for o in engine.generate(reqs)]
         runs[scheme] = (engine.rt.weight_bytes, greedy, _score(engine, text))
         del engine
@@ -420,7 +423,7 @@ def test_default_model_int4_is_the_gguf_file(default_runs):
 @pytest.mark.slow
 def test_default_model_int8_keeps_greedy_output(default_runs):
     same = sum(a == b for a, b in zip(default_runs["int8"][1], default_runs["none"][1]))
-    assert same >= len(PROMPTS) * 5 // 8, f"int8 greedy output equals float on only {same}/{len(PROMPTS)} prompts"
+    assert same >= 6, f"int8 greedy output equals float on only {same}/{len(QUESTIONS)} prompts"
 
 
 @pytest.mark.default_model
