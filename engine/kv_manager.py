@@ -69,15 +69,13 @@ class KVCacheManager:
             parent = h
         start = len(matched) * bs
         ours = seq.token_ids[start:min(start + bs, max_tokens)]
-        best, best_len, pending_len = None, 0, 0
+        # A source written this step can't be copied before the forward; waiting a step for at most
+        # block_size - 1 tokens would cost more batch than it saves, so only computed blocks count.
+        best, best_len = None, 0
         for block in self.pool.following(parent) if ours else ():
             n = _common_prefix(block.tokens, ours)
             if block.computed and n > best_len:
                 best, best_len = block.id, n
-            elif not block.computed and block.id in self.written_this_step:
-                pending_len = max(pending_len, n)
-        if pending_len > best_len:
-            return WAIT     # a better source is being written this step: copy it next step
         return PrefixMatch(matched, (best, best_len) if best is not None else None)
 
     def admit(self, seq: Sequence, match: PrefixMatch) -> list[tuple[int, int]]:

@@ -1,0 +1,44 @@
+"""Issue 10: hostile rows never crash a job; every row comes back with an output or an error."""
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobrunner.config import JobConfig
+from jobrunner.job import Job
+
+pytestmark = pytest.mark.default_model
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=40))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                        st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                      max_leaves=6)
+prompts = st.one_of(values, st.text(min_size=1, max_size=60), st.just("word " * 9000))
+rows = st.lists(st.fixed_dictionaries({"id": st.one_of(st.sampled_from(["a", "b", "c"]), st.text(max_size=8),
+                                                       st.integers()),
+                                       "prompt": prompts}, optional={"extra": values}),
+                min_size=1, max_size=6)
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf_path):
+    from jobrunner.checks import load_engine
+    return load_engine(JobConfig("unused"))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=rows, junk=st.lists(st.binary(max_size=20), max_size=2))
+def test_any_rows_give_one_result_each(engine, tmp_path_factory, data, junk):
+    d = tmp_path_factory.mktemp("h")
+    lines = [json.dumps(r).encode() for r in data] + [b"\xff" + j for j in junk]
+    (d / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    job = Job(JobConfig(str(d / "in.jsonl"), output=str(d / "out"), max_tokens=1))
+    job.prepare(engine=engine)
+    result = job.run()
+    from jobrunner.writer import read_results
+    table = read_results(str(d / "out")).to_pylist()
+    assert len(table) == len(lines)                      # nothing lost, nothing merged
+    for row in table:
+        assert (row["error"] is None) != (row["finish_reason"] == "error")
+    assert result.stats["rows"] == len(lines)
