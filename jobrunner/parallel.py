@@ -47,7 +47,8 @@ from dataclasses import asdict, replace
 from datetime import timedelta
 
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Job, JobResult
+from jobrunner.job import (EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, WINDOW_ROWS, Job,
+                           JobResult)
 from jobrunner.stats import percentile
 
 log = logging.getLogger("jobrunner")
@@ -176,6 +177,10 @@ def _launch(cfg: JobConfig, n: int) -> JobResult:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         result = coord.run()
+    except BaseException:
+        if not store.check(["abort"]):
+            coord._abort(EXIT_FAILED)
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -244,12 +249,17 @@ def _run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     beat.start()
     coord = thread = None
     if rank == 0:
-        coord = Coordinator(cfg, ns.clone(), world, alive=_HeartbeatMonitor(ns.clone()), retry=False)
+        monitor = _HeartbeatMonitor(ns.clone())
+        # this process's own worker counts as gone once worker_loop has returned (e.g. stopped by a signal)
+        coord = Coordinator(cfg, ns.clone(), world, retry=False,
+                            alive=lambda r: monitor(r) and not (r == rank and coord.local_done))
         thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)
         thread.start()
     log.info("rank %d of %d (%s)", rank, world, cfg.device if on_gpu else f"CPU, {threads} threads")
     code = worker_loop(cfg, rank, world, ns, threads=threads)
     beat.stop()
+    if coord is not None:
+        coord.local_done = True
     if coord is None:
         return JobResult(code, {}, cfg.output_url)
     thread.join()
@@ -309,7 +319,7 @@ def _wait(store, key: str, stop: list, poll: float = 0.02) -> dict:
         if stop:
             raise _Stop(EXIT_INTERRUPTED)
         time.sleep(poll)
-        poll = min(poll * 1.5, 0.25)
+        poll = min(poll * 1.5, 0.05)       # 20 polls a second at most: every worker sees `go` at once
 
 
 def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None) -> int:
@@ -345,9 +355,35 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
         return e.args[0]
 
 
+class _WorkerJob(Job):
+    """A data-parallel worker's Job: each planning window's units come out largest first.
+
+    The planner orders units for cache locality (a depth-first trie walk), so a big prefix group can
+    come last, and whoever draws it finishes long after the others. Handing the units out longest
+    first (LPT) lets the small ones fill in around the big ones. Across workers the locality is lost
+    anyway; within a unit nothing changes. The order is deterministic, so every worker agrees on it.
+    """
+
+    def _units(self):
+        window, rows = [], 0
+        for unit in super()._units():
+            window.append(unit)
+            rows += len(unit.items)
+            if rows >= WINDOW_ROWS:         # units partition the planner's windows: one ends exactly here
+                yield from self._largest_first(window)
+                window, rows = [], 0
+        yield from self._largest_first(window)
+
+    def _largest_first(self, units):
+        def tokens(u):      # tokens the engine computes: the shared prefix once, the rest, the outputs
+            n = len(u.items)
+            return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.cfg.n * self.cfg.max_tokens
+        return sorted(units, key=tokens, reverse=True)     # stable: ties keep the planner's order
+
+
 def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list) -> None:
     claim = _Claim(store, f"r{r}/next_unit")
-    job = Job(cfg, rank=slot, world=world, claim=claim)
+    job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
     job.max_in_flight = cfg.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
     job.progress_factory = lambda total: _StoreProgress(store, f"r{r}/progress/{rank}", total)
     try:
@@ -435,6 +471,7 @@ class Coordinator:
     def __init__(self, cfg: JobConfig, store, world: int, alive, retry: bool):
         self.cfg, self.store, self.world, self.alive, self.retry = cfg, store, world, alive, retry
         self.stopping = False
+        self.local_done = False
         self.result: JobResult | None = None
         self.error: Exception | None = None
         self.bar = None
@@ -499,6 +536,7 @@ class Coordinator:
         summary = merge_stats(results, cfg, wall_s=time.time() - (start or time.time()), devices=self.world,
                               rounds=rounds, lost=lost)
         code = self._exit_code(results, summary, complete)
+        summary["interrupted"] = summary["interrupted"] or code == EXIT_INTERRUPTED
         self._finish(summary, manifest, complete, code)
         return JobResult(code, summary, cfg.output_url)
 
@@ -520,7 +558,7 @@ class Coordinator:
                 self._progress(progress, list(got) + list(waiting))
             if waiting:
                 time.sleep(poll)
-                poll = min(poll * 1.5, 0.25)
+                poll = min(poll * 1.5, 0.1)
         return got
 
     def _config_errors(self, replies: dict) -> None:

@@ -152,6 +152,35 @@ def test_torchrun_rank_lost_then_resume(setup):
     assert read_stats(out)["rows_skipped_done"] == before
 
 
+def test_sigterm_to_the_launcher_then_resume(setup, tmp_path):
+    """SIGTERM (cron's timeout, Airflow's kill) reaches the launcher; its workers stop after what they
+    have written (exit 130); the same command again finishes with every id once."""
+    import signal
+    import time
+    rnd = random.Random(1)
+    rows = [{"id": f"x{i}", "prompt": "".join(rnd.choice("abcdefghij ") for _ in range(10 + i % 17))}
+            for i in range(300)]
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].model, "-o", str(out),
+           "--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "1", "--device", "cpu", "--data-parallel", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.is_dir() and any(n.startswith("part-") for n in os.listdir(out))):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    log = p.communicate(timeout=120)[0]
+    assert p.returncode == 130, log
+    s = read_stats(str(out))
+    assert s["interrupted"] is True and 0 < len(read_results(str(out))) < len(rows)
+    assert json.loads((out / "_manifest.json").read_text())["complete"] is False
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout
+    ids = [r["id"] for r in read_results(str(out)).to_pylist()]
+    assert sorted(ids) == sorted(r["id"] for r in rows)      # every id exactly once
+
+
 # --- pure parts -------------------------------------------------------------------------------
 
 def test_data_parallel_defaults(monkeypatch):

@@ -341,6 +341,28 @@ def test_quantized_engine_runs_tiny_model(tiny_hf_model_dir):
         assert len(out.token_ids) == 6 and out.error is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])     # grouped-query attention; qwen2 adds a qkv bias
+def test_smoothquant_folding_keeps_the_float_function(tiny_hf_model_dir, arch):
+    from engine.engine import Engine
+    from engine.loader import load_model_bundle
+    from engine.quant import smooth
+    from engine.runtime import build_runtime
+    bundle = load_model_bundle(str(tiny_hf_model_dir(arch)))
+    cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20)
+    plain, smoothed = build_runtime(cfg, bundle), build_runtime(cfg, bundle)
+    ids = smooth.calibration_ids(bundle.tokenizer)
+    before = smooth.input_amax(smoothed.model, ids)
+    smooth.smooth_model(smoothed.model, before)
+    after = smooth.input_amax(smoothed.model, ids)
+    assert not torch.equal(plain.model.layers[0].input_layernorm.weight, smoothed.model.layers[0].input_layernorm.weight)
+    for key in before:      # the activations' channel ranges get flatter
+        spread = lambda a: float(a.max() / a.clamp(min=1e-6).median())  # noqa: E731
+        assert spread(after[key]) < spread(before[key]), key
+    text = list(range(3, 60))
+    torch.testing.assert_close(_score(Engine(cfg, runtime=smoothed), text), _score(Engine(cfg, runtime=plain), text),
+                               atol=1e-4, rtol=1e-4)
+
+
 def _score(engine, ids):
     from engine.request import Request
     return torch.tensor(engine.generate([Request("s", ids, score_from=1)])[0].prompt_logprobs)
