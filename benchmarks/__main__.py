@@ -134,22 +134,30 @@ def gguf_path(model: str) -> Path | None:
     return None
 
 
+def thread_env(threads: int | None) -> dict:
+    """Environment that caps every system's compute threads alike (torch reads OMP_NUM_THREADS)."""
+    if not threads:
+        return {}
+    return {k: str(threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+
+
 def run_case(case: Case, args, workdir: Path) -> dict:
     w = case.workload
     slug = case.name.replace("/", "-").replace("=", "")
     data = w.write(workdir / f"{slug}.jsonl")
+    env = thread_env(args.threads)
     runs = []
     for system in case.systems:
         t0 = time.time()
         if system == "jobrunner":
             r = run_jobrunner(data, workdir / f"{slug}.jobrunner", jobrunner_args(case, args.model) + args.extra,
-                              timeout=args.timeout)
+                              timeout=args.timeout, env=env)
         elif system == "ablation":
             if args.no_ablation:
                 continue
             r = run_jobrunner(data, workdir / f"{slug}.ablation",
                               jobrunner_args(case, args.model) + args.extra + list(ABLATION),
-                              system="ablation", timeout=args.timeout)
+                              system="ablation", timeout=args.timeout, env=env)
             r["label"] = ABLATION_LABEL
         elif system == "transformers":
             gguf = gguf_path(args.model)
@@ -160,7 +168,8 @@ def run_case(case: Case, args, workdir: Path) -> dict:
             else:
                 r = run_transformers(data, gguf, workdir / f"{slug}.transformers.json",
                                      new_tokens=case.max_tokens, batch=case.hf_batch,
-                                     labels=w.labels if case.kind == "classify" else (), timeout=args.timeout)
+                                     labels=w.labels if case.kind == "classify" else (), timeout=args.timeout,
+                                     env=env)
                 r["label"] = f"transformers (batch {case.hf_batch})"
         elif system == "llamacpp":
             gguf = gguf_path(args.model)
@@ -170,7 +179,8 @@ def run_case(case: Case, args, workdir: Path) -> dict:
                 r = {"system": "llama.cpp", "skipped": "needs a GGUF model"}
             else:
                 r = run_llamacpp(data, gguf, workdir / f"{slug}.llamacpp.log", rows=w.num_rows,
-                                 new_tokens=case.max_tokens, python=args.llamacpp_python, timeout=args.timeout)
+                                 new_tokens=case.max_tokens, python=args.llamacpp_python, timeout=args.timeout,
+                                 threads=args.threads, env=env)
         else:
             raise ValueError(system)
         r.setdefault("label", r["system"])
@@ -295,8 +305,9 @@ def run_suite(args) -> int:
             raise SystemExit(f"--only {args.only}: no such case")
     print(f"workloads built in {time.perf_counter() - t0:.1f}s", flush=True)
     result = {"suite": args.suite, "stamp": stamp, "started": started.isoformat(timespec="seconds"),
-              "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "model": args.model, "machine": report.machine(), "versions": report.versions(), "git": report.git(),
+              "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in args.argv),
+              "model": args.model, "threads": args.threads or "default", "machine": report.machine(),
+              "versions": report.versions(), "git": report.git(),
               "workloads": {}, "cases": [], "notes": []}
     for case in cases:
         result["workloads"][case.workload.name] = case.workload.summary()
@@ -328,11 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobrunner-args", dest="extra", type=shlex.split, default=[],
                    help='extra options for every jobrunner run, e.g. "--max-batched-tokens 4096"')
     r.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    r.add_argument("--threads", type=int, help="compute threads for every system (OMP_NUM_THREADS; llama.cpp "
+                                               "--threads); default: each system's own (torch: one per core). On a "
+                                               "machine other work is loading, 1 thread avoids the thread-barrier "
+                                               "stalls that make 2-thread torch several times slower")
     r.add_argument("--results-dir", default=str(RESULTS))
     r.add_argument("--workdir", help="job outputs and logs (default: <results-dir>/tmp/<suite>-<stamp>)")
     rep = sub.add_parser("report", help="re-render a saved result's table and plots")
     rep.add_argument("result")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.cmd == "report":
         out = report.rerender(args.result)
         for n in out["notes"]:

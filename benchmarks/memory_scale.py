@@ -32,7 +32,7 @@ def run(rows: int, workdir: str) -> dict:
     make_dataset(ds, rows)
     out = os.path.join(workdir, f"out-{rows}")
     cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "-m", f"dummy:{CONFIG}",
-           "--max-tokens", "1", "--no-chat", "--part-rows", "50000", "--overwrite"]
+           "--max-tokens", "1", "--no-chat", "--part-rows", "50000", "--overwrite", "--kv-cache-memory", "16MB"]
     t0 = time.time()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

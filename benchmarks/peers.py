@@ -54,16 +54,21 @@ def run_child(cmd: list[str], log: Path, timeout: float | None = None, env: dict
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                 start_new_session=True)
         timed_out = False
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if timeout is not None and time.perf_counter() - start > timeout:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if timeout is not None and time.perf_counter() - start > timeout:
+                    timed_out = True
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    pid, status, usage = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.05)
+        except BaseException:            # interrupted: don't leave the child (its own session) running
+            os.killpg(proc.pid, signal.SIGKILL)
+            os.wait4(proc.pid, 0)
+            raise
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here; keep Popen from waiting again
     cpu = usage.ru_utime + usage.ru_stime
@@ -110,10 +115,10 @@ def jobrunner_cmd() -> list[str]:
 
 
 def run_jobrunner(dataset: Path, out_dir: Path, args: list[str], *, system: str = "jobrunner",
-                  timeout: float | None = None) -> dict:
+                  timeout: float | None = None, env: dict | None = None) -> dict:
     """`jobrunner submit dataset -o out_dir --overwrite *args`, then its _stats.json and part files."""
     cmd = jobrunner_cmd() + ["submit", str(dataset), "-o", str(out_dir), "--overwrite", *args]
-    res = {"system": system, **run_child(cmd, out_dir.with_name(out_dir.name + ".log"), timeout)}
+    res = {"system": system, **run_child(cmd, out_dir.with_name(out_dir.name + ".log"), timeout, env)}
     if res["rc"] != 0:
         res["error"] = f"exit code {res['rc']}" + (" (timed out)" if res["timed_out"] else "") + \
                        f"; log tail:\n{_tail(res['log'])}"
@@ -133,6 +138,8 @@ def run_jobrunner(dataset: Path, out_dir: Path, args: list[str], *, system: str 
         rows_per_s=stats["rows"] / wall, cache_hit_rate=stats.get("cache_hit_rate"),
         optimum_cache_hit_rate=stats.get("optimum_cache_hit_rate"),
         cache_hit_of_block_optimum=stats.get("cache_hit_of_block_optimum"),
+        cache_hit_of_optimum=(stats["cached_tokens"] / stats["optimum_cached_tokens"]
+                              if stats.get("optimum_cached_tokens") else None),
         row_queue_s_p50=stats.get("queue_s_p50"), row_prefill_s_p50=stats.get("prefill_s_p50"),
         row_decode_s_p50=stats.get("decode_s_p50"), engine=stats.get("engine"), metrics=stats.get("metrics"))
     engine = stats.get("engine") or {}
@@ -176,6 +183,7 @@ def hf_source(gguf: Path) -> tuple[str, dict]:
     Returns (model source, {"tokenizer": source}) as paths."""
     try:
         import transformers
+
         from engine.hub import cache_root
     except ImportError:
         return str(gguf), {}
@@ -196,7 +204,7 @@ def transformers_available() -> str | None:
 
 
 def run_transformers(prompts_path: Path, gguf: Path, out_json: Path, *, new_tokens: int, batch: int,
-                     labels: tuple[str, ...] = (), timeout: float | None = None) -> dict:
+                     labels: tuple[str, ...] = (), timeout: float | None = None, env: dict | None = None) -> dict:
     why = transformers_available()
     if why:
         return {"system": "transformers", "skipped": why}
@@ -208,7 +216,7 @@ def run_transformers(prompts_path: Path, gguf: Path, out_json: Path, *, new_toke
     if labels:
         cmd += ["--labels", ",".join(labels)]
     res = {"system": "transformers", **run_child(cmd, out_json.with_suffix(".log"), timeout,
-                                                 env={"PYTHONPATH": _pythonpath()})}
+                                                 env={**(env or {}), "PYTHONPATH": _pythonpath()})}
     if res["rc"] != 0:
         res["error"] = f"exit code {res['rc']}" + (" (timed out)" if res["timed_out"] else "") + \
                        f"; log tail:\n{_tail(res['log'])}"
@@ -259,7 +267,8 @@ def transformers_child(argv: list[str]) -> None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(msrc, dtype=torch.float32, **mkw).eval()
     load = time.perf_counter() - t0
-    prompts = [json.loads(line)["prompt"] for line in open(a.prompts, encoding="utf-8") if line.strip()]
+    with open(a.prompts, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     prompts = prompts[: a.limit] if a.limit else prompts
 
     class FirstLogits(LogitsProcessor):
@@ -344,7 +353,7 @@ _LLAMA_LOAD = re.compile(r"model load (?P<load>[\d.]+)s")
 def llamacpp_python(python: str | None = None) -> tuple[str | None, str | None]:
     """(the interpreter that can import llama_cpp, None) or (None, why not)."""
     if python:
-        ok = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+        ok = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, check=False).returncode == 0
         return (python, None) if ok else (None, f"llama-cpp-python not importable by {python}")
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "llama-cpp-python not installed"
@@ -367,7 +376,8 @@ def parse_llamacpp(text: str) -> list[dict]:
 
 
 def run_llamacpp(prompts_path: Path, gguf: Path, log: Path, *, rows: int, new_tokens: int,
-                 python: str | None = None, modes: str = "parallel,prefix", timeout: float | None = None) -> dict:
+                 python: str | None = None, modes: str = "parallel,prefix", timeout: float | None = None,
+                 threads: int | None = None, env: dict | None = None) -> dict:
     """llama.cpp (Q4_1, 2 threads) with all rows as parallel sequences, each mode; the best one
     is the figure. Skipped, with the reason, when llama-cpp-python or the script is missing."""
     script = PEERS_DIR / "llamacpp_batched.py"
@@ -377,8 +387,8 @@ def run_llamacpp(prompts_path: Path, gguf: Path, log: Path, *, rows: int, new_to
     if not script.is_file():
         return {"system": "llama.cpp", "skipped": f"peer script {script} not found"}
     cmd = [py, str(script), "--model", str(gguf), "--data", str(prompts_path), "--ns", str(rows), "--modes", modes,
-           "--n-prompts", str(rows), "--gen", str(new_tokens), "--threads", str(os.cpu_count() or 2)]
-    res = {"system": "llama.cpp", **run_child(cmd, log, timeout)}
+           "--n-prompts", str(rows), "--gen", str(new_tokens), "--threads", str(threads or os.cpu_count() or 2)]
+    res = {"system": "llama.cpp", **run_child(cmd, log, timeout, env)}
     runs = parse_llamacpp(Path(log).read_text(errors="replace"))
     if res["rc"] != 0 or not runs:
         res["error"] = f"exit code {res['rc']}, {len(runs)} result lines; log tail:\n{_tail(log)}"

@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LOADED_CORES = 0.25   # other processes using more than this many cores on average: a loaded machine
+LOADED_CORES = 0.25   # other processes using more cores than this on average: a loaded machine
+ABLATION_NAME = "jobrunner --no-plan --no-prefix-cache"
 
 
 # ------------------------------------------------------------------------------ where it ran
@@ -31,18 +32,13 @@ def machine() -> dict:
     except AttributeError:
         pass
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), None)
+        flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
         info["cpu_flags"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    except OSError:
-        pass
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal"):
-                info["memory_gb"] = round(int(line.split()[1]) / 1024**2, 1)
+        mem = next((ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")), None)
+        if mem:
+            info["memory_gb"] = round(int(mem.split()[1]) / 1024**2, 1)
     except OSError:
         pass
     info["loadavg"] = list(os.getloadavg())
@@ -61,7 +57,7 @@ def versions() -> dict:
     for mod in ("torch", "transformers", "tokenizers", "numpy", "pyarrow", "triton", "llama_cpp"):
         try:
             out[mod] = __import__(mod).__version__
-        except Exception:
+        except Exception:        # not installed, or broken: either way, no version to report
             out[mod] = None
     return out
 
@@ -80,7 +76,8 @@ def git() -> dict:
 
     def cmd(*args):
         try:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10,
+                                  check=False).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = cmd("rev-parse", "HEAD")
@@ -127,10 +124,11 @@ def markdown(result: dict) -> str:
                  f"cores, {m.get('memory_gb', '?')} GB; torch {result.get('versions', {}).get('torch')}, "
                  f"transformers {result.get('versions', {}).get('transformers')}; commit "
                  f"{(g.get('commit') or '?')[:10]}{' (dirty tree)' if g.get('dirty') else ''}  ")
+    lines.append(f"Compute threads per system: {result.get('threads', 'default')}  ")
     lines.append(f"Load: {result.get('load_note', '')}")
     lines.append("")
     lines.append("| case | system | wall s | load s | rows | prompt tok | output tok | prompt tok/s | output tok/s "
-                 "| prefill s / decode s | cache hit (optimum; of block optimum) | peak RSS MB | other load | "
+                 "| prefill s / decode s | cache hit of optimum (reached) | peak RSS MB | other load | "
                  "jobrunner speed-up |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in result.get("cases", []):
@@ -145,8 +143,9 @@ def markdown(result: dict) -> str:
                 continue
             cache = "-"
             if r.get("cache_hit_rate") is not None:
-                cache = f"{_pct(r['cache_hit_rate'])} ({_pct(r.get('optimum_cache_hit_rate'))}; " \
-                        f"{_pct(r.get('cache_hit_of_block_optimum'))})"
+                opt = r.get("optimum_cache_hit_rate")
+                reached = r["cache_hit_rate"] / opt if opt else None
+                cache = f"{_pct(r['cache_hit_rate'])} of {_pct(opt)} ({_pct(reached)})"
             split = f"{_f(r.get('prefill_s'))} / {_f(r.get('decode_s'))}" if r.get("prefill_s") is not None else "-"
             ratio = case.get("speedups", {}).get(name)
             lines.append(
@@ -155,8 +154,11 @@ def markdown(result: dict) -> str:
                 f"{_f(r.get('prompt_tokens_per_s'))} | {_f(r.get('output_tokens_per_s'))} | {split} | {cache} | "
                 f"{_f(r.get('peak_rss_mb'), 0)} | {_f(r.get('other_load_cores'), 2)} | "
                 f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    extra = [c for c in result.get("comparisons", [])]
+    extra = list(result.get("comparisons", []))
     if extra:
+        if result.get("load_loaded"):
+            lines += ["", "**From a loaded machine**: the issues' targets assume a quiet one; compare ratios "
+                          "measured side by side, not absolute times."]
         lines += ["", "| comparison | figure |", "|---|---|"]
         for c in extra:
             lines.append(f"| {c['name']} | {c['text']} |")
@@ -174,10 +176,13 @@ def markdown(result: dict) -> str:
         lines.append(f"- PROBLEM: {p}")
     for n in result.get("notes", []):
         lines.append(f"- note: {n}")
+    for p in result.get("plots", []):
+        lines.append(f"- plot: {p}")
     lines += ["", "Columns: wall excludes model load (load s). Tokens/s are over that wall. Prefill/decode: "
               "jobrunner, time with at least one prompt in prefill vs the rest; transformers, time to each batch's "
               "first logits vs the rest. Cache hit: share of prompt tokens served from the prefix cache, against "
-              "the best any cache could do for this dataset and against the block-granular optimum. Other load: "
+              "the best any cache could do for this dataset (every repeated prefix token cached), and the share "
+              "of that optimum reached. Other load: "
               "cores used by other processes during the run (0 = quiet). Speed-up: this system's wall / "
               "jobrunner's wall on the same case.", ""]
     return "\n".join(lines)
@@ -195,21 +200,20 @@ def plots(result: dict, stem: Path) -> tuple[list[str], list[str]]:
         return [], ["plots skipped: matplotlib is not installed (pip install -e '.[plots]')"]
     paths = []
     cases = [c for c in result.get("cases", []) if not c.get("scaling")]
-    systems = []
+    systems = {}      # system -> legend label (transformers' batch size may differ between cases)
     for c in cases:
         for r in c.get("runs", []):
-            label = r.get("label", r.get("system"))
-            if label not in systems and r.get("wall_s"):
-                systems.append(label)
+            if r.get("wall_s") and r.get("system") not in systems:
+                systems[r["system"]] = ABLATION_NAME if r["system"] == "ablation" else r["system"]
     if cases and systems:
         fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(cases) + 4), 4.5))
         width = 0.8 / len(systems)
         for metric, ax, title in (("total_tokens_per_s", axes[0], "prompt + output tokens/s"),
                                   ("wall_s", axes[1], "wall seconds (model load excluded)")):
-            for k, label in enumerate(systems):
+            for k, (system, label) in enumerate(systems.items()):
                 vals = []
                 for c in cases:
-                    run = next((r for r in c["runs"] if r.get("label", r.get("system")) == label), {})
+                    run = next((r for r in c["runs"] if r.get("system") == system), {})
                     vals.append(run.get(metric) or 0)
                 ax.bar([i + k * width for i in range(len(cases))], vals, width, label=label)
             ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(cases))])
@@ -217,7 +221,8 @@ def plots(result: dict, stem: Path) -> tuple[list[str], list[str]]:
             ax.set_title(title)
             ax.set_yscale("log")
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"suite {result['suite']}: {result.get('load_note', '')[:90]}", fontsize=8)
+        fig.suptitle(f"suite {result['suite']}, {result.get('threads', 'default')} thread(s): "
+                     f"{result.get('load_note', '').split(';')[0]}", fontsize=8)
         fig.tight_layout()
         path = f"{stem}-throughput.png"
         fig.savefig(path, dpi=110)
@@ -267,9 +272,13 @@ def save(result: dict, results_dir: str | Path) -> dict:
 
 
 def rerender(path: str | Path) -> dict:
+    """Table and plots of a saved result again (e.g. once matplotlib is installed); updates its JSON."""
     result = json.loads(Path(path).read_text())
     stem = Path(str(path)).with_suffix("")
     pngs, notes = plots(result, stem)
+    result["plots"] = [os.path.basename(p) for p in pngs]
+    result["notes"] = [n for n in result.get("notes", []) if not n.startswith("plots skipped")] + notes
+    Path(path).write_text(json.dumps(result, indent=1, default=str))
     md = Path(f"{stem}.md")
     md.write_text(markdown(result))
     sys.stdout.write(markdown(result) + "\n")

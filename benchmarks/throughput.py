@@ -140,6 +140,7 @@ def measure_copy_bandwidth(device) -> float:
 
 def run_ours(args, work) -> dict:
     import torch
+
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import Request, SamplingParams
@@ -147,7 +148,7 @@ def run_ours(args, work) -> dict:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                       enable_prefix_caching=not args.no_prefix_cache, seed=args.seed)
+                       enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load = time.perf_counter() - t0
@@ -187,9 +188,10 @@ def run_ours(args, work) -> dict:
         0 if rt.model_config.tie_word_embeddings else unit["head_params"])
     arith = model_arith(rt.model_config, rt.weight_bytes / unique, rt.kv_dtype.itemsize)
     peak_tf, peak_bw = peaks(args, rt.device)
+    done = min(1.0, (done_prompt + c.generated_tokens) / planned)
     out = figures(elapsed=elapsed, prompt_done=done_prompt, prompt_computed=c.prompt_tokens_computed,
                   generated=c.generated_tokens, steps=c.steps, requests=finished, work=work, arith=arith,
-                  peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=min(1.0, (done_prompt + c.generated_tokens) / planned))
+                  peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=done)
     out.update(engine="jobrunner", model=args.model, device=str(rt.device), dtype=str(rt.dtype).replace("torch.", ""),
                kv_blocks=rt.num_blocks, load_s=load, warmup_s=warm_s, truncated=truncated,
                preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached)
@@ -206,13 +208,16 @@ def run_transformers(args, work) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if args.threads and device.type == "cpu":
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.model.startswith("dummy:"):
         spec = args.model[len("dummy:"):]
         if spec in DUMMY_CONFIGS:
             hf = dict(DUMMY_CONFIGS[spec])
         else:
-            hf = json.loads(open(spec if spec.endswith(".json") else f"{spec}/config.json").read())
+            with open(spec if spec.endswith(".json") else f"{spec}/config.json") as f:
+                hf = json.load(f)
         hf.pop("architectures", None)
         conf = transformers.AutoConfig.for_model(hf.pop("model_type", "llama"), **hf)
         with torch.device(device):
@@ -276,8 +281,9 @@ def summary_line(r: dict) -> str:
             f"{r['elapsed_s']:.1f}s{' (TRUNCATED by --time-limit)' if r.get('truncated') else ''} | "
             f"output {r['output_tokens_per_s']:,.0f} tok/s | total {r['total_tokens_per_s']:,.0f} tok/s | "
             f"MFU {100 * r['mfu']:.1f}% ({100 * r['mfu_with_attention']:.1f}% with attention) of "
-            f"{r['peak_tflops']:g} TFLOP/s | bandwidth ~{r['achieved_bandwidth_tbps']:.3f} TB/s "
-            f"({100 * r['bandwidth_fraction']:.0f}% of {r['peak_bandwidth_tbps']:.3g}) | load {r['load_s']:.1f}s")
+            f"{r['peak_tflops']:g} TFLOP/s | bandwidth ~{1000 * r['achieved_bandwidth_tbps']:,.1f} GB/s "
+            f"({100 * r['bandwidth_fraction']:.0f}% of {1000 * r['peak_bandwidth_tbps']:,.0f}) "
+            f"| load {r['load_s']:.1f}s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--threads", type=int, help="CPU compute threads (default: torch's, one per core)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before timing (0: none)")
     ap.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: run all)")
     ap.add_argument("--hf-batch", type=int, default=64, help="transformers: prompts per generate call")

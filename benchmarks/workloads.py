@@ -223,7 +223,7 @@ def evaluation(tok, n: int = 64, seed: int = 17) -> Workload:
     rows = []
     for i in range(n):
         pos = rng.randint(0, 6)
-        neg = rng.choice([k for k in range(0, 7) if k != pos])
+        neg = rng.choice([k for k in range(7) if k != pos])
         words = rng.choices(_POS, k=pos) + rng.choices(_NEG, k=neg) + rng.choices(_NEUTRAL, k=rng.randint(6, 20))
         rng.shuffle(words)
         rows.append({"id": f"e{i:03d}", "prompt": head + f"Review: {' '.join(words)}\nSentiment:",

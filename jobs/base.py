@@ -21,8 +21,10 @@ class PromptBuilder:
 
     def messages(self, data: dict) -> list[dict] | None:
         """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
-        if "messages" in data and isinstance(data.get("params"), dict):          # OpenAI batch rows
-            return _check_messages(data["messages"])
+        if isinstance(data.get("params"), dict):          # an OpenAI batch row
+            if data.get("messages") is not None:            # /v1/chat/completions
+                return _check_messages(data["messages"])
+            return None                                     # /v1/completions: a raw prompt
         if self.cfg.messages_column:
             return _check_messages(data.get(self.cfg.messages_column))
         text = self.text(data)

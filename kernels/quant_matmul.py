@@ -63,7 +63,8 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """[N, K] int8, [N, K // G] -> [N, K] dtype; computed in float32, rounded once."""
     n, k = qweight.shape
     groups = scales.shape[1]
-    w = qweight.view(n, groups, k // groups).float() * scales.float()[..., None]
+    # int8 * float32 promotes to float32 in one pass (no separate int8 -> float copy)
+    w = torch.mul(qweight.view(n, groups, k // groups), scales.float()[..., None])
     return w.view(n, k).to(dtype)
 
 
@@ -87,8 +88,8 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
     For GGUF Q4_1 this is bit for bit what engine.gguf.dequantize computes."""
     n = packed.shape[0]
-    q = unpack_int4(packed, group_size).view(n, -1, group_size).float()
-    w = q.mul_(scales.float()[..., None]).add_(zeros.float()[..., None]).view(n, -1)
+    q = unpack_int4(packed, group_size).view(n, -1, group_size)
+    w = torch.mul(q, scales.float()[..., None]).add_(zeros.float()[..., None]).view(n, -1)
     if in_features is not None and in_features != w.shape[1]:
         w = w[:, :in_features]
     return w.to(dtype)
@@ -270,7 +271,7 @@ def w8a8_matmul_int_mm(x, qweight, scales, bias=None):
     if x.is_cuda and m <= 16:      # CUDA _int_mm wants more than 16 rows
         xq = F.pad(xq, (0, 0, 0, 17 - m))
     acc = torch._int_mm(xq, qweight.t())[:m]          # [M, N] int32
-    y = acc.float().mul_(xs).mul_(scales.view(1, n).float())
+    y = torch.mul(acc, xs).mul_(scales.view(1, n))    # int32 * float32 -> float32: two passes over [M, N]
     if bias is not None:
         y.add_(bias.float())
     return y.to(x.dtype).view(*x.shape[:-1], n)

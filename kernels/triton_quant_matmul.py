@@ -72,6 +72,7 @@ def _int4_matmul_kernel(
     M, N, K, num_groups,
     stride_xm, stride_pn, stride_sn, stride_zn, stride_ym,
     HALF: tl.constexpr,           # group size / 2
+    SUB: tl.constexpr,            # bytes of a group taken per dot (divides HALF; bounds registers)
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -79,21 +80,25 @@ def _int4_matmul_kernel(
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rh = tl.arange(0, HALF)
+    rh = tl.arange(0, SUB)
     m_ok = rm < M
     n_ok = rn < N
     rn64 = rn.to(tl.int64)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     xdt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(num_groups):
-        b = tl.load(p_ptr + rn64[None, :] * stride_pn + (g * HALF + rh)[:, None],
-                    mask=n_ok[None, :], other=0)                                          # [HALF, BN] uint8
+    # one flat loop over (group, slice of SUB bytes): no unrolled inner loop, so big groups
+    # don't multiply the registers software pipelining needs
+    for t in range(num_groups * (HALF // SUB)):
+        g = t // (HALF // SUB)
+        j = tl.multiple_of((t % (HALF // SUB)) * SUB, SUB) + rh                            # bytes in the group
         s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         z = tl.load(z_ptr + rn64 * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        b = tl.load(p_ptr + rn64[None, :] * stride_pn + (g * HALF + j)[:, None],
+                    mask=n_ok[None, :], other=0)                                          # [SUB, BN] uint8
         w_lo = ((b & 15).to(tl.float32) * s + z).to(xdt)
         w_hi = ((b >> 4).to(tl.float32) * s + z).to(xdt)
-        k_lo = g * 2 * HALF + rh
+        k_lo = g * 2 * HALF + j
         k_hi = k_lo + HALF
         x_lo = tl.load(x_rows + k_lo[None, :], mask=m_ok[:, None] & (k_lo < K)[None, :], other=0.0)
         x_hi = tl.load(x_rows + k_hi[None, :], mask=m_ok[:, None] & (k_hi < K)[None, :], other=0.0)
@@ -109,8 +114,13 @@ def _int4_matmul_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Chosen so the sm_90 builds spill no registers
+    (python -m benchmarks.quant_report --compile-check); float32 (IEEE, no tensor cores) smaller."""
+    if dtype == torch.float32:
+        return 16, 32, 32, 4
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return bm, 64, 32, 4
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,13 +157,13 @@ def int8_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=device)
     if m and n:
-        bm, bn = _block_m(m), 64
-        bk = min(group, 64) if group else 64
+        bm, bn, bk, warps = _tiles(m, x.dtype)
+        bk = min(group, bk) if group else bk
         launch(_int8_matmul_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), device,
                x2, qweight, scales, bias if bias is not None else scales, y, m, n, k,
                x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
                GROUP=group, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y.view(*x.shape[:-1], n)
 
 
@@ -181,10 +191,10 @@ def int4_matmul_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=device)
     if m and n:
-        bm, bn = _block_m(m), 64
+        bm, bn, sub, warps = _tiles(m, x.dtype)
         launch(_int4_matmul_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), device,
                x2, packed, scales, zeros, bias if bias is not None else scales, y, m, n, k, groups,
                x2.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
-               HALF=group_size // 2, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-               BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+               HALF=group_size // 2, SUB=min(sub, group_size // 2), HAS_BIAS=bias is not None,
+               IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return y.view(*x.shape[:-1], n)

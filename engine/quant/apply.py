@@ -5,7 +5,7 @@ What each scheme quantizes (decoder linears = qkv_proj, o_proj, gate_up_proj, do
     scheme  decoder linears                      embedding + lm_head
     int8    Int8Linear, per channel              int8 (QuantEmbedding; a tied lm_head shares it)
     int4    Int4Linear, group 32 (or 64, 128)    int8 (as int8)
-    w8a8    W8A8Linear                           int8 per row; lm_head W8A8Linear
+    w8a8    W8A8Linear, after SmoothQuant        int8 per row; lm_head W8A8Linear
     fp8     Fp8Linear                            left in the model dtype
 
 The embedding and lm_head are int8 even under int4: SmolLM2-135M's tied 49152 x 576
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
-from engine.quant import formats
+from engine.quant import formats, smooth
 from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
 from kernels import quant_matmul as qm
 
@@ -84,12 +84,14 @@ def w8a8_backend(device: torch.device) -> tuple[str, int]:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_name: str | None = None,
-                   quantize_lm_head: bool | None = None) -> nn.Module:
+                   quantize_lm_head: bool | None = None, smooth_alpha: float | None = smooth.ALPHA) -> nn.Module:
     """Swaps `model`'s modules in place for quantized ones (see the module doc); returns model.
 
     bundle: the ModelBundle the model was loaded from; with a GGUF bundle, Q4_0/Q4_1/Q8_0 tensors
     load straight from the file. w8a8_backend_name: "int_mm" | "fbgemm" | "ref" (default: the
-    fastest exact one here). quantize_lm_head: default True for int8/int4/w8a8, False for fp8."""
+    fastest exact one here). quantize_lm_head: default True for int8/int4/w8a8, False for fp8.
+    smooth_alpha: w8a8 only: SmoothQuant strength (engine/quant/smooth.py), calibrated on a short
+    built-in text with the bundle's tokenizer; None (or no bundle) skips it."""
     name, group = parse_scheme(scheme)
     if name == "none":
         return model
@@ -102,6 +104,9 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
         if w8a8_backend_name is not None:
             backend, qmax = w8a8_backend_name, (qmax if w8a8_backend_name == "int_mm" else 127)
     rowwise = name == "fp8" and torch.cuda.get_device_capability(device) >= (9, 0)
+    if name == "w8a8" and smooth_alpha is not None and getattr(bundle, "tokenizer", None) is not None:
+        ids = smooth.calibration_ids(bundle.tokenizer)
+        smooth.smooth_model(model, smooth.input_amax(model, ids), smooth_alpha)
 
     def make(full: str, lin: nn.Linear) -> nn.Module:
         w, bias = lin.weight, lin.bias

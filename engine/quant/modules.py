@@ -136,11 +136,12 @@ class W8A8Linear(QuantLinear):
         return super().__getattr__(name)
 
     def forward(self, x):
-        if self.backend == "int_mm":
+        if self.backend == "int_mm" and not (x.is_cuda and (self.in_features % 8 or self.out_features % 8)):
+            # (cuBLASLt's int8 GEMM wants K and N multiples of 8)
             return qm.w8a8_matmul_int_mm(x, self.qweight, self.scales, self.bias)
         if self.backend == "fbgemm":
             return qm.w8a8_matmul_fbgemm(x, self._packed, self.out_features)
-        return self.forward_ref(x)
+        return qm.w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def forward_ref(self, x):
         if self.backend == "fbgemm":
