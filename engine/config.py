@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-CPU_KV_CACHE_BYTES = 512 * 1024**2  # fixed CPU budget; GPUs size from free memory
+CPU_KV_CACHE_BYTES = 2 * 1024**3  # fixed CPU budget (about 46k tokens of the default model); GPUs size from free memory
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def _job_options(f):
                      default=D.quantization, show_default=True),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=D.kv_cache_dtype,
                      show_default=True),
-        click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 512MiB on CPU, "
+        click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "
                                                "a share of free GPU memory)."),
         click.option("--block-size", type=int, default=D.block_size, show_default=True),
         click.option("--max-num-seqs", type=int, default=D.max_num_seqs, show_default=True),

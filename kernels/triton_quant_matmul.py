@@ -115,8 +115,10 @@ def _int4_matmul_kernel(
 
 
 def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Chosen so the sm_90 builds spill no registers
-    (python -m benchmarks.quant_report --compile-check); float32 (IEEE, no tensor cores) smaller."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps); int4 takes BLOCK_K as its bytes per dot. Checked by
+    compiling for sm_90 (python -m benchmarks.quant_report --compile-check): no register spills
+    for int8 and int4 g32 (GGUF's group); int4 g64/g128 spill up to 16 bytes. Untimed: no GPU
+    was available; float32 (IEEE, no tensor cores) gets smaller tiles."""
     if dtype == torch.float32:
         return 16, 32, 32, 4
     bm = 16 if m <= 16 else 32 if m <= 32 else 64

@@ -98,7 +98,7 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     check_quantization(scheme, device, dtype)
-    raw = _raw_tensors(bundle)
+    raw = _raw_tensors(bundle) if name in ("int8", "int4") else {}   # GGUF blocks only map onto these
     if name == "w8a8":
         backend, qmax = w8a8_backend(device)
         if w8a8_backend_name is not None:
