@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul, store_kv
+from kernels.kv_int8 import store_kv_int8
 from kernels.rotary import inverse_frequencies, rotary_cos_sin
 
 
@@ -48,9 +49,14 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        if len(kv_cache) == 4:      # 8-bit cache: int8 values, a float32 scale per token and head
+            k_cache, v_cache, k_scale, v_scale = kv_cache
+            store_kv_int8(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
+        else:
+            k_cache, v_cache = kv_cache
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -53,15 +53,21 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V; an int8 cache
+        # adds float32 scales [num_blocks, block_size, num_kv_heads] (layout in kernels/kv_int8.py)
+        zeros = lambda shp, dt: torch.zeros(shp, dtype=dt, device=self.device)
+        if kv_dtype == torch.int8:
+            self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype), zeros(shape[:3], torch.float32),
+                               zeros(shape[:3], torch.float32)) for _ in range(cfg.num_layers)]
+        else:
+            self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
         self.generators: dict[tuple[str, int], torch.Generator] = {}   # (request id, sample index)
         self.sliding_window = cfg.sliding_window
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
 
     def generator(self, seq) -> torch.Generator:
         """One generator per sample, seeded from the request's seed: the same seed gives the same
@@ -148,6 +154,6 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        for layer in self.kv_caches:
+            for t in layer:
+                t.index_copy_(0, dst, t.index_select(0, src))

@@ -49,10 +49,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return dtype
+    if name == "int8":
+        return torch.int8
+    if name == "fp8":
+        raise ConfigError("--kv-cache-dtype fp8 is not supported yet; use int8 (same size, works on CPU and GPU)")
+    raise ConfigError(f"unknown --kv-cache-dtype {name!r}; choose auto or int8")
+
+
 def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     t0 = time.perf_counter()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     if config.quantization != "none":  # quantization: refuse an impossible scheme before loading anything
         from engine.quant import check_quantization
         check_quantization(config.quantization, device, dtype)
@@ -66,7 +77,6 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
         from engine.quant import quantize_model
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
-    kv_dtype = dtype
     per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype)
     budget = config.kv_cache_memory or _default_kv_budget(device, config)
     num_blocks = budget // per_block

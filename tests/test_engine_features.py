@@ -89,3 +89,17 @@ def test_bad_requests_finish_with_errors_not_exceptions(engine):
     ])
     assert [o.finish_reason for o in outs] == ["error", "error", "error", "length"]
     assert "context" in outs[2].error and outs[3].error is None
+
+
+def test_int8_kv_cache_doubles_capacity_and_keeps_greedy_output(model):
+    base = engine_for(model)
+    q = engine_for(model, kv_cache_dtype="int8")
+    assert q.rt.num_blocks > 1.9 * base.rt.num_blocks * 64 / (64 + 16)   # head_dim 24 here: scales cost more
+    batch = prompts(10, lengths=(7, 30, 15))
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in base.generate([Request(str(i), ids, p) for i, ids in enumerate(batch)])]
+    got = [o.token_ids for o in q.generate([Request(str(i), ids, p) for i, ids in enumerate(batch)])]
+    same = sum(a == b for a, b in zip(ref, got))
+    assert same >= 2
+    with pytest.raises(Exception, match="fp8"):
+        engine_for(model, kv_cache_dtype="fp8")
