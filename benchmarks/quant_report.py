@@ -22,6 +22,8 @@ path (torch._int_mm) where this CPU has one. Writes a Markdown table to stdout a
 """
 from __future__ import annotations
 
+from jobrunner.planner import lcp
+
 import argparse
 import gc
 import math
@@ -186,20 +188,11 @@ def run(args) -> list[Row]:
             base = m
         same = [a == b for a, b in zip(m["greedy"], base["greedy"])]
         row.agree = sum(same) / len(same)
-        row.prefix = sum(_common_prefix(a, b) / max(len(b), 1) for a, b in zip(m["greedy"], base["greedy"])) / len(same)
+        row.prefix = sum(lcp(a, b) / max(len(b), 1) for a, b in zip(m["greedy"], base["greedy"])) / len(same)
         row.ppl, row.wall_tps, row.cpu_tps = m["ppl"], m["wall_tps"], m["cpu_tps"]
         rows.append(row)
         print(f"{label}: {row}", flush=True)
     return rows
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _load() -> str:
