@@ -49,10 +49,9 @@ def dequantize_kv_int8_ref(cache: torch.Tensor, scale: torch.Tensor, dtype: torc
 
 
 def paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float) -> torch.Tensor:
-    """Attention over an int8 cache: dequantize, then the float reference."""
+    """Attention over an int8 cache: the float reference, dequantizing only the blocks it gathers."""
     from kernels.attention import paged_attention_ref
-    return paged_attention_ref(q, dequantize_kv_int8_ref(k_cache, k_scale, q.dtype),
-                               dequantize_kv_int8_ref(v_cache, v_scale, q.dtype), meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def store_kv_int8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
