@@ -16,7 +16,7 @@ WORDS = "alpha beta gamma delta river stone cloud paper orange window garden sil
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     rng = random.Random(5)
-    prefixes = [f"Instruction set {k}: " + " ".join(rng.choices(WORDS, k=70)) for k in range(12)]
+    prefixes = [f"Instruction set {k}: " + " ".join(rng.choices(WORDS, k=70)) for k in range(20)]
     rows = [{"id": f"{k}-{j}", "prompt": p + "\nInput: " + " ".join(rng.choices(WORDS, k=6))}
             for k, p in enumerate(prefixes) for j in range(3)]
     rng.shuffle(rows)
