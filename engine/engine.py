@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from engine.config import EngineConfig
 from engine.kv_manager import KVCacheManager

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
-import time
 from dataclasses import dataclass
 
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import JobConfig
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.progress import Progress
 from jobrunner.stats import JobStats

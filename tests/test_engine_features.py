@@ -1,5 +1,4 @@
 """Sampling, stops, classification and scoring on tiny random models, against transformers where it applies."""
-import math
 
 import pytest
 import torch
