@@ -80,7 +80,9 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.hash is not None:
             return
-        block.hash, block.parent, block.tokens = block_hash, parent, tokens
+        # Registered as it is being written: its new tokens are not computed before this step ends
+        # (a partial block computed earlier would otherwise pass as a complete copy source).
+        block.hash, block.parent, block.tokens, block.computed = block_hash, parent, tokens, False
         if self.by_hash.setdefault(block_hash, block_id) == block_id:
             self.children.setdefault(parent, set()).add(block_id)
         else:   # a duplicate of an indexed block: not a match candidate
@@ -94,7 +96,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.hash is not None:
             return
-        block.parent, block.tokens = parent, tokens
+        block.parent, block.tokens, block.computed = parent, tokens, False   # written this step
         self.children.setdefault(parent, set()).add(block_id)
 
     def following(self, parent: int) -> list[Block]:

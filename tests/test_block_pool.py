@@ -86,6 +86,23 @@ def test_partial_block_reused_by_copy():
     assert kv.match_prefix(seq([100, 101, 102, 103, 104, 0]), 5).partial == (5, 1)
 
 
+def test_partial_source_never_claims_tokens_still_being_written():
+    """A's first chunk writes 6 slots of block 1; its next chunk fills the block (and registers it)
+    in the step where B is admitted: B may copy only the 6 slots already computed."""
+    kv = KVCacheManager(8, block_size=4)
+    a = seq(range(16))
+    kv.admit(a, PrefixMatch([]))
+    kv.allocate(a, 6)
+    kv.end_step()
+    a.num_computed_tokens = 6
+    kv.allocate(a, 4)                              # this step: block 1 becomes full and registered
+    b = seq([0, 1, 2, 3, 4, 5, 6, 50, 51])        # shares 7 tokens: block 0 and 3 tokens of block 1
+    match = kv.match_prefix(b, 8)
+    assert match.blocks == [0] and match.partial is None   # slot 6 of block 1 is written this step
+    kv.end_step()
+    assert kv.match_prefix(b, 8).partial == (1, 3)
+
+
 def test_short_prompt_partial_block_is_indexed():
     kv = KVCacheManager(8, block_size=4)
     s1 = seq(range(6))                            # ends part way into its second block

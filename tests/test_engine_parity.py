@@ -62,3 +62,22 @@ def test_prefix_cache_hits_and_same_output():
     assert engine.counters.prompt_tokens_computed == sum(map(len, batch)) - 64
     ref = [hf_greedy(model, ids, 8)[0] for ids in batch]
     assert [o.token_ids for o in outs] == ref
+
+
+@pytest.mark.parametrize("budget", [5, 24, 256])
+def test_shared_prefixes_with_chunked_prefill_and_partial_blocks(budget):
+    """Prompts sharing 20-28 tokens (full and partial blocks), prefilled in chunks: the prefix cache,
+    its partial-block copies included, must not change a single token. (Budget 24 once copied a
+    partial block whose newest tokens were still being written in the same step.)"""
+    model = hf_model("llama")
+    base = prompts(11, lengths=(28,))[0]
+    batch = sorted([base + s for s in prompts(12, lengths=(9, 14, 3, 11))] + [base[:20] + [7, 7]])
+    ref = _run(engine_for(model, enable_prefix_caching=False), batch, 10)
+    engine = engine_for(model, max_num_batched_tokens=budget, max_num_seqs=2)
+    for _ in range(2):                       # the second round runs from a warm cache
+        outs = _run(engine, batch, 10)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        for o, r in zip(outs, ref):
+            got, want = [x.logprob for x in o.completions[0].logprobs], [x.logprob for x in r.completions[0].logprobs]
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert engine.counters.prompt_tokens_cached > 0

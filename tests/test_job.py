@@ -185,3 +185,13 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
         assert r.returncode == EXIT_CONFIG, (args, r.stderr)
         assert "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "o" / "part-00000.parquet")
+
+
+def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine, tmp_path):
+    from jobrunner.checks import load_engine
+    ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
+    other = load_engine(JobConfig("unused", max_batched_tokens=24, max_num_seqs=2))
+    for params in (dict(), dict(temperature=0.9, top_p=0.95, seed=3)):
+        runs = [results(run(eng, ds, output=str(tmp_path / f"o{i}-{len(params)}"), max_tokens=12, **params).output)
+                .sort("id")["output"].to_list() for i, eng in enumerate((engine, engine, other))]
+        assert runs[0] == runs[1] == runs[2], params
