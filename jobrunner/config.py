@@ -3,7 +3,7 @@ over these defaults) and validated before any work starts."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 
@@ -64,7 +64,6 @@ class JobConfig:
     device_hourly_cost: float | None = None
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
     limit: int | None = None                # only the first N rows (for trying a job out)
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -85,7 +84,7 @@ class JobConfig:
     def fingerprint_fields(self) -> dict:
         """What decides the rows' outputs: a different value refuses to resume into the same output."""
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
-                "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "kv_cache_memory", "limit", "extra",
+                "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "kv_cache_memory", "limit",
                 "device", "block_size"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
