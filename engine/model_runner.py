@@ -27,25 +27,6 @@ class RunnerOutput:
     num_tokens: int = 0
 
 
-@dataclass
-class _Sample:
-    """The k-th sample drawn at a parent's first sampling event (n > 1): the child it becomes."""
-    parent: object
-    k: int
-
-    @property
-    def request_id(self):
-        return self.parent.request_id
-
-    @property
-    def sample_index(self):
-        return self.parent.sample_index + self.k
-
-    @property
-    def seed(self):
-        return self.parent.seed
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
         self.model = model
@@ -69,12 +50,12 @@ class ModelRunner:
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
 
-    def generator(self, seq) -> torch.Generator:
+    def generator(self, request_id: str, sample_index: int, seed: int) -> torch.Generator:
         """One generator per sample, seeded from the request's seed: the same seed gives the same
         samples whatever else runs, and two requests never share a stream."""
-        key = (seq.request_id, seq.sample_index)
+        key = (request_id, sample_index)
         if key not in self.generators:
-            self.generators[key] = make_generator(seq.seed * 1_000_003 + seq.sample_index, self.device)
+            self.generators[key] = make_generator(seed * 1_000_003 + sample_index, self.device)
         return self.generators[key]
 
     def release(self, seq) -> None:
@@ -132,8 +113,8 @@ class ModelRunner:
                 continue
             for k in range(seq.fork_samples):
                 gen = None
-                if seq.sampling.temperature > 0:
-                    gen = self.generator(seq) if k == 0 else self.generator(_Sample(seq, k))
+                if seq.sampling.temperature > 0:   # sample k of a parent's first draw becomes child k
+                    gen = self.generator(seq.request_id, seq.sample_index + k, seq.seed)
                 rows.append(SampleRow(i, seq.sampling, gen))
                 owners.append(seq.seq_id)
         tokens, logprobs = sample(logits, rows)
