@@ -36,17 +36,9 @@ from kernels.triton_kv_cache import store_kv_triton  # noqa: E402
 from kernels.triton_norm import rms_norm_triton  # noqa: E402
 from kernels.triton_rotary import apply_rotary_triton  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-cuda_only = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))
+from tests.kernel_cases import HAS_CUDA, cuda_only, device_dtype_cases  # noqa: E402
 
-# (device, dtype): CPU runs in the interpreter; CUDA cases are skipped without a GPU.
-CASES = [
-    pytest.param("cpu", torch.float16, id="cpu-fp16"),
-    pytest.param("cpu", torch.float32, id="cpu-fp32"),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=cuda_only),
-    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=cuda_only),
-    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=cuda_only),
-]
+CASES = device_dtype_cases(cuda_fp32=True)
 # Elementwise ops: the kernels round like the references, so about one ulp apart.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

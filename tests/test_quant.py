@@ -24,14 +24,9 @@ from engine.quant import (Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A
 from engine.quant import formats  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-cuda_only = (pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))
-CASES = [
-    pytest.param("cpu", torch.float16, id="cpu-fp16"),
-    pytest.param("cpu", torch.float32, id="cpu-fp32"),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=cuda_only),
-    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=cuda_only),
-]
+from tests.kernel_cases import HAS_CUDA, device_dtype_cases  # noqa: E402
+
+CASES = device_dtype_cases(cuda_fp32=False)
 # Kernel vs reference: the same dequantized weights, float32 accumulation on both sides; the
 # reference's matmul may round differently in float16/bfloat16.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=5e-3),
