@@ -153,7 +153,7 @@ def test_kill_9_then_resume_every_id_once(default_gguf_path, tmp_path):
     rows = [{"id": f"k{i:03d}", "prompt": f"Count from {i} to {i + 20}, separated by commas."} for i in range(12)]
     ds = write_jsonl(tmp_path / "k.jsonl", rows)
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "16", "--ignore-eos",
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "32", "--ignore-eos",
            "--part-rows", "2", "--max-num-seqs", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
