@@ -7,29 +7,44 @@
 #
 #   bash benchmarks/gpu_check.sh                    # GPU machine; logs and JSON in $OUT/gpu-<stamp>/
 #                                                   # (or benchmarks/results/gpu-<stamp>/ without $OUT)
+#   GPU_CHECK_MODE=quick bash benchmarks/gpu_check.sh  # a first look: shorter runs, a torch.profiler table
 #   GPU_CHECK_SMALL=1 bash benchmarks/gpu_check.sh  # the same steps at toy sizes on any machine
 #
-# Ends with a compact summary (also in summary.txt); exit status 0 when every part passed.
+# One log per part (each throughput log ends with its figures as a JSON line): at most 8 files, what
+# the device tool brings back. Ends with a compact summary (also in summary.txt); exit status 0 when
+# every part passed.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 DIR=${OUT:-benchmarks/results}/gpu-$STAMP
 mkdir -p "$DIR"
-BUDGET=${GPU_CHECK_BUDGET:-450}          # seconds for all parts together (8 minutes = 480)
+BUDGET=${GPU_CHECK_BUDGET:-460}          # seconds for all parts together (8 minutes = 480)
 T0=$(date +%s)
 FAILED=0
 : > "$DIR/summary.txt"
 
-if [ -n "${GPU_CHECK_SMALL:-}" ]; then    # toy sizes: checks the script itself, e.g. on a CPU machine
-  MODEL=dummy:smollm2-135m; A="--num-prompts 8 --input-len 32 --output-len 8"
-  B="--num-prompts 8 --input-len 16:64 --output-len 4:8"; HF="--num-prompts 4 --input-len 32 --output-len 8"
-  L_TEST=120; L_A=150; TL_A=60; L_B=150; TL_B=60; L_HF=150; TL_HF=60
-else
-  MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
-  B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
-  L_TEST=90; L_A=100; TL_A=55; L_B=140; TL_B=85; L_HF=80; TL_HF=35
-fi
+# Sizes: full (default), quick (a first look: short runs and a profile), small (toy sizes, any machine).
+MODE=${GPU_CHECK_MODE:-full}
+[ -n "${GPU_CHECK_SMALL:-}" ] && MODE=small
+case $MODE in
+  small)
+    MODEL=dummy:smollm2-135m; A="--num-prompts 8 --input-len 32 --output-len 8"
+    B="--num-prompts 8 --input-len 16:64 --output-len 4:8"; HF="--num-prompts 4 --input-len 32 --output-len 8"
+    L_TEST=300; L_A=150; TL_A=60; L_B=150; TL_B=60; L_E=150; TL_E=60; L_HF=150; TL_HF=60; PROF="--profile-steps 2" ;;
+  quick)
+    MODEL=dummy:llama-3.1-8b; A="--num-prompts 300 --input-len 256 --output-len 256"
+    B="--num-prompts 300 --input-len 1024 --output-len 512"; HF="--num-prompts 32 --input-len 256 --output-len 64"
+    L_TEST=150; L_A=75; TL_A=25; L_B=60; TL_B=15; L_E=50; TL_E=12; L_HF=45; TL_HF=15
+    PROF="--profile-steps 3 --profile-after 60" ;;
+  *)
+    MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
+    B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
+    L_TEST=120; L_A=100; TL_A=55; L_B=130; TL_B=80; L_E=50; TL_E=15; L_HF=70; TL_HF=30; PROF="" ;;
+esac
+# 256/256: every prompt fits in the KV cache at once; 1024/512: ~500 do, more would be preempted.
+A="$A --max-num-seqs 1024 --max-batched-tokens 8192"
+B="$B --max-num-seqs 512 --max-batched-tokens 8192"
 
 note() { echo "$*" | tee -a "$DIR/summary.txt"; }
 
@@ -70,20 +85,21 @@ else:
     print("GPU: none visible (CPU run)")
 '
 
-# GPU tests: the test files that have any (collecting every file would fail on modules that need polars)
+# GPU tests: the test files that have any (collecting every file would fail on modules that need polars);
+# several pytest workers when pytest-xdist is there (Triton compiles are CPU bound)
 GPU_TESTS=$(grep -l -E "mark\.gpu|cuda_only" tests/test_*.py 2>/dev/null | tr '\n' ' ')
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 if [ -n "$GPU_TESTS" ]; then
-  part gpu-tests "$L_TEST" "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS
+  part gpu-tests "$L_TEST" "$PY" -m pytest -q -m gpu -p no:cacheprovider $XDIST $GPU_TESTS
 else
   note "gpu-tests: SKIPPED (no test file marks gpu tests)"
 fi
 
-part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" \
-  --json "$DIR/throughput-256-256.json"
-part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B" \
-  --json "$DIR/throughput-1024-512.json"
+part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
+part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B"
+part eager-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --eager --time-limit "$TL_E"
 part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
-  --hf-batch 64 --time-limit "$TL_HF" --json "$DIR/transformers-256-256.json"
+  --hf-batch 64 --time-limit "$TL_HF"
 
 note "total $(( $(date +%s) - T0 ))s; $( [ $FAILED = 0 ] && echo 'all parts ok' || echo 'SOME PARTS FAILED: see the logs' ) in $DIR"
 echo "---- summary ----"

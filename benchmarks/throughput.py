@@ -148,7 +148,8 @@ def run_ours(args, work) -> dict:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                       enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads)
+                       enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads,
+                       cuda_graphs=not args.eager)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load = time.perf_counter() - t0
@@ -172,7 +173,12 @@ def run_ours(args, work) -> dict:
     for r in reqs:
         engine.add_request(r)
     finished, truncated = 0, False
+    profiled = 0
     while engine.has_unfinished():
+        if args.profile_steps and profiled == 0 and engine.counters.steps >= args.profile_after:
+            finished += profile_steps(engine, args.profile_steps, sync)
+            profiled = 1
+            continue
         finished += len(engine.step())
         if args.time_limit and time.perf_counter() - start > args.time_limit:
             truncated = engine.has_unfinished()
@@ -194,8 +200,35 @@ def run_ours(args, work) -> dict:
                   peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=done)
     out.update(engine="jobrunner", model=args.model, device=str(rt.device), dtype=str(rt.dtype).replace("torch.", ""),
                kv_blocks=rt.num_blocks, load_s=load, warmup_s=warm_s, truncated=truncated,
-               preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached)
+               preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached,
+               cuda_graphs=engine.runner.graphs is not None, graph_capture_s=engine.graph_capture_s,
+               graph_steps=c.graph_steps, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+               host_s={k: round(getattr(c, k), 3) for k in ("schedule_s", "prepare_s", "forward_s", "sample_s",
+                                                            "process_s")})
     return out
+
+
+def profile_steps(engine, n: int, sync) -> int:
+    """Runs n engine steps under torch.profiler and prints where the time went (device kernels
+    and host ops). Returns the requests that finished meanwhile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.rt.device.type == "cuda" else [])
+    finished = 0
+    sync()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            finished += len(engine.step())
+        sync()
+    wall = time.perf_counter() - t
+    key = "self_cuda_time_total" if engine.rt.device.type == "cuda" else "self_cpu_time_total"
+    running = len(engine.scheduler.running)
+    print(f"--- profile: {n} steps, {wall * 1000 / n:.1f} ms/step wall, {running} running sequences ---")
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+    del torch
+    return finished
 
 
 def run_transformers(args, work) -> dict:
@@ -283,7 +316,8 @@ def summary_line(r: dict) -> str:
             f"MFU {100 * r['mfu']:.1f}% ({100 * r['mfu_with_attention']:.1f}% with attention) of "
             f"{r['peak_tflops']:g} TFLOP/s | bandwidth ~{1000 * r['achieved_bandwidth_tbps']:,.1f} GB/s "
             f"({100 * r['bandwidth_fraction']:.0f}% of {1000 * r['peak_bandwidth_tbps']:,.0f}) "
-            f"| load {r['load_s']:.1f}s")
+            f"| load {r['load_s']:.1f}s" + (f" | graphs {r['graph_steps']}/{r['steps']} steps, capture "
+                                            f"{r['graph_capture_s']:.1f}s | host {r['host_s']}" if 'host_s' in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps (torch.profiler table)")
+    ap.add_argument("--profile-after", type=int, default=0, help="... starting after this many steps")
     ap.add_argument("--threads", type=int, help="CPU compute threads (default: torch's, one per core)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before timing (0: none)")
     ap.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: run all)")

@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True            # on CUDA, replay captured graphs for pure-decode steps
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
     seed: int = 0
 

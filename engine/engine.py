@@ -44,6 +44,13 @@ class EngineCounters:
     prompt_tokens_cached: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    graph_steps: int = 0              # pure-decode steps replayed from CUDA graphs
+    # host seconds per phase of a step (on a GPU, the wait for the device shows in sample_s)
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    process_s: float = 0.0
 
 
 class Engine:
@@ -57,6 +64,9 @@ class Engine:
                                   self.rt.device)
         self.max_model_len = min(self.rt.model_config.max_position_embeddings,
                                  self.rt.num_blocks * config.block_size)
+        self.graph_capture_s = 0.0
+        if config.cuda_graphs and self.rt.device.type == "cuda":
+            self.graph_capture_s = self.runner.enable_graphs(config.max_num_seqs, self.max_model_len)
         self.stop_checker = StopChecker(self.tokenizer, self.rt.eos_token_ids)
         self.counters = EngineCounters()
         self._states: dict[str, _RequestState] = {}
@@ -112,18 +122,27 @@ class Engine:
         """Runs one batch; returns the requests that finished in it."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         out = self.runner.execute(sched)
+        executed = time.perf_counter()
         self.scheduler.finish_step(sched)
-        self._account(sched, start)
+        self._account(sched, start, out)
         self._process(sched, out)
+        c = self.counters
+        c.schedule_s += scheduled - start
+        c.prepare_s += out.prepare_s
+        c.forward_s += out.forward_s
+        c.sample_s += out.sample_s
+        c.process_s += time.perf_counter() - executed
         finished, self._finished = self._finished, []
         return finished
 
     # --- step processing -----------------------------------------------------------------
 
-    def _account(self, sched: SchedulerOutput, step_start: float) -> None:
+    def _account(self, sched: SchedulerOutput, step_start: float, out) -> None:
         c = self.counters
         c.steps += 1
+        c.graph_steps += out.graphed
         c.preemptions += len(sched.preempted)
         c.tokens_computed += sched.num_tokens
         for chunk in sched.chunks:

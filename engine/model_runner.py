@@ -5,15 +5,19 @@ computes logits only where a token is sampled or scored, and samples.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import TokenLogprob
 from engine.sampler import SampleRow, make_generator, sample
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
+from kernels.attention import to_device
 
 LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
 
@@ -25,6 +29,11 @@ class RunnerOutput:
     token_logprobs: dict[int, list[float]] = field(default_factory=dict)        # seq_id -> scored tokens' logprobs
     candidate_first: dict[int, list[float]] = field(default_factory=dict)       # seq_id -> logprob of each candidate's first token
     num_tokens: int = 0
+    # host seconds: building inputs, enqueueing the forward, logits + sampling (the wait for the GPU lands here)
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    graphed: bool = False                 # the forward replayed a CUDA graph (or its padded stand-in)
 
 
 class ModelRunner:
@@ -33,7 +42,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block more than the pool hands out: the padding rows of graph batches write there.
+        self.pad_block = num_blocks
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V; an int8 cache
         # adds float32 scales [num_blocks, block_size, num_kv_heads] (layout in kernels/kv_int8.py)
         zeros = lambda shp, dt: torch.zeros(shp, dtype=dt, device=self.device)
@@ -44,6 +55,16 @@ class ModelRunner:
             self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
         self.generators: dict[tuple[str, int], torch.Generator] = {}   # (request id, sample index)
         self.sliding_window = cfg.sliding_window
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> float:
+        """Pure-decode steps of up to max_batch sequences replay CUDA graphs, captured now; returns the
+        seconds capture took. capture=False runs the same padded static-buffer path eagerly (tests, CPU)."""
+        t0 = time.perf_counter()
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.pad_block, max_batch,
+                                   -(-max_model_len // self.block_size), self.device, self.sliding_window, capture)
+        self.graphs.capture_all()
+        return time.perf_counter() - t0
 
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -68,6 +89,7 @@ class ModelRunner:
             self._copy_blocks(sched.block_copies)
         if not sched.chunks:
             return out
+        t0 = time.perf_counter()
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_lens, seq_lens, tables = [], [], []
@@ -76,10 +98,16 @@ class ModelRunner:
         for chunk in sched.chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.end
             base = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end - start == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                pos = np.arange(start, end)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(table)
@@ -91,18 +119,26 @@ class ModelRunner:
                 sample_rows.append((base + end - start - 1, chunk))
 
         dev = self.device
-        meta = AttentionMetadata.build(bs, sched.num_decodes, query_lens, seq_lens, slots, tables, dev,
-                                       self.sliding_window)
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, meta)
+        nd = sched.num_decodes
+        if self.graphs is not None and nd == len(sched.chunks) and not score_rows and nd <= self.graphs.max_batch:
+            t1 = time.perf_counter()
+            out.graphed = True
+            hidden = self.graphs.run(input_ids, positions, slots, seq_lens, tables)
+        else:
+            meta = AttentionMetadata.build(bs, nd, query_lens, seq_lens, slots, tables, dev, self.sliding_window)
+            ids, pos = (to_device(np.asarray(x, dtype=np.int64), dev) for x in (input_ids, positions))
+            t1 = time.perf_counter()
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        t2 = time.perf_counter()
         if sample_rows:
             self._sample(hidden, sample_rows, out)
         if score_rows:
             self._score(hidden, score_rows, out)
+        out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return out
 
     def _sample(self, hidden, sample_rows, out: RunnerOutput) -> None:
-        idx = torch.tensor([r for r, _ in sample_rows], device=hidden.device)
+        idx = to_device(np.asarray([r for r, _ in sample_rows], dtype=np.int64), hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         rows, owners = [], []
         for i, (_, chunk) in enumerate(sample_rows):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +31,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor    # [num_seqs + 1] int32
     seq_lens_t: torch.Tensor         # [num_seqs] int32
     sliding_window: int | None = None
+    decode_splits: int | None = None # Triton split-K factor for decodes; None: chosen per step (fix it for CUDA graphs)
     # Torch path, built once per step by prepare() and shared by all layers:
     _decode: tuple | None = None
     _prefill: tuple | None = None
@@ -37,21 +39,21 @@ class AttentionMetadata:
     @classmethod
     def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
               device, sliding_window=None) -> "AttentionMetadata":
-        width = max(len(t) for t in block_tables) if block_tables else 1
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        device = torch.device(device)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
         for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+            tables[i, :len(t)] = t
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
         meta = cls(
             block_size=block_size, num_decodes=num_decodes, query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_tables=tables.to(device), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device), sliding_window=sliding_window,
+            slot_mapping=to_device(np.asarray(slot_mapping, dtype=np.int64), device),
+            block_tables=to_device(tables, device), query_start_loc=to_device(starts, device),
+            seq_lens_t=to_device(np.asarray(seq_lens, dtype=np.int32), device), sliding_window=sliding_window,
         )
-        if device == "cpu" or str(device).startswith("cpu"):
+        if device.type == "cpu":
             meta.prepare()
         return meta
 
@@ -85,6 +87,15 @@ class AttentionMetadata:
         q_start = self.query_start_loc[lo:hi].long() - int(self.query_start_loc[lo])
         q_index = (q_start[:, None] + i[None, :]).clamp(max=int(qlens.sum()) - 1)   # [B, qmax]
         return tables.reshape(-1), mask[:, None], q_index, q_valid
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device; on CUDA through pinned memory, without waiting for the copy
+    (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
