@@ -34,8 +34,8 @@ case $MODE in
     L_TEST=300; L_A=150; TL_A=60; L_B=150; TL_B=60; L_E=150; TL_E=60; L_HF=150; TL_HF=60; PROF="--profile-steps 2" ;;
   quick)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 300 --input-len 256 --output-len 256"
-    B="--num-prompts 300 --input-len 1024 --output-len 512"; HF="--num-prompts 32 --input-len 256 --output-len 64"
-    L_TEST=150; L_A=75; TL_A=25; L_B=60; TL_B=15; L_E=50; TL_E=12; L_HF=45; TL_HF=15
+    B="--num-prompts 300 --input-len 1024 --output-len 512"; HF=""
+    L_TEST=100; L_A=70; TL_A=20; L_B=45; TL_B=10; L_E=40; TL_E=10
     PROF="--profile-steps 3 --profile-after 60" ;;
   *)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
@@ -98,7 +98,7 @@ fi
 part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
 part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B"
 part eager-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --eager --time-limit "$TL_E"
-part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
+[ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
 
 note "total $(( $(date +%s) - T0 ))s; $( [ $FAILED = 0 ] && echo 'all parts ok' || echo 'SOME PARTS FAILED: see the logs' ) in $DIR"
