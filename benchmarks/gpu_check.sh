@@ -40,7 +40,7 @@ case $MODE in
   *)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
     B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
-    L_TEST=120; L_A=100; TL_A=55; L_B=130; TL_B=80; L_E=50; TL_E=15; L_HF=70; TL_HF=30; PROF="" ;;
+    L_TEST=120; L_A=110; TL_A=60; L_B=130; TL_B=80; L_E=50; TL_E=15; L_HF=70; TL_HF=30; PROF="" ;;
 esac
 # 256/256: every prompt fits in the KV cache at once; 1024/512: ~500 do, more would be preempted.
 A="$A --max-num-seqs 1024 --max-batched-tokens 8192"
@@ -84,6 +84,7 @@ if torch.cuda.is_available():
 else:
     print("GPU: none visible (CPU run)")
 '
+cat "$DIR/env.log" >> "$DIR/summary.txt" && rm -f "$DIR/env.log"     # the device tool brings back 8 files at most
 
 # GPU tests: the test files that have any (collecting every file would fail on modules that need polars);
 # several pytest workers when pytest-xdist is there (Triton compiles are CPU bound)
@@ -100,6 +101,11 @@ part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --
 part eager-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --eager --time-limit "$TL_E"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
+if [ "$MODE" = full ]; then   # quantized: fp8 weights; an int8 KV cache (with a profile of two decode steps)
+  part fp8-256-256 60 "$PY" -m benchmarks.throughput -m "$MODEL" $A --quantization fp8 --time-limit 20
+  part kv-int8-256-256 60 "$PY" -m benchmarks.throughput -m "$MODEL" $A --kv-cache-dtype int8 --time-limit 20 \
+    --profile-steps 2 --profile-after 100
+fi
 
 note "total $(( $(date +%s) - T0 ))s; $( [ $FAILED = 0 ] && echo 'all parts ok' || echo 'SOME PARTS FAILED: see the logs' ) in $DIR"
 echo "---- summary ----"

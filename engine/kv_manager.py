@@ -104,17 +104,20 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Ensures slots for the next num_new_tokens tokens and hashes the blocks this chunk fills.
         False, and nothing changed, when the pool is short."""
+        bs = self.block_size
         end = seq.num_computed_tokens + num_new_tokens
-        needed = self.blocks_for(end) - len(seq.block_table)
+        needed = -(-end // bs) - len(seq.block_table)
         if needed > 0:
             new = self.pool.allocate(needed)
             if new is None:
                 return False
             seq.block_table.extend(new)
-        first_full = seq.num_computed_tokens // self.block_size
-        last_full = end // self.block_size
-        self.written_this_step.update(seq.block_table[first_full:self.blocks_for(end)])
-        bs = self.block_size
+        first_full = seq.num_computed_tokens // bs
+        last_full = end // bs
+        if num_new_tokens == 1:                # a decode: one block written (the hot path)
+            self.written_this_step.add(seq.block_table[first_full])
+        else:
+            self.written_this_step.update(seq.block_table[first_full:-(-end // bs)])
         if last_full > first_full:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
             if self.enable_prefix_caching:

@@ -140,6 +140,13 @@ class ModelRunner:
     def _sample(self, hidden, sample_rows, out: RunnerOutput) -> None:
         idx = to_device(np.asarray([r for r, _ in sample_rows], dtype=np.int64), hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
+        seqs = [chunk.seq for _, chunk in sample_rows]
+        if all(s.fork_samples == 1 and s.candidate_first_tokens is None and not s.sampling.temperature > 0
+               and s.sampling.logprobs is None for s in seqs):      # all greedy, one token each: the hot path
+            for seq, tok in zip(seqs, logits.argmax(dim=-1).tolist()):
+                out.sampled[seq.seq_id] = [tok]
+                out.sample_logprobs[seq.seq_id] = [None]
+            return
         rows, owners = [], []
         for i, (_, chunk) in enumerate(sample_rows):
             seq = chunk.seq

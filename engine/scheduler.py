@@ -37,18 +37,11 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
+    num_decodes: int = 0        # the first num_decodes chunks are decodes (one token, past the prompt)
+
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def num_decodes(self) -> int:
-        n = 0
-        for c in self.chunks:
-            if c.num_tokens != 1 or c.seq.in_prefill:
-                break
-            n += 1
-        return n
 
 
 class Scheduler:
@@ -119,6 +112,7 @@ class Scheduler:
             budget -= n
 
         out.chunks = decodes + prefills
+        out.num_decodes = len(decodes)
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
