@@ -102,18 +102,22 @@ def _decode_kernel(
                     mask=kvmask, other=0.0)                                      # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                     mask=kvmask, other=0.0)
-        if KV_INT8:
+        if KV_INT8:     # int8 values are exact in 16-bit floats: scales go on scores and probabilities
             sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
             k_s = tl.load(ks_ptr + sp, mask=valid, other=0.0)
             v_s = tl.load(vs_ptr + sp, mask=valid, other=0.0)
-            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2   # [BLOCK_G, BLOCK_N]
+        if KV_INT8:
+            s = s * k_s[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -208,13 +212,15 @@ def _prefill_kernel(
                     mask=kvmask, other=0.0)                                      # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                     mask=kvmask, other=0.0)
-        if KV_INT8:
+        if KV_INT8:     # int8 values are exact in 16-bit floats: scales go on scores and probabilities
             sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
             k_s = tl.load(ks_ptr + sp, mask=valid, other=0.0)
             v_s = tl.load(vs_ptr + sp, mask=valid, other=0.0)
-            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2   # [BLOCK_M, BLOCK_N]
+        if KV_INT8:
+            s = s * k_s[None, :]
         visible = valid[None, :] & (offs[None, :] <= pos[:, None])
         visible = visible & ((window <= 0) | (offs[None, :] > pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -223,6 +229,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
