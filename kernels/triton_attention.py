@@ -52,9 +52,10 @@ from kernels.triton_utils import check, check_last_contiguous, check_same_device
 LOG2E = 1.4426950408889634
 
 
-# window and num_splits stay runtime values: no recompiles per value, and a window of 1 is
-# never folded into a constant mixed with tensors below.
-@triton.jit(do_not_specialize=["window", "num_splits"])
+# window, num_splits and the block-table stride (the widest table of the step) stay runtime
+# values: no recompile when a step's value changes, and a window of 1 is never folded into a
+# constant mixed with tensors below.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, po_ptr, plse_ptr,
     bt_ptr, seq_lens_ptr,
@@ -159,7 +160,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr,
