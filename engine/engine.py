@@ -190,7 +190,6 @@ class Engine:
 
     def _finish_seq(self, seq: Sequence, state: _RequestState, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.runner.release(seq)
         if not seq.scoring:
             text, ids = self.stop_checker.final_text(seq)
             state.completions[seq.sample_index] = Completion(

@@ -14,7 +14,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import TokenLogprob
-from engine.sampler import SampleRow, make_generator, sample
+from engine.sampler import SampleRow, draw_uniform, sample
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.attention import to_device
@@ -53,7 +53,6 @@ class ModelRunner:
                                zeros(shape[:3], torch.float32)) for _ in range(cfg.num_layers)]
         else:
             self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
-        self.generators: dict[tuple[str, int], torch.Generator] = {}   # (request id, sample index)
         self.sliding_window = cfg.sliding_window
         self.graphs: DecodeGraphs | None = None
 
@@ -70,17 +69,6 @@ class ModelRunner:
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
-
-    def generator(self, request_id: str, sample_index: int, seed: int) -> torch.Generator:
-        """One generator per sample, seeded from the request's seed: the same seed gives the same
-        samples whatever else runs, and two requests never share a stream."""
-        key = (request_id, sample_index)
-        if key not in self.generators:
-            self.generators[key] = make_generator(seed * 1_000_003 + sample_index, self.device)
-        return self.generators[key]
-
-    def release(self, seq) -> None:
-        self.generators.pop((seq.request_id, seq.sample_index), None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -154,11 +142,9 @@ class ModelRunner:
                 lp = torch.log_softmax(logits[i], dim=-1)
                 out.candidate_first[seq.seq_id] = lp[seq.candidate_first_tokens].tolist()
                 continue
-            for k in range(seq.fork_samples):
-                gen = None
-                if seq.sampling.temperature > 0:   # sample k of a parent's first draw becomes child k
-                    gen = self.generator(seq.request_id, seq.sample_index + k, seq.seed)
-                rows.append(SampleRow(i, seq.sampling, gen))
+            for k in range(seq.fork_samples):      # sample k of a parent's first draw becomes child k
+                u = draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens) if seq.sampling.temperature > 0 else 0.0
+                rows.append(SampleRow(i, seq.sampling, u))
                 owners.append(seq.seq_id)
         tokens, logprobs = sample(logits, rows)
         for seq_id, tok, lp in zip(owners, tokens, logprobs):
