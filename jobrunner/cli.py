@@ -63,6 +63,8 @@ def _job_options(f):
         click.option("--plan/--no-plan", default=D.plan, show_default=True,
                      help="Order rows so shared prefixes run back to back."),
         click.option("--prefix-cache/--no-prefix-cache", default=D.prefix_cache, show_default=True),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=D.cuda_graphs, show_default=True,
+                     help="On a GPU, replay captured CUDA graphs for decode steps."),
         click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),
         click.option("--part-rows", type=int, default=D.part_rows, show_default=True, help="Rows per output part."),
         click.option("--overwrite", is_flag=True, default=False,
