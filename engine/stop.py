@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from engine.sequence import Sequence
 
+# A stop string that has just appeared ends in the newest token's text and starts at most
+# len(stop) characters back, so within the last len(stop) tokens (a token adds at least one
+# character once its bytes complete one); the slack covers tokens that add none (partial UTF-8,
+# skipped specials) and the cut at the window's start.
+STOP_WINDOW_SLACK = 16
+
 
 class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
@@ -14,11 +20,20 @@ class StopChecker:
         p, last = seq.sampling, seq.token_ids[-1]
         if (last in self.eos and not p.ignore_eos) or last in p.stop_token_ids:
             return "stop"
-        if p.stop and self._stop_string_at(seq) is not None:
+        if p.stop and self._stop_in_tail(seq):
             return "stop"
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
             return "length"
         return None
+
+    def _stop_in_tail(self, seq: Sequence) -> bool:
+        """Decodes only the completion's last tokens each step (the whole completion each step
+        is quadratic); a hit there is confirmed on the whole text."""
+        stops = [s for s in seq.sampling.stop if s]
+        window = max(map(len, stops), default=0) + STOP_WINDOW_SLACK
+        tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window):]
+        text = self.tokenizer.decode(tail)
+        return any(s in text for s in stops) and self._stop_string_at(seq) is not None
 
     def final_text(self, seq: Sequence) -> tuple[str, list[int]]:
         ids = seq.token_ids[seq.num_prompt_tokens:]
