@@ -59,7 +59,7 @@ def _sm90_cases():
             if int8 and model == "smollm":
                 continue
             for split in (False, True):
-                cfg = tatt.decode_config(D, group, torch.bfloat16)
+                cfg = tatt.decode_config(D, group, torch.bfloat16, int8)
                 cases.append((f"decode {model} {tag}{' split-K' if split else ''}", tatt._decode_kernel, attn,
                               *_split_opts(dict(cfg, BLOCK_SIZE=16, SPLIT=split, KV_INT8=int8))))
             cfg = tatt.prefill_config(D, group, torch.bfloat16, 4096)

@@ -52,6 +52,42 @@ from kernels.triton_utils import check, check_last_contiguous, check_same_device
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, offs, valid, visible, bt_row_ptr, kvh, d, dmask, sm_scale_log2,
+    k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr, KV_INT8: tl.constexpr, PRECISION: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+):
+    """One key tile of the online softmax (exp2 domain): gathers the K/V rows of positions `offs`
+    through the block table, scores them against q's rows, hides what `visible` [rows, keys]
+    hides, and folds the tile into (acc, m_i, l_i). EMPTY_ROWS: a row may see no key of a tile
+    (causal prefill); it then keeps m_i = -inf and adds nothing."""
+    blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = offs % BLOCK_SIZE
+    kvmask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                mask=kvmask, other=0.0)                                          # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                mask=kvmask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale_log2   # [rows, BLOCK_N]
+    if KV_INT8:         # int8 values are exact in 16-bit floats: scales go on scores and probabilities
+        sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
+        s = s * tl.load(ks_ptr + sp, mask=valid, other=0.0)[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = m_new
+    if EMPTY_ROWS:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_INT8:
+        p = p * tl.load(vs_ptr + sp, mask=valid, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
 # window, num_splits and the block-table stride (the widest table of the step) stay runtime
 # values: no recompile when a step's value changes, and a window of 1 is never folded into a
 # constant mixed with tensors below.
@@ -96,31 +132,10 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = offs % BLOCK_SIZE
-        kvmask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kvmask, other=0.0)                                      # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kvmask, other=0.0)
-        if KV_INT8:     # int8 values are exact in 16-bit floats: scales go on scores and probabilities
-            sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
-            k_s = tl.load(ks_ptr + sp, mask=valid, other=0.0)
-            v_s = tl.load(vs_ptr + sp, mask=valid, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2   # [BLOCK_G, BLOCK_N]
-        if KV_INT8:
-            s = s * k_s[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_INT8:
-            p = p * v_s[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, offs, valid, valid[None, :], bt_ptr + b * stride_bt, kvh, d, dmask, sm_scale_log2,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=False)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -206,34 +221,12 @@ def _prefill_kernel(
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < kv_hi
-        blk = tl.load(bt_ptr + seq * stride_bt + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = offs % BLOCK_SIZE
-        kvmask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kvmask, other=0.0)                                      # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kvmask, other=0.0)
-        if KV_INT8:     # int8 values are exact in 16-bit floats: scales go on scores and probabilities
-            sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
-            k_s = tl.load(ks_ptr + sp, mask=valid, other=0.0)
-            v_s = tl.load(vs_ptr + sp, mask=valid, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2   # [BLOCK_M, BLOCK_N]
-        if KV_INT8:
-            s = s * k_s[None, :]
         visible = valid[None, :] & (offs[None, :] <= pos[:, None])
         visible = visible & ((window <= 0) | (offs[None, :] > pos[:, None] - window))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                    # rows that saw nothing yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_INT8:
-            p = p * v_s[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, offs, valid, visible, bt_ptr + seq * stride_bt, kvh, d, dmask, sm_scale_log2,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -265,12 +258,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 # float32), far more register-hungry: smaller tiles and some spilling remain; on GPUs
 # float32 is a correctness path, not a fast one.
 
-def decode_config(D: int, group: int, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of _decode_kernel (without BLOCK_SIZE, SPLIT, KV_INT8)."""
+def decode_config(D: int, group: int, dtype: torch.dtype, kv_int8: bool = False) -> dict:
+    """Constexprs and launch options of _decode_kernel (without BLOCK_SIZE, SPLIT, KV_INT8).
+    An int8 cache gets 3 stages: with 2, ptxas spills a few bytes at head_dim 128."""
     BLOCK_D = max(16, next_pow2(D))
     small = BLOCK_D > 128 or dtype == torch.float32
     return dict(GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=32 if small else 64, BLOCK_D=BLOCK_D,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+                PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=3 if kv_int8 else 2)
 
 
 def prefill_config(D: int, group: int, dtype: torch.dtype, max_query_len: int) -> dict:
@@ -394,7 +388,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch(_decode_kernel, (nd, Hk, num_splits), device,
                q, k_cache, v_cache, k_scale, v_scale, out, part_o, part_lse,
                bt, meta.seq_lens_t, scale_log2, *common_strides, *p_strides,
-               window, D, num_splits, **decode_config(D, group, q.dtype), BLOCK_SIZE=BS,
+               window, D, num_splits, **decode_config(D, group, q.dtype, kv_int8), BLOCK_SIZE=BS,
                SPLIT=num_splits > 1, KV_INT8=kv_int8)
         if num_splits > 1:
             launch(_decode_reduce_kernel, (nd, Hq), device,
