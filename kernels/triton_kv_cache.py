@@ -21,6 +21,19 @@ from kernels.triton_utils import (check, check_float, check_last_contiguous, che
 
 
 @triton.jit
+def _store_int8_rows(x, dst, scale_dst, mask, smask):
+    """Rows of x [heads, head_dim] as int8 (symmetric, absmax / 127 per row, rounded half away
+    from zero, like kernels/kv_int8.py's reference) with their float32 scales."""
+    xf = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-8)
+    y = xf * (127.0 / amax)[:, None]
+    q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(dst, q.to(tl.int8), mask=mask)
+    tl.store(scale_dst, amax / 127.0, mask=smask)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -44,20 +57,8 @@ def _store_kv_kernel(
     if INT8:
         smask = h < live_heads
         sp = blk * stride_sb + off * stride_ss + h * stride_sh
-        kf = k.to(tl.float32)
-        k_amax = tl.maximum(tl.max(tl.abs(kf), axis=1), 1e-8)
-        ky = kf * (127.0 / k_amax)[:, None]
-        kq = tl.where(ky >= 0, tl.floor(ky + 0.5), -tl.floor(0.5 - ky))
-        kq = tl.minimum(tl.maximum(kq, -127.0), 127.0)
-        tl.store(kc, kq.to(tl.int8), mask=mask)
-        tl.store(ks_ptr + sp, k_amax / 127.0, mask=smask)
-        vf = v.to(tl.float32)
-        v_amax = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-8)
-        vy = vf * (127.0 / v_amax)[:, None]
-        vq = tl.where(vy >= 0, tl.floor(vy + 0.5), -tl.floor(0.5 - vy))
-        vq = tl.minimum(tl.maximum(vq, -127.0), 127.0)
-        tl.store(vc, vq.to(tl.int8), mask=mask)
-        tl.store(vs_ptr + sp, v_amax / 127.0, mask=smask)
+        _store_int8_rows(k, kc, ks_ptr + sp, mask, smask)
+        _store_int8_rows(v, vc, vs_ptr + sp, mask, smask)
     else:
         tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
