@@ -202,7 +202,7 @@ def run_ours(args, work) -> dict:
                kv_blocks=rt.num_blocks, load_s=load, warmup_s=warm_s, truncated=truncated,
                preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached,
                cuda_graphs=engine.runner.graphs is not None, graph_capture_s=engine.graph_capture_s,
-               graph_steps=c.graph_steps, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+               graph_steps=c.graph_steps, max_num_seqs=rt.max_num_seqs, max_batched_tokens=rt.max_num_batched_tokens,
                host_s={k: round(getattr(c, k), 3) for k in ("schedule_s", "prepare_s", "forward_s", "sample_s",
                                                             "process_s")})
     return out
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--kv-cache-memory", type=parse_size, help="e.g. 8GiB (default: the engine's)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, help="default: the engine's (256 on CPU, 1024 on a GPU)")
+    ap.add_argument("--max-batched-tokens", type=int, help="default: the engine's (2048 on CPU, 8192 on a GPU)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps (torch.profiler table)")

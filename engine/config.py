@@ -17,8 +17,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None: a share of free GPU memory, or CPU_KV_CACHE_BYTES
     gpu_memory_share: float = 0.85
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int | None = None             # None: by device (engine/runtime.py: BATCH_LIMITS)
+    max_num_batched_tokens: int | None = None   # per-step token budget (decodes + prefill chunks); None: by device
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True            # on CUDA, replay captured graphs for pure-decode steps
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default

@@ -59,14 +59,14 @@ class Engine:
         self.rt = runtime or build_runtime(config)
         self.tokenizer = self.rt.tokenizer
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens)
         self.runner = ModelRunner(self.rt.model, self.rt.num_blocks, config.block_size, self.rt.kv_dtype,
                                   self.rt.device)
         self.max_model_len = min(self.rt.model_config.max_position_embeddings,
                                  self.rt.num_blocks * config.block_size)
         self.graph_capture_s = 0.0
         if config.cuda_graphs and self.rt.device.type == "cuda":
-            self.graph_capture_s = self.runner.enable_graphs(config.max_num_seqs, self.max_model_len)
+            self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
         self.stop_checker = StopChecker(self.tokenizer, self.rt.eos_token_ids)
         self.counters = EngineCounters()
         self._states: dict[str, _RequestState] = {}

@@ -16,6 +16,10 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (max_num_seqs, max_num_batched_tokens) when the config leaves them None. On an H200 with an 8B
+# model, 1024 sequences and 8192-token steps ran 256/256 prompts at 26.7k tok/s (benchmarks/RESULTS.md);
+# on CPU a step's cost grows with its tokens, so smaller steps keep rows flowing.
+BATCH_LIMITS = {"cuda": (1024, 8192), "cpu": (256, 2048)}
 
 
 @dataclass
@@ -31,6 +35,8 @@ class EngineRuntime:
     weight_bytes: int
     load_s: float
     source: str
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,6 +70,11 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    seqs, tokens = BATCH_LIMITS["cuda" if device.type == "cuda" else "cpu"]
+    seqs = seqs if config.max_num_seqs is None else config.max_num_seqs
+    tokens = tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens
+    if seqs < 1 or tokens < 1:
+        raise ConfigError(f"max_num_seqs ({seqs}) and max_num_batched_tokens ({tokens}) must be >= 1")
     if config.quantization != "none":  # quantization: refuse an impossible scheme before loading anything
         from engine.quant import check_quantization
         check_quantization(config.quantization, device, dtype)
@@ -84,7 +95,8 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no KV block of {per_block} bytes; raise it")
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
     return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
-                         weight_bytes, time.perf_counter() - t0, bundle.source)
+                         weight_bytes, time.perf_counter() - t0, bundle.source,
+                         seqs, tokens)
 
 
 def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:

@@ -58,8 +58,9 @@ def _job_options(f):
         click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "
                                                "a share of free GPU memory)."),
         click.option("--block-size", type=int, default=D.block_size, show_default=True),
-        click.option("--max-num-seqs", type=int, default=D.max_num_seqs, show_default=True),
-        click.option("--max-batched-tokens", type=int, default=D.max_batched_tokens, show_default=True),
+        click.option("--max-num-seqs", type=int, help="Sequences in flight at once (default: 256 on CPU, 1024 on a GPU)."),
+        click.option("--max-batched-tokens", type=int,
+                     help="Tokens a step computes at most (default: 2048 on CPU, 8192 on a GPU)."),
         click.option("--plan/--no-plan", default=D.plan, show_default=True,
                      help="Order rows so shared prefixes run back to back."),
         click.option("--prefix-cache/--no-prefix-cache", default=D.prefix_cache, show_default=True),

@@ -52,8 +52,8 @@ class JobConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 2048
+    max_num_seqs: int | None = None         # None: by device (256 on CPU, 1024 on a GPU)
+    max_batched_tokens: int | None = None   # None: by device (2048 on CPU, 8192 on a GPU)
     plan: bool = True                       # order rows so shared prefixes run back to back
     prefix_cache: bool = True
     cuda_graphs: bool = True                # replay CUDA graphs for decode steps (GPUs only)
@@ -134,7 +134,7 @@ class JobConfig:
             bad("--normalize must be sum or mean")
         if self.match not in ("exact", "normalized", "contains"):
             bad("--match must be exact, normalized or contains")
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
+        if self.block_size < 1 or any(v is not None and v < 1 for v in (self.max_num_seqs, self.max_batched_tokens)):
             bad("--block-size, --max-num-seqs and --max-batched-tokens must be >= 1")
         if self.output_format not in ("parquet", "openai-batch"):
             bad("--output-format must be parquet or openai-batch")

@@ -76,7 +76,7 @@ class Job:
         self.seen: set[str] = set(self.writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
-        max_in_flight = self.max_in_flight or max(2 * cfg.max_num_seqs, 64)
+        max_in_flight = self.max_in_flight or max(2 * engine.rt.max_num_seqs, 64)
         interrupted = False
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

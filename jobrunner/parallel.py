@@ -384,7 +384,7 @@ class _WorkerJob(Job):
 def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list) -> None:
     claim = _Claim(store, f"r{r}/next_unit")
     job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
-    job.max_in_flight = cfg.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
+    job.max_in_flight = engine.rt.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
     job.progress_factory = lambda total: _StoreProgress(store, f"r{r}/progress/{rank}", total)
     try:
         job.prepare(engine=engine)
