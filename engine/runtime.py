@@ -44,7 +44,13 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA GPU is visible")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+        # one engine per process and device: graphs, events and streams made later belong to it
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
