@@ -214,18 +214,19 @@ def stats(output, as_json):
 
 
 def _print_summary(s: dict, output: str) -> None:
+    def show(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return json.dumps(v) if isinstance(v, (dict, list)) else v
+
     lines = [f"output  {output}"]
     for k, v in s.items():
-        if isinstance(v, dict):
-            continue
-        if isinstance(v, float):
-            v = f"{v:.4g}"
-        lines.append(f"{k:32s} {v}")
+        if not isinstance(v, dict):
+            lines.append(f"{k:32s} {show(v)}")
     for k in ("metrics", "engine"):
         if isinstance(s.get(k), dict):
             lines.append(f"{k}:")
-            for kk, vv in s[k].items():
-                lines.append(f"  {kk:30s} {json.dumps(vv) if isinstance(vv, (dict, list)) else vv}")
+            lines.extend(f"  {kk:30s} {show(vv)}" for kk, vv in s[k].items())
     click.echo("\n".join(lines))
 
 
