@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 
 from jobrunner.config import JobConfig
+from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.progress import Progress
 from jobrunner.stats import JobStats
@@ -73,7 +74,7 @@ class Job:
         self.stats = JobStats()
         self.prefix = PrefixStats(block_size=cfg.block_size)
         self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
-        self.seen: set[str] = set(self.writer.done_ids)
+        self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
         max_in_flight = self.max_in_flight or max(2 * cfg.max_num_seqs, 64)
@@ -147,19 +148,21 @@ class Job:
 
         cfg, read = self.cfg, 0
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
+            if cfg.limit is not None:
+                batch = batch[:max(0, cfg.limit - read)]
+            read += len(batch)
+            # An id done at open is skipped, however often it appears (its rows are all written);
+            # otherwise its first row runs and each later one becomes a duplicate error row.
+            done = self.writer.done_ids.contains_many([row.id for row in batch])
+            batch = [row for row, d in zip(batch, done) if not d]
+            self.stats.rows_skipped += len(done) - len(batch)
+            repeats = self.seen.add_new([row.id for row in batch])
             ready = []
-            for row in batch:
-                if cfg.limit is not None and read >= cfg.limit:
-                    break
-                read += 1
-                if row.id in self.writer.done_ids:
-                    self.stats.rows_skipped += 1
-                    continue
-                if row.id in self.seen:
+            for row, repeat in zip(batch, repeats):
+                if repeat:
                     self.stats.duplicate_ids += 1
                     self._write_error(row, f"duplicate id {row.id!r}: an earlier row has the same id")
                     continue
-                self.seen.add(row.id)
                 if row.error is not None:
                     self._write_error(row, row.error)
                     continue
