@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from array import array
 from dataclasses import dataclass
 
 from jobrunner.config import JobConfig
@@ -73,7 +74,11 @@ class Job:
         cfg, engine = self.cfg, self.engine
         self.stats = JobStats()
         self.prefix = PrefixStats(block_size=cfg.block_size)
-        self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
+        # row id -> (row, request): rows inside the planner or the engine. While a row waits in the planner
+        # its request's token ids are packed as uint32 bytes (4 bytes a token, not ~36 in a list of ints),
+        # unpacked when it goes to the engine; see _items and _submit.
+        self.pending: dict[str, tuple] = {}
+        self._sampling = None                   # the last request's SamplingParams, shared by equal ones
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
@@ -87,7 +92,7 @@ class Job:
                         del self.pending[key]
                     continue
                 for key in unit.items:
-                    engine.add_request(self.pending[key][1])
+                    self._submit(self.pending[key][1])
                 while engine.num_in_flight >= max_in_flight:
                     self._step()
             while engine.has_unfinished():
@@ -172,19 +177,28 @@ class Job:
                     self._write_error(row, str(e))
                     continue
                 ready.append((row, text, special))
-            for (row, text, special), ids in zip(ready, self._encode(ready)):
+            for (row, _, _), ids in zip(ready, self._encode(ready)):
                 try:
                     req = self.job.request(row.id, ids, row.data)
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
-                req.prompt = text
+                if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
+                    req.sampling = self._sampling
+                self._sampling = req.sampling
+                tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
                 self.pending[row.id] = (row, req)
-                yield PlanItem(row.id, req.prompt_token_ids)
+                yield PlanItem(row.id, tokens)
             if self.stop_requested:
                 raise _Interrupted
             if cfg.limit is not None and read >= cfg.limit:
                 break
+
+    def _submit(self, req) -> None:
+        tokens = array("I")
+        tokens.frombytes(req.prompt_token_ids)
+        req.prompt_token_ids = tokens.tolist()      # the engine takes a list
+        self.engine.add_request(req)
 
     def _encode(self, ready) -> list[list[int]]:
         """Batch tokenization (all cores), grouped by whether special tokens are added."""
