@@ -158,9 +158,10 @@ class Job:
             read += len(batch)
             # An id done at open is skipped, however often it appears (its rows are all written);
             # otherwise its first row runs and each later one becomes a duplicate error row.
-            done = self.writer.done_ids.contains_many([row.id for row in batch])
-            batch = [row for row, d in zip(batch, done) if not d]
-            self.stats.rows_skipped += len(done) - len(batch)
+            if self.writer.done_ids:
+                done = self.writer.done_ids.contains_many([row.id for row in batch])
+                batch = [row for row, d in zip(batch, done) if not d]
+                self.stats.rows_skipped += len(done) - len(batch)
             repeats = self.seen.add_new([row.id for row in batch])
             ready = []
             for row, repeat in zip(batch, repeats):
