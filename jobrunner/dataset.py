@@ -49,7 +49,7 @@ class DatasetError(Exception):
     """The dataset as a whole can't be used; the message says what to fix."""
 
 
-@dataclass
+@dataclass(slots=True)         # slots: a planning window holds tens of thousands of rows
 class Row:
     index: int                # 0-based row number in the dataset
     # id column's value as str, else str(index); OpenAI batch: custom_id.  An error

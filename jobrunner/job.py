@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import signal
+from array import array
 from dataclasses import dataclass
 
 from jobrunner.config import JobConfig
+from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.progress import Progress
 from jobrunner.stats import JobStats
@@ -72,8 +74,12 @@ class Job:
         cfg, engine = self.cfg, self.engine
         self.stats = JobStats()
         self.prefix = PrefixStats(block_size=cfg.block_size)
-        self.pending: dict[str, tuple] = {}     # row id -> (row, request): rows inside the planner or the engine
-        self.seen: set[str] = set(self.writer.done_ids)
+        # row id -> (row, request): rows inside the planner or the engine. While a row waits in the planner
+        # its request's token ids are packed as uint32 bytes (4 bytes a token, not ~36 in a list of ints),
+        # unpacked when it goes to the engine; see _items and _submit.
+        self.pending: dict[str, tuple] = {}
+        self._sampling = None                   # the last request's SamplingParams, shared by equal ones
+        self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
         max_in_flight = self.max_in_flight or max(2 * engine.rt.max_num_seqs, 64)
@@ -86,7 +92,7 @@ class Job:
                         del self.pending[key]
                     continue
                 for key in unit.items:
-                    engine.add_request(self.pending[key][1])
+                    self._submit(self.pending[key][1])
                 while engine.num_in_flight >= max_in_flight:
                     self._step()
             while engine.has_unfinished():
@@ -147,19 +153,22 @@ class Job:
 
         cfg, read = self.cfg, 0
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
+            if cfg.limit is not None:
+                batch = batch[:max(0, cfg.limit - read)]
+            read += len(batch)
+            # An id done at open is skipped, however often it appears (its rows are all written);
+            # otherwise its first row runs and each later one becomes a duplicate error row.
+            if self.writer.done_ids:
+                done = self.writer.done_ids.contains_many([row.id for row in batch])
+                batch = [row for row, d in zip(batch, done) if not d]
+                self.stats.rows_skipped += len(done) - len(batch)
+            repeats = self.seen.add_new([row.id for row in batch])
             ready = []
-            for row in batch:
-                if cfg.limit is not None and read >= cfg.limit:
-                    break
-                read += 1
-                if row.id in self.writer.done_ids:
-                    self.stats.rows_skipped += 1
-                    continue
-                if row.id in self.seen:
+            for row, repeat in zip(batch, repeats):
+                if repeat:
                     self.stats.duplicate_ids += 1
                     self._write_error(row, f"duplicate id {row.id!r}: an earlier row has the same id")
                     continue
-                self.seen.add(row.id)
                 if row.error is not None:
                     self._write_error(row, row.error)
                     continue
@@ -169,19 +178,28 @@ class Job:
                     self._write_error(row, str(e))
                     continue
                 ready.append((row, text, special))
-            for (row, text, special), ids in zip(ready, self._encode(ready)):
+            for (row, _, _), ids in zip(ready, self._encode(ready)):
                 try:
                     req = self.job.request(row.id, ids, row.data)
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
-                req.prompt = text
+                if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
+                    req.sampling = self._sampling
+                self._sampling = req.sampling
+                tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
                 self.pending[row.id] = (row, req)
-                yield PlanItem(row.id, req.prompt_token_ids)
+                yield PlanItem(row.id, tokens)
             if self.stop_requested:
                 raise _Interrupted
             if cfg.limit is not None and read >= cfg.limit:
                 break
+
+    def _submit(self, req) -> None:
+        tokens = array("I")
+        tokens.frombytes(req.prompt_token_ids)
+        req.prompt_token_ids = tokens.tolist()      # the engine takes a list
+        self.engine.add_request(req)
 
     def _encode(self, ready) -> list[list[int]]:
         """Batch tokenization (all cores), grouped by whether special tokens are added."""

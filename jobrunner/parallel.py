@@ -458,7 +458,8 @@ def _sketch(stats) -> dict:
         values = sorted(getattr(stats, name, ()) or ())
         n = len(values)
         k = min(n, SKETCH_POINTS)
-        out[name] = {"n": n, "q": [values[round(i * (n - 1) / (k - 1))] if k > 1 else values[0] for i in range(k)]}
+        # the values are a sample of at most LATENCY_SAMPLE rows; each point weighs for all the worker's rows
+        out[name] = {"n": getattr(stats, "latency_rows", n), "q": [values[round(i * (n - 1) / (k - 1))] if k > 1 else values[0] for i in range(k)]}
     return out
 
 

@@ -13,8 +13,10 @@ Invariants:
 - A file named part*.parquet is always complete: it appears by rename only.
   The listing of part files is the truth about what is done; the manifest's parts
   list is informative, so several writers (distinct part_prefix) can share a dir.
-- done_ids = ids in all readable part*.parquet files.  A part that can't be read
-  is renamed _corrupt-<name> and its ids are not done.
+- done_ids = ids in all readable part*.parquet files found at open (what a resumed
+  job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
+  since the caller knows them.  A part that can't be read is renamed _corrupt-<name>
+  and its ids are not done.
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
 - Every part has the same schema (so `polars.read_parquet("out/part*.parquet")`
@@ -62,6 +64,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
+
+from jobrunner.idset import IdSet
 
 __all__ = ["OutputError", "ResultWriter", "prepare_output", "fingerprint", "read_results",
            "iter_result_parts", "read_stats", "write_stats", "write_openai_batch_output",
@@ -461,7 +465,7 @@ class ResultWriter:
         self._tmp_re = re.compile(rf"^_tmp-{re.escape(part_prefix)}-\d+\.parquet\.[0-9a-f]+$")
         self._buffer: list[dict[str, Any]] = []
         self._kinds: dict[str, str] | None = None
-        self.done_ids: set[str] = set()
+        self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
         self.parts: list[str] = []      # all valid part files at open, plus ours since
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
@@ -551,7 +555,6 @@ class ResultWriter:
         self._next += 1
         self._buffer = []
         self.parts.append(name)
-        self.done_ids.update(r["id"] for r in rows)
         self._update_manifest(complete=False)
 
     def _pinned_by_others(self) -> dict[str, str] | None:

@@ -195,3 +195,50 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
         runs = [results(run(eng, ds, output=str(tmp_path / f"o{i}-{len(params)}"), max_tokens=12, **params).output)
                 .sort("id")["output"].to_list() for i, eng in enumerate((engine, engine, other))]
         assert runs[0] == runs[1] == runs[2], params
+
+
+def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
+    """Small windows and a short engine queue, so r0's part is written before its duplicate is read
+    (rows are read 1024 at a time: the duplicate comes in the second batch)."""
+    import jobrunner.job as J
+    from jobrunner.checks import load_engine
+    tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
+    engine = load_engine(JobConfig("unused", model=tiny, kv_cache_memory=4 * 10**6))
+    monkeypatch.setattr(J, "WINDOW_ROWS", 50)
+    rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
+    ds = write_jsonl(tmp_path / "dup.jsonl", rows)
+
+    def go():
+        job = Job(JobConfig(ds, output=str(tmp_path / "out"), model=tiny, max_tokens=1, chat=False, part_rows=10))
+        job.max_in_flight = 8
+        job.prepare(engine=engine)
+        return job.run()
+
+    first = go()
+    assert first.stats["rows"] == 1101 and first.stats["duplicate_ids"] == 1
+    df = results(first.output)
+    r0 = df.filter(pl.col("id") == "r0")
+    assert r0.height == 2 and r0["error"].null_count() == 1 and "duplicate id" in r0["error"].drop_nulls()[0]
+    again = go()
+    assert again.stats["rows"] == 0 and again.stats["rows_skipped_done"] == 1101
+    assert results(again.output).height == 1101
+
+
+def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
+    from jobrunner import stats as S
+    monkeypatch.setattr(S, "LATENCY_SAMPLE", 1000)
+    st = S.JobStats()
+    n = 20_000
+    for i in range(n):
+        v = ((i * 7919) % n) / n                    # a fixed permutation of 0 .. 1
+        st.add_row({"id": str(i), "error": None, "queue_s": v, "prefill_s": 2 * v, "decode_s": 3 * v})
+    st.add_row({"id": "bad", "error": "x", "queue_s": 99.0})     # errors have no latencies
+    assert st.latency_rows == n and len(st.queue) == len(st.prefill) == len(st.decode) == 1000
+    assert all(p == 2 * q and d == 3 * q for q, p, d in zip(st.queue, st.prefill, st.decode))  # rows kept whole
+    s = st.summary(device="cpu")
+    assert abs(s["queue_s_p50"] - 0.5) < 0.05 and abs(s["queue_s_p99"] - 0.99) < 0.01
+    assert abs(s["decode_s_p95"] - 3 * 0.95) < 0.05
+    exact = S.JobStats()                            # under the sample size: exact percentiles
+    for i in range(999):
+        exact.add_row({"id": str(i), "error": None, "queue_s": float(i)})
+    assert exact.summary(device="cpu")["queue_s_p50"] == 499.0
