@@ -49,13 +49,12 @@ from datetime import timedelta
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import (EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, WINDOW_ROWS, Job,
                            JobResult)
-from jobrunner.stats import percentile
+from jobrunner.stats_merge import merge_stats, worker_sketch
 
 log = logging.getLogger("jobrunner")
 
 EXIT_FAILED = 1                 # workers died and the job could not finish; run again to resume
 MAX_ROUNDS = 4                  # launcher mode: passes over the remaining rows after workers died
-SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles
 STORE_TIMEOUT = timedelta(hours=2)
 TEST_DIE_ENV = "JOBRUNNER_TEST_DIE"     # "RANK:ROWS": in round 0 that rank os._exit()s, holding unfinished
                                         # units, once it has written ROWS rows (tests only)
@@ -403,7 +402,7 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
     except OSError as e:
         log.error("writing the output failed: %s", e)
         payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
-    payload.update(units=claim.units, run_s=time.time() - t0, sketch=_sketch(getattr(job, "stats", None)))
+    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(getattr(job, "stats", None)))
     store.set(f"r{r}/result/{rank}", json.dumps(payload))
 
 
@@ -449,18 +448,6 @@ class _StoreProgress:
 
     def close(self) -> None:
         pass
-
-
-def _sketch(stats) -> dict:
-    """Each latency series as (count, evenly spaced quantiles): enough to merge percentiles across workers."""
-    out = {}
-    for name in ("queue", "prefill", "decode"):
-        values = sorted(getattr(stats, name, ()) or ())
-        n = len(values)
-        k = min(n, SKETCH_POINTS)
-        # the values are a sample of at most LATENCY_SAMPLE rows; each point weighs for all the worker's rows
-        out[name] = {"n": getattr(stats, "latency_rows", n), "q": [values[round(i * (n - 1) / (k - 1))] if k > 1 else values[0] for i in range(k)]}
-    return out
 
 
 # --- the coordinator -----------------------------------------------------------------------
@@ -637,130 +624,6 @@ class Coordinator:
 
     def _members_alive(self) -> list[int]:
         return [k for k in range(self.world) if self.alive(k)]
-
-
-# --- merged stats ---------------------------------------------------------------------------
-
-_SUMMED = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
-
-
-def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: int, rounds: int,
-                lost: list[int]) -> dict:
-    """One job summary from the workers' (JobStats.summary keys, over the job's wall time), plus
-    `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance."""
-    summaries = [(v, v["summary"]) for v in results if v.get("summary")]
-    first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
-    wall = max(wall_s, 1e-9)
-    s = {k: sum(x.get(k) or 0 for _, x in summaries) for k in _SUMMED}
-    s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
-    s["duplicate_ids"] = first.get("duplicate_ids", 0)
-    s.update(wall_s=wall, model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries), default=0.0),
-             prefill_tokens_per_s=s["prompt_tokens"] / wall, decode_tokens_per_s=s["completion_tokens"] / wall,
-             rows_per_s=s["rows"] / wall,
-             cache_hit_rate=s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
-             device=",".join(sorted({v["device"] for v in results})) or None, devices=devices,
-             device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
-             model_weight_bytes=first.get("model_weight_bytes", 0), quantization=cfg.quantization,
-             interrupted=any(x.get("interrupted") for _, x in summaries))
-    for name in ("queue", "prefill", "decode"):
-        points = [(q, v["sketch"][name]["n"] / len(v["sketch"][name]["q"]))
-                  for v in results if v.get("sketch") for q in v["sketch"][name]["q"]]
-        for q in (50, 95, 99):
-            s[f"{name}_s_p{q}"] = _weighted_percentile(points, q / 100)
-    for k in ("optimum_cached_tokens", "optimum_cache_hit_rate", "block_optimum_cached_tokens", "optimum_exact"):
-        if k in first:      # the plan of round 0 covers every row; its optimum is the job's
-            s[k] = first[k]
-    if first.get("block_optimum_cached_tokens"):
-        s["cache_hit_of_block_optimum"] = s["cached_tokens"] / first["block_optimum_cached_tokens"]
-    engines = [x["engine"] for _, x in summaries if isinstance(x.get("engine"), dict)]
-    if engines:
-        s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
-    if cfg.device_hourly_cost is not None:
-        cost = s["device_hours"] * cfg.device_hourly_cost
-        total = s["prompt_tokens"] + s["completion_tokens"]
-        s["cost_usd"] = cost
-        s["cost_per_million_input_tokens"] = s["cost_per_million_output_tokens"] = cost / total * 1e6 if total else None
-    metrics = merge_metrics([x.get("metrics") for _, x in summaries])
-    if metrics:
-        s["metrics"] = metrics
-    workers = {}
-    for v in sorted(results, key=lambda v: (v["rank"], v["round"])):
-        x = v.get("summary") or {}
-        w = workers.setdefault(f"rank{v['rank']}", {"device": v["device"], "rounds": 0, "units": 0, "rows": 0,
-                                                    "prompt_tokens": 0, "completion_tokens": 0, "run_s": 0.0,
-                                                    "device_hours": 0.0, "exit_code": 0})
-        w["rounds"] += 1
-        w["units"] += v.get("units") or 0
-        for k in ("rows", "prompt_tokens", "completion_tokens", "device_hours"):
-            w[k] += x.get(k) or 0
-        w["run_s"] += v.get("run_s") or 0.0
-        w["exit_code"] = v["exit_code"]
-        w["tokens_per_s"] = (w["prompt_tokens"] + w["completion_tokens"]) / max(w["run_s"], 1e-9)
-    s["workers"] = workers
-    runs = [w["run_s"] for w in workers.values()]
-    # rows a lost worker wrote before it died: the next round found them done, and nobody reported them
-    by_round: dict[int, list[dict]] = {}
-    for v, x in summaries:
-        by_round.setdefault(v["round"], []).append(x)
-    lost_rows = sum(max(x.get("rows_skipped_done", 0) for x in by_round[r]) - max(
-        x.get("rows_skipped_done", 0) for x in by_round[r - 1]) - sum(x["rows"] for x in by_round[r - 1])
-        for r in by_round if r - 1 in by_round)
-    s["data_parallel"] = {"workers": devices, "rounds": rounds, "lost_workers": sorted(lost),
-                          "rows_by_lost_workers": lost_rows,
-                          "units": sum(w["units"] for w in workers.values()),
-                          "balance": min(runs) / max(runs) if runs and max(runs) > 0 else None}
-    return s
-
-
-def _weighted_percentile(points: list[tuple[float, float]], q: float) -> float | None:
-    if not points:
-        return None
-    if all(w == points[0][1] for _, w in points):
-        return percentile([v for v, _ in points], q)
-    points = sorted(points)
-    total = sum(w for _, w in points)
-    target, acc = q * total, 0.0
-    for v, w in points:
-        acc += w
-        if acc >= target:
-            return v
-    return points[-1][0]
-
-
-def merge_metrics(metrics: list[dict | None]) -> dict | None:
-    """Job metrics of several workers as one: accuracy, confusion matrix, log-likelihood recombined from counts."""
-    ms = [m for m in metrics if m]
-    if not ms:
-        return None
-    if len(ms) == 1:
-        return ms[0]
-    from collections import Counter
-
-    from jobs.metrics import Accuracy, ClassificationMetrics
-
-    out: dict = {}
-    if any("evaluated_rows" in m for m in ms):
-        acc = ClassificationMetrics() if any("confusion_matrix" in m for m in ms) else Accuracy("normalized")
-        for m in ms:
-            n = m.get("evaluated_rows") or 0
-            acc.total += n
-            acc.correct += round((m.get("accuracy") or 0.0) * n)
-            cm = m.get("confusion_matrix")
-            if cm:
-                pairs = Counter({(r, p): c for r, row in zip(cm["labels"], cm["counts"])
-                                 for p, c in zip(cm["labels"], row) if c})
-                acc.pairs.update(pairs)
-        out.update(acc.summary())
-    if any("scored_tokens" in m for m in ms):
-        import math
-        tokens = sum(m.get("scored_tokens") or 0 for m in ms)
-        logprob = sum((m.get("mean_logprob") or 0.0) * (m.get("scored_tokens") or 0) for m in ms)
-        out.update(scored_tokens=tokens, mean_logprob=logprob / tokens if tokens else None,
-                   perplexity=math.exp(-logprob / tokens) if tokens else None)
-    for m in ms:            # anything else: as the first worker that has it reported it
-        for k, v in m.items():
-            out.setdefault(k, v)
-    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 and for classification per-label precision, recall, F1 and the confusion matrix."""
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -70,3 +71,34 @@ class ClassificationMetrics(Accuracy):
         out["confusion_matrix"] = {"labels": labels,
                                    "counts": [[self.pairs[(r, p)] for p in labels] for r in labels]}
         return out
+
+
+def merge_metrics(metrics: list[dict | None]) -> dict | None:
+    """Job metrics of several workers as one: accuracy, confusion matrix, log-likelihood recombined from counts."""
+    ms = [m for m in metrics if m]
+    if not ms:
+        return None
+    if len(ms) == 1:
+        return ms[0]
+    out: dict = {}
+    if any("evaluated_rows" in m for m in ms):
+        acc = ClassificationMetrics() if any("confusion_matrix" in m for m in ms) else Accuracy("normalized")
+        for m in ms:
+            n = m.get("evaluated_rows") or 0
+            acc.total += n
+            acc.correct += round((m.get("accuracy") or 0.0) * n)
+            cm = m.get("confusion_matrix")
+            if cm:
+                pairs = Counter({(r, p): c for r, row in zip(cm["labels"], cm["counts"])
+                                 for p, c in zip(cm["labels"], row) if c})
+                acc.pairs.update(pairs)
+        out.update(acc.summary())
+    if any("scored_tokens" in m for m in ms):
+        tokens = sum(m.get("scored_tokens") or 0 for m in ms)
+        logprob = sum((m.get("mean_logprob") or 0.0) * (m.get("scored_tokens") or 0) for m in ms)
+        out.update(scored_tokens=tokens, mean_logprob=logprob / tokens if tokens else None,
+                   perplexity=math.exp(-logprob / tokens) if tokens else None)
+    for m in ms:            # anything else: as the first worker that has it reported it
+        for k, v in m.items():
+            out.setdefault(k, v)
+    return out

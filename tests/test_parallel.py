@@ -16,8 +16,9 @@ import pytest
 
 from jobrunner.config import JobConfig
 from jobrunner.job import EXIT_OK, Job
-from jobrunner.parallel import (TEST_DIE_ENV, data_parallel_size, distributed_env, merge_metrics, merge_stats,
-                                run_parallel)
+from jobrunner.parallel import TEST_DIE_ENV, data_parallel_size, distributed_env, run_parallel
+from jobrunner.stats_merge import merge_stats
+from jobs.metrics import merge_metrics
 from jobrunner.writer import read_results, read_stats
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
