@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.host_vectors = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
         self.host_tables = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None   # staging buffers are free again once set
-        self.graphs: dict[int, tuple] = {}                   # bucket -> (graph or None, output hidden)
+        self.graphs: dict[int, tuple] = {}                   # bucket -> (graph, its output hidden states)
         self.pool = None
         self.replays = 0                                     # decode steps served by this path
 

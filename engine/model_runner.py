@@ -36,6 +36,18 @@ class RunnerOutput:
     graphed: bool = False                 # the forward replayed a CUDA graph (or its padded stand-in)
 
 
+@dataclass
+class _StepInputs:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)           # cache slot of each token
+    query_lens: list[int] = field(default_factory=list)      # per chunk
+    seq_lens: list[int] = field(default_factory=list)        # per chunk: context length after the step
+    tables: list[list[int]] = field(default_factory=list)    # per chunk: its sequence's block table
+    sample_rows: list[tuple] = field(default_factory=list)   # (token row, chunk)
+    score_rows: list[tuple] = field(default_factory=list)    # (token row, target token, seq_id)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
         self.model = model
@@ -78,52 +90,53 @@ class ModelRunner:
         if not sched.chunks:
             return out
         t0 = time.perf_counter()
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, tables = [], [], []
-        sample_rows: list[tuple] = []     # (hidden row, chunk)
-        score_rows: list[tuple] = []      # (hidden row, target token, seq_id)
-        for chunk in sched.chunks:
-            seq, start, end = chunk.seq, chunk.start, chunk.end
-            base = len(input_ids)
-            table = seq.block_table
-            if end - start == 1:
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
-                pos = np.arange(start, end)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            tables.append(table)
-            if seq.logprobs_from:
-                last = seq.num_tokens - 1 if seq.scoring else seq.num_prompt_tokens - 1
-                for p in range(max(start, seq.logprobs_from - 1), min(end, last)):
-                    score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
-            if chunk.completes and not seq.scoring:
-                sample_rows.append((base + end - start - 1, chunk))
-
-        dev = self.device
-        nd = sched.num_decodes
-        if self.graphs is not None and nd == len(sched.chunks) and not score_rows and nd <= self.graphs.max_batch:
+        x = self._flatten(sched.chunks)
+        dev, nd = self.device, sched.num_decodes
+        if self.graphs is not None and nd == len(sched.chunks) and not x.score_rows and nd <= self.graphs.max_batch:
             t1 = time.perf_counter()
             out.graphed = True
-            hidden = self.graphs.run(input_ids, positions, slots, seq_lens, tables)
+            hidden = self.graphs.run(x.input_ids, x.positions, x.slots, x.seq_lens, x.tables)
         else:
-            meta = AttentionMetadata.build(bs, nd, query_lens, seq_lens, slots, tables, dev, self.sliding_window)
-            ids, pos = (to_device(np.asarray(x, dtype=np.int64), dev) for x in (input_ids, positions))
+            meta = AttentionMetadata.build(self.block_size, nd, x.query_lens, x.seq_lens, x.slots, x.tables, dev,
+                                           self.sliding_window)
+            ids, pos = (to_device(np.asarray(v, dtype=np.int64), dev) for v in (x.input_ids, x.positions))
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, self.kv_caches, meta)
         t2 = time.perf_counter()
-        if sample_rows:
-            self._sample(hidden, sample_rows, out)
-        if score_rows:
-            self._score(hidden, score_rows, out)
+        if x.sample_rows:
+            self._sample(hidden, x.sample_rows, out)
+        if x.score_rows:
+            self._score(hidden, x.score_rows, out)
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return out
+
+    def _flatten(self, chunks) -> "_StepInputs":
+        """The step's chunks as one flat token batch (decodes first), with the rows to sample or score."""
+        bs = self.block_size
+        x = _StepInputs()
+        for chunk in chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            base = len(x.input_ids)
+            table = seq.block_table
+            if end - start == 1:
+                x.input_ids.append(seq.token_ids[start])
+                x.positions.append(start)
+                x.slots.append(table[start // bs] * bs + start % bs)
+            else:
+                x.input_ids.extend(seq.token_ids[start:end])
+                pos = np.arange(start, end)
+                x.positions.extend(pos.tolist())
+                x.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            x.query_lens.append(end - start)
+            x.seq_lens.append(end)
+            x.tables.append(table)
+            if seq.logprobs_from:
+                last = seq.num_tokens - 1 if seq.scoring else seq.num_prompt_tokens - 1
+                for p in range(max(start, seq.logprobs_from - 1), min(end, last)):
+                    x.score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
+            if chunk.completes and not seq.scoring:
+                x.sample_rows.append((base + end - start - 1, chunk))
+        return x
 
     def _sample(self, hidden, sample_rows, out: RunnerOutput) -> None:
         idx = to_device(np.asarray([r for r, _ in sample_rows], dtype=np.int64), hidden.device)
