@@ -211,7 +211,6 @@ def run_ours(args, work) -> dict:
 def profile_steps(engine, n: int, sync) -> int:
     """Runs n engine steps under torch.profiler and prints where the time went (device kernels
     and host ops). Returns the requests that finished meanwhile."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.rt.device.type == "cuda" else [])
@@ -227,7 +226,6 @@ def profile_steps(engine, n: int, sync) -> int:
     running = len(engine.scheduler.running)
     print(f"--- profile: {n} steps, {wall * 1000 / n:.1f} ms/step wall, {running} running sequences ---")
     print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
-    del torch
     return finished
 
 
