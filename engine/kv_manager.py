@@ -73,7 +73,7 @@ class KVCacheManager:
         # block_size - 1 tokens would cost more batch than it saves, so only computed blocks count.
         best, best_len = None, 0
         for block in self.pool.following(parent) if ours else ():
-            n = _common_prefix(block.tokens, ours)
+            n = common_prefix(block.tokens, ours)
             if block.computed and n > best_len:
                 best, best_len = block.id, n
         return PrefixMatch(matched, (best, best_len) if best is not None else None)
@@ -169,7 +169,8 @@ class KVCacheManager:
         return copies
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

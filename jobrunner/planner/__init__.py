@@ -17,7 +17,7 @@ from .stats import (
     prefix_stats,
 )
 from .units import PlanItem, WorkUnit, cut_window, join_threshold, plan
-from .window import lcp
+from engine.kv_manager import common_prefix as lcp  # the engine's prefix match and the planner agree by construction
 
 __all__ = [
     "PlanItem",

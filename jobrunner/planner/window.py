@@ -37,16 +37,6 @@ def encode(tokens: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """Longest common prefix of two token lists, in tokens (reference helper)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass(slots=True)
 class SortedWindow:
     """One window in run order. All lists are aligned and in sorted (trie) order."""
