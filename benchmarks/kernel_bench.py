@@ -73,6 +73,21 @@ def _split_opts(cfg: dict) -> tuple[dict, dict]:
     return cfg, opts
 
 
+def cubin_resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers, stack bytes: spills) of a compiled kernel, read with triton's bundled cuobjdump;
+    None where that tool is missing."""
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        res = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def compile_report(arch: int = 90) -> list[dict]:
     """Compile every kernel for sm_<arch> (no GPU needed) and read its resource usage."""
     import triton
@@ -81,8 +96,6 @@ def compile_report(arch: int = 90) -> list[dict]:
     from triton.runtime.jit import JITFunction
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_report needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
-    nv_bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    cuobjdump = os.path.join(nv_bin, "cuobjdump")
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, kernel, types, constexprs, opts in _sm90_cases():
@@ -98,14 +111,7 @@ def compile_report(arch: int = 90) -> list[dict]:
         k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=target, options=opts)
         row = dict(kernel=name, regs=None, spill_bytes=None, smem=k.metadata.shared,
                    wgmma="wgmma" in k.asm["ptx"], cp_async="cp.async" in k.asm["ptx"])
-        if os.path.exists(cuobjdump):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-                fh.write(k.asm["cubin"])
-                fh.flush()
-                res = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
-            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-            if m:
-                row["regs"], row["spill_bytes"] = int(m.group(1)), int(m.group(2))
+        row["regs"], row["spill_bytes"] = cubin_resources(k.asm["cubin"]) or (None, None)
         rows.append(row)
     return rows
 

@@ -255,19 +255,15 @@ def markdown(rows: list[Row], args, load_before: str, load_after: str) -> str:
 def compile_check(arch: int = 90) -> list[str]:
     """Compile the int8/int4 kernels with the launch configurations the launchers pick, for
     sm_<arch>, with triton's bundled toolchain (no GPU); report registers and spills."""
-    import re
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    from benchmarks.kernel_bench import cubin_resources
     from kernels import triton_quant_matmul as tq
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("--compile-check needs TRITON_INTERPRET unset")
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = []
     for tdt, dt in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16"), (torch.float32, "*fp32")):
         for m in (1, 32, 64):
@@ -286,14 +282,8 @@ def compile_check(arch: int = 90) -> list[str]:
                 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
                 k = triton.compile(ASTSource(fn, sig, constexprs=cx, attrs=attrs),
                                    target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
-                usage = "?"
-                if os.path.exists(cuobjdump):
-                    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-                        fh.write(k.asm["cubin"])
-                        fh.flush()
-                        res = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
-                    found = re.search(r"REG:(\d+) STACK:(\d+)", res)
-                    usage = f"regs {found.group(1)}, spill {found.group(2)} B" if found else "?"
+                found = cubin_resources(k.asm["cubin"])
+                usage = f"regs {found[0]}, spill {found[1]} B" if found else "?"
                 out.append(f"{name:10s} {dt[1:]:5s} M<={m:<3d} tile {bm}x{bn}: {usage}, "
                            f"{'mma' if 'mma' in k.asm['ptx'] else 'fma'}")
     return out
