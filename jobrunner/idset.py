@@ -66,12 +66,14 @@ class IdSet:
         """Add each id in order; True where it was already there (before, or earlier in `ids`)."""
         digs = [digest(i) for i in ids]
         known = self._known(digs).tolist()
+        added: set[bytes] = set()           # this call's: `recent` may be sealed into a run midway
         for k, d in enumerate(digs):
             if known[k]:
                 continue
-            if d in self._recent:           # a repeat within this call
+            if d in added:                  # a repeat within this call
                 known[k] = True
                 continue
+            added.add(d)
             self._recent.add(d)
             self._len += 1
             if len(self._recent) >= RECENT:

@@ -29,6 +29,12 @@ def test_matches_a_python_set_through_many_merges(small_recent):
     assert "nope" not in s
 
 
+def test_a_repeat_within_one_call_is_caught_across_a_seal(small_recent):
+    s = IdSet(["a", "b", "c"])                # one more id fills `recent` and seals it
+    assert s.add_new(["x", "x", "y", "x"]) == [False, True, False, True]
+    assert len(s) == 5 and "x" in s and "y" in s
+
+
 def test_runs_stay_sorted_disjoint_and_logarithmic(small_recent):
     s = IdSet(f"row-{i}" for i in range(1000))
     assert len(s) == 1000
