@@ -106,7 +106,8 @@ class KVCacheManager:
         False, and nothing changed, when the pool is short."""
         bs = self.block_size
         end = seq.num_computed_tokens + num_new_tokens
-        needed = -(-end // bs) - len(seq.block_table)
+        num_blocks = self.blocks_for(end)
+        needed = num_blocks - len(seq.block_table)
         if needed > 0:
             new = self.pool.allocate(needed)
             if new is None:
@@ -114,10 +115,7 @@ class KVCacheManager:
             seq.block_table.extend(new)
         first_full = seq.num_computed_tokens // bs
         last_full = end // bs
-        if num_new_tokens == 1:                # a decode: one block written (the hot path)
-            self.written_this_step.add(seq.block_table[first_full])
-        else:
-            self.written_this_step.update(seq.block_table[first_full:-(-end // bs)])
+        self.written_this_step.update(seq.block_table[first_full:num_blocks])
         if last_full > first_full:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
             if self.enable_prefix_caching:
