@@ -35,8 +35,8 @@ class EngineRuntime:
     weight_bytes: int
     load_s: float
     source: str
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int                   # the config's, or BATCH_LIMITS for the device
+    max_num_batched_tokens: int
 
 
 def resolve_device(name: str) -> torch.device:
