@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one go and in under 8 minutes: the GPU tests, engine throughput on
 # dummy-weight Llama-3.1-8B (1000 prompts 256/256, then 1000 prompts 1024/512, each bounded by a
-# time limit), and transformers batched generate on a subset as the peer. Installs nothing and
+# time limit; 256/256 again without async scheduling), and transformers batched generate on a
+# subset as the peer. Installs nothing and
 # needs no network (torch, triton, transformers, pytest are on that machine; polars and gguf are
 # not, and nothing here imports them). Each part's failure is reported; none stops the others.
 #
@@ -40,7 +41,7 @@ case $MODE in
   *)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
     B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
-    L_TEST=120; L_A=110; TL_A=60; L_B=130; TL_B=80; L_E=50; TL_E=15; L_HF=70; TL_HF=30; PROF="" ;;
+    L_TEST=120; L_A=110; TL_A=60; L_B=130; TL_B=80; L_E=80; TL_E=40; L_HF=70; TL_HF=30; PROF="" ;;
 esac
 # 256/256: every prompt fits in the KV cache at once; 1024/512: ~500 do, more would be preempted.
 A="$A --max-num-seqs 1024 --max-batched-tokens 8192"
@@ -98,7 +99,8 @@ fi
 
 part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
 part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B"
-part eager-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --eager --time-limit "$TL_E"
+# A/B of async scheduling (every other run uses it): the same 256/256 run waiting for each step
+part sync-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --sync-scheduling --time-limit "$TL_E"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
 if [ "$MODE" = full ]; then   # quantized: fp8 weights; an int8 KV cache (with a profile of two decode steps)

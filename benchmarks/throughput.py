@@ -149,7 +149,7 @@ def run_ours(args, work) -> dict:
                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads,
-                       cuda_graphs=not args.eager)
+                       cuda_graphs=not args.eager, async_scheduling=not args.sync_scheduling)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load = time.perf_counter() - t0
@@ -203,8 +203,9 @@ def run_ours(args, work) -> dict:
                preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached,
                cuda_graphs=engine.runner.graphs is not None, graph_capture_s=engine.graph_capture_s,
                graph_steps=c.graph_steps, max_num_seqs=rt.max_num_seqs, max_batched_tokens=rt.max_num_batched_tokens,
+               async_scheduling=cfg.async_scheduling,
                host_s={k: round(getattr(c, k), 3) for k in ("schedule_s", "prepare_s", "forward_s", "sample_s",
-                                                            "process_s")})
+                                                            "wait_s", "process_s")})
     return out
 
 
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, help="default: the engine's (2048 on CPU, 8192 on a GPU)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--sync-scheduling", action="store_true",
+                    help="wait for each step before scheduling the next (no async scheduling)")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps (torch.profiler table)")
     ap.add_argument("--profile-after", type=int, default=0, help="... starting after this many steps")
     ap.add_argument("--threads", type=int, help="CPU compute threads (default: torch's, one per core)")

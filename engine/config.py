@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # per-step token budget (decodes + prefill chunks); None: by device
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True            # on CUDA, replay captured graphs for pure-decode steps
+    async_scheduling: bool = True       # schedule step k+1 while step k runs (engine/engine.py)
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
     seed: int = 0
 

@@ -99,12 +99,15 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
+            tables: list[list[int]], id_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of len(input_ids) sequences -> hidden states [n, hidden] (a view into
-        the graph's output: read it before the next replay)."""
+        the graph's output: read it before the next replay). id_patch: (rows, ids) already on the
+        device that replace those rows' input ids (tokens the previous step sampled)."""
         n = len(input_ids)
         bs = self.bucket(n)
         self._fill(input_ids, positions, slots, seq_lens, tables, bs)
+        if id_patch is not None:
+            self.vectors[0].index_copy_(0, *id_patch)
         self.replays += 1
         if not self.capture:
             meta = self._meta(bs)

@@ -3,20 +3,29 @@
     engine = Engine(EngineConfig(...))
     outputs = engine.generate(requests)        # same order as requests
     # or: engine.add_request(r); while engine.has_unfinished(): done = engine.step()
+
+With async scheduling (the default) a step is processed one call later: step() schedules
+and launches batch k, then waits for batch k-1 and processes it, so the host's scheduling,
+input building and output processing overlap the device's forward. Batch k is scheduled
+before k-1's samples are known: each sequence sampling in k-1 holds a placeholder token
+(engine/sequence.py) whose input id the runner takes on the device. A sequence that stops
+at k-1 has computed one token in k for nothing; its output is dropped. A sample that ends
+a sequence by length, forks it (n > 1) or branches it (candidates) gets no placeholder:
+that sequence sits out step k instead.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-
 
 from engine.config import EngineConfig
 from engine.kv_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from engine.request import Completion, Request, RequestOutput
 from engine.runtime import EngineRuntime, build_runtime
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, Status
+from engine.sequence import PLACEHOLDER, Sequence, Status
 from engine.stop import StopChecker
 
 
@@ -45,11 +54,12 @@ class EngineCounters:
     generated_tokens: int = 0
     preemptions: int = 0
     graph_steps: int = 0              # pure-decode steps replayed from CUDA graphs
-    # host seconds per phase of a step (on a GPU, the wait for the device shows in sample_s)
+    # host seconds per phase of a step; wait_s: waiting for the device's results
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    wait_s: float = 0.0
     process_s: float = 0.0
 
 
@@ -72,6 +82,8 @@ class Engine:
         self._states: dict[str, _RequestState] = {}
         self._seq_state: dict[int, _RequestState] = {}
         self._finished: list[RequestOutput] = []
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
+        self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
         _quiet_gc()
 
     # --- public ----------------------------------------------------------------------------
@@ -91,7 +103,7 @@ class Engine:
         return len(self._states) + len(self._finished)
 
     def has_unfinished(self) -> bool:
-        return bool(self._finished) or self.scheduler.has_unfinished()
+        return bool(self._finished or self._in_flight) or self.scheduler.has_unfinished()
 
     def add_request(self, req: Request) -> None:
         if req.id in self._states:
@@ -120,27 +132,46 @@ class Engine:
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the requests that finished in it."""
+        """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
+        before, with async scheduling; this one, without). Returns the requests that finished."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        scheduled = time.perf_counter()
-        out = self.runner.execute(sched)
-        executed = time.perf_counter()
+        self.counters.schedule_s += time.perf_counter() - start
+        launched = self.runner.launch(sched)
         self.scheduler.finish_step(sched)
-        self._account(sched, start, out)
-        self._process(sched, out)
-        c = self.counters
-        c.schedule_s += scheduled - start
-        c.prepare_s += out.prepare_s
-        c.forward_s += out.forward_s
-        c.sample_s += out.sample_s
-        c.process_s += time.perf_counter() - executed
+        self._account(sched, start, launched.out)
+        if sched.chunks:
+            self._in_flight.append((sched, launched))
+        if self._in_flight and (len(self._in_flight) > self._depth or not sched.chunks):
+            self._complete(*self._in_flight.popleft())
+        if self._in_flight and self._in_flight[-1][0] is sched:
+            self._expect_tokens(sched)
         finished, self._finished = self._finished, []
         return finished
 
     # --- step processing -----------------------------------------------------------------
 
-    def _account(self, sched: SchedulerOutput, step_start: float, out) -> None:
+    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
+        out = self.runner.collect(launched)
+        start = time.perf_counter()
+        self._process(sched, out)
+        c = self.counters
+        c.prepare_s += out.prepare_s
+        c.forward_s += out.forward_s
+        c.sample_s += out.sample_s
+        c.wait_s += out.wait_s
+        c.process_s += time.perf_counter() - start
+
+    def _expect_tokens(self, sched: SchedulerOutput) -> None:
+        """A placeholder for each sequence sampling in the step in flight that goes on after its
+        sample (see the module docstring for those that don't)."""
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if (chunk.completes and not seq.scoring and seq.status is Status.RUNNING and seq.fork_samples == 1
+                    and seq.candidate_first_tokens is None and self.stop_checker.may_continue(seq, self.max_model_len)):
+                seq.token_ids.append(PLACEHOLDER)
+
+    def _account(self, sched: SchedulerOutput, step_start: float, out: RunnerOutput) -> None:
         c = self.counters
         c.steps += 1
         c.graph_steps += out.graphed
@@ -156,7 +187,7 @@ class Engine:
             prompt_end = state.prompt_tokens
             c.prompt_tokens_computed += max(0, min(chunk.end, prompt_end) - chunk.start)
 
-    def _process(self, sched: SchedulerOutput, out) -> None:
+    def _process(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         now = time.perf_counter()
         for chunk in sched.chunks:
             seq = chunk.seq
@@ -164,7 +195,9 @@ class Engine:
                 continue
             state = self._seq_state[seq.seq_id]
             if seq.seq_id in out.token_logprobs:
-                seq.token_logprobs.extend(out.token_logprobs[seq.seq_id])
+                # by position: a preempted sequence scores its recomputed tokens again
+                first = max(chunk.start, seq.logprobs_from - 1) - (seq.logprobs_from - 1)
+                seq.token_logprobs[first:] = out.token_logprobs[seq.seq_id]
             if not chunk.completes:
                 continue
             if state.prefill_done is None and chunk.end >= state.prompt_tokens:
@@ -181,7 +214,11 @@ class Engine:
                 self._append(seq, state, tokens[0], logprobs[0])
 
     def _append(self, seq: Sequence, state: _RequestState, token: int, logprob) -> None:
-        seq.token_ids.append(token)
+        if seq.awaiting_token:
+            seq.token_ids[-1] = token
+            self.kv.register_resolved(seq)
+        else:
+            seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
@@ -230,8 +267,10 @@ class Engine:
 
     def _spawn(self, parent: Sequence, child: Sequence, state: _RequestState) -> None:
         self._track(child, state)
-        copies = self.kv.fork(parent, child)
-        if copies is None:        # no free block for the copy: recompute it later, mostly from the prefix cache
+        # a parent preempted since its sample holds no blocks; no free block for the copy: either
+        # way the child is recomputed later, mostly from the prefix cache
+        copies = self.kv.fork(parent, child) if parent.status is Status.RUNNING else None
+        if copies is None:
             self.scheduler.add(child)
         else:
             self.scheduler.add_running(child, copies)

@@ -13,6 +13,8 @@ A full block gets its hash when it is allocated for a chunk that fills it (its t
 then), before it is computed. Another sequence may share such a block only if the block is
 computed by the end of the current step's writes, which precede every attention read in the
 same forward: that is how N rows admitted together compute their shared prefix once.
+"Computed" means written by a step already enqueued on the device: steps run in order on
+one stream, so every later step reads it complete.
 """
 from __future__ import annotations
 
@@ -118,9 +120,11 @@ class KVCacheManager:
         self.written_this_step.update(seq.block_table[first_full:num_blocks])
         if last_full > first_full:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
-            if self.enable_prefix_caching:
+            # a block ending in a placeholder is hashed once its token is known (register_resolved)
+            known_full = min(last_full, (seq.num_tokens - seq.awaiting_token) // bs)
+            if self.enable_prefix_caching and known_full > first_full:
                 prev = self._prefix_hash(seq, first_full)
-                for i, h in enumerate(self._hash_chain(seq.token_ids, last_full, first_full, prev), first_full):
+                for i, h in enumerate(self._hash_chain(seq.token_ids, known_full, first_full, prev), first_full):
                     self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
                     prev = h
         if self.enable_prefix_caching and end % bs and end <= seq.num_prompt_tokens:
@@ -128,6 +132,18 @@ class KVCacheManager:
             self.pool.index_partial(seq.block_table[last_full], self._prefix_hash(seq, last_full),
                                     tuple(seq.token_ids[last_full * bs:end]))
         return True
+
+    def register_resolved(self, seq: Sequence) -> None:
+        """seq's placeholder has just become its real token: hashes the block that token completes,
+        if a launched step has written it already (allocate left it unhashed). Changes the pool's index."""
+        bs, n = self.block_size, seq.num_tokens
+        if not self.enable_prefix_caching or n % bs or seq.num_computed_tokens < n:
+            return
+        i = n // bs - 1
+        prev = self._prefix_hash(seq, i)
+        [h] = self._hash_chain(seq.token_ids, i + 1, i, prev)
+        self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:n]))
+        self.pool.mark_computed([seq.block_table[i]])   # written by a step already enqueued
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
         if num_blocks == 0:

@@ -1,7 +1,13 @@
 """Runs one scheduled step on the model: builds the flattened batch, runs the forward,
 computes logits only where a token is sampled or scored, and samples.
 
-    runner.execute(SchedulerOutput) -> RunnerOutput
+    step = runner.launch(SchedulerOutput)    # enqueued on the device, no host sync
+    out = runner.collect(step)               # waits; -> RunnerOutput
+    runner.execute(sched) == runner.collect(runner.launch(sched))
+
+Between the two the host is free to schedule and launch the next step: steps run in
+order on the device's one stream, so a launch may read KV blocks and sampled tokens
+that earlier launches have not yet produced.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import TokenLogprob
-from engine.sampler import SampleRow, draw_uniform, sample
+from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.attention import to_device
@@ -29,11 +35,46 @@ class RunnerOutput:
     token_logprobs: dict[int, list[float]] = field(default_factory=dict)        # seq_id -> scored tokens' logprobs
     candidate_first: dict[int, list[float]] = field(default_factory=dict)       # seq_id -> logprob of each candidate's first token
     num_tokens: int = 0
-    # host seconds: building inputs, enqueueing the forward, logits + sampling (the wait for the GPU lands here)
+    # host seconds: building inputs, enqueueing the forward, enqueueing logits + sampling, waiting for the results
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    wait_s: float = 0.0
     graphed: bool = False                 # the forward replayed a CUDA graph (or its padded stand-in)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device. Its results stay there until `ModelRunner.collect`."""
+    out: RunnerOutput
+    sampled: DeviceSample | None = None
+    sample_owners: list[int] = field(default_factory=list)                  # seq_id of each sampled row
+    candidate_lp: torch.Tensor | None = None                                # [sum of counts]
+    candidate_owners: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, number of candidates)
+    score_lp: torch.Tensor | None = None                                    # [len(score_owners)]
+    score_owners: list[int] = field(default_factory=list)
+    fetch: "HostCopy | None" = None
+
+
+class HostCopy:
+    """Device tensors copied into pinned host memory without waiting; wait() hands them over
+    once the copies (and everything enqueued before them) are done."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.done = None
+        if tensors and tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = [t.cpu() for t in tensors]
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 @dataclass
@@ -46,6 +87,7 @@ class _StepInputs:
     tables: list[list[int]] = field(default_factory=list)    # per chunk: its sequence's block table
     sample_rows: list[tuple] = field(default_factory=list)   # (token row, chunk)
     score_rows: list[tuple] = field(default_factory=list)    # (token row, target token, seq_id)
+    placeholder_rows: list[tuple] = field(default_factory=list)  # (token row, seq_id): input id sampled last step
 
 
 class ModelRunner:
@@ -67,6 +109,8 @@ class ModelRunner:
             self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
         self.sliding_window = cfg.sliding_window
         self.graphs: DecodeGraphs | None = None
+        self._last_tokens: torch.Tensor | None = None   # the last launch's sampled tokens, on the device
+        self._last_rows: dict[int, int] = {}            # seq_id -> its row there
 
     def enable_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> float:
         """Pure-decode steps of up to max_batch sequences replay CUDA graphs, captured now; returns the
@@ -82,33 +126,80 @@ class ModelRunner:
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        out = RunnerOutput(num_tokens=sched.num_tokens)
+        """One step, waited for."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Enqueues the step's forward, logits and sampling without waiting for the device. Input ids
+        that are placeholders come from the previous launch's samples, on the device."""
+        step = LaunchedStep(RunnerOutput(num_tokens=sched.num_tokens))
+        out = step.out
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         if not sched.chunks:
-            return out
+            return step
         t0 = time.perf_counter()
         x = self._flatten(sched.chunks)
         dev, nd = self.device, sched.num_decodes
+        patch = self._placeholder_ids(x.placeholder_rows)
         if self.graphs is not None and nd == len(sched.chunks) and not x.score_rows and nd <= self.graphs.max_batch:
             t1 = time.perf_counter()
             out.graphed = True
-            hidden = self.graphs.run(x.input_ids, x.positions, x.slots, x.seq_lens, x.tables)
+            hidden = self.graphs.run(x.input_ids, x.positions, x.slots, x.seq_lens, x.tables, patch)
         else:
             meta = AttentionMetadata.build(self.block_size, nd, x.query_lens, x.seq_lens, x.slots, x.tables, dev,
                                            self.sliding_window)
             ids, pos = (to_device(np.asarray(v, dtype=np.int64), dev) for v in (x.input_ids, x.positions))
+            if patch is not None:
+                ids.index_copy_(0, *patch)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, self.kv_caches, meta)
         t2 = time.perf_counter()
+        self._last_tokens, self._last_rows = None, {}
         if x.sample_rows:
-            self._sample(hidden, x.sample_rows, out)
+            self._sample(hidden, x.sample_rows, step)
         if x.score_rows:
-            self._score(hidden, x.score_rows, out)
+            self._score(hidden, x.score_rows, step)
+        wanted = [t for t in (step.candidate_lp, step.score_lp) if t is not None]
+        step.fetch = HostCopy([*(step.sampled.tensors() if step.sampled else []), *wanted])
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        return step
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Waits for a launched step and returns its results on the host."""
+        out = step.out
+        if step.fetch is None:
+            return out
+        t0 = time.perf_counter()
+        host = step.fetch.wait()
+        out.wait_s = time.perf_counter() - t0
+        if step.sampled is not None:
+            n = len(step.sampled.tensors())
+            tokens, logprobs = step.sampled.finish(host[:n])
+            host = host[n:]
+            for seq_id, tok, lp in zip(step.sample_owners, tokens, logprobs):
+                out.sampled.setdefault(seq_id, []).append(tok)
+                out.sample_logprobs.setdefault(seq_id, []).append(lp)
+        if step.candidate_lp is not None:
+            values, i = host.pop(0).tolist(), 0
+            for seq_id, count in step.candidate_owners:
+                out.candidate_first[seq_id] = values[i:i + count]
+                i += count
+        if step.score_lp is not None:
+            for seq_id, value in zip(step.score_owners, host.pop(0).tolist()):
+                out.token_logprobs.setdefault(seq_id, []).append(value)
         return out
+
+    def _placeholder_ids(self, rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows, their ids) for placeholder inputs, gathered on the device from the previous
+        launch's sampled tokens."""
+        if not rows:
+            return None
+        dst = to_device(np.asarray([r for r, _ in rows], dtype=np.int64), self.device)
+        src = to_device(np.asarray([self._last_rows[seq_id] for _, seq_id in rows], dtype=np.int64), self.device)
+        return dst, self._last_tokens.index_select(0, src)
 
     def _flatten(self, chunks) -> "_StepInputs":
         """The step's chunks as one flat token batch (decodes first), with the rows to sample or score."""
@@ -127,6 +218,8 @@ class ModelRunner:
                 pos = np.arange(start, end)
                 x.positions.extend(pos.tolist())
                 x.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            if end == seq.num_tokens and seq.awaiting_token:
+                x.placeholder_rows.append((base + end - start - 1, seq.seq_id))
             x.query_lens.append(end - start)
             x.seq_lens.append(end)
             x.tables.append(table)
@@ -138,45 +231,49 @@ class ModelRunner:
                 x.sample_rows.append((base + end - start - 1, chunk))
         return x
 
-    def _sample(self, hidden, sample_rows, out: RunnerOutput) -> None:
+    def _sample(self, hidden, sample_rows, step: LaunchedStep) -> None:
         idx = to_device(np.asarray([r for r, _ in sample_rows], dtype=np.int64), hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         seqs = [chunk.seq for _, chunk in sample_rows]
         if all(s.fork_samples == 1 and s.candidate_first_tokens is None and not s.sampling.temperature > 0
                and s.sampling.logprobs is None for s in seqs):      # all greedy, one token each: the hot path
-            for seq, tok in zip(seqs, logits.argmax(dim=-1).tolist()):
-                out.sampled[seq.seq_id] = [tok]
-                out.sample_logprobs[seq.seq_id] = [None]
-            return
-        rows, owners = [], []
-        for i, (_, chunk) in enumerate(sample_rows):
-            seq = chunk.seq
-            if seq.candidate_first_tokens is not None:
-                lp = torch.log_softmax(logits[i], dim=-1)
-                out.candidate_first[seq.seq_id] = lp[seq.candidate_first_tokens].tolist()
-                continue
-            for k in range(seq.fork_samples):      # sample k of a parent's first draw becomes child k
-                u = draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens) if seq.sampling.temperature > 0 else 0.0
-                rows.append(SampleRow(i, seq.sampling, u))
-                owners.append(seq.seq_id)
-        tokens, logprobs = sample(logits, rows)
-        for seq_id, tok, lp in zip(owners, tokens, logprobs):
-            out.sampled.setdefault(seq_id, []).append(tok)
-            out.sample_logprobs.setdefault(seq_id, []).append(lp)
+            step.sampled = DeviceSample(logits.argmax(dim=-1), [], [])
+            step.sample_owners = [s.seq_id for s in seqs]
+        else:
+            rows, cand_rows, cand_tokens = [], [], []
+            for i, seq in enumerate(seqs):
+                if seq.candidate_first_tokens is not None:
+                    cand_rows += [i] * len(seq.candidate_first_tokens)
+                    cand_tokens += seq.candidate_first_tokens
+                    step.candidate_owners.append((seq.seq_id, len(seq.candidate_first_tokens)))
+                    continue
+                for k in range(seq.fork_samples):      # sample k of a parent's first draw becomes child k
+                    u = draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens) if seq.sampling.temperature > 0 else 0.0
+                    rows.append(SampleRow(i, seq.sampling, u))
+                    step.sample_owners.append(seq.seq_id)
+            if rows:
+                step.sampled = sample_on_device(logits, rows)
+            if cand_rows:
+                r, t = (to_device(np.asarray(v, dtype=np.int64), logits.device) for v in (cand_rows, cand_tokens))
+                step.candidate_lp = logits[r, t] - torch.logsumexp(logits, dim=-1)[r]
+        if step.sampled is not None:       # the next launch's placeholder inputs come from these
+            self._last_tokens = step.sampled.tokens
+            for row, seq_id in enumerate(step.sample_owners):
+                self._last_rows.setdefault(seq_id, row)
 
-    def _score(self, hidden, score_rows, out: RunnerOutput) -> None:
+    def _score(self, hidden, score_rows, step: LaunchedStep) -> None:
+        parts = []
         for lo in range(0, len(score_rows), LOGITS_ROWS_PER_PASS):
             part = score_rows[lo:lo + LOGITS_ROWS_PER_PASS]
-            idx = torch.tensor([r for r, _, _ in part], device=hidden.device)
+            idx, targets = (to_device(np.asarray(v, dtype=np.int64), hidden.device)
+                            for v in ([r for r, _, _ in part], [t for _, t, _ in part]))
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            targets = torch.tensor([t for _, t, _ in part], device=hidden.device)
-            lp = (logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
-            for (_, _, seq_id), value in zip(part, lp):
-                out.token_logprobs.setdefault(seq_id, []).append(value)
+            parts.append(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
+        step.score_lp = torch.cat(parts)
+        step.score_owners = [seq_id for _, _, seq_id in score_rows]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = (to_device(np.asarray(v, dtype=np.int64), self.device) for v in zip(*copies))
         for layer in self.kv_caches:
             for t in layer:
                 t.index_copy_(0, dst, t.index_select(0, src))

@@ -3,16 +3,19 @@
 Every sampled row brings its own uniform draw, derived from the request's seed, the sample
 index and the token position (`draw_uniform`): a row's sample never depends on which rows
 shared its batch, on the device, or on a preemption in between. The step's rows are filtered
-together on the device and sampled by inverse CDF, with one host sync for the whole step.
+together on the device and sampled by inverse CDF; `sample_on_device` enqueues it all without
+waiting for the device, and the host reads the results once (`DeviceSample.finish`).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
+from kernels.attention import to_device
 
 
 @dataclass
@@ -29,43 +32,76 @@ def draw_uniform(seed: int, sample_index: int, position: int) -> float:
     return bits / 2.0**53
 
 
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens and logprobs, still on the device (nothing waited for)."""
+    tokens: torch.Tensor                            # [R] int64
+    logprob_rows: list[int]                         # rows that asked for logprobs
+    top_k: list[int]                                # their k
+    chosen: torch.Tensor | None = None              # [len(logprob_rows)] the chosen token's logprob
+    top_ids: torch.Tensor | None = None             # [len(logprob_rows), max k]
+    top_values: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host needs, in the order finish() takes it back."""
+        extra = [self.chosen, self.top_ids, self.top_values] if self.logprob_rows else []
+        return [self.tokens, *extra]
+
+    def finish(self, host: list[torch.Tensor]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """host: tensors() on the host -> the chosen token and, when asked, its logprob per row."""
+        tokens = host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen, ids, values = host[1].tolist(), host[2].tolist(), host[3].tolist()
+            for j, (i, k) in enumerate(zip(self.logprob_rows, self.top_k)):
+                logprobs[i] = TokenLogprob(tokens[i], chosen[j], list(zip(ids[j][:k], values[j][:k])))
+        return tokens, logprobs
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, vocab] float32. Returns the chosen token and, when asked, its logprob per row."""
     if not rows:
         return [], []
+    drawn = sample_on_device(logits, rows)
+    return drawn.finish([t.cpu() for t in drawn.tensors()])
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+    """logits: [N, vocab] float32 -> one token per row, enqueued on the device without a host sync."""
+    dev = logits.device
     order = [r.logits_row for r in rows]
     if order == list(range(logits.shape[0])):
         x = logits                                   # the common case: no copy of [N, vocab]
     else:
-        x = logits.index_select(0, torch.tensor(order, device=logits.device))
+        x = logits.index_select(0, _on(dev, order))
     tokens = x.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if sampled:
-        idx = torch.tensor(sampled, device=x.device)
-        tokens[idx] = sample_filtered(x.index_select(0, idx), [rows[i] for i in sampled])
-    tokens_list = tokens.tolist()                    # the step's one host sync
-    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        idx = _on(dev, sampled)
+        tokens.index_copy_(0, idx, sample_filtered(x.index_select(0, idx), [rows[i] for i in sampled]))
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    drawn = DeviceSample(tokens, wanted, [rows[i].params.logprobs for i in wanted])
     if wanted:
-        lp = torch.log_softmax(x[wanted], dim=-1)
-        for j, i in enumerate(wanted):
-            k = rows[i].params.logprobs
-            top = []
-            if k:
-                vals, ids = lp[j].topk(k)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            logprobs[i] = TokenLogprob(tokens_list[i], float(lp[j, tokens_list[i]]), top)
-    return tokens_list, logprobs
+        idx = _on(dev, wanted)
+        lp = torch.log_softmax(x.index_select(0, idx), dim=-1)
+        drawn.chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+        drawn.top_values, drawn.top_ids = lp.topk(max(drawn.top_k), dim=-1)
+    return drawn
+
+
+def _on(device, values, dtype=np.int64) -> torch.Tensor:
+    """A small host list on the device without a blocking copy (a blocking one waits for the whole stream)."""
+    return to_device(np.asarray(values, dtype=dtype), device)
 
 
 def sample_filtered(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """[R, vocab] logits of rows with temperature > 0 -> [R] tokens, on the device, no sync."""
     dev, vocab = logits.device, logits.shape[-1]
-    col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
+    col = lambda values, dtype=np.float32: _on(dev, values, dtype)[:, None]
     x = logits / col([r.params.temperature for r in rows])
     ks = [r.params.top_k if r.params.top_k < vocab else 0 for r in rows]
     if any(ks):                                      # keep each row's k largest (k = 0: all)
-        k = col(ks, torch.int64)
+        k = col(ks, np.int64)
         kth = x.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         x = x.masked_fill((k > 0) & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
@@ -79,5 +115,5 @@ def sample_filtered(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     # Inverse CDF: the first token whose cumulative mass exceeds u * total (total: the kept mass;
     # 'right' never lands on a token of zero probability).
     cdf = probs.double().cumsum(dim=-1)
-    u = col([r.uniform for r in rows], torch.float64) * cdf[:, -1:]
+    u = col([r.uniform for r in rows], np.float64) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=vocab - 1)

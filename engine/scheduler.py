@@ -20,15 +20,17 @@ class ScheduledChunk:
     seq: Sequence
     start: int                  # first position computed in this chunk
     num_tokens: int
+    # The sequence reaches its next event (sampling, or the end of scoring) after this chunk.
+    # Fixed when scheduled: by the time the step's results are processed the sequence may
+    # already hold a placeholder for the next one.
+    completes: bool = field(init=False)
+
+    def __post_init__(self):
+        self.completes = self.end == self.seq.compute_target
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def completes(self) -> bool:
-        """The sequence reaches its next event (sampling, or the end of scoring) after this chunk."""
-        return self.end == self.seq.compute_target
 
 
 @dataclass

@@ -3,6 +3,11 @@
 A sequence's tokens are computed left to right: `num_computed_tokens` catches up with
 `len(token_ids)`; a generating sequence samples when it catches up, a scoring sequence
 stops one short (the last token's logits are never needed).
+
+With asynchronous scheduling a sequence may end in one PLACEHOLDER: the token that the step
+in flight is sampling. The next step is scheduled over it (its input id is taken on the
+device from that step's samples); the engine puts the real token in its place before
+anything reads the text, and before another placeholder is added.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.request import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
+PLACEHOLDER = -1   # never a token id: prompts are checked to lie in 0..vocab-1
 
 
 class Status(enum.Enum):
@@ -47,6 +53,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def awaiting_token(self) -> bool:
+        """The last token is a placeholder for a sample still on the device."""
+        return self.token_ids[-1] == PLACEHOLDER
 
     @property
     def num_completion_tokens(self) -> int:

@@ -26,6 +26,10 @@ class StopChecker:
             return "length"
         return None
 
+    def may_continue(self, seq: Sequence, max_model_len: int) -> bool:
+        """Whether the sequence can go on after its next token, as far as check()'s length limits go."""
+        return seq.num_completion_tokens + 1 < seq.sampling.max_tokens and seq.num_tokens + 1 < max_model_len
+
     def _stop_in_tail(self, seq: Sequence) -> bool:
         """Decodes only the completion's last tokens each step (the whole completion each step
         is quadratic); a hit there is confirmed on the whole text."""

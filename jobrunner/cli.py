@@ -66,6 +66,8 @@ def _job_options(f):
         click.option("--prefix-cache/--no-prefix-cache", default=D.prefix_cache, show_default=True),
         click.option("--cuda-graphs/--no-cuda-graphs", default=D.cuda_graphs, show_default=True,
                      help="On a GPU, replay captured CUDA graphs for decode steps."),
+        click.option("--async-scheduling/--no-async-scheduling", default=D.async_scheduling, show_default=True,
+                     help="Schedule and prepare each step while the one before runs on the device."),
         click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),
         click.option("--part-rows", type=int, default=D.part_rows, show_default=True, help="Rows per output part."),
         click.option("--overwrite", is_flag=True, default=False,

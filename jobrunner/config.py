@@ -57,6 +57,7 @@ class JobConfig:
     plan: bool = True                       # order rows so shared prefixes run back to back
     prefix_cache: bool = True
     cuda_graphs: bool = True                # replay CUDA graphs for decode steps (GPUs only)
+    async_scheduling: bool = True           # schedule the next step while the current one runs
     data_parallel: int | None = None
     # output
     part_rows: int = 10_000
@@ -71,7 +72,8 @@ class JobConfig:
             model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
-            enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs, seed=self.seed or 0)
+            enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
+            async_scheduling=self.async_scheduling, seed=self.seed or 0)
 
     @property
     def output_url(self) -> str:
@@ -85,8 +87,8 @@ class JobConfig:
     def fingerprint_fields(self) -> dict:
         """What decides the rows' outputs: a different value refuses to resume into the same output."""
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
-                "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "kv_cache_memory", "limit",
-                "device", "block_size"}
+                "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
+                "kv_cache_memory", "limit", "device", "block_size"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
