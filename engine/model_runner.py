@@ -53,7 +53,7 @@ class LaunchedStep:
     candidate_owners: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, number of candidates)
     score_lp: torch.Tensor | None = None                                    # [len(score_owners)]
     score_owners: list[int] = field(default_factory=list)
-    fetch: "HostCopy | None" = None
+    fetch: HostCopy | None = None
 
 
 class HostCopy:
@@ -173,22 +173,20 @@ class ModelRunner:
         if step.fetch is None:
             return out
         t0 = time.perf_counter()
-        host = step.fetch.wait()
+        host = iter(step.fetch.wait())          # in the order launch() listed them
         out.wait_s = time.perf_counter() - t0
         if step.sampled is not None:
-            n = len(step.sampled.tensors())
-            tokens, logprobs = step.sampled.finish(host[:n])
-            host = host[n:]
+            tokens, logprobs = step.sampled.finish([next(host) for _ in step.sampled.tensors()])
             for seq_id, tok, lp in zip(step.sample_owners, tokens, logprobs):
                 out.sampled.setdefault(seq_id, []).append(tok)
                 out.sample_logprobs.setdefault(seq_id, []).append(lp)
         if step.candidate_lp is not None:
-            values, i = host.pop(0).tolist(), 0
+            values, i = next(host).tolist(), 0
             for seq_id, count in step.candidate_owners:
                 out.candidate_first[seq_id] = values[i:i + count]
                 i += count
         if step.score_lp is not None:
-            for seq_id, value in zip(step.score_owners, host.pop(0).tolist()):
+            for seq_id, value in zip(step.score_owners, next(host).tolist()):
                 out.token_logprobs.setdefault(seq_id, []).append(value)
         return out
 

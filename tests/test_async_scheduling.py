@@ -99,7 +99,7 @@ def test_each_step_is_launched_before_the_previous_is_waited_for(model):
     launches = [i for kind, i in events if kind == "launch"]
     collects = [i for kind, i in events if kind == "collect"]
     assert len(launches) > 12 and set(collects) <= set(launches)
-    for k, step in enumerate(collects[:-1]):
+    for step in collects[:-1]:
         # when step k is waited for, step k+1 has been launched already
         assert events.index(("launch", launches[launches.index(step) + 1])) < events.index(("collect", step))
 
