@@ -7,7 +7,10 @@ Invariants:
 - `free` is ordered oldest-first: allocation takes from the front, release appends at the back,
   so unreferenced cached blocks are evicted least recently used first;
 - `by_hash[h]` is a block whose hash is h; a block leaves the index when it is reused for other
-  content, or when it is released before its contents were ever computed.
+  content, or when it is released before its contents were ever computed;
+- `children[(p, t)]` holds the indexed blocks that follow the prefix hashed p and start with token t
+  (keyed by the first token too: a partial match scans only blocks that share at least one token,
+  not every cached sequence's first block).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: dict[int, int] = {}
-        self.children: dict[int, set[int]] = {}   # parent hash -> indexed blocks that follow it
+        self.children: dict[tuple[int, int], set[int]] = {}   # (parent hash, first token) -> indexed blocks
 
     @property
     def num_free(self) -> int:
@@ -83,10 +86,12 @@ class BlockPool:
         # Registered as it is being written: its new tokens are not computed before this step ends
         # (a partial block computed earlier would otherwise pass as a complete copy source).
         block.hash, block.parent, block.tokens, block.computed = block_hash, parent, tokens, False
+        key = (parent, tokens[0]) if tokens else None
         if self.by_hash.setdefault(block_hash, block_id) == block_id:
-            self.children.setdefault(parent, set()).add(block_id)
+            if key is not None:
+                self.children.setdefault(key, set()).add(block_id)
         else:   # a duplicate of an indexed block: not a match candidate
-            siblings = self.children.get(parent)
+            siblings = self.children.get(key)
             if siblings is not None:
                 siblings.discard(block_id)
 
@@ -97,11 +102,11 @@ class BlockPool:
         if block.hash is not None:
             return
         block.parent, block.tokens, block.computed = parent, tokens, False   # written this step
-        self.children.setdefault(parent, set()).add(block_id)
+        self.children.setdefault((parent, tokens[0]), set()).add(block_id)
 
-    def following(self, parent: int) -> list[Block]:
-        """Indexed blocks whose sequence continues the prefix ending in `parent`."""
-        return [self.blocks[b] for b in self.children.get(parent, ())]
+    def following(self, parent: int, first_token: int) -> list[Block]:
+        """Indexed blocks whose sequence continues the prefix ending in `parent` with first_token."""
+        return [self.blocks[b] for b in self.children.get((parent, first_token), ())]
 
     def mark_computed(self, block_ids) -> None:
         for block_id in block_ids:
@@ -110,11 +115,12 @@ class BlockPool:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.by_hash.get(block.hash) == block.id:
             del self.by_hash[block.hash]
-        siblings = self.children.get(block.parent)
+        key = (block.parent, block.tokens[0]) if block.tokens else None
+        siblings = self.children.get(key)
         if siblings is not None and block.id in siblings:
             siblings.discard(block.id)
             if not siblings:
-                del self.children[block.parent]
+                del self.children[key]
         block.hash, block.parent, block.tokens = None, 0, ()
         block.computed = False
 

@@ -74,7 +74,7 @@ class KVCacheManager:
         # A source written this step can't be copied before the forward; waiting a step for at most
         # block_size - 1 tokens would cost more batch than it saves, so only computed blocks count.
         best, best_len = None, 0
-        for block in self.pool.following(parent) if ours else ():
+        for block in self.pool.following(parent, ours[0]) if ours else ():
             n = common_prefix(block.tokens, ours)
             if block.computed and n > best_len:
                 best, best_len = block.id, n
