@@ -3,7 +3,6 @@ computes logits only where a token is sampled or scored, and samples.
 
     step = runner.launch(SchedulerOutput)    # enqueued on the device, no host sync
     out = runner.collect(step)               # waits; -> RunnerOutput
-    runner.execute(sched) == runner.collect(runner.launch(sched))
 
 Between the two the host is free to schedule and launch the next step: steps run in
 order on the device's one stream, so a launch may read KV blocks and sampled tokens
@@ -125,10 +124,6 @@ class ModelRunner:
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """One step, waited for."""
-        return self.collect(self.launch(sched))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
