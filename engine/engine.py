@@ -136,31 +136,36 @@ class Engine:
         before, with async scheduling; this one, without). Returns the requests that finished."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.counters.schedule_s += time.perf_counter() - start
+        scheduled = time.perf_counter()
         launched = self.runner.launch(sched)
+        launched_at = time.perf_counter()
         self.scheduler.finish_step(sched)
         self._account(sched, start, launched.out)
         if sched.chunks:
             self._in_flight.append((sched, launched))
+        waited = 0.0
         if self._in_flight and (len(self._in_flight) > self._depth or not sched.chunks):
-            self._complete(*self._in_flight.popleft())
+            waited = self._complete(*self._in_flight.popleft())
         if self._in_flight and self._in_flight[-1][0] is sched:
             self._expect_tokens(sched)
+        c = self.counters
+        c.schedule_s += scheduled - start
+        c.process_s += time.perf_counter() - launched_at - waited    # all bookkeeping after the launch
         finished, self._finished = self._finished, []
         return finished
 
     # --- step processing -----------------------------------------------------------------
 
-    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
+    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
+        """Waits for a launched step and processes its results; returns the seconds waited."""
         out = self.runner.collect(launched)
-        start = time.perf_counter()
         self._process(sched, out)
         c = self.counters
         c.prepare_s += out.prepare_s
         c.forward_s += out.forward_s
         c.sample_s += out.sample_s
         c.wait_s += out.wait_s
-        c.process_s += time.perf_counter() - start
+        return out.wait_s
 
     def _expect_tokens(self, sched: SchedulerOutput) -> None:
         """A placeholder for each sequence sampling in the step in flight that goes on after its
@@ -177,7 +182,8 @@ class Engine:
         c.graph_steps += out.graphed
         c.preemptions += len(sched.preempted)
         c.tokens_computed += sched.num_tokens
-        for chunk in sched.chunks:
+        # decodes change neither: their sequence was scheduled before, and they are past its prompt
+        for chunk in sched.chunks[sched.num_decodes:]:
             seq = chunk.seq
             state = self._seq_state[seq.seq_id]
             if state.first_scheduled is None:

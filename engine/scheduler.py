@@ -43,7 +43,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return self.num_decodes + sum(c.num_tokens for c in self.chunks[self.num_decodes:])
 
 
 class Scheduler:
