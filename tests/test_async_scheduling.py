@@ -175,3 +175,46 @@ def test_on_cuda_launch_never_waits_for_the_device(cuda_graphs):
     engine.runner.launch = strict_launch
     outs = engine.generate(_requests(stop_at))
     assert [_summary(o) for o in outs] == [_summary(o) for o in ref]
+
+
+def _random_requests(rng, stop_at) -> list[Request]:
+    reqs = []
+    for i in range(rng.randint(1, 9)):
+        prompt = [rng.randrange(1, 320) for _ in range(rng.randint(1, 45))]
+        kind = rng.choice(["greedy", "greedy", "sampled", "n", "score", "classify", "prompt-lp"])
+        base = dict(max_tokens=rng.randint(1, 20), ignore_eos=True, stop_token_ids=tuple(rng.sample(stop_at, 1)))
+        if kind == "greedy":
+            p = SamplingParams(**base, logprobs=rng.choice([None, 0, 2]))
+        elif kind == "sampled":
+            p = SamplingParams(**base, temperature=rng.choice([0.5, 1.0]), top_p=rng.choice([1.0, 0.8]),
+                               top_k=rng.choice([0, 20]), seed=rng.randint(0, 9))
+        elif kind == "n":
+            p = SamplingParams(**base, temperature=1.0, seed=rng.randint(0, 9), n=rng.randint(2, 3))
+        elif kind == "prompt-lp":
+            p = SamplingParams(**base, prompt_logprobs=True)
+        else:
+            p = SamplingParams(max_tokens=0)
+        if kind == "score" and len(prompt) > 2:
+            reqs.append(Request(f"r{i}", prompt, p, score_from=rng.randint(1, len(prompt) - 1)))
+        elif kind == "classify":
+            cands = [[rng.randrange(1, 320) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 3))]
+            reqs.append(Request(f"r{i}", prompt, p, candidates=cands))
+        elif kind not in ("score", "classify"):
+            reqs.append(Request(f"r{i}", prompt, p))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", [*range(10), 34, 51])    # 34 and 51 preempt (300 seeds passed once, 21 preempting)
+def test_random_mixes_equal_the_synchronous_engine(model, seed):
+    """Random requests of every kind under random batch limits, block sizes and cache sizes
+    (small enough to preempt): async and synchronous engines give the same outputs."""
+    import random
+    rng = random.Random(seed)
+    overrides = dict(block_size=rng.choice([1, 2, 4, 16]), max_num_seqs=rng.choice([1, 2, 3, 8, 64]),
+                     max_num_batched_tokens=rng.choice([4, 7, 16, 64, 256]),
+                     enable_prefix_caching=rng.random() < 0.8)
+    overrides["kv_cache_memory"] = rng.choice([TWELVE_BLOCKS // 2, TWELVE_BLOCKS, 2 * TWELVE_BLOCKS, 4 * 2**20])
+    stop_at = [rng.randrange(1, 320) for _ in range(4)]
+    reqs = _random_requests(rng, stop_at)
+    outs = {mode: engine_for(model, async_scheduling=mode, **overrides).generate(reqs) for mode in (False, True)}
+    assert [_summary(o) for o in outs[True]] == [_summary(o) for o in outs[False]]
