@@ -70,3 +70,21 @@ def test_sigterm_stops_promptly_and_resume_completes(default_gguf_path, tmp_path
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     from jobrunner.writer import read_results
     assert sorted(read_results(out).column("id").to_pylist()) == [r["id"] for r in rows]
+
+
+def test_async_scheduling_flag_changes_no_output(default_gguf_path, tmp_path):
+    """The same job with and without async scheduling (the default model, stop strings, sampling):
+    identical rows. The flag is not part of the job's fingerprint: either may resume the other."""
+    from jobrunner.writer import read_results
+    rows = [{"id": f"a{i}", "prompt": f"List three things about the number {i}."} for i in range(5)]
+    ds = jsonl(tmp_path / "a.jsonl", rows)
+    common = ["--max-tokens", "24", "--stop", "\n\n", "--temperature", "0.7", "--seed", "3"]
+    tables = []
+    for flag in ("--async-scheduling", "--no-async-scheduling"):
+        out = str(tmp_path / flag.strip("-"))
+        r = CliRunner().invoke(main, ["submit", ds, "-o", out, *common, flag])
+        assert r.exit_code == 0, r.output
+        t = read_results(out).sort_by("id").select(["id", "output", "finish_reason", "completion_tokens"])
+        tables.append(t.to_pylist())
+    assert tables[0] == tables[1]
+    assert {row["finish_reason"] for row in tables[0]} == {"stop", "length"}   # both ends exercised
