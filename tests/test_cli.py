@@ -74,7 +74,7 @@ def test_sigterm_stops_promptly_and_resume_completes(default_gguf_path, tmp_path
 
 def test_async_scheduling_flag_changes_no_output(default_gguf_path, tmp_path):
     """The same job with and without async scheduling (the default model, stop strings, sampling):
-    identical rows. The flag is not part of the job's fingerprint: either may resume the other."""
+    identical rows."""
     from jobrunner.writer import read_results
     rows = [{"id": f"a{i}", "prompt": f"List three things about the number {i}."} for i in range(5)]
     ds = jsonl(tmp_path / "a.jsonl", rows)
