@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one go and in under 8 minutes: the GPU tests, engine throughput on
-# dummy-weight Llama-3.1-8B (1000 prompts 256/256, then 1000 prompts 1024/512, each bounded by a
-# time limit; 256/256 again without async scheduling), and transformers batched generate on a
-# subset as the peer. Installs nothing and
+# dummy-weight Llama-3.1-8B (1000 prompts 256/256, then 1000 prompts 1024/512 and 1000 with
+# lengths uniform in 100..1024, each bounded by a time limit; 256/256 again without async
+# scheduling), and transformers batched generate on a subset as the peer. Installs nothing and
 # needs no network (torch, triton, transformers, pytest are on that machine; polars and gguf are
 # not, and nothing here imports them). Each part's failure is reported; none stops the others.
 #
@@ -32,16 +32,19 @@ case $MODE in
   small)
     MODEL=dummy:smollm2-135m; A="--num-prompts 8 --input-len 32 --output-len 8"
     B="--num-prompts 8 --input-len 16:64 --output-len 4:8"; HF="--num-prompts 4 --input-len 32 --output-len 8"
+    U="--num-prompts 8 --input-len 10:40 --output-len 4:8"; TL_U=30
     L_TEST=300; L_A=150; TL_A=60; L_B=150; TL_B=60; L_E=150; TL_E=60; L_HF=150; TL_HF=60; PROF="--profile-steps 2" ;;
   quick)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 300 --input-len 256 --output-len 256"
     B="--num-prompts 300 --input-len 1024 --output-len 512"; HF=""
-    L_TEST=100; L_A=70; TL_A=20; L_B=45; TL_B=10; L_E=40; TL_E=10
+    U="--num-prompts 300 --input-len 100:1024 --output-len 100:1024"; TL_U=10
+    L_TEST=100; L_A=70; TL_A=20; L_B=70; TL_B=10; L_E=40; TL_E=10
     PROF="--profile-steps 3 --profile-after 60" ;;
   *)
     MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
     B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
-    L_TEST=120; L_A=110; TL_A=60; L_B=130; TL_B=80; L_E=80; TL_E=40; L_HF=70; TL_HF=30; PROF=""
+    U="--num-prompts 1000 --input-len 100:1024 --output-len 100:1024"; TL_U=40
+    L_TEST=120; L_A=110; TL_A=60; L_B=170; TL_B=80; L_E=80; TL_E=40; L_HF=70; TL_HF=30; PROF=""
     # two 8192-token prefill steps under torch.profiler: how prefill's time splits between matmuls,
     # attention and the rest (its MFU was ~60%); costs the timed run well under a second
     PROF_B="--profile-steps 2 --profile-after 10" ;;
@@ -50,6 +53,7 @@ PROF_B=${PROF_B:-}
 # 256/256: every prompt fits in the KV cache at once; 1024/512: ~500 do, more would be preempted.
 A="$A --max-num-seqs 1024 --max-batched-tokens 8192"
 B="$B --max-num-seqs 512 --max-batched-tokens 8192"
+U="$U --max-num-seqs 512 --max-batched-tokens 8192"
 
 note() { echo "$*" | tee -a "$DIR/summary.txt"; }
 
@@ -102,7 +106,9 @@ else
 fi
 
 part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
-part throughput-1024-512 "$L_B" "$PY" -m benchmarks.throughput -m "$MODEL" $B --time-limit "$TL_B" $PROF_B
+# 1024/512, then (same log: the device tool brings back 8 files) lengths uniform in 100..1024
+part throughput-1024-512 "$L_B" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $B --time-limit $TL_B $PROF_B &&
+  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $U --time-limit $TL_U"
 # A/B of async scheduling (every other run uses it): the same 256/256 run waiting for each step
 part sync-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --sync-scheduling --time-limit "$TL_E"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
