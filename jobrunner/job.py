@@ -21,7 +21,11 @@ log = logging.getLogger("jobrunner")
 EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                   "queue_s", "prefill_s", "decode_s", "error")
+# A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
+# (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
+# its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
 WINDOW_ROWS = 50_000
+WINDOW_TOKENS = 64_000_000
 
 
 @dataclass
@@ -214,20 +218,24 @@ class Job:
     def _units(self):
         cfg = self.cfg
         if cfg.plan:
-            yield from plan(self._items(), window_rows=WINDOW_ROWS, block_size=cfg.block_size, stats=self.prefix)
+            yield from plan(self._items(), window_rows=WINDOW_ROWS, block_size=cfg.block_size, stats=self.prefix,
+                            window_tokens=WINDOW_TOKENS)
             return
         window: list[PlanItem] = []     # unplanned: dataset order; stats still measured per window
+        tokens = 0
         for item in self._items():
             window.append(item)
-            if len(window) >= WINDOW_ROWS:
+            tokens += len(item.tokens)
+            if len(window) >= WINDOW_ROWS or tokens >= WINDOW_TOKENS:
                 yield from self._flush_unplanned(window)
+                tokens = 0
         yield from self._flush_unplanned(window)
 
     def _flush_unplanned(self, window: list[PlanItem]):
         if window:
             self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=self.cfg.block_size))
-        for it in window:
-            yield WorkUnit([it.key], len(it.tokens), len(it.tokens))
+        for i, it in enumerate(window, 1):
+            yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
         window.clear()
 
     # --- rows out ----------------------------------------------------------------------------

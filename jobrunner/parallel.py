@@ -47,7 +47,7 @@ from dataclasses import asdict, replace
 from datetime import timedelta
 
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import (EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, WINDOW_ROWS, Job,
+from jobrunner.job import (EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Job,
                            JobResult)
 from jobrunner.stats_merge import merge_stats, worker_sketch
 
@@ -364,13 +364,12 @@ class _WorkerJob(Job):
     """
 
     def _units(self):
-        window, rows = [], 0
+        window = []
         for unit in super()._units():
             window.append(unit)
-            rows += len(unit.items)
-            if rows >= WINDOW_ROWS:         # units partition the planner's windows: one ends exactly here
+            if unit.window_end:
                 yield from self._largest_first(window)
-                window, rows = [], 0
+                window = []
         yield from self._largest_first(window)
 
     def _largest_first(self, units):

@@ -242,3 +242,38 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
     for i in range(999):
         exact.add_row({"id": str(i), "error": None, "queue_s": float(i)})
     assert exact.summary(device="cpu")["queue_s_p50"] == 499.0
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["plan", "no-plan"])
+def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
+    """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
+    several windows and still writes every row once, the same rows as with one window."""
+    import jobrunner.job as J
+    from jobrunner.checks import load_engine
+    tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
+    engine = load_engine(JobConfig("unused", model=tiny, kv_cache_memory=4 * 10**6))
+    rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}
+            for i in range(40)]
+    ds = write_jsonl(tmp_path / "long.jsonl", rows)
+    windows = []
+    real_units = J.Job._units
+
+    def counting_units(self):
+        for unit in real_units(self):
+            windows.append(unit.window_end)
+            yield unit
+
+    def go(name):
+        job = Job(JobConfig(ds, output=str(tmp_path / name), model=tiny, max_tokens=2, chat=False, plan=planned))
+        job.prepare(engine=engine)
+        return results(job.run().output).sort("id")
+
+    whole = go("whole")
+    monkeypatch.setattr(J.Job, "_units", counting_units)
+    monkeypatch.setattr(J, "WINDOW_TOKENS", 200)
+    cut = go("cut")
+    assert cut["id"].to_list() == sorted(r["id"] for r in rows)
+    assert cut.select("id", "output", "prompt_tokens").equals(whole.select("id", "output", "prompt_tokens"))
+    # a window closes at the row that brings it to 200 tokens: it holds 200 .. 199 + the longest prompt
+    total, longest = sum(whole["prompt_tokens"]), max(whole["prompt_tokens"])
+    assert total / (199 + longest) <= sum(windows) <= total / 200 + 1 and windows[-1]

@@ -226,3 +226,19 @@ def test_merge_stats_and_metrics():
     score = merge_metrics([{"scored_tokens": 2, "mean_logprob": -1.0, "perplexity": 2.7},
                            {"scored_tokens": 2, "mean_logprob": -3.0, "perplexity": 20.1}])
     assert score["mean_logprob"] == -2.0 and score["scored_tokens"] == 4
+
+
+def test_worker_hands_out_largest_units_first_within_each_window(monkeypatch):
+    """Largest first, but never across a planning window (the planner marks where each ends;
+    windows cut by tokens hold any number of rows)."""
+    from types import SimpleNamespace
+
+    from jobrunner.parallel import _WorkerJob
+    from jobrunner.planner import WorkUnit
+    units = [WorkUnit(["a"], 5, 5), WorkUnit(["b", "c"], 10, 50, window_end=True),
+             WorkUnit(["d"], 100, 100), WorkUnit(["e"], 1, 1), WorkUnit(["f"], 300, 300, window_end=True),
+             WorkUnit(["g"], 2, 2)]
+    monkeypatch.setattr(Job, "_units", lambda self: iter(units))
+    worker = _WorkerJob.__new__(_WorkerJob)
+    worker.cfg = SimpleNamespace(n=1, max_tokens=0)
+    assert [u.items for u in worker._units()] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]

@@ -339,6 +339,8 @@ def test_plan_properties(rows, window_rows, cap, block_size, min_share):
             assert shared >= 1
         # no unit spans two windows
         assert len({k // window_rows for k in u.items}) == 1
+    window_of = [u.items[0] // window_rows for u in units]
+    assert [u.window_end for u in units] == [a != b for a, b in zip(window_of, [*window_of[1:], None])]
     for a, b in zip(units, units[1:]):
         last, first = a.items[-1], b.items[0]
         if last // window_rows != first // window_rows:
@@ -364,3 +366,21 @@ def test_block_optimum_is_best_over_all_orders(rows, block_size):
         (simulate_block_cache(p, block_size) for p in itertools.permutations(rows)), default=0
     )
     assert prefix_stats(rows, block_size).block_optimum_tokens == best
+
+
+def test_windows_end_at_a_token_budget_too():
+    """A window closes at window_rows rows or at the row that brings it to window_tokens tokens;
+    each window's last unit says so (data-parallel workers regroup units by window)."""
+    rows = [[1] * n for n in (5, 5, 5, 20, 1, 1, 30)]
+    windows = list(iter_windows(enumerate(rows), window_rows=100, window_tokens=12))
+    assert [sorted(w.keys) for w in windows] == [[0, 1, 2], [3], [4, 5, 6]]
+    units = run(rows, window_rows=100, window_tokens=12, block_size=4)
+    assert sorted(k for u in units for k in u.items) == list(range(7))
+    bounds = [i for i, u in enumerate(units) if u.window_end]
+    assert len(bounds) == 3 and bounds[-1] == len(units) - 1
+    seen = 0
+    for b, keys in zip(bounds, ([0, 1, 2], [3], [4, 5, 6])):       # each window's units, then its end
+        assert sorted(k for u in units[seen:b + 1] for k in u.items) == keys
+        seen = b + 1
+    by_rows = run(rows, window_rows=3, block_size=4)                 # rows alone: windows of 3, 3, 1
+    assert sum(u.window_end for u in by_rows) == 3

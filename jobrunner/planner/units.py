@@ -42,6 +42,7 @@ class WorkUnit:
     items: list[Hashable]  # keys, in run order
     shared_prefix_len: int  # LCP of all the unit's prompts (a lone row: its length)
     prompt_tokens: int  # sum of the prompts' lengths
+    window_end: bool = False  # the last unit of its planning window
 
 
 def join_threshold(len_a: int, len_b: int, block_size: int, min_share: float) -> int:
@@ -99,11 +100,13 @@ def plan(
     *,
     min_share: float = 0.5,
     stats: PrefixStats | None = None,
+    window_tokens: int | None = None,
 ) -> Iterator[WorkUnit]:
     """Plan `items` into work units, window by window, in bounded memory.
 
-    Each window of `window_rows` items is sorted depth-first over its token trie and cut
-    into units by the module's rules. Units come out in run order; every key appears in
+    Each window of `window_rows` items (fewer when they reach `window_tokens` tokens) is
+    sorted depth-first over its token trie and cut into units by the module's rules. Units
+    come out in run order, a window's last one marked `window_end`; every key appears in
     exactly one unit. If `stats` is given, each window's prefix figures are added to it
     (the same figures `prefix_stats` gives for the same windows), so one pass over the
     data yields both the plan and the job's optimum.
@@ -115,10 +118,10 @@ def plan(
     if stats is not None and stats.block_size != block_size:
         raise ValueError("stats.block_size must equal block_size")
     pairs = ((it.key, it.tokens) for it in items)
-    for w in iter_windows(pairs, window_rows):
+    for w in iter_windows(pairs, window_rows, window_tokens):
         if stats is not None:
             stats.add_window(w.lens, w.lcps)
         keys, lens, lcps = w.keys, w.lens, w.lcps
         for s, e in cut_window(lens, lcps, unit_max_rows, block_size, min_share):
             shared = min(lcps[s + 1 : e]) if e - s > 1 else lens[s]
-            yield WorkUnit(keys[s:e], shared, sum(lens[s:e]))
+            yield WorkUnit(keys[s:e], shared, sum(lens[s:e]), window_end=e == len(keys))

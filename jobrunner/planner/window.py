@@ -18,7 +18,6 @@ import sys
 from array import array
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
 
 _WIDTH = 4  # bytes per token id
 _TYPECODE = "I"
@@ -78,24 +77,29 @@ def sort_window(keys: list[Hashable], encs: list[bytes]) -> SortedWindow:
 
 
 def iter_windows(
-    pairs: Iterable[tuple[Hashable, Sequence[int]]], window_rows: int
+    pairs: Iterable[tuple[Hashable, Sequence[int]]], window_rows: int, window_tokens: int | None = None
 ) -> Iterator[SortedWindow]:
-    """Read (key, tokens) pairs `window_rows` at a time and yield each window sorted.
+    """Read (key, tokens) pairs a window at a time and yield each window sorted. A window ends
+    after `window_rows` pairs, or at the pair that brings it to `window_tokens` tokens.
 
     Bounded memory: token lists are encoded as they are read and not kept, so at most
-    one window of encodings (4 bytes per token) is held at once.
+    one window of encodings (4 bytes per token) is held at once; `window_tokens` bounds
+    that for datasets of long prompts, where rows alone would not.
     """
     if window_rows < 1:
         raise ValueError("window_rows must be >= 1")
-    it = iter(pairs)
-    while True:
-        keys: list[Hashable] = []
-        encs: list[bytes] = []
-        for key, tokens in islice(it, window_rows):
-            keys.append(key)
-            encs.append(encode(tokens))
-        if not keys:
-            return
+    if window_tokens is not None and window_tokens < 1:
+        raise ValueError("window_tokens must be >= 1")
+    limit = window_tokens or float("inf")
+    keys: list[Hashable] = []
+    encs: list[bytes] = []
+    tokens = 0
+    for key, toks in pairs:
+        keys.append(key)
+        encs.append(encode(toks))
+        tokens += len(encs[-1]) // _WIDTH
+        if len(keys) >= window_rows or tokens >= limit:
+            yield sort_window(keys, encs)
+            keys, encs, tokens = [], [], 0
+    if keys:
         yield sort_window(keys, encs)
-        if len(keys) < window_rows:
-            return
