@@ -82,7 +82,7 @@ class KVCacheManager:
 
     def admit(self, seq: Sequence, match: PrefixMatch) -> list[tuple[int, int]]:
         """Gives a waiting sequence its matched prefix. Changes ref counts; returns block copies to run.
-        The caller has checked can_allocate, so the partial block's copy target is free."""
+        The caller has checked can_admit, so the partial block's copy target is free."""
         for block_id in match.blocks:
             self.pool.acquire(block_id)
         seq.block_table = list(match.blocks)
@@ -97,10 +97,13 @@ class KVCacheManager:
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         return copies
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
-        cached = match.blocks if match else []
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        reclaimable = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+    def can_admit(self, seq: Sequence, match: PrefixMatch, budget: int) -> bool:
+        """Whether admit(seq, match) and then allocating its first chunk (up to budget tokens past
+        the match) both fit. Exact, so a waiting sequence is never left holding blocks. No change."""
+        start = len(match.blocks) * self.block_size + (match.partial[1] if match.partial else 0)
+        end = min(seq.compute_target, start + budget)
+        needed = self.blocks_for(end) - len(match.blocks)          # the partial copy's block included
+        reclaimable = sum(1 for b in match.blocks if self.pool.blocks[b].ref_count == 0)
         return needed <= self.pool.num_free - reclaimable
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:

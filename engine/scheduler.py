@@ -100,8 +100,7 @@ class Scheduler:
                 match = self.kv.match_prefix(seq, max(limit, 0))
                 if match is WAIT:
                     break
-                n = min(seq.compute_target - len(match.blocks) * self.kv.block_size, budget)
-                if not self.kv.can_allocate(seq, n, match):
+                if not self.kv.can_admit(seq, match, budget):
                     break
                 out.block_copies.extend(self.kv.admit(seq, match))
             n = min(seq.num_pending, budget)

@@ -186,3 +186,28 @@ def test_scheduler_budget_mixed_batch_and_preemption():
     assert out.preempted == [b] and b.block_table == [] and b.num_computed_tokens == 0
     assert a.block_table == [0, 1, 3]
     assert list(sch.waiting) == [b]
+
+
+def test_admission_counts_the_partial_match_and_never_leaves_a_waiting_sequence_holding_blocks():
+    """B matches a full cached block plus 1 token of a partial one; beside c's decode its chunk
+    gets 4 tokens of budget, from position 5 to 9: a third block, while only 2 blocks are free.
+    Admission must refuse B whole. Admitting it (acquiring the cached block, taking the copy
+    target) and then failing its allocation left B waiting while holding both free blocks, and
+    the engine could hang (found by fuzzing, with async scheduling on or off)."""
+    kv = KVCacheManager(3, block_size=4)
+    sch = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=5)
+    a = seq([1, 2, 3, 4, 5, 6])
+    sch.add(a)
+    for _ in range(2):                         # a's prompt in chunks of 5 and 1
+        sch.finish_step(sch.schedule())
+    sch.finish(a, "stop")                      # blocks 0 ([1,2,3,4], hashed) and 1 ([5,6]) stay cached
+    c = seq([9, 9], max_tokens=8)
+    sch.add(c)
+    sch.finish_step(sch.schedule())            # c takes block 2
+    c.token_ids.append(9)
+    b = seq([1, 2, 3, 4, 5, 7, 8, 9, 10])
+    sch.add(b)
+    out = sch.schedule()
+    assert [ch.seq for ch in out.chunks] == [c]            # b is not admitted ...
+    assert b.block_table == [] and b.num_computed_tokens == 0 and list(sch.waiting) == [b]
+    assert kv.pool.num_free == 2                            # ... and holds nothing
