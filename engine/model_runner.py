@@ -146,7 +146,7 @@ class ModelRunner:
         else:
             meta = AttentionMetadata.build(self.block_size, nd, x.query_lens, x.seq_lens, x.slots, x.tables, dev,
                                            self.sliding_window)
-            ids, pos = (to_device(np.asarray(v, dtype=np.int64), dev) for v in (x.input_ids, x.positions))
+            ids, pos = (to_device(v, dev, np.int64) for v in (x.input_ids, x.positions))
             if patch is not None:
                 ids.index_copy_(0, *patch)
             t1 = time.perf_counter()
@@ -190,8 +190,8 @@ class ModelRunner:
         launch's sampled tokens."""
         if not rows:
             return None
-        dst = to_device(np.asarray([r for r, _ in rows], dtype=np.int64), self.device)
-        src = to_device(np.asarray([self._last_rows[seq_id] for _, seq_id in rows], dtype=np.int64), self.device)
+        dst = to_device([r for r, _ in rows], self.device, np.int64)
+        src = to_device([self._last_rows[seq_id] for _, seq_id in rows], self.device, np.int64)
         return dst, self._last_tokens.index_select(0, src)
 
     def _flatten(self, chunks) -> "_StepInputs":
@@ -225,7 +225,7 @@ class ModelRunner:
         return x
 
     def _sample(self, hidden, sample_rows, step: LaunchedStep) -> None:
-        idx = to_device(np.asarray([r for r, _ in sample_rows], dtype=np.int64), hidden.device)
+        idx = to_device([r for r, _ in sample_rows], hidden.device, np.int64)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         seqs = [chunk.seq for _, chunk in sample_rows]
         if all(s.fork_samples == 1 and s.candidate_first_tokens is None and not s.sampling.temperature > 0
@@ -247,7 +247,7 @@ class ModelRunner:
             if rows:
                 step.sampled = sample_on_device(logits, rows)
             if cand_rows:
-                r, t = (to_device(np.asarray(v, dtype=np.int64), logits.device) for v in (cand_rows, cand_tokens))
+                r, t = (to_device(v, logits.device, np.int64) for v in (cand_rows, cand_tokens))
                 step.candidate_lp = logits[r, t] - torch.logsumexp(logits, dim=-1)[r]
         if step.sampled is not None:       # the next launch's placeholder inputs come from these
             self._last_tokens = step.sampled.tokens
@@ -258,7 +258,7 @@ class ModelRunner:
         parts = []
         for lo in range(0, len(score_rows), LOGITS_ROWS_PER_PASS):
             part = score_rows[lo:lo + LOGITS_ROWS_PER_PASS]
-            idx, targets = (to_device(np.asarray(v, dtype=np.int64), hidden.device)
+            idx, targets = (to_device(v, hidden.device, np.int64)
                             for v in ([r for r, _, _ in part], [t for _, t, _ in part]))
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             parts.append(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
@@ -266,7 +266,7 @@ class ModelRunner:
         step.score_owners = [seq_id for _, _, seq_id in score_rows]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src, dst = (to_device(np.asarray(v, dtype=np.int64), self.device) for v in zip(*copies))
+        src, dst = (to_device(v, self.device, np.int64) for v in zip(*copies))
         for layer in self.kv_caches:
             for t in layer:
                 t.index_copy_(0, dst, t.index_select(0, src))

@@ -73,31 +73,26 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSampl
     if order == list(range(logits.shape[0])):
         x = logits                                   # the common case: no copy of [N, vocab]
     else:
-        x = logits.index_select(0, _on(dev, order))
+        x = logits.index_select(0, to_device(order, dev, np.int64))
     tokens = x.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if sampled:
-        idx = _on(dev, sampled)
+        idx = to_device(sampled, dev, np.int64)
         tokens.index_copy_(0, idx, sample_filtered(x.index_select(0, idx), [rows[i] for i in sampled]))
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     drawn = DeviceSample(tokens, wanted, [rows[i].params.logprobs for i in wanted])
     if wanted:
-        idx = _on(dev, wanted)
+        idx = to_device(wanted, dev, np.int64)
         lp = torch.log_softmax(x.index_select(0, idx), dim=-1)
         drawn.chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
         drawn.top_values, drawn.top_ids = lp.topk(max(drawn.top_k), dim=-1)
     return drawn
 
 
-def _on(device, values, dtype=np.int64) -> torch.Tensor:
-    """A small host list on the device without a blocking copy (a blocking one waits for the whole stream)."""
-    return to_device(np.asarray(values, dtype=dtype), device)
-
-
 def sample_filtered(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """[R, vocab] logits of rows with temperature > 0 -> [R] tokens, on the device, no sync."""
     dev, vocab = logits.device, logits.shape[-1]
-    col = lambda values, dtype=np.float32: _on(dev, values, dtype)[:, None]
+    col = lambda values, dtype=np.float32: to_device(values, dev, dtype)[:, None]
     x = logits / col([r.params.temperature for r in rows])
     ks = [r.params.top_k if r.params.top_k < vocab else 0 for r in rows]
     if any(ks):                                      # keep each row's k largest (k = 0: all)

@@ -49,9 +49,9 @@ class AttentionMetadata:
         meta = cls(
             block_size=block_size, num_decodes=num_decodes, query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            slot_mapping=to_device(np.asarray(slot_mapping, dtype=np.int64), device),
+            slot_mapping=to_device(slot_mapping, device, np.int64),
             block_tables=to_device(tables, device), query_start_loc=to_device(starts, device),
-            seq_lens_t=to_device(np.asarray(seq_lens, dtype=np.int32), device), sliding_window=sliding_window,
+            seq_lens_t=to_device(seq_lens, device, np.int32), sliding_window=sliding_window,
         )
         if device.type == "cpu":
             meta.prepare()
@@ -89,10 +89,12 @@ class AttentionMetadata:
         return tables.reshape(-1), mask[:, None], q_index, q_valid
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device; on CUDA through pinned memory, without waiting for the copy
-    (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
-    t = torch.from_numpy(array)
+def to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """Host values (an array or a list, as `dtype`) on the device; on CUDA through pinned memory,
+    without waiting for the copy (the caching host allocator keeps the pinned buffer alive until
+    the copy has run). Never torch.tensor(list, device=cuda): that copy blocks until the whole
+    stream has caught up."""
+    t = torch.from_numpy(np.asarray(values, dtype=dtype))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
