@@ -125,11 +125,8 @@ class KVCacheManager:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
             # a block ending in a placeholder is hashed once its token is known (register_resolved)
             known_full = min(last_full, (seq.num_tokens - seq.awaiting_token) // bs)
-            if self.enable_prefix_caching and known_full > first_full:
-                prev = self._prefix_hash(seq, first_full)
-                for i, h in enumerate(self._hash_chain(seq.token_ids, known_full, first_full, prev), first_full):
-                    self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-                    prev = h
+            if self.enable_prefix_caching:
+                self._register_full(seq, first_full, known_full)
         if self.enable_prefix_caching and end % bs and end <= seq.num_prompt_tokens:
             # a prompt's partial last block: findable by its leading tokens, for partial reuse
             self.pool.index_partial(seq.block_table[last_full], self._prefix_hash(seq, last_full),
@@ -139,14 +136,21 @@ class KVCacheManager:
     def register_resolved(self, seq: Sequence) -> None:
         """seq's placeholder has just become its real token: hashes the block that token completes,
         if a launched step has written it already (allocate left it unhashed). Changes the pool's index."""
-        bs, n = self.block_size, seq.num_tokens
-        if not self.enable_prefix_caching or n % bs or seq.num_computed_tokens < n:
+        n = seq.num_tokens
+        if not self.enable_prefix_caching or n % self.block_size or seq.num_computed_tokens < n:
             return
-        i = n // bs - 1
-        prev = self._prefix_hash(seq, i)
-        [h] = self._hash_chain(seq.token_ids, i + 1, i, prev)
-        self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:n]))
-        self.pool.mark_computed([seq.block_table[i]])   # written by a step already enqueued
+        last = n // self.block_size
+        self._register_full(seq, last - 1, last)
+        self.pool.mark_computed([seq.block_table[last - 1]])   # written by a step already enqueued
+
+    def _register_full(self, seq: Sequence, first: int, last: int) -> None:
+        """Hashes seq's full blocks first..last-1 into the pool's index (their tokens are all known)."""
+        if first >= last:
+            return
+        bs, prev = self.block_size, self._prefix_hash(seq, first)
+        for i, h in enumerate(self._hash_chain(seq.token_ids, last, first, prev), first):
+            self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            prev = h
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
         if num_blocks == 0:

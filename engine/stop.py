@@ -22,13 +22,13 @@ class StopChecker:
             return "stop"
         if p.stop and self._stop_in_tail(seq):
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+        if _at_length(seq, max_model_len):
             return "length"
         return None
 
     def may_continue(self, seq: Sequence, max_model_len: int) -> bool:
         """Whether the sequence can go on after its next token, as far as check()'s length limits go."""
-        return seq.num_completion_tokens + 1 < seq.sampling.max_tokens and seq.num_tokens + 1 < max_model_len
+        return not _at_length(seq, max_model_len, extra=1)
 
     def _stop_in_tail(self, seq: Sequence) -> bool:
         """Decodes only the completion's last tokens each step (the whole completion each step
@@ -51,3 +51,9 @@ class StopChecker:
             text = self.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:])
         hits = [i for i in (text.find(s) for s in seq.sampling.stop if s) if i >= 0]
         return min(hits) if hits else None
+
+
+def _at_length(seq: Sequence, max_model_len: int, extra: int = 0) -> bool:
+    """The length limits, with `extra` tokens more than the sequence holds."""
+    return (seq.num_completion_tokens + extra >= seq.sampling.max_tokens
+            or seq.num_tokens + extra >= max_model_len)
