@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from jobrunner.config import JobConfig
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
+from jobrunner.planner.window import split_windows
 from jobrunner.progress import Progress
 from jobrunner.stats import JobStats
 
@@ -221,22 +222,11 @@ class Job:
             yield from plan(self._items(), window_rows=WINDOW_ROWS, block_size=cfg.block_size, stats=self.prefix,
                             window_tokens=WINDOW_TOKENS)
             return
-        window: list[PlanItem] = []     # unplanned: dataset order; stats still measured per window
-        tokens = 0
-        for item in self._items():
-            window.append(item)
-            tokens += len(item.tokens)
-            if len(window) >= WINDOW_ROWS or tokens >= WINDOW_TOKENS:
-                yield from self._flush_unplanned(window)
-                tokens = 0
-        yield from self._flush_unplanned(window)
-
-    def _flush_unplanned(self, window: list[PlanItem]):
-        if window:
-            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=self.cfg.block_size))
-        for i, it in enumerate(window, 1):
-            yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
-        window.clear()
+        # unplanned: dataset order; stats still measured per window
+        for window in split_windows(self._items(), WINDOW_ROWS, WINDOW_TOKENS, lambda it: len(it.tokens)):
+            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=cfg.block_size))
+            for i, it in enumerate(window, 1):
+                yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
 
     # --- rows out ----------------------------------------------------------------------------
 

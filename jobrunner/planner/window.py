@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+T = TypeVar("T")
 _WIDTH = 4  # bytes per token id
 _TYPECODE = "I"
 assert array(_TYPECODE).itemsize == _WIDTH, "array('I') must hold 32-bit ints"
@@ -90,16 +92,23 @@ def iter_windows(
         raise ValueError("window_rows must be >= 1")
     if window_tokens is not None and window_tokens < 1:
         raise ValueError("window_tokens must be >= 1")
+    encoded = ((key, encode(tokens)) for key, tokens in pairs)
+    for window in split_windows(encoded, window_rows, window_tokens, lambda pair: len(pair[1]) // _WIDTH):
+        yield sort_window([key for key, _ in window], [enc for _, enc in window])
+
+
+def split_windows(items: Iterable[T], window_rows: int, window_tokens: int | None,
+                  tokens_of: Callable[[T], int]) -> Iterator[list[T]]:
+    """Items in windows of `window_rows`, a window ending early at the item that brings it to
+    `window_tokens` tokens. The one window rule of planned and unplanned jobs."""
     limit = window_tokens or float("inf")
-    keys: list[Hashable] = []
-    encs: list[bytes] = []
+    window: list[T] = []
     tokens = 0
-    for key, toks in pairs:
-        keys.append(key)
-        encs.append(encode(toks))
-        tokens += len(encs[-1]) // _WIDTH
-        if len(keys) >= window_rows or tokens >= limit:
-            yield sort_window(keys, encs)
-            keys, encs, tokens = [], [], 0
-    if keys:
-        yield sort_window(keys, encs)
+    for item in items:
+        window.append(item)
+        tokens += tokens_of(item)
+        if len(window) >= window_rows or tokens >= limit:
+            yield window
+            window, tokens = [], 0
+    if window:
+        yield window
