@@ -34,7 +34,7 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
 def check_template(cfg: JobConfig, columns: list[str]):
     if not cfg.template:
         return None
-    from jobrunner.template import PromptTemplate
+    from jobs.template import PromptTemplate
     try:
         template = PromptTemplate(cfg.template)
     except ValueError as e:
@@ -44,6 +44,36 @@ def check_template(cfg: JobConfig, columns: list[str]):
         raise JobConfigError(f"--template uses {', '.join(missing)}, not columns of {cfg.dataset}; "
                              f"its columns are: {', '.join(columns)}")
     return template
+
+
+def check_output(cfg: JobConfig) -> None:
+    """The output's problems, before a model loads; creates the directory (OSError if it can't)."""
+    from jobrunner.writer import OutputError, check_output
+    try:
+        check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.overwrite)
+    except OutputError as e:
+        raise JobConfigError(str(e)) from None
+
+
+def on_empty_dataset(cfg: JobConfig) -> None:
+    """No rows to read: a warning (in a cron job an upstream failure looks like success), or with
+    --fail-on-empty a JobConfigError (exit 2)."""
+    what = f"dataset {cfg.dataset} has no rows" + (" (--limit 0)" if cfg.limit == 0 else "")
+    if cfg.fail_on_empty:
+        raise JobConfigError(f"{what}; failing, as --fail-on-empty asks")
+    log.warning("%s: nothing to do (--fail-on-empty makes this exit 2)", what)
+
+
+def check_not_empty(cfg: JobConfig, fmt: str) -> None:
+    """on_empty_dataset when a count finds no rows (for a data-parallel launch, whose workers each
+    see only a share); a dataset too large to count is not empty."""
+    from jobrunner.dataset import DatasetError, count_rows
+    try:
+        n = 0 if cfg.limit == 0 else count_rows(cfg.dataset, fmt)
+    except DatasetError as e:
+        raise JobConfigError(str(e)) from None
+    if n == 0:
+        on_empty_dataset(cfg)
 
 
 def load_engine(cfg: JobConfig):
@@ -66,6 +96,6 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
     from jobrunner.writer import OutputError
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
-                          part_prefix=part_prefix)
+                          part_prefix=part_prefix, flush_seconds=cfg.flush_seconds)
     except OutputError as e:
         raise JobConfigError(str(e)) from None

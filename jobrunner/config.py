@@ -2,7 +2,10 @@
 over these defaults) and validated before any work starts."""
 from __future__ import annotations
 
+import functools
 import re
+import types
+import typing
 from dataclasses import asdict, dataclass, fields
 
 from engine.config import DEFAULT_MODEL, EngineConfig
@@ -18,7 +21,7 @@ class JobConfigError(ValueError):
 @dataclass(frozen=True)
 class JobConfig:
     dataset: str
-    output: str | None = None               # default: <dataset>.results/ beside the dataset
+    output: str | None = None               # default: <dataset>.results/ beside the dataset (see output_url)
     model: str = DEFAULT_MODEL
     format: str = "auto"
     id_column: str = "id"
@@ -26,7 +29,8 @@ class JobConfig:
     messages_column: str | None = None
     template: str | None = None
     system: str | None = None
-    chat: bool | None = None                # None: chat when the model has a chat template
+    chat: bool | None = None                # None: by kind (jobs.base.uses_chat): generate chats, classify/score don't
+    show_prompt: bool = False               # submit logs the first row's rendered prompt
     # sampling
     max_tokens: int = 256
     temperature: float = 0.0
@@ -61,8 +65,10 @@ class JobConfig:
     data_parallel: int | None = None
     # output
     part_rows: int = 10_000
+    flush_seconds: float = 60.0             # a part is written at least this often: what a kill can lose
     overwrite: bool = False
     max_error_rate: float | None = None
+    fail_on_empty: bool = False             # an empty dataset exits 2 instead of 0 with a warning
     device_hourly_cost: float | None = None
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
     limit: int | None = None                # only the first N rows (for trying a job out)
@@ -79,8 +85,9 @@ class JobConfig:
     def output_url(self) -> str:
         if self.output:
             return self.output
+        # Keeps the format suffix, so x.csv and x.jsonl never share an output; drops compression only.
         base = self.dataset.rstrip("/")
-        for suffix in (".gz", ".zst", ".parquet", ".pq", ".jsonl", ".ndjson", ".json", ".csv"):
+        for suffix in (".gz", ".zst"):
             base = base.removesuffix(suffix)
         return base.replace("*", "_") + ".results"
 
@@ -88,7 +95,8 @@ class JobConfig:
         """What decides the rows' outputs: a different value refuses to resume into the same output."""
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
-                "kv_cache_memory", "limit", "device", "block_size"}
+                "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
+                "fail_on_empty", "flush_seconds"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
@@ -115,6 +123,10 @@ class JobConfig:
             bad(f"--n {self.n} with --temperature 0 gives {self.n} identical samples; set --temperature > 0")
         if self.part_rows < 1:
             bad("--part-rows must be >= 1")
+        if not self.flush_seconds > 0:
+            bad("--flush-seconds must be > 0")
+        if self.device_hourly_cost is not None and self.device_hourly_cost < 0:
+            bad("--device-hourly-cost must be >= 0 (USD per device-hour)")
         if self.max_error_rate is not None and not 0 <= self.max_error_rate <= 1:
             bad("--max-error-rate is a fraction in [0, 1], e.g. 0.01")
         if self.template and self.messages_column:
@@ -144,6 +156,25 @@ class JobConfig:
             bad("--quantization must be one of none, int8, int4, w8a8, fp8")
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
+        check_device(self.device)
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def check_device(device: str) -> None:
+    """auto, cpu, cuda, cuda:N, or mps where this torch has it; else JobConfigError."""
+    if _DEVICE.match(device):
+        return
+    if device == "mps":
+        import torch
+        if torch.backends.mps.is_available():
+            return
+        raise JobConfigError("--device mps: this torch build or machine has no MPS (Apple GPU); "
+                             "use auto, cpu or cuda")
+    gpu = str(device).lower().split(":")[0] in ("gpu", "nvidia")
+    hint = "; for an NVIDIA GPU write --device cuda (or cuda:N)" if gpu else ""
+    raise JobConfigError(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}{hint}")
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -165,3 +196,47 @@ def parse_size(text: str | int) -> int:
 
 def config_fields() -> dict:
     return {f.name: f for f in fields(JobConfig)}
+
+
+def split_labels(text: str) -> tuple[str, ...]:
+    """'positive, negative,,neutral' -> ('positive', 'negative', 'neutral'), as --labels reads it."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             tuple: "a string or a list of strings"}
+
+
+@functools.cache
+def _field_types() -> dict[str, type]:
+    return {k: _base_type(h) for k, h in typing.get_type_hints(JobConfig).items()}
+
+
+def _base_type(hint) -> type:
+    """`int | None` -> int, `tuple[str, ...]` -> tuple, `bool` -> bool."""
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def field_value(key: str, value):
+    """A JobConfig field's value from TOML (or the command line), checked against the field's type
+    with the command line's conversions: a string `stop` is one stop string, a string `labels` is
+    comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
+    want = _field_types()[key]
+    if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return parse_size(value)
+        except JobConfigError as e:
+            raise JobConfigError(f"{key}: {e}") from None
+    if want is tuple and isinstance(value, str):
+        return split_labels(value) if key == "labels" else (value,)
+    if want is tuple and isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+        return tuple(value)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is a subclass of int: an integer field refuses true/false, a bool field refuses 1/0
+    if isinstance(value, want) and (want is bool or not isinstance(value, bool)):
+        return value
+    expected = 'a size such as "8GiB" or a number of bytes' if key == "kv_cache_memory" else _EXPECTED[want]
+    raise JobConfigError(f"{key} must be {expected}, not {value!r} ({type(value).__name__})")

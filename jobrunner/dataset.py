@@ -83,10 +83,23 @@ def _delimiter(url: str) -> str:
     return "\t" if _ext(url)[0] == ".tsv" else ","
 
 
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}   # URL protocol -> jobrunner extra
+
+
+def missing_backend_message(url: str, err: ImportError) -> str:
+    """What to install when fsspec has no filesystem for url's protocol."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    extra = _EXTRAS.get(protocol)
+    hint = f"pip install 'jobrunner[{extra}]'" if extra else "install the fsspec backend it names"
+    return f"cannot open {url}: {err} ({hint})"
+
+
 def _fs(url: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as e:
+    except ImportError as e:
+        raise DatasetError(missing_backend_message(url, e)) from e
+    except ValueError as e:
         raise DatasetError(f"cannot open dataset {url!r}: {e}") from e
 
 
@@ -146,6 +159,8 @@ def _open_binary(url: str) -> IO[bytes]:
         return fsspec.open(url, "rb", compression=comp).open()
     except FileNotFoundError as e:
         raise DatasetError(f"dataset not found: {url}") from e
+    except ImportError as e:
+        raise DatasetError(missing_backend_message(url, e)) from e
     except (OSError, ValueError) as e:
         raise DatasetError(f"cannot open {url}: {e}") from e
 
@@ -506,6 +521,7 @@ def dataset_columns(url: str, fmt: str = "auto") -> list[str]:
         return _csv_header(first)
     if f == "openai-batch":
         return ["messages", "params", "model"]
+    _check_not_json_array(first)
     return _jsonl_sniff(first)
 
 
@@ -552,14 +568,77 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
 
 
 def count_rows(url: str, fmt: str = "auto") -> int | None:
-    """Row count from parquet metadata; None for text formats (would need a full scan)."""
-    if detect_format(url, fmt) != "parquet":
+    """The number of rows read_rows yields (error rows included), or None when counting is too dear.
+
+    Parquet: from the footers.  JSONL and CSV: a scan of the raw bytes in large chunks, for files
+    of at most COUNT_MAX_BYTES together (stored size; a remote dataset is read once more).
+    """
+    f = detect_format(url, fmt)
+    files = list_files(url)
+    if f == "parquet":
+        total = 0
+        for path in files:
+            fh, pf = _parquet_file(path)
+            try:
+                total += pf.metadata.num_rows
+            finally:
+                fh.close()
+        return total
+    size = _stored_size(files)
+    if size is None or size > COUNT_MAX_BYTES:
         return None
+    count = _count_csv if f == "csv" else _count_jsonl
+    return sum(count(path) for path in files)
+
+
+COUNT_MAX_BYTES = 8 << 30   # count_rows scans text datasets up to this size
+_COUNT_CHUNK = 8 << 20      # bytes per read() when counting
+
+
+def _stored_size(files: list[str]) -> int | None:
     total = 0
-    for path in list_files(url):
-        fh, pf = _parquet_file(path)
+    for path in files:
+        fs, p = _fs(path)
         try:
-            total += pf.metadata.num_rows
-        finally:
-            fh.close()
+            size = fs.size(p)
+        except (OSError, NotImplementedError):
+            return None
+        if size is None:
+            return None
+        total += size
     return total
+
+
+def _chunk_lines(url: str) -> Iterator[list[bytes]]:
+    """The file's lines (newline removed, BOM removed), a large chunk's worth at a time."""
+    f = _open_binary(url)
+    tail, first = b"", True
+    try:
+        while chunk := f.read(_COUNT_CHUNK):
+            if first:
+                chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()      # a line that goes on in the next chunk
+            yield lines
+        if tail:
+            yield [tail]            # the last line, without its newline
+    except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError) as e:
+        raise DatasetError(f"cannot read {url}: {type(e).__name__}: {e}") from e
+    finally:
+        f.close()
+
+
+def _count_jsonl(url: str) -> int:
+    # a JSON record holds no raw newline: every line that isn't blank is a row (an error row if bad)
+    return sum(sum(1 for line in lines if line.strip()) for lines in _chunk_lines(url))
+
+
+def _count_csv(url: str) -> int:
+    # Without a quote character a line is a record (an error row if bad) and an empty line is
+    # skipped; the first record is the header.  A quoted cell may hold newlines: then parse.
+    n = 0
+    for lines in _chunk_lines(url):
+        if any(b'"' in line for line in lines):
+            return sum(1 for _ in _read_csv(url, None, None, None))
+        n += sum(1 for line in lines if line not in (b"", b"\r"))
+    return max(n - 1, 0)

@@ -10,7 +10,8 @@ import signal
 from array import array
 from dataclasses import dataclass
 
-from jobrunner.config import JobConfig
+from jobrunner.columns import input_names, reserved_columns
+from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
@@ -20,8 +21,6 @@ from jobrunner.stats import JobStats
 log = logging.getLogger("jobrunner")
 
 EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
-RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
-                  "queue_s", "prefill_s", "decode_s", "error")
 # A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
 # (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
@@ -64,10 +63,13 @@ class Job:
         cfg.validate()
         self.fmt, self.columns = checks.check_dataset(cfg)
         self.template = checks.check_template(cfg, self.columns)
+        checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
         from jobs import PromptBuilder, make_job
         self.job = make_job(cfg, self.engine.tokenizer)
         self.builder = PromptBuilder(cfg, self.engine.tokenizer, self.template)
+        self.reserved = reserved_columns(self.job.result_columns)
+        self._input_names: dict[tuple, dict[str, str]] = {}
         manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
                     "dataset_format": self.fmt}
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
@@ -109,12 +111,14 @@ class Job:
                 signal.signal(s, h)
         self.writer.flush()
         self.progress.close()
-        summary = self.stats.summary(
+        from jobrunner.summary import job_summary
+        run = self.stats.summary(
             device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
             quantization=cfg.quantization, prefix=self.prefix,
             engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
-            device_hourly_cost=cfg.device_hourly_cost, job_metrics=self.job.summary(), load_s=engine.rt.load_s,
-            interrupted=interrupted)
+            device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)
+        # the summary of every row in the output; a data-parallel worker reports only its run to its coordinator
+        summary = run if self.world > 1 else job_summary(cfg.output_url, cfg.fingerprint_fields(), run)
         if interrupted:
             if self.world == 1:
                 self.writer.write_stats(summary)
@@ -127,13 +131,28 @@ class Job:
         if cfg.output_format == "openai-batch":
             from jobrunner.writer import write_openai_batch_output
             write_openai_batch_output(cfg.output_url)
+        if self.stats.rows_failed:      # said whether or not --max-error-rate is set
+            log.warning("%d of %d rows failed; their errors are in the `error` column of %s",
+                        self.stats.rows_failed, self.stats.rows, cfg.output_url)
         code = EXIT_OK
         if cfg.max_error_rate is not None and self.stats.rows and \
                 self.stats.rows_failed / self.stats.rows > cfg.max_error_rate:
             log.error("%d of %d rows failed, over --max-error-rate %s", self.stats.rows_failed, self.stats.rows,
                       cfg.max_error_rate)
             code = EXIT_ERROR_RATE
+        if not self.stats.rows and not self.stats.rows_skipped:     # no row read: an empty dataset
+            code = self._on_empty(code)
         return JobResult(code, summary, cfg.output_url)
+
+    def _on_empty(self, code: int) -> int:
+        """Warn of an empty dataset; with --fail-on-empty, say so and exit 2."""
+        from jobrunner import checks
+        try:
+            checks.on_empty_dataset(self.cfg)
+        except JobConfigError as e:
+            log.error("%s", e)
+            return EXIT_CONFIG
+        return code
 
     def _on_signal(self, signum, frame):
         if self.stop_requested:          # a second Ctrl-C: stop at once
@@ -156,7 +175,7 @@ class Job:
         from jobrunner.dataset import read_rows
         from jobs import RowError
 
-        cfg, read = self.cfg, 0
+        cfg, read, show = self.cfg, 0, self.cfg.show_prompt     # show: --show-prompt, until one is logged
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
             if cfg.limit is not None:
                 batch = batch[:max(0, cfg.limit - read)]
@@ -182,6 +201,9 @@ class Job:
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
+                if show:
+                    log.info("first prompt (row %s), exactly as the tokenizer gets it:\n%s", row.id, text)
+                    show = False
                 ready.append((row, text, special))
             for (row, _, _), ids in zip(ready, self._encode(ready)):
                 try:
@@ -246,13 +268,18 @@ class Job:
                     r["finish_reason"] = "error"
                 rows.append(r)
             self._emit(rows)
+        self.writer.maybe_flush()       # rows that finished a while ago reach a part even when few come
         self.progress.update(self.stats)
 
     def _base(self, row) -> dict:
+        """The id and the row's input columns, renamed where a result column takes the name."""
+        data = row.data or {}
+        keys = tuple(k for k in data if k != self.cfg.id_column)
+        names = self._input_names.get(keys)
+        if names is None:       # JSONL rows may differ in their keys; most share one set
+            names = self._input_names[keys] = input_names(keys, self.reserved)
         base = {"id": row.id}
-        for k, v in (row.data or {}).items():
-            if k != self.cfg.id_column:
-                base[k if k not in RESULT_COLUMNS else f"input_{k}"] = v
+        base.update((names[k], data[k]) for k in keys)
         return base
 
     def _write_error(self, row, message: str) -> None:

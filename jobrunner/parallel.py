@@ -49,6 +49,7 @@ from datetime import timedelta
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import (EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Job,
                            JobResult)
+from jobrunner.planner import spread_units
 from jobrunner.stats_merge import merge_stats, worker_sketch
 
 log = logging.getLogger("jobrunner")
@@ -127,8 +128,10 @@ def _preflight(cfg: JobConfig) -> None:
     """What can fail without a model, before any process starts."""
     from jobrunner import checks
     cfg.validate()
-    _, columns = checks.check_dataset(cfg)
+    fmt, columns = checks.check_dataset(cfg)
     checks.check_template(cfg, columns)
+    checks.check_not_empty(cfg, fmt)
+    checks.check_output(cfg)
 
 
 # --- the single-node launcher ------------------------------------------------------------------
@@ -244,24 +247,34 @@ def _run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     # torchrun's agent makes a fresh store per restart; the attempt in the prefix guards a reused one
     ns = dist.PrefixStore(f"jobrunner/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    log.info("rank %d of %d (%s)", rank, world, cfg.device if on_gpu else f"CPU, {threads} threads")
     beat = _Heartbeat(ns.clone(), rank)
     beat.start()
-    coord = thread = None
-    if rank == 0:
-        monitor = _HeartbeatMonitor(ns.clone())
-        # this process's own worker counts as gone once worker_loop has returned (e.g. stopped by a signal)
-        coord = Coordinator(cfg, ns.clone(), world, retry=False,
-                            alive=lambda r: monitor(r) and not (r == rank and coord.local_done))
-        thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)
-        thread.start()
-    log.info("rank %d of %d (%s)", rank, world, cfg.device if on_gpu else f"CPU, {threads} threads")
-    code = worker_loop(cfg, rank, world, ns, threads=threads)
-    beat.stop()
-    if coord is not None:
-        coord.local_done = True
-    if coord is None:
+    try:
+        if rank == 0:
+            return _coordinate_and_work(cfg, ns, world, threads)
+        # once this rank has acknowledged the end (`exited`), rank 0 may destroy the store: stop beating first
+        code = worker_loop(cfg, rank, world, ns, threads=threads, before_exit=beat.stop)
         return JobResult(code, {}, cfg.output_url)
-    thread.join()
+    finally:
+        beat.stop()     # joined: no thread of ours is inside a store call when the interpreter exits
+
+
+def _coordinate_and_work(cfg: JobConfig, ns, world: int, threads: int | None) -> JobResult:
+    """Rank 0: the coordinator in a thread, this process's worker in the main thread."""
+    monitor = _HeartbeatMonitor(ns.clone())
+    # the local worker counts as gone once worker_loop has returned without acknowledging the end (e.g.
+    # stopped by a signal); one that acknowledged is counted in `exited`, so stays a member for the handshake
+    coord = Coordinator(cfg, ns.clone(), world, retry=False,
+                        alive=lambda r: monitor(r) and not (r == 0 and coord.local_done))
+    thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)
+    thread.start()
+    acked: list[bool] = []
+    try:
+        worker_loop(cfg, 0, world, ns, threads=threads, before_exit=lambda: acked.append(True))
+    finally:
+        coord.local_done = not acked
+    thread.join()       # it uses the store until every live worker has acknowledged the end
     return coord.raise_or(coord.result)
 
 
@@ -279,8 +292,15 @@ class _Heartbeat(threading.Thread):
                 return
             self._stop_event.wait(self.every_s)
 
-    def stop(self):
+    def stop(self, timeout: float = 30.0):
+        """Stop beating; on return the thread is out of the store (a store call ends or fails well within
+        `timeout`). A daemon thread left inside a store call aborts the process at exit ("terminate called
+        without an active exception"), and a store call racing its destruction may hang or fail."""
         self._stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
+            if self.is_alive():
+                log.warning("the heartbeat thread did not stop within %.0f s", timeout)
 
 
 class _HeartbeatMonitor:
@@ -321,8 +341,11 @@ def _wait(store, key: str, stop: list, poll: float = 0.02) -> dict:
         poll = min(poll * 1.5, 0.05)       # 20 polls a second at most: every worker sees `go` at once
 
 
-def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None) -> int:
-    """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code."""
+def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None,
+                before_exit=lambda: None) -> int:
+    """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code.
+    `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
+    it stops the process's other users of the store."""
     from jobrunner.checks import load_engine
 
     stop: list = []
@@ -347,6 +370,7 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
         for r in itertools.count():
             msg = _wait(store, f"round/{r}", stop)
             if msg["op"] != "run" or str(rank) not in msg["slots"]:
+                before_exit()
                 store.add("exited", 1)
                 return msg.get("exit_code", EXIT_OK)
             _run_round(cfg, engine, store, r, rank, msg["slots"][str(rank)], world, stop)
@@ -355,12 +379,16 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
 
 
 class _WorkerJob(Job):
-    """A data-parallel worker's Job: each planning window's units come out largest first.
+    """A data-parallel worker's Job: each planning window's units are spread over the workers, then
+    come out largest first.
 
-    The planner orders units for cache locality (a depth-first trie walk), so a big prefix group can
-    come last, and whoever draws it finishes long after the others. Handing the units out longest
-    first (LPT) lets the small ones fill in around the big ones. Across workers the locality is lost
-    anyway; within a unit nothing changes. The order is deterministic, so every worker agrees on it.
+    A window of fewer units than workers (a small job sharing one prefix is one unit) would leave
+    workers idle, so its largest units are halved until each worker can get one (spread_units); each
+    worker then computes the shared prefix once. The planner orders units for cache locality (a
+    depth-first trie walk), so a big prefix group can come last, and whoever draws it finishes long
+    after the others. Handing the units out longest first (LPT) lets the small ones fill in around the
+    big ones. Across workers the locality is lost anyway; within a unit nothing changes. Both steps are
+    deterministic, so every worker agrees on the units and their order.
     """
 
     def _units(self):
@@ -368,15 +396,23 @@ class _WorkerJob(Job):
         for unit in super()._units():
             window.append(unit)
             if unit.window_end:
-                yield from self._largest_first(window)
+                yield from self._spread(window)
                 window = []
-        yield from self._largest_first(window)
+        yield from self._spread(window)
+
+    def _spread(self, window):
+        # the window's rows all wait in self.pending, token ids packed: none is yielded (submitted) yet
+        def tokens_of(key):
+            return memoryview(self.pending[key][1].prompt_token_ids).cast("I")
+        return self._largest_first(spread_units(window, self.world, tokens_of, self._cost))
+
+    def _cost(self, u) -> int:
+        """Tokens the engine computes for a unit: the shared prefix once, the rest, the outputs."""
+        n = len(u.items)
+        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.cfg.n * self.cfg.max_tokens
 
     def _largest_first(self, units):
-        def tokens(u):      # tokens the engine computes: the shared prefix once, the rest, the outputs
-            n = len(u.items)
-            return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.cfg.n * self.cfg.max_tokens
-        return sorted(units, key=tokens, reverse=True)     # stable: ties keep the planner's order
+        return sorted(units, key=self._cost, reverse=True)     # stable: ties keep the planner's order
 
 
 def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list) -> None:
@@ -477,6 +513,7 @@ class Coordinator:
         return result
 
     def run(self) -> JobResult:
+        from jobrunner.summary import job_summary
         from jobrunner.writer import OutputError, prepare_output
 
         cfg = self.cfg
@@ -520,11 +557,12 @@ class Coordinator:
                 break
         if self.bar is not None:
             self.bar.close()
-        summary = merge_stats(results, cfg, wall_s=time.time() - (start or time.time()), devices=self.world,
-                              rounds=rounds, lost=lost)
-        code = self._exit_code(results, summary, complete)
-        summary["interrupted"] = summary["interrupted"] or code == EXIT_INTERRUPTED
-        self._finish(summary, manifest, complete, code)
+        run = merge_stats(results, cfg, wall_s=time.time() - (start or time.time()), devices=self.world,
+                          rounds=rounds, lost=lost)
+        code = self._exit_code(results, run, complete)
+        run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
+        summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)     # as one worker's job does
+        self._finish(summary, manifest, complete, code, rounds)
         return JobResult(code, summary, cfg.output_url)
 
     # -- steps
@@ -601,7 +639,7 @@ class Coordinator:
             return EXIT_ERROR_RATE
         return EXIT_OK
 
-    def _finish(self, summary: dict, manifest: dict, complete: bool, code: int) -> None:
+    def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""
         from jobrunner.writer import ResultWriter, write_openai_batch_output, write_stats
 
@@ -615,7 +653,7 @@ class Coordinator:
         else:
             write_stats(cfg.output_url, summary)
             log.warning("%d rows written; run the same command again to resume", summary["rows"])
-        self.store.set(f"round/{summary['data_parallel']['rounds']}", json.dumps({"op": "stop", "exit_code": code}))
+        self.store.set(f"round/{rounds}", json.dumps({"op": "stop", "exit_code": code}))
         # the store may live in this process (torchrun without an agent): leave only once every worker has read it
         deadline = time.time() + 60
         while self.store.add("exited", 0) < len(self._members_alive()) and time.time() < deadline:

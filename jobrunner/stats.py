@@ -1,4 +1,9 @@
-"""The job summary: tokens, cache hits against their optimum, throughput, latency percentiles, cost."""
+"""A run's figures: tokens, cache hits against their optimum, throughput, latency percentiles, cost.
+
+JobStats accumulates one run (one process) and gives its record; `rates` derives throughput, cache
+hit rates and cost from sums, the same way for a run, for a data-parallel run over its workers
+(stats_merge) and for a job over its recorded runs (summary).
+"""
 from __future__ import annotations
 
 import random
@@ -6,6 +11,11 @@ import time
 from array import array
 
 LATENCY_SAMPLE = 100_000    # rows whose latencies are kept: percentiles exact up to here, estimated past it
+# The prefix plan's figures a run records: sums over the rows it planned, so they add up over runs.
+PREFIX_SUMS = ("planned_prompt_tokens", "optimum_cached_tokens", "block_optimum_cached_tokens",
+               "partial_block_optimum_cached_tokens")
+PREFIX_KEYS = PREFIX_SUMS + ("optimum_exact",)
+ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def percentile(values, q: float) -> float | None:
@@ -18,8 +28,12 @@ def percentile(values, q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def utc_iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 class JobStats:
-    """Accumulates a job's figures in bounded memory.
+    """Accumulates a run's figures in bounded memory.
 
     Latencies: queue, prefill and decode hold the three latencies of a uniform random sample of at
     most LATENCY_SAMPLE of the `latency_rows` ok rows (reservoir sampling, one draw a row, so a
@@ -45,9 +59,10 @@ class JobStats:
         self.cached_tokens += row.get("cached_tokens") or 0
         self.completion_tokens += row.get("completion_tokens") or 0
         if row.get("error") is None:
-            self._add_latencies(row.get("queue_s") or 0.0, row.get("prefill_s") or 0.0, row.get("decode_s") or 0.0)
+            self.add_latencies(row.get("queue_s") or 0.0, row.get("prefill_s") or 0.0, row.get("decode_s") or 0.0)
 
-    def _add_latencies(self, queue: float, prefill: float, decode: float) -> None:
+    def add_latencies(self, queue: float, prefill: float, decode: float) -> None:
+        """One ok row's latencies."""
         self.latency_rows += 1
         if len(self.queue) < LATENCY_SAMPLE:
             self.queue.append(queue)
@@ -58,43 +73,56 @@ class JobStats:
         if j < LATENCY_SAMPLE:
             self.queue[j], self.prefill[j], self.decode[j] = queue, prefill, decode
 
-    def summary(self, *, device: str, devices: int = 1, model_weight_bytes: int = 0, quantization: str = "none",
-                prefix=None, engine_counters=None, device_hourly_cost: float | None = None,
-                job_metrics: dict | None = None, load_s: float = 0.0, interrupted: bool = False) -> dict:
-        wall = max(time.time() - self.start, 1e-9)
-        s = {
-            "rows": self.rows, "rows_ok": self.rows_ok, "rows_failed": self.rows_failed,
-            "rows_skipped_done": self.rows_skipped, "duplicate_ids": self.duplicate_ids,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens, "wall_s": wall, "model_load_s": load_s,
-            "prefill_tokens_per_s": self.prompt_tokens / wall, "decode_tokens_per_s": self.completion_tokens / wall,
-            "rows_per_s": self.rows / wall,
-            "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "device": device, "devices": devices, "device_hours": wall * devices / 3600,
-            "model_weight_bytes": model_weight_bytes, "quantization": quantization, "interrupted": interrupted,
-        }
+    def row_figures(self) -> dict:
+        """What the rows alone say: counts, tokens, cache hit rate, latency percentiles."""
+        s = {k: getattr(self, k) for k in ROW_SUMS}
+        s["cache_hit_rate"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         for name, values in (("queue", self.queue), ("prefill", self.prefill), ("decode", self.decode)):
             for q in (50, 95, 99):
                 s[f"{name}_s_p{q}"] = percentile(values, q / 100)
-        if prefix is not None and prefix.total_tokens:
-            s["optimum_cached_tokens"] = prefix.optimum_cached_tokens
-            s["optimum_cache_hit_rate"] = prefix.optimum_hit_rate
-            s["block_optimum_cached_tokens"] = prefix.block_optimum_tokens
-            s["cache_hit_of_block_optimum"] = (self.cached_tokens / prefix.block_optimum_tokens
-                                               if prefix.block_optimum_tokens else None)
-            # the engine also copies partial last blocks, so it can pass the full-block optimum
-            s["partial_block_optimum_cached_tokens"] = prefix.partial_optimum_tokens
-            s["optimum_exact"] = prefix.exact
+        return s
+
+    def summary(self, *, device: str, devices: int = 1, model_weight_bytes: int = 0, quantization: str = "none",
+                prefix=None, engine_counters=None, device_hourly_cost: float | None = None, load_s: float = 0.0,
+                interrupted: bool = False) -> dict:
+        """This run's record: its rows' figures, its time, throughput, prefix optimum and cost."""
+        wall = max(time.time() - self.start, 1e-9)
+        s = {"started_at": utc_iso(self.start), **self.row_figures(), "rows_skipped_done": self.rows_skipped,
+             "duplicate_ids": self.duplicate_ids, "wall_s": wall, "model_load_s": load_s, "device": device,
+             "devices": devices, "device_hours": wall * devices / 3600, "model_weight_bytes": model_weight_bytes,
+             "quantization": quantization, "interrupted": interrupted}
+        s.update(prefix_figures(prefix))
         if engine_counters is not None:
             s["engine"] = dict(engine_counters)
-        if device_hourly_cost is not None:
-            cost = s["device_hours"] * device_hourly_cost
-            s["cost_usd"] = cost
-            # One device-hour price over all tokens: a token costs the same whichever side it is on.
-            total = self.prompt_tokens + self.completion_tokens
-            per_million = cost / total * 1e6 if total else None
-            s["cost_per_million_input_tokens"] = per_million
-            s["cost_per_million_output_tokens"] = per_million
-        if job_metrics:
-            s["metrics"] = job_metrics
+        s.update(rates(s, device_hourly_cost))
         return s
+
+
+def prefix_figures(prefix) -> dict:
+    """A PrefixStats' figures under PREFIX_KEYS; none when nothing was planned."""
+    if prefix is None or not prefix.total_tokens:
+        return {}
+    return {"planned_prompt_tokens": prefix.total_tokens, "optimum_cached_tokens": prefix.optimum_cached_tokens,
+            "block_optimum_cached_tokens": prefix.block_optimum_tokens,
+            # the engine also copies partial last blocks, so it can pass the full-block optimum
+            "partial_block_optimum_cached_tokens": prefix.partial_optimum_tokens, "optimum_exact": prefix.exact}
+
+
+def rates(s: dict, device_hourly_cost: float | None) -> dict:
+    """Figures derived from sums (ROW_SUMS, wall_s, device_hours, PREFIX_SUMS when planned):
+    throughput over wall_s, cache hits against the prefix optimum, and with a price the cost."""
+    wall = max(s["wall_s"], 1e-9)
+    tokens = s["prompt_tokens"] + s["completion_tokens"]
+    out = {"prefill_tokens_per_s": s["prompt_tokens"] / wall, "decode_tokens_per_s": s["completion_tokens"] / wall,
+           "rows_per_s": s["rows"] / wall,
+           "cache_hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0}
+    if s.get("planned_prompt_tokens"):
+        out["optimum_cache_hit_rate"] = s["optimum_cached_tokens"] / s["planned_prompt_tokens"]
+        block = s["block_optimum_cached_tokens"]
+        out["cache_hit_of_block_optimum"] = s["cached_tokens"] / block if block else None
+    if device_hourly_cost is not None:
+        cost = s["device_hours"] * device_hourly_cost
+        out["cost_usd"] = cost
+        # one device-hour price over all tokens: a token costs the same whichever side it is on
+        out["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
+    return out

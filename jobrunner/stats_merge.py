@@ -1,11 +1,11 @@
-"""A data-parallel job's summary from its workers' summaries: sums, recomputed rates, percentiles
-merged from each worker's latency sketch, job metrics recombined from counts, and per-worker figures.
+"""A data-parallel run's record from its workers' records: sums, rates recomputed (stats.rates),
+percentiles merged from each worker's latency sketch, and per-worker figures. The job summary over
+every row (metrics included) is then computed from the parts, as for one worker (summary.py).
 """
 from __future__ import annotations
 
 from jobrunner.config import JobConfig
-from jobrunner.stats import percentile
-from jobs.metrics import merge_metrics
+from jobrunner.stats import PREFIX_KEYS, ROW_SUMS, percentile, rates
 
 SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles
 
@@ -23,23 +23,18 @@ def worker_sketch(stats) -> dict:
     return out
 
 
-_SUMMED = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
-
-
 def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: int, rounds: int,
                 lost: list[int]) -> dict:
-    """One job summary from the workers' (JobStats.summary keys, over the job's wall time), plus
+    """One run's record from its workers' records (JobStats.summary keys, over the run's wall time), plus
     `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance."""
     summaries = [(v, v["summary"]) for v in results if v.get("summary")]
     first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
-    wall = max(wall_s, 1e-9)
-    s = {k: sum(x.get(k) or 0 for _, x in summaries) for k in _SUMMED}
+    s = {k: sum(x.get(k) or 0 for _, x in summaries) for k in ROW_SUMS}
+    s["started_at"] = min((x["started_at"] for _, x in summaries if x.get("started_at")), default=None)
     s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
-    s.update(wall_s=wall, model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries), default=0.0),
-             prefill_tokens_per_s=s["prompt_tokens"] / wall, decode_tokens_per_s=s["completion_tokens"] / wall,
-             rows_per_s=s["rows"] / wall,
-             cache_hit_rate=s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+    s.update(wall_s=max(wall_s, 1e-9), model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries),
+                                                        default=0.0),
              device=",".join(sorted({v["device"] for v in results})) or None, devices=devices,
              device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
              model_weight_bytes=first.get("model_weight_bytes", 0), quantization=cfg.quantization,
@@ -49,22 +44,12 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
                   for v in results if v.get("sketch") for q in v["sketch"][name]["q"]]
         for q in (50, 95, 99):
             s[f"{name}_s_p{q}"] = _weighted_percentile(points, q / 100)
-    for k in ("optimum_cached_tokens", "optimum_cache_hit_rate", "block_optimum_cached_tokens", "optimum_exact"):
-        if k in first:      # the plan of round 0 covers every row; its optimum is the job's
-            s[k] = first[k]
-    if first.get("block_optimum_cached_tokens"):
-        s["cache_hit_of_block_optimum"] = s["cached_tokens"] / first["block_optimum_cached_tokens"]
+    # the plan of round 0 covers every row of this run; its optimum is the run's
+    s.update({k: first[k] for k in PREFIX_KEYS if k in first})
     engines = [x["engine"] for _, x in summaries if isinstance(x.get("engine"), dict)]
     if engines:
         s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
-    if cfg.device_hourly_cost is not None:
-        cost = s["device_hours"] * cfg.device_hourly_cost
-        total = s["prompt_tokens"] + s["completion_tokens"]
-        s["cost_usd"] = cost
-        s["cost_per_million_input_tokens"] = s["cost_per_million_output_tokens"] = cost / total * 1e6 if total else None
-    metrics = merge_metrics([x.get("metrics") for _, x in summaries])
-    if metrics:
-        s["metrics"] = metrics
+    s.update(rates(s, cfg.device_hourly_cost))
     workers = {}
     for v in sorted(results, key=lambda v: (v["rank"], v["round"])):
         x = v.get("summary") or {}

@@ -32,10 +32,12 @@ def validate_job(cfg: JobConfig) -> dict:
         raise JobConfigError(str(e)) from None
     tok = bundle.tokenizer
     builder, job = PromptBuilder(cfg, tok, template), make_job(cfg, tok)
+    limit = bundle.config.max_position_embeddings
     rows = bad = prompt_tokens = longest = 0
     errors: dict[str, int] = {}
     seen: set[str] = set()
     dup = 0
+    first_prompt = None
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
         for row in batch:
             if cfg.limit is not None and rows >= cfg.limit:
@@ -45,16 +47,15 @@ def validate_job(cfg: JobConfig) -> dict:
                 dup += 1
             seen.add(row.id)
             try:
-                if row.error:
-                    raise RowError(row.error.split(": ", 1)[-1])
-                _, ids = builder.build(row.data)
-                req = job.request(row.id, ids, row.data)
+                text, n_tokens = _check_row(builder, job, row, limit)
             except RowError as e:
                 bad += 1
                 errors[str(e)[:80]] = errors.get(str(e)[:80], 0) + 1
                 continue
-            prompt_tokens += len(req.prompt_token_ids)
-            longest = max(longest, len(req.prompt_token_ids))
+            if first_prompt is None:
+                first_prompt = (row.id, text)
+            prompt_tokens += n_tokens
+            longest = max(longest, n_tokens)
     ok = rows - bad
     out_tokens = ok * cfg.max_tokens * cfg.n if cfg.kind == "generate" else 0
     rate = GPU_FLOPS if torch.cuda.is_available() and cfg.device != "cpu" else CPU_FLOPS
@@ -63,11 +64,28 @@ def validate_job(cfg: JobConfig) -> dict:
         "dataset": cfg.dataset, "format": fmt, "columns": ", ".join(columns), "model": bundle.source,
         "kind": cfg.kind, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
-        "max_output_tokens": out_tokens, "output": cfg.output_url,
+        "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
     }
     if cfg.device_hourly_cost is not None:
         report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
     for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
         report[f"error x{n}"] = msg
+    if first_prompt is not None:
+        report["first_prompt_id"], report["first_prompt"] = first_prompt
     return report
+
+
+def _check_row(builder, job, row, context: int) -> tuple[str, int]:
+    """The row's rendered prompt (the text the tokenizer gets) and its token count; RowError where
+    submit would record an error row."""
+    from jobs import RowError
+    if row.error:
+        raise RowError(row.error.split(": ", 1)[-1])
+    text, ids = builder.build(row.data)
+    req = job.request(row.id, ids, row.data)
+    # the engine's rule (engine.Engine._check): the prompt and its longest candidate fit the context
+    longest = len(req.prompt_token_ids) + max((len(c) for c in req.candidates or [[]]), default=0)
+    if longest > context:
+        raise RowError(f"prompt of {longest} tokens exceeds the model's context of {context} tokens")
+    return text, len(req.prompt_token_ids)

@@ -19,6 +19,10 @@ Invariants:
   and its ids are not done.
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
+- A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
+  waited flush_seconds (checked on write() and maybe_flush(), which a job calls after every
+  engine step): a kill loses at most flush_seconds of finished rows.  (The first part also
+  waits for a row without an error, as it pins the schema; error rows are no work to redo.)
 - Every part has the same schema (so `polars.read_parquet("out/part*.parquet")`
   and `pyarrow.dataset.dataset("out")` read them together):
     fixed columns   id, output, finish_reason, error: string;
@@ -26,13 +30,15 @@ Invariants:
                     queue_s, prefill_s, decode_s: float64
     known columns   label: string; sample_index: int64;
                     label_probs: list<struct<label: string, prob: float64>> (from a dict label->prob)
+                    label_logprobs: list<struct<label: string, logprob: float64>> (likewise)
     extra columns   pinned by the first part ever written (read back from it afterwards):
                     all values str -> string; all bool -> bool; all int -> int64;
                     int/float -> float64; anything else (nested, mixed, all-null,
                     bytes, dates) -> "json": a string column of JSON texts.
-    extra_json      a JSON object (string) of the values that don't fit the pinned
+    extra_json      a JSON object (string) of the row's values that don't fit the pinned
                     schema: keys first seen after the first part, or values of another
-                    type than the column's.  Null when everything fit.  Nothing is dropped.
+                    type than the column's.  Null when everything fit.  Nothing is dropped;
+                    stored_values(table, name) reads a column with these put back.
   Each column's kind is recorded in the parquet schema metadata "jobrunner.kinds".
   Files named _* are not parts: glob "part*.parquet" (not "*.parquet", which would
   also match _stats.parquet) or use pyarrow.dataset, which skips _* files.
@@ -57,7 +63,7 @@ import re
 import secrets
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -67,8 +73,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from jobrunner.idset import IdSet
 
-__all__ = ["OutputError", "ResultWriter", "prepare_output", "fingerprint", "read_results",
-           "iter_result_parts", "read_stats", "write_stats", "write_openai_batch_output",
+__all__ = ["OutputError", "ResultWriter", "prepare_output", "check_output", "fingerprint", "read_results",
+           "iter_result_parts", "stored_values", "read_stats", "read_manifest", "write_stats",
+           "write_openai_batch_output",
            "FIXED_COLUMNS", "EXTRA_JSON"]
 
 MANIFEST = "_manifest.json"
@@ -76,14 +83,16 @@ FORMAT_MARK = "jobrunner-output"
 EXTRA_JSON = "extra_json"
 OPENAI_OUTPUT = "results.openai.jsonl"
 LABEL_PROBS = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float64())]))
+LABEL_LOGPROBS = pa.list_(pa.struct([("label", pa.string()), ("logprob", pa.float64())]))
+_LABEL_LISTS = {"label_probs": "prob", "label_logprobs": "logprob"}   # kind -> its struct's number field
 _ARROW = {"string": pa.string(), "json": pa.string(), "int": pa.int64(), "float": pa.float64(),
-          "bool": pa.bool_(), "label_probs": LABEL_PROBS}
+          "bool": pa.bool_(), "label_probs": LABEL_PROBS, "label_logprobs": LABEL_LOGPROBS}
 FIXED_COLUMNS: dict[str, str] = {
     "id": "string", "output": "string", "finish_reason": "string",
     "prompt_tokens": "int", "cached_tokens": "int", "completion_tokens": "int",
     "queue_s": "float", "prefill_s": "float", "decode_s": "float", "error": "string"}
 KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs",
-                                 "sample_index": "int"}
+                                 "label_logprobs": "label_logprobs", "sample_index": "int"}
 _PART_RE = re.compile(r"^part[^/]*\.parquet$")
 _MANIFEST_TMP_RE = re.compile(r"^_tmp-_manifest\.json\.[0-9a-f]+$")
 _PREFIX_RE = re.compile(r"^part[A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")
@@ -146,19 +155,19 @@ def _is_float(v: Any) -> bool:
     return True
 
 
-def _label_probs(v: Any) -> list[dict] | None:
-    """dict label->prob, or [{label, prob}], as a list of structs; None if neither."""
+def _label_list(v: Any, field: str) -> list[dict] | None:
+    """dict label->number, or [{label, <field>}], as a list of structs; None if neither."""
     items = v.items() if isinstance(v, Mapping) else None
     if items is None and isinstance(v, (list, tuple)) and all(
-            isinstance(x, Mapping) and set(x) == {"label", "prob"} for x in v):
-        items = [(x["label"], x["prob"]) for x in v]
+            isinstance(x, Mapping) and set(x) == {"label", field} for x in v):
+        items = [(x["label"], x[field]) for x in v]
     if items is None:
         return None
     out = []
-    for label, prob in items:
-        if not isinstance(label, str) or not (prob is None or _is_float(prob)):
+    for label, number in items:
+        if not isinstance(label, str) or not (number is None or _is_float(number)):
             return None
-        out.append({"label": label, "prob": None if prob is None else float(prob)})
+        out.append({"label": label, field: None if number is None else float(number)})
     return out
 
 
@@ -179,8 +188,8 @@ def _fit(kind: str, v: Any) -> Any:
         return float(v) if _is_float(v) else _MISS
     if kind == "bool":
         return v if isinstance(v, bool) else _MISS
-    if kind == "label_probs":
-        lp = _label_probs(v)
+    if kind in _LABEL_LISTS:
+        lp = _label_list(v, _LABEL_LISTS[kind])
         return _MISS if lp is None else lp
     raise AssertionError(kind)
 
@@ -382,49 +391,107 @@ def _load_manifest(fs: Any, root: str) -> dict | None:
     return m
 
 
+_OURS_RE = re.compile(r"^(?:_manifest\.json|_stats\.json|_stats\.parquet|results\.openai\.jsonl"
+                      r"|(?:_corrupt-(?:\d+-)?)?part[^/]*\.parquet|_tmp-.+)$")
+
+
+def _output_fs(output_url: str) -> tuple[Any, str]:
+    try:
+        return _url_fs(output_url)
+    except ImportError as e:  # fsspec's "Install s3fs to access S3"
+        from jobrunner.dataset import missing_backend_message
+        raise OutputError(missing_backend_message(output_url, e)) from None
+
+
+def _entries(fs: Any, root: str) -> dict[str, str]:
+    """name -> "file" | "directory" (or another type) of each entry of root."""
+    try:
+        fs.invalidate_cache(root)
+    except Exception:  # noqa: BLE001 - cache invalidation is best effort
+        pass
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type", "file")
+            for e in fs.ls(root, detail=True)}
+
+
+def _check_existing(fs: Any, root: str, output_url: str, config: Mapping[str, Any],
+                    overwrite: bool) -> tuple[dict | None, list[str]]:
+    """The rules for an existing output: (its manifest or None, names to delete before starting afresh).
+
+    Raises OutputError for every refusal; reads only.  A manifest with our fingerprint and no
+    overwrite means resume.  Overwrite deletes only files our naming says are ours, in a directory
+    our manifest says is ours, and refuses when anything else is inside.
+    """
+    if not fs.exists(root):
+        return None, []
+    if not fs.isdir(root):
+        raise OutputError(f"output {output_url} exists and is a file; choose a directory for --output")
+    entries = _entries(fs, root)
+    names = sorted(entries)
+    old = _load_manifest(fs, root) if MANIFEST in entries else None
+    if old is None:
+        if all(_MANIFEST_TMP_RE.match(n) for n in names):  # empty, or killed writing its first manifest
+            return None, names
+        raise OutputError(
+            f"output {output_url} exists, is not empty and is not a jobrunner output "
+            f"(no {MANIFEST}); choose another --output"
+            + (" (--overwrite only ever deletes jobrunner outputs)" if overwrite else ""))
+    if not overwrite:
+        if old.get("fingerprint") == fingerprint(config):
+            return old, []
+        raise OutputError(
+            f"output {output_url} holds a different job: {_config_diff(old.get('config'), config)}. "
+            "Run with the same options to resume it, pass --overwrite to replace it, "
+            "or choose another --output")
+    foreign = [n for n in names if entries[n] != "file" or not _OURS_RE.match(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputError(f"--overwrite: output {output_url} also holds files jobrunner did not write "
+                          f"({shown}); nothing was deleted. Move them away or choose another --output")
+    # the manifest is replaced last, so an overwrite killed halfway leaves a directory still ours
+    return old, [n for n in names if n != MANIFEST]
+
+
+def check_output(output_url: str, config: Mapping[str, Any], overwrite: bool = False) -> None:
+    """prepare_output's refusals, found before a model loads: raises OutputError for each.
+
+    Creates the directory (an OSError saying so when it can't be) and changes nothing else.
+    """
+    fs, root = _output_fs(output_url)
+    _check_existing(fs, root, output_url, config, overwrite)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the output directory {output_url}: {e}") from e
+
+
 def prepare_output(output_url: str, manifest: Mapping[str, Any], overwrite: bool = False) -> dict:
     """Check (and create, or with overwrite reset) an output directory; returns the manifest.
 
     Resume when the existing manifest has the same fingerprint; refuse a different
-    job.  overwrite starts afresh (same configuration or not), deleting the directory
-    only when it holds our _manifest.json; never any other directory.
-    Data-parallel launchers call this once (with overwrite), then start workers
-    with overwrite=False.
+    job.  overwrite starts afresh (same configuration or not), deleting only our own
+    files, and only in a directory that holds our _manifest.json and nothing foreign
+    (see _check_existing).  Data-parallel launchers call this once (with overwrite),
+    then start workers with overwrite=False.
     """
     config = manifest.get("config")
     if not isinstance(config, Mapping):
         raise ValueError('manifest needs a "config" dict (what affects the outputs)')
     fp = fingerprint(config)
-    fs, root = _url_fs(output_url)
+    fs, root = _output_fs(output_url)
+    old, stale = _check_existing(fs, root, output_url, config, overwrite)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if old is not None and not overwrite:  # resume
+        merged = {**old, **{k: v for k, v in manifest.items() if k != "config"}}
+        merged.update(format=FORMAT_MARK, fingerprint=fp, created_at=old.get("created_at", now))
+        return merged
+    for n in stale:
+        try:
+            fs.rm(_join(root, n))
+        except FileNotFoundError:
+            pass
     fresh = {**manifest, "config": json.loads(to_json(config)), "format": FORMAT_MARK,
              "version": 1, "fingerprint": fp, "created_at": now, "updated_at": now,
              "parts": [], "complete": False}
-    if fs.exists(root):
-        if not fs.isdir(root):
-            raise OutputError(f"output {output_url} exists and is a file; choose a directory for --output")
-        names = _names(fs, root)
-        old = _load_manifest(fs, root) if MANIFEST in names else None
-        if old is None and names and all(_MANIFEST_TMP_RE.match(n) for n in names):
-            for n in names:  # killed while writing its very first manifest: still ours, still empty
-                fs.rm(_join(root, n))
-            names = []
-        if old is None and names:
-            raise OutputError(
-                f"output {output_url} exists, is not empty and is not a jobrunner output "
-                f"(no {MANIFEST}); choose another --output"
-                + (" (--overwrite only ever deletes jobrunner outputs)" if overwrite else ""))
-        if old is not None and old.get("fingerprint") == fp and not overwrite:
-            merged = {**old, **{k: v for k, v in manifest.items() if k != "config"}}
-            merged.update(format=FORMAT_MARK, fingerprint=fp, created_at=old.get("created_at", now))
-            return merged
-        if old is not None and not overwrite:
-            raise OutputError(
-                f"output {output_url} holds a different job: {_config_diff(old.get('config'), config)}. "
-                "Run with the same options to resume it, pass --overwrite to replace it, "
-                "or choose another --output")
-        if old is not None:  # overwrite: only this directory, and only because it is ours
-            fs.rm(root, recursive=True)
     fs.makedirs(root, exist_ok=True)
     _atomic_write(fs, _join(root, MANIFEST), _manifest_bytes(fresh))
     return fresh
@@ -450,20 +517,27 @@ class ResultWriter:
     Not thread-safe; one writer per process and part_prefix.
     """
 
+    clock = staticmethod(time.monotonic)    # seconds; tests replace it
+
     def __init__(self, output_url: str, manifest: dict, part_rows: int = 10000,
-                 overwrite: bool = False, part_prefix: str = "part"):
+                 overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0):
         if part_rows < 1:
             raise ValueError("part_rows must be >= 1")
+        if not flush_seconds > 0:
+            raise ValueError("flush_seconds must be > 0")
         if not _PREFIX_RE.match(part_prefix):
             raise ValueError(f"part_prefix must look like 'part' or 'part-r1', got {part_prefix!r}")
         self.output_url = output_url
         self.part_rows = part_rows
+        self.flush_seconds = flush_seconds
         self.part_prefix = part_prefix
         self.manifest = prepare_output(output_url, manifest, overwrite)
         self.fs, self.root = _url_fs(output_url)
         self._own_re = re.compile(rf"^(?:_corrupt-(?:\d+-)?)?{re.escape(part_prefix)}-(\d+)\.parquet$")
         self._tmp_re = re.compile(rf"^_tmp-{re.escape(part_prefix)}-\d+\.parquet\.[0-9a-f]+$")
         self._buffer: list[dict[str, Any]] = []
+        self._oldest: float | None = None      # clock() when the oldest buffered row came; None: buffer empty
+        self._ok_buffered = False               # a buffered row has no error (see maybe_flush)
         self._kinds: dict[str, str] | None = None
         self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
         self.parts: list[str] = []      # all valid part files at open, plus ours since
@@ -527,9 +601,26 @@ class ResultWriter:
     # -- writing
 
     def write(self, rows: list[dict]) -> None:
-        """Buffer rows; flush a part once part_rows are buffered. One call's rows share a part."""
+        """Buffer rows; flush a part once part_rows are buffered or the oldest has waited
+        flush_seconds. One call's rows share a part."""
         self._buffer.extend(_norm_row(r) for r in rows)
+        if self._buffer and self._oldest is None:
+            self._oldest = self.clock()
+        self._ok_buffered = self._ok_buffered or any(r.get("error") is None for r in rows)
         if len(self._buffer) >= self.part_rows:
+            self.flush()
+        else:
+            self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        """Flush when the oldest buffered row has waited flush_seconds (cheap: call it often).
+
+        The very first part waits for a row without an error: it pins the schema, which error rows
+        alone would leave without the job's own columns (and error rows cost no work to redo).
+        """
+        if self._oldest is None or (self._kinds is None and not self._ok_buffered):
+            return
+        if self.clock() - self._oldest >= self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
@@ -553,7 +644,7 @@ class ResultWriter:
             raise OutputError(f"writing {name} to {self.output_url} failed: {e}; rows written "
                               "before are safe and the job can be resumed") from e
         self._next += 1
-        self._buffer = []
+        self._buffer, self._oldest, self._ok_buffered = [], None, False
         self.parts.append(name)
         self._update_manifest(complete=False)
 
@@ -618,11 +709,20 @@ class ResultWriter:
 # ---------------------------------------------------------------- readers and extra outputs
 
 
-def _read_part(fs: Any, path: str, columns: list[str] | None = None) -> pa.Table:
+Columns = list[str] | Callable[[list[str]], list[str]] | None
+
+
+def _read_part(fs: Any, path: str, columns: Columns = None) -> pa.Table:
+    """A part's table; columns: see iter_result_parts."""
     # ParquetFile, not pq.read_table: read_table goes through pyarrow.dataset, whose
     # threads reading a Python file object can abort the interpreter at exit.
     with fs.open(path, "rb") as f:
-        return pq.ParquetFile(f).read(columns=columns, use_threads=False)
+        pf = pq.ParquetFile(f)
+        if columns is not None:
+            names = pf.schema_arrow.names
+            wanted = set(columns(names) if callable(columns) else columns)
+            columns = [c for c in names if c in wanted]
+        return pf.read(columns=columns, use_threads=False)
 
 
 def _part_names(fs: Any, root: str) -> list[str]:
@@ -631,12 +731,16 @@ def _part_names(fs: Any, root: str) -> list[str]:
     return [n for n in _names(fs, root) if _PART_RE.match(n)]
 
 
-def iter_result_parts(output_url: str) -> Iterator[pa.Table]:
-    """Each readable part as a table (damaged ones are skipped with a warning)."""
+def iter_result_parts(output_url: str, columns: Columns = None) -> Iterator[pa.Table]:
+    """Each readable part as a table (damaged ones are skipped with a warning).
+
+    columns: None reads every column; a list reads those of them the part has; a function gets
+    the part's column names and returns the ones to read.  Tables keep the part's schema metadata.
+    """
     fs, root = _url_fs(output_url)
     for name in _part_names(fs, root):
         try:
-            yield _read_part(fs, _join(root, name))
+            yield _read_part(fs, _join(root, name), columns)
         except FileNotFoundError:
             continue
         except (pa.ArrowException, OSError) as e:
@@ -649,6 +753,20 @@ def read_results(output_url: str) -> pa.Table:
     if not tables:
         return _schema(dict(FIXED_COLUMNS)).empty_table()
     return pa.concat_tables(tables, promote_options="permissive")
+
+
+def stored_values(table: pa.Table, name: str) -> list[Any]:
+    """A column's Python values as the rows gave them: JSON-kind cells decoded, and values that
+    went to extra_json put back (also for a column the part's pinned schema lacks)."""
+    n = table.num_rows
+    values = table.column(name).to_pylist() if name in table.column_names else [None] * n
+    if (_kinds_of(table.schema) or {}).get(name) == "json":
+        values = [None if v is None else json.loads(v) for v in values]
+    if EXTRA_JSON in table.column_names:
+        for i, extra in enumerate(table.column(EXTRA_JSON).to_pylist()):
+            if extra is not None and values[i] is None:
+                values[i] = json.loads(extra).get(name)
+    return values
 
 
 def write_stats(output_url: str, stats: Mapping[str, Any]) -> None:
@@ -678,14 +796,26 @@ def _stat_cell(v: Any) -> tuple[Any, str]:
     return (None if v is None else to_json(v)), "string"
 
 
-def read_stats(output_url: str) -> dict:
+def read_stats(output_url: str) -> dict | None:
+    """The job summary in _stats.json; None when the output has none yet (no run finished or was
+    interrupted: jobrunner.summary computes one from the parts).  Raises OutputError when
+    output_url holds no jobrunner output."""
     fs, root = _url_fs(output_url)
     try:
         with fs.open(_join(root, "_stats.json"), "rb") as f:
             return json.loads(f.read())
-    except FileNotFoundError as e:
-        raise OutputError(f"no _stats.json in {output_url}: the job has not finished "
-                          "(its parts can still be read)") from e
+    except FileNotFoundError:
+        pass
+    names = _names(fs, root)
+    if MANIFEST not in names and not any(_PART_RE.match(n) for n in names):
+        raise OutputError(f"no jobrunner output at {output_url}")
+    return None
+
+
+def read_manifest(output_url: str) -> dict | None:
+    """The output's _manifest.json; None when it has none, OutputError when it is unreadable."""
+    fs, root = _url_fs(output_url)
+    return _load_manifest(fs, root)
 
 
 def _openai_record(rows: list[dict[str, Any]], model: str, created: int) -> dict:

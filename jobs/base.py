@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.request import SamplingParams
+from jobs.template import unescape
 
 
 class RowError(ValueError):
@@ -16,8 +17,9 @@ class PromptBuilder:
     def __init__(self, cfg, tokenizer, template=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.template = template                     # jobrunner.template.PromptTemplate or None
-        self.chat = cfg.chat if cfg.chat is not None else bool(getattr(tokenizer, "has_chat_template", False))
+        self.template = template                     # jobs.template.PromptTemplate or None
+        self.system = unescape(cfg.system) if cfg.system else None     # the template's escapes, \n etc.
+        self.chat = uses_chat(cfg, tokenizer)
 
     def messages(self, data: dict) -> list[dict] | None:
         """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
@@ -30,7 +32,7 @@ class PromptBuilder:
         text = self.text(data)
         if not self.chat:
             return None
-        msgs = [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
         return msgs + [{"role": "user", "content": text}]
 
     def text(self, data: dict) -> str:
@@ -55,7 +57,7 @@ class PromptBuilder:
         msgs = self.messages(data)
         if msgs is None:
             text = self.text(data)
-            return (f"{self.cfg.system}\n\n{text}" if self.cfg.system else text), True
+            return (f"{self.system}\n\n{text}" if self.system else text), True
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise RowError("messages need a chat template, and this model has none")
         try:
@@ -66,6 +68,16 @@ class PromptBuilder:
     def build(self, data: dict) -> tuple[str, list[int]]:
         text, special = self.render(data)
         return text, self.tokenizer.encode(text, add_special_tokens=special)
+
+
+def uses_chat(cfg, tokenizer) -> bool:
+    """Whether a plain prompt goes through the chat template: --chat/--no-chat when given; else
+    generate does when the model has one, and classify and score score raw text, as lm-eval
+    (no chat template by default) and vLLM's prompt logprobs do. Messages (a --messages-column,
+    an OpenAI batch chat row) always go through it: see PromptBuilder.messages."""
+    if cfg.chat is not None:
+        return cfg.chat
+    return cfg.kind == "generate" and bool(getattr(tokenizer, "has_chat_template", False))
 
 
 def _check_messages(value: Any) -> list[dict]:

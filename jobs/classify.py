@@ -2,7 +2,9 @@
 
 A label's tokens are the tokenizer's encoding of the label text alone, appended to the prompt's
 tokens; its score is the sum (or, with --normalize mean, the mean) of those tokens' logprobs.
-Probabilities are a softmax over the scores of the row's labels.
+Probabilities are a softmax over the scores of the row's labels. `label_probs` and `label_logprobs`
+are dicts label -> number in the row's label order; the writer stores each as a list of structs
+({label, prob} and {label, logprob}: jobrunner.writer KNOWN_COLUMNS), so both read the same way.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from jobs.metrics import ClassificationMetrics
 
 class ClassifyJob:
     name = "classify"
+    result_columns = ("label", "label_probs", "label_logprobs", "confidence", "correct")
 
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self._encoded: dict[str, list[int]] = {}
-        self.metrics = ClassificationMetrics(cfg.match) if cfg.reference_column else None
+        self.metrics = ClassificationMetrics(cfg.match, cfg.labels) if cfg.reference_column else None
 
     def labels(self, data: dict) -> list[str]:
         if self.cfg.labels:

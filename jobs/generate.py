@@ -8,6 +8,7 @@ from jobs.metrics import Accuracy
 
 class GenerateJob:
     name = "generate"
+    result_columns = ("sample_index", "correct")
 
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg

@@ -1,5 +1,7 @@
-"""Evaluation against a reference column: per-row correctness and the job's accuracy,
-and for classification per-label precision, recall, F1 and the confusion matrix."""
+"""Evaluation against a reference column: per-row correctness and the job's accuracy, for
+classification per-label precision, recall, F1 and the confusion matrix, and for scoring the
+log-likelihood. Each accumulator is fed row by row as a job runs (`add`) or from the output's
+columns, a chunk of rows at a time (`add_columns`), so a summary can be recomputed from the parts."""
 from __future__ import annotations
 
 import math
@@ -24,6 +26,8 @@ def matches(output: str, reference: str, mode: str) -> bool:
 
 
 class Accuracy:
+    columns = ("correct",)      # the output columns add_columns reads
+
     def __init__(self, mode: str):
         self.mode = mode
         self.correct = self.total = 0
@@ -36,69 +40,106 @@ class Accuracy:
         self.total += 1
         return ok
 
+    def add_columns(self, cols: dict[str, list]) -> None:
+        """Rows' `correct` values (null: not evaluated)."""
+        for ok in cols["correct"]:
+            if ok is not None:
+                self.correct += bool(ok)
+                self.total += 1
+
     def summary(self) -> dict:
         return {"evaluated_rows": self.total, "accuracy": self.correct / self.total if self.total else None}
 
 
 class ClassificationMetrics(Accuracy):
-    """Predicted label vs reference label (compared after normalization)."""
+    """Predicted label vs reference label.
 
-    def __init__(self, mode: str = "normalized"):
+    Every figure is keyed by a label's key: its normalized text under normalized or contains
+    match (so `Negative` and `negative` are one class), its raw text under exact match. A key is
+    shown as the label's spelling as configured (`labels`, else as first predicted), or, for a class
+    neither configured nor predicted, as its first reference's spelling.
+    """
+
+    columns = ("label", "reference")
+
+    def __init__(self, mode: str = "normalized", labels=()):
         super().__init__(mode)
-        self.pairs: Counter[tuple[str, str]] = Counter()   # (reference, predicted) -> count
+        self.pairs: Counter[tuple[str, str]] = Counter()   # (reference key, predicted key) -> count
+        self._predicted = {self.key(label): label for label in reversed(labels)}   # key -> configured spelling
+        self._referenced: dict[str, str] = {}              # key -> first reference spelling
+
+    def key(self, label: str) -> str:
+        return label if self.mode == "exact" else normalize_text(label)
 
     def add(self, predicted: str, reference) -> bool | None:
         ok = super().add(predicted, reference)
         if ok is not None:
-            ref = predicted if ok else str(reference)
-            self.pairs[(ref, predicted)] += 1
+            p = self.key(predicted)
+            r = p if ok else self.key(str(reference))     # a match is the predicted class (contains: by definition)
+            self._predicted.setdefault(p, predicted)     # rows' own labels (--labels-column)
+            self._referenced.setdefault(r, str(reference))
+            self.pairs[(r, p)] += 1
         return ok
+
+    def add_columns(self, cols: dict[str, list]) -> None:
+        """Rows' predicted `label` and reference values (a null label: an error row, not evaluated)."""
+        for predicted, reference in zip(cols["label"], cols["reference"]):
+            if predicted is not None:
+                self.add(predicted, reference)
+
+    def name(self, key: str) -> str:
+        return self._predicted[key] if key in self._predicted else self._referenced[key]
 
     def summary(self) -> dict:
         out = super().summary()
-        labels = sorted({r for r, _ in self.pairs} | {p for _, p in self.pairs})
+        keys = sorted({r for r, _ in self.pairs} | {p for _, p in self.pairs}, key=lambda k: (self.name(k), k))
         per_label = {}
-        for lab in labels:
-            tp = self.pairs[(lab, lab)]
-            fp = sum(n for (r, p), n in self.pairs.items() if p == lab and r != lab)
-            fn = sum(n for (r, p), n in self.pairs.items() if r == lab and p != lab)
+        for k in keys:
+            tp = self.pairs[(k, k)]
+            fp = sum(n for (r, p), n in self.pairs.items() if p == k and r != k)
+            fn = sum(n for (r, p), n in self.pairs.items() if r == k and p != k)
             precision = tp / (tp + fp) if tp + fp else 0.0
             recall = tp / (tp + fn) if tp + fn else 0.0
             f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-            per_label[lab] = {"precision": precision, "recall": recall, "f1": f1, "support": tp + fn}
+            per_label[self.name(k)] = {"precision": precision, "recall": recall, "f1": f1, "support": tp + fn}
         out["per_label"] = per_label
         out["macro_f1"] = sum(v["f1"] for v in per_label.values()) / len(per_label) if per_label else None
-        out["confusion_matrix"] = {"labels": labels,
-                                   "counts": [[self.pairs[(r, p)] for p in labels] for r in labels]}
+        out["confusion_matrix"] = {"labels": [self.name(k) for k in keys],
+                                   "counts": [[self.pairs[(r, p)] for p in keys] for r in keys]}
         return out
 
 
-def merge_metrics(metrics: list[dict | None]) -> dict | None:
-    """Job metrics of several workers as one: accuracy, confusion matrix, log-likelihood recombined from counts."""
-    ms = [m for m in metrics if m]
-    if not ms:
+class LogLikelihood:
+    """Summed log-likelihood of scored text over its tokens."""
+
+    columns = ("logprob", "scored_tokens")
+
+    def __init__(self):
+        self.logprob = 0.0
+        self.tokens = 0
+
+    def add(self, logprob: float, tokens: int) -> None:
+        self.logprob += logprob
+        self.tokens += tokens
+
+    def add_columns(self, cols: dict[str, list]) -> None:
+        """Rows' `logprob` and `scored_tokens` (null: an error row, not scored)."""
+        for logprob, tokens in zip(cols["logprob"], cols["scored_tokens"]):
+            if logprob is not None and tokens:
+                self.add(logprob, tokens)
+
+    def summary(self) -> dict:
+        if not self.tokens:
+            return {"scored_tokens": 0, "perplexity": None}
+        return {"scored_tokens": self.tokens, "mean_logprob": self.logprob / self.tokens,
+                "perplexity": math.exp(-self.logprob / self.tokens)}
+
+
+def job_metrics(kind: str, mode: str, has_reference: bool, labels=()):
+    """The accumulator of a job's metrics: classify and generate need a reference column, score
+    always has its log-likelihood; None when the job has no metrics. labels: classify's --labels."""
+    if kind == "score":
+        return LogLikelihood()
+    if not has_reference:
         return None
-    if len(ms) == 1:
-        return ms[0]
-    out: dict = {}
-    if any("evaluated_rows" in m for m in ms):
-        acc = ClassificationMetrics() if any("confusion_matrix" in m for m in ms) else Accuracy("normalized")
-        for m in ms:
-            n = m.get("evaluated_rows") or 0
-            acc.total += n
-            acc.correct += round((m.get("accuracy") or 0.0) * n)
-            cm = m.get("confusion_matrix")
-            if cm:
-                pairs = Counter({(r, p): c for r, row in zip(cm["labels"], cm["counts"])
-                                 for p, c in zip(cm["labels"], row) if c})
-                acc.pairs.update(pairs)
-        out.update(acc.summary())
-    if any("scored_tokens" in m for m in ms):
-        tokens = sum(m.get("scored_tokens") or 0 for m in ms)
-        logprob = sum((m.get("mean_logprob") or 0.0) * (m.get("scored_tokens") or 0) for m in ms)
-        out.update(scored_tokens=tokens, mean_logprob=logprob / tokens if tokens else None,
-                   perplexity=math.exp(-logprob / tokens) if tokens else None)
-    for m in ms:            # anything else: as the first worker that has it reported it
-        for k, v in m.items():
-            out.setdefault(k, v)
-    return out
+    return ClassificationMetrics(mode, labels) if kind == "classify" else Accuracy(mode)

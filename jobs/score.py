@@ -9,6 +9,7 @@ from jobs.base import RowError
 
 class ScoreJob:
     name = "score"
+    result_columns = ("scored_tokens", "logprob", "mean_logprob", "perplexity")
 
     def __init__(self, cfg, tokenizer):
         self.cfg = cfg

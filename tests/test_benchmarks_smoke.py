@@ -59,13 +59,34 @@ def test_workloads_are_deterministic_and_counted(tok):
     assert oa.prompt_tokens[0] == len(tok.encode(rendered, add_special_tokens=False))
 
 
+# ../shared/peers/make_cls_workload.py, verbatim (it lies outside the repository): the rows it writes
+# are the reference for workloads.shared_prefix.
+PEER_CLS_SCRIPT = r'''"""The 64+-row shared-prefix classification workload (fixed seed): python make_cls_workload.py OUT.jsonl"""
+# A classification-style workload: shared instructions + few-shot, unique review text.
+import random, json
+random.seed(7)
+words = "the a movie film plot acting great terrible boring wonderful story scene character music slow fast loved hated director script ending beautiful awful funny sad long short brilliant dull".split()
+sysmsg = ("You are a sentiment classifier. Read the review and answer with exactly one word: "
+          "positive, negative or neutral. Examples:\n" +
+          "\n".join(f"Review: {' '.join(random.choices(words, k=25))}\nSentiment: {random.choice(['positive','negative','neutral'])}" for _ in range(8)))
+rows=[]
+for i in range(256):
+    rows.append({"id": f"r{i:04d}", "prompt": sysmsg + f"\nReview: {' '.join(random.choices(words, k=random.randint(10,40)))}\nSentiment:"})
+random.shuffle(rows)
+import sys
+with open(sys.argv[1] if len(sys.argv) > 1 else "cls.jsonl","w") as f:
+    for r in rows: f.write(json.dumps(r)+"\n")
+print(len(sysmsg))
+'''
+
+
 def test_shared_prefix_reproduces_the_peer_script(tok, tmp_path):
-    script = Path(os.environ.get("JOBRUNNER_PEERS_DIR", REPO.parent / "shared" / "peers")) / "make_cls_workload.py"
-    if not script.is_file():
-        pytest.skip(f"{script} not here")
     from benchmarks import workloads as W
+    script = tmp_path / "make_cls_workload.py"
+    script.write_text(PEER_CLS_SCRIPT)
     subprocess.run([sys.executable, str(script), str(tmp_path / "cls.jsonl")], check=True, capture_output=True)
     theirs = [json.loads(line) for line in (tmp_path / "cls.jsonl").read_text().splitlines()]
+    assert len(theirs) == 256
     assert W.shared_prefix(tok, n=256).rows == theirs
 
 

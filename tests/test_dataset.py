@@ -75,7 +75,7 @@ def test_jsonl_local_and_memory(tmp_path, mem):
     p.write_bytes(jsonl(RECORDS))
     check_records(all_rows(str(p)))
     assert detect_format(str(p)) == "jsonl"
-    assert count_rows(str(p)) is None
+    assert count_rows(str(p)) == 5
     fs, url = mem
     fs.pipe(f"{url}/d.ndjson", jsonl(RECORDS))
     check_records(all_rows(f"{url}/d.ndjson"))
@@ -411,3 +411,90 @@ def test_iter_lines_handles_long_lines_across_chunks(monkeypatch):
     monkeypatch.setattr(D, "_CHUNK", 7)
     data = b"a" * 30 + b"\n" + b"bc\n\n" + b"d" * 15
     assert list(D._iter_lines(io.BytesIO(data))) == [b"a" * 30 + b"\n", b"bc\n", b"\n", b"d" * 15]
+
+
+# ---------------------------------------------------------------- count_rows (the progress bar's total)
+
+
+def counted_and_read(url, **kw):
+    return count_rows(url, **kw), len(all_rows(url, **kw))
+
+
+@pytest.mark.parametrize("data", [
+    b'{"id": 1}\n{"id": 2}\n{"id": 3}\n',
+    b'{"id": 1}\n{"id": 2}\n{"id": 3}',                       # no final newline
+    b'\xef\xbb\xbf{"id": 1}\n\n  \n{"id": 2}\r\n\r\n{"id": 3}\n\n',  # BOM, blank lines
+    b'{"id": 1}\nnot json\n{"id": "\xff"}\n[1, 2]\n',             # error rows are rows
+    b"", b"\n\n",
+])
+def test_count_rows_jsonl_matches_the_rows_read(tmp_path, monkeypatch, data):
+    monkeypatch.setattr(D, "_COUNT_CHUNK", 4)          # lines across chunk ends
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(data)
+    n, read = counted_and_read(str(p))
+    assert n == read
+
+
+@pytest.mark.parametrize("data", [
+    b"id,text\n1,a\n2,b\n3,c\n",
+    b"id,text\n1,a\n2,b\n3,c",                                # no final newline
+    b"\n\nid,text\r\n1,a\r\n\r\n2,b\n\n3,c\n\n",                # blank lines before and between
+    b"id,text\n1,a,extra\n2\n3,\xff\n",                         # error rows are rows
+    b'id,text\n1,"a\nb"\n2,"x, ""quoted""\n\nmore"\n3,c\n',       # newlines inside quoted cells
+    b'id,text\n1,a\n2,b\n3,"c\nd"\n',                            # the quote comes after the first chunks
+    b"id,text\n", b"",
+])
+def test_count_rows_csv_matches_the_rows_read(tmp_path, monkeypatch, data):
+    monkeypatch.setattr(D, "_COUNT_CHUNK", 5)
+    p = tmp_path / "d.csv"
+    p.write_bytes(data)
+    n, read = counted_and_read(str(p))
+    assert n == read
+
+
+def test_count_rows_quoted_newlines_are_one_row(tmp_path):
+    p = tmp_path / "q.csv"
+    p.write_bytes(b'id,text\n1,"line one\nline two\nline three"\n2,plain\n')
+    assert count_rows(str(p)) == 2
+
+
+def test_count_rows_text_formats_compressed_dirs_and_openai(tmp_path, mem):
+    d = tmp_path / "parts"
+    d.mkdir()
+    (d / "a.jsonl.gz").write_bytes(gzip.compress(jsonl(RECORDS)))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(jsonl(RECORDS[:2])))
+    assert count_rows(str(d)) == 7
+    fs, url = mem
+    fs.pipe(f"{url}/d.tsv", b"id\ttext\n1\ta\n2\tb\n")
+    assert count_rows(f"{url}/d.tsv") == 2
+    batch = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
+    fs.pipe(f"{url}/batch.jsonl", jsonl(batch))
+    assert detect_format(f"{url}/batch.jsonl") == "openai-batch"
+    assert count_rows(f"{url}/batch.jsonl") == 3
+
+
+def test_count_rows_gives_up_on_huge_text_datasets(tmp_path, monkeypatch):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(jsonl(RECORDS))
+    monkeypatch.setattr(D, "COUNT_MAX_BYTES", 10)
+    assert count_rows(str(p)) is None
+
+
+def test_json_array_is_refused_when_columns_are_listed(tmp_path):
+    """Pre-flight (dataset_columns) finds it, so the CLI says so before a model loads."""
+    p = tmp_path / "a.json"
+    p.write_text('[\n {"id": 1, "prompt": "x"}\n]\n')
+    with pytest.raises(DatasetError, match="JSON array"):
+        dataset_columns(str(p))
+
+
+def test_missing_fsspec_backend_says_what_to_install():
+    pytest.importorskip("fsspec")
+    try:
+        import s3fs  # noqa: F401
+        pytest.skip("s3fs is installed")
+    except ImportError:
+        pass
+    with pytest.raises(DatasetError, match=r"jobrunner\[s3\]"):
+        list_files("s3://bucket/data.jsonl")

@@ -94,7 +94,8 @@ def test_resume_skips_done_rows_and_refuses_other_config(engine, tmp_path):
     first = run(engine, ds, tmp_path, limit=2)
     assert first.stats["rows"] == 2
     second = run(engine, ds, tmp_path)
-    assert second.stats["rows"] == 3 and second.stats["rows_skipped_done"] == 2
+    assert second.stats["rows"] == 5 and second.stats["runs_recorded"] == 2      # the summary covers every row
+    assert second.stats["runs"][-1]["rows"] == 3 and second.stats["runs"][-1]["rows_skipped_done"] == 2
     assert sorted(results(second.output)["id"]) == [r["id"] for r in ROWS]
     from jobrunner.config import JobConfigError
     with pytest.raises(JobConfigError, match="max_tokens"):
@@ -220,7 +221,8 @@ def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_bo
     r0 = df.filter(pl.col("id") == "r0")
     assert r0.height == 2 and r0["error"].null_count() == 1 and "duplicate id" in r0["error"].drop_nulls()[0]
     again = go()
-    assert again.stats["rows"] == 0 and again.stats["rows_skipped_done"] == 1101
+    assert again.stats["runs"][-1]["rows"] == 0 and again.stats["runs"][-1]["rows_skipped_done"] == 1101
+    assert again.stats["rows"] == 1101
     assert results(again.output).height == 1101
 
 

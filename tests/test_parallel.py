@@ -18,7 +18,6 @@ from jobrunner.config import JobConfig
 from jobrunner.job import EXIT_OK, Job
 from jobrunner.parallel import TEST_DIE_ENV, data_parallel_size, distributed_env, run_parallel
 from jobrunner.stats_merge import merge_stats
-from jobs.metrics import merge_metrics
 from jobrunner.writer import read_results, read_stats
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
@@ -86,6 +85,25 @@ def test_workers_give_the_same_rows_as_one(setup, workers):
     assert s["decode_s_p50"] is not None
 
 
+def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_path):
+    """Rows sharing a long prefix plan into one unit; two workers each get a half (not one worker all),
+    with the same outputs as one worker."""
+    context = "Shared instructions: " + " ".join(f"rule {i} says {i * 5 % 11}." for i in range(12))
+    rows = [{"id": f"p{i}", "prompt": f"{context} Question {i}?"} for i in range(6)]
+    data = tmp_path / "prefix.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one = replace(setup["cfg"], dataset=str(data), output=str(tmp_path / "one"))
+    job = Job(one)
+    job.prepare()
+    assert job.run().exit_code == EXIT_OK
+    res = run_parallel(replace(one, data_parallel=2, output=str(tmp_path / "two")))
+    assert res.exit_code == EXIT_OK
+    assert _outputs(res.output) == _outputs(one.output)
+    workers = read_stats(res.output)["workers"]
+    assert set(workers) == {"rank0", "rank1"}
+    assert all(w["units"] > 0 and w["rows"] > 0 for w in workers.values()), workers
+
+
 def test_killed_worker_loses_only_its_unwritten_rows(setup, monkeypatch):
     monkeypatch.setenv(TEST_DIE_ENV, "1:1")     # rank 1 dies like a crash once it has written a row
     cfg = replace(setup["cfg"], data_parallel=2, part_rows=1, output=str(setup["root"] / "killed"))
@@ -97,7 +115,8 @@ def test_killed_worker_loses_only_its_unwritten_rows(setup, monkeypatch):
     assert any(n.startswith("part-r1-") for n in os.listdir(res.output))    # what rank 1 wrote was kept
     by_rank1 = sum(len(read_results_part(res.output, n)) for n in os.listdir(res.output) if n.startswith("part-r1-"))
     assert s["data_parallel"]["rows_by_lost_workers"] == by_rank1
-    assert s["rows"] + by_rank1 == len(setup["ids"]) and "rank1" not in s["workers"]
+    assert s["runs"][-1]["rows"] + by_rank1 == len(setup["ids"]) and "rank1" not in s["workers"]
+    assert s["rows"] == len(setup["ids"])       # the summary counts every row in the output, rank 1's too
 
 
 def read_results_part(output, name):
@@ -128,8 +147,8 @@ def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180):
     return [p.returncode for p in procs], outs
 
 
-def test_two_ranks_launched_the_torchrun_way_share_one_job(setup):
-    out = str(setup["root"] / "torchrun")
+def test_two_ranks_launched_the_torchrun_way_share_one_job(setup, tmp_path):
+    out = str(tmp_path / "torchrun")        # a fresh output each run: the test can be repeated
     codes, logs = _torchrun_way(setup, out, 2)
     assert codes == [0, 0], logs
     _check_same(setup, out)
@@ -150,7 +169,57 @@ def test_torchrun_rank_lost_then_resume(setup):
     job.prepare()
     assert job.run().exit_code == EXIT_OK
     _check_same(setup, out)
-    assert read_stats(out)["rows_skipped_done"] == before
+    s = read_stats(out)
+    assert s["runs"][-1]["rows_skipped_done"] == before and s["rows"] == len(setup["ids"])
+
+
+def test_heartbeat_stop_waits_for_a_store_call_in_flight():
+    """stop() returns only once the heartbeat thread is out of the store: a rank that then exits (or whose
+    store rank 0 then destroys) never leaves a thread inside a store call ("terminate called ...")."""
+    import threading
+    import time
+
+    from jobrunner.parallel import _Heartbeat
+
+    class SlowStore:
+        def __init__(self):
+            self.inside, self.release, self.calls = threading.Event(), threading.Event(), 0
+
+        def add(self, key, n):
+            self.inside.set()
+            self.release.wait()
+            self.calls += 1
+            return self.calls
+    store = SlowStore()
+    beat = _Heartbeat(store, 1, every_s=0.0)
+    beat.start()
+    assert store.inside.wait(10)
+    threading.Timer(0.2, store.release.set).start()
+    t0 = time.monotonic()
+    beat.stop()
+    assert not beat.is_alive() and store.calls >= 1 and time.monotonic() - t0 >= 0.1
+    beat.stop()     # again: a no-op
+
+
+HEARTBEAT_EXIT = """
+import time
+from datetime import timedelta
+import torch.distributed as dist
+from jobrunner.parallel import _Heartbeat
+server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+beat = _Heartbeat(dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=30)), 1, every_s=0.0)
+beat.start()
+time.sleep(0.05)
+beat.stop()
+"""
+
+
+def test_a_process_exits_cleanly_right_after_stopping_its_heartbeat():
+    """The torchrun flake itself: a heartbeat left in TCPStore.add at interpreter exit aborted the rank
+    (about one exit in two with a busy heartbeat before stop() joined it)."""
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", HEARTBEAT_EXIT], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
 
 
 def test_sigterm_to_the_launcher_then_resume(setup, tmp_path):
@@ -199,19 +268,17 @@ def test_data_parallel_defaults(monkeypatch):
     assert distributed_env() == {"rank": 1, "world": 4, "local_rank": 1, "local_world": 2}
 
 
-def test_merge_stats_and_metrics():
-    def result(rank, rows, wall, metrics):
+def test_merge_stats():
+    def result(rank, rows, wall):
         summary = {"rows": rows, "rows_ok": rows, "rows_failed": 0, "prompt_tokens": 10 * rows, "cached_tokens": rows,
                    "completion_tokens": 2 * rows, "rows_skipped_done": 5, "duplicate_ids": 0,
-                   "device_hours": wall / 3600, "model_load_s": 1.0, "metrics": metrics,
+                   "device_hours": wall / 3600, "model_load_s": 1.0,
                    "engine": {"steps": rows, "preemptions": 0}, "interrupted": False}
         lat = [0.1 * (i + 1) for i in range(rows)]
         return {"rank": rank, "slot": rank, "round": 0, "device": "cpu", "exit_code": 0, "units": rows,
                 "run_s": wall, "summary": summary,
                 "sketch": {k: {"n": rows, "q": lat} for k in ("queue", "prefill", "decode")}}
-    cm = lambda counts: {"labels": ["neg", "pos"], "counts": counts}    # noqa: E731
-    a = result(0, 3, 10.0, {"evaluated_rows": 3, "accuracy": 2 / 3, "confusion_matrix": cm([[1, 1], [0, 1]])})
-    b = result(1, 1, 8.0, {"evaluated_rows": 1, "accuracy": 1.0, "confusion_matrix": cm([[0, 0], [0, 1]])})
+    a, b = result(0, 3, 10.0), result(1, 1, 8.0)
     cfg = JobConfig("x", device_hourly_cost=3.6)
     s = merge_stats([a, b], cfg, wall_s=10.0, devices=2, rounds=1, lost=[])
     assert s["rows"] == 4 and s["prompt_tokens"] == 40 and s["rows_skipped_done"] == 5
@@ -220,12 +287,7 @@ def test_merge_stats_and_metrics():
     assert s["engine"] == {"steps": 4, "preemptions": 0}
     assert s["workers"]["rank0"]["rows"] == 3 and s["data_parallel"]["balance"] == pytest.approx(0.8)
     assert s["queue_s_p50"] == pytest.approx(0.1, abs=0.11)
-    m = s["metrics"]
-    assert m["evaluated_rows"] == 4 and m["accuracy"] == pytest.approx(0.75)
-    assert m["confusion_matrix"]["counts"] == [[1, 1], [0, 2]]
-    score = merge_metrics([{"scored_tokens": 2, "mean_logprob": -1.0, "perplexity": 2.7},
-                           {"scored_tokens": 2, "mean_logprob": -3.0, "perplexity": 20.1}])
-    assert score["mean_logprob"] == -2.0 and score["scored_tokens"] == 4
+    assert "metrics" not in s       # a run's record; the job's metrics come from the parts (summary.py)
 
 
 def test_worker_hands_out_largest_units_first_within_each_window(monkeypatch):
@@ -240,5 +302,24 @@ def test_worker_hands_out_largest_units_first_within_each_window(monkeypatch):
              WorkUnit(["g"], 2, 2)]
     monkeypatch.setattr(Job, "_units", lambda self: iter(units))
     worker = _WorkerJob.__new__(_WorkerJob)
-    worker.cfg = SimpleNamespace(n=1, max_tokens=0)
+    worker.cfg, worker.world = SimpleNamespace(n=1, max_tokens=0), 1     # one worker: nothing to spread
     assert [u.items for u in worker._units()] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]
+
+
+def test_worker_spreads_a_window_of_fewer_units_than_workers(monkeypatch):
+    """One 5-row unit for 2 workers: two halves, figures from the rows' packed token ids, largest first."""
+    from array import array
+    from types import SimpleNamespace
+
+    from jobrunner.parallel import _WorkerJob
+    from jobrunner.planner import WorkUnit
+    prefix = [9] * 30
+    tokens = {"a": prefix + [1], "b": prefix + [2], "c": prefix + [3, 3], "d": prefix + [4, 4, 4, 4], "e": prefix + [5]}
+    monkeypatch.setattr(Job, "_units", lambda self: iter([WorkUnit(list(tokens), 30, 159, window_end=True)]))
+    worker = _WorkerJob.__new__(_WorkerJob)
+    worker.cfg, worker.world = SimpleNamespace(n=1, max_tokens=0), 2
+    worker.pending = {k: (None, SimpleNamespace(prompt_token_ids=array("I", t).tobytes())) for k, t in tokens.items()}
+    units = list(worker._units())
+    # computed tokens: [a, b, c] 94 - 2 * 30 = 34, [d, e] 65 - 30 = 35, so [d, e] goes first
+    assert [(u.items, u.shared_prefix_len, u.prompt_tokens) for u in units] == \
+        [(["d", "e"], 30, 65), (["a", "b", "c"], 30, 94)]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jobrunner.planner import (
     PlanItem,
     PrefixStats,
+    WorkUnit,
     block_level_reuse,
     cacheable_prefix_tokens,
     cut_window,
@@ -20,6 +21,7 @@ from jobrunner.planner import (
     plan,
     prefix_stats,
     rows_in_flight,
+    spread_units,
 )
 from jobrunner.planner.window import encode, iter_windows
 
@@ -384,3 +386,63 @@ def test_windows_end_at_a_token_budget_too():
         seen = b + 1
     by_rows = run(rows, window_rows=3, block_size=4)                 # rows alone: windows of 3, 3, 1
     assert sum(u.window_end for u in by_rows) == 3
+
+
+# ---- spreading a window over workers ------------------------------------------------
+
+
+def test_spread_halves_one_unit_for_two_workers():
+    """A small job sharing one prefix is one unit; two workers get a contiguous half each,
+    with its own shared prefix and prompt tokens."""
+    P = [7] * 20
+    rows = [P + [1, 1], P + [1, 2, 3], P + [1, 5], P + [2, 0, 0, 0], P + [2, 5]]
+    (unit,) = run(rows, block_size=4)
+    assert unit.items == [0, 1, 2, 3, 4] and unit.shared_prefix_len == 20 and unit.window_end
+    a, b = spread_units([unit], 2, rows.__getitem__)
+    figures = [(u.items, u.shared_prefix_len, u.prompt_tokens, u.window_end) for u in (a, b)]
+    assert figures == [([0, 1, 2], 21, 22 + 23 + 22, False), ([3, 4], 21, 24 + 22, True)]
+
+
+def test_spread_splits_the_largest_until_every_worker_has_a_unit():
+    rows = [[1] * 4, [1] * 5, [2] * 9, [2] * 9, [2] * 9, [3]]
+    units = [WorkUnit([0, 1], 4, 9), WorkUnit([2, 3, 4], 9, 27),
+             WorkUnit([5], 1, 1, window_end=True)]
+    # 4 workers: [2, 3, 4] (27 tokens) splits into [2, 3] + [4]; then [2, 3] (18) beats [0, 1] (9)
+    got = spread_units(units, 4, rows.__getitem__)
+    assert [u.items for u in got] == [[0, 1], [2, 3], [4], [5]]
+    assert [(u.shared_prefix_len, u.prompt_tokens) for u in got] == [(4, 9), (9, 18), (9, 9), (1, 1)]
+    five = spread_units(units, 5, rows.__getitem__)
+    assert [u.items for u in five] == [[0, 1], [2], [3], [4], [5]]
+    # ties go to the earliest unit, and `size` decides what "largest" means
+    even = spread_units(units, 4, rows.__getitem__, size=lambda u: 1)
+    assert [u.items for u in even] == [[0], [1], [2, 3, 4], [5]]
+
+
+def test_spread_leaves_enough_units_and_single_rows_alone():
+    rows = [[1, 2], [1, 3], [4]]
+    units = [WorkUnit([0, 1], 1, 4), WorkUnit([2], 1, 1, window_end=True)]
+    assert spread_units(units, 2, rows.__getitem__) == units
+    assert spread_units(units, 1, rows.__getitem__) == units
+    singles = [WorkUnit([0], 2, 2), WorkUnit([1], 2, 2)]
+    assert spread_units(singles, 8, rows.__getitem__) == singles
+    assert spread_units([], 4, rows.__getitem__) == []
+    a, b, c = spread_units(units, 8, rows.__getitem__)  # no more than one row a unit
+    assert [a.items, b.items, c.items] == [[0], [1], [2]]
+    assert [a.shared_prefix_len, b.shared_prefix_len] == [2, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=token_lists, cap=st.integers(1, 8), workers=st.integers(1, 6))
+def test_spread_properties(rows, cap, workers):
+    units = run(rows, unit_max_rows=cap, block_size=2)
+    got = spread_units(units, workers, rows.__getitem__)
+    assert got == spread_units(units, workers, rows.__getitem__)  # deterministic
+    keys = [k for u in units for k in u.items]
+    assert [k for u in got for k in u.items] == keys  # the same rows in the same order
+    assert len(got) == (len(units) if len(units) >= workers else min(workers, len(rows)))
+    assert [u.window_end for u in got] == [i == len(got) - 1 for i in range(len(got))]
+    for u in got:
+        toks = [rows[k] for k in u.items]
+        assert u.prompt_tokens == sum(map(len, toks))
+        shared = min(lcp(toks[0], t) for t in toks) if len(toks) > 1 else len(toks[0])
+        assert u.shared_prefix_len == shared

@@ -1,6 +1,6 @@
 import pytest
 
-from jobrunner.template import PromptTemplate, TemplateRowError
+from jobs.template import PromptTemplate, TemplateRowError, unescape
 
 
 def test_substitution_and_columns():
@@ -75,3 +75,21 @@ def test_missing_columns_check():
     t = PromptTemplate("{a} {b} {c}")
     assert t.missing_columns(["a", "c", "z"]) == ["b"]
     assert t.missing_columns(["a", "b", "c"]) == []
+
+
+def test_backslash_escapes_mean_the_same_from_the_command_line_and_toml():
+    # the shell passes backslash-n as typed; a TOML basic string has already made it a newline
+    typed, toml = PromptTemplate(r"Review: {text}\nSentiment:"), PromptTemplate("Review: {text}\nSentiment:")
+    assert typed.render({"text": "ok"}) == toml.render({"text": "ok"}) == "Review: ok\nSentiment:"
+    assert PromptTemplate(r"a\tb{x}\\n").render({"x": 1}) == "a\tb1\\n"     # \\ is one backslash, then n
+    assert PromptTemplate(r"C:\data {x}").render({"x": 2}) == r"C:\data 2"  # other backslashes stay
+    assert PromptTemplate(r"{{\n}}").render({}) == "{\n}"
+
+
+def test_escapes_apply_to_the_template_not_to_values():
+    assert PromptTemplate(r"{a}\n").render({"a": r"x\ny"}) == "x\\ny\n"
+
+
+def test_unescape_for_the_system_prompt():
+    assert unescape(r"Be brief.\nAnswer:\t\\n \d") == "Be brief.\nAnswer:\t\\n \\d"
+    assert unescape("already\na newline") == "already\na newline"

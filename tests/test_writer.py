@@ -119,6 +119,80 @@ def test_one_write_call_stays_in_one_part(mem):
     assert t.schema.field("sample_index").type == pa.int64()
 
 
+def test_a_part_is_flushed_by_time_as_well_as_by_rows(mem):
+    """Issue 15 (5): rows that finished flush_seconds ago are in a part at the next write() or
+    maybe_flush(), so a kill loses at most flush_seconds of work, however slowly rows come."""
+    fs, url, root = mem
+    now = [0.0]
+    w = ResultWriter(url, manifest(), part_rows=1000, flush_seconds=5.0)
+    w.clock = lambda: now[0]
+
+    def parts():
+        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[1].startswith("part-"))
+
+    w.write([result(0)])
+    now[0] = 4.9
+    w.maybe_flush()
+    assert parts() == []
+    now[0] = 5.0
+    w.maybe_flush()
+    assert parts() == ["part-00000.parquet"] and ids_of(url) == ["r0"]
+    now[0] = 6.0
+    w.write([result(1)])                 # the oldest buffered row is now r1, from t=6
+    now[0] = 10.9
+    w.write([result(2)])
+    assert len(parts()) == 1
+    now[0] = 11.0
+    w.write([result(3)])                 # write() checks the time too
+    assert len(parts()) == 2 and ids_of(url) == ["r0", "r1", "r2", "r3"]
+    now[0] = 100.0
+    w.maybe_flush()                      # nothing buffered: no empty part
+    assert len(parts()) == 2
+
+
+def test_flush_seconds_is_an_option_that_changes_no_output():
+    from jobrunner.config import JobConfig, JobConfigError
+    assert JobConfig("x").flush_seconds == 60.0
+    assert JobConfig("x", flush_seconds=5).fingerprint_fields() == JobConfig("x").fingerprint_fields()  # resumable
+    with pytest.raises(JobConfigError, match="--flush-seconds"):
+        JobConfig("x", flush_seconds=0).validate()
+
+
+def test_first_part_waits_for_a_row_without_error(mem):
+    """The first part pins the schema: error rows alone (no job columns yet) are not flushed by time."""
+    _, url, _ = mem
+    now = [0.0]
+    w = ResultWriter(url, manifest(), part_rows=1000, flush_seconds=1.0)
+    w.clock = lambda: now[0]
+    w.write([result(0, error="prompt too long", output=None)])
+    now[0] = 50.0
+    w.maybe_flush()
+    assert w.parts == []
+    w.write([result(1, label="pos", confidence=0.9)])   # waited since t=0: flushed at once
+    assert len(w.parts) == 1
+    t = read_results(url)
+    assert t.column("label").to_pylist() == [None, "pos"] and t.schema.field("confidence").type == pa.float64()
+    with pytest.raises(ValueError, match="flush_seconds"):
+        ResultWriter(url, manifest(), flush_seconds=0)
+
+
+def test_stored_values_put_back_what_went_to_extra_json(mem):
+    _, url, _ = mem
+    w = ResultWriter(url, manifest(), part_rows=2)
+    w.write([result(0, gold=4, meta={"a": 1}), result(1, gold=5, meta=None)])   # gold: int, meta: json
+    w.write([result(2, gold="five", meta=[1, 2], late=True), result(3, gold=None, meta=None)])
+    w.close()
+    tables = list(W.iter_result_parts(url, lambda names: ["id", "gold", "meta", "late", EXTRA_JSON]))
+    assert [t.column_names for t in tables] == [["id", "gold", "meta", EXTRA_JSON]] * 2   # "late" is in no schema
+    second = tables[1]
+    assert W.stored_values(second, "gold") == ["five", None]          # a misfit, put back from extra_json
+    assert W.stored_values(second, "meta") == [[1, 2], None]          # JSON kind, decoded
+    assert W.stored_values(second, "late") == [True, None]            # a column the pinned schema lacks
+    assert W.stored_values(tables[0], "gold") == [4, 5]
+    only = list(W.iter_result_parts(url, ["gold", "nope"]))
+    assert [t.column_names for t in only] == [["gold"], ["gold"]]
+
+
 def test_context_manager_flushes_on_error(mem):
     _, url, _ = mem
     with pytest.raises(RuntimeError):
@@ -306,19 +380,29 @@ def test_mixed_extra_column_types_read_together(tmp_path):
 def test_classification_columns(mem):
     _, url, _ = mem
     w = ResultWriter(url, manifest(), part_rows=2)
-    w.write([result(0, label="pos", label_probs={"pos": 0.75, "neg": 0.25}),
+    w.write([result(0, label="pos", label_probs={"pos": 0.75, "neg": 0.25},
+                    label_logprobs={"pos": -0.5, "neg": -1.5}),
              result(1, label=None, label_probs=None, error="prompt too long")])
     w.write([result(2, label="neg", label_probs=[{"label": "neg", "prob": 0.6},
-                                                 {"label": "pos", "prob": 0.4}])])
+                                                 {"label": "pos", "prob": 0.4}],
+                    label_logprobs=[{"label": "neg", "logprob": -0.2}, {"label": "pos", "logprob": -0.9}])])
     w.close()
     t = read_results(url)
     assert t.schema.field("label_probs").type == W.LABEL_PROBS
     assert t.column("label_probs").to_pylist() == [
         [{"label": "pos", "prob": 0.75}, {"label": "neg", "prob": 0.25}], None,
         [{"label": "neg", "prob": 0.6}, {"label": "pos", "prob": 0.4}]]
+    # issue 15: label_logprobs is a struct list like label_probs, not a JSON text
+    assert t.schema.field("label_logprobs").type == W.LABEL_LOGPROBS
+    assert t.column("label_logprobs").to_pylist() == [
+        [{"label": "pos", "logprob": -0.5}, {"label": "neg", "logprob": -1.5}], None,
+        [{"label": "neg", "logprob": -0.2}, {"label": "pos", "logprob": -0.9}]]
+    assert t.column(EXTRA_JSON).null_count == 3
     df = pl.from_arrow(t)
     probs = df.select("id", "label_probs").explode("label_probs").unnest("label_probs")
     assert probs.columns == ["id", "label", "prob"] and probs.height == 5
+    logprobs = df.select("id", "label_logprobs").explode("label_logprobs").unnest("label_logprobs")
+    assert logprobs.columns == ["id", "label", "logprob"] and logprobs.height == 5
 
 
 def test_memory_output_and_shared_directory(mem):
@@ -367,14 +451,18 @@ def test_read_stats_before_close(mem):
     fs, url, root = mem
     w = ResultWriter(url, manifest())
     w.write([result(0)])
-    with pytest.raises(OutputError, match="not finished"):
-        read_stats(url)
+    assert read_stats(url) is None      # an output no run has written stats into: jobrunner.summary reads its parts
     w.flush()
     w.write_stats({"rows": 1, "interrupted": True})  # partial stats: not complete
     assert read_stats(url) == {"rows": 1, "interrupted": True}
     assert json.loads(fs.cat(f"{root}/_manifest.json"))["complete"] is False
     with pytest.raises(OutputError, match="not found"):
         read_results(url + "-missing")
+    with pytest.raises(OutputError, match="no jobrunner output at"):
+        read_stats(url + "-missing")    # issue 15 (12): not "not finished" for a directory that does not exist
+    fs.pipe(f"{root}-other/notes.txt", b"x")
+    with pytest.raises(OutputError, match="no jobrunner output at"):
+        read_stats(url + "-other")
 
 
 def test_write_rows_need_ids(mem):
@@ -424,7 +512,7 @@ json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=F
 json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=3)
                            | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
 keys = st.sampled_from(["output", "error", "prompt_tokens", "queue_s", "label", "label_probs",
-                        "sample_index", "extra_json", "x", "y", ""]) | st.text(max_size=6)
+                        "label_logprobs", "sample_index", "extra_json", "x", "y", ""]) | st.text(max_size=6)
 rows_st = st.lists(st.tuples(st.text(max_size=8), st.dictionaries(keys, json_values, max_size=6)),
                    min_size=1, max_size=12)
 
@@ -457,8 +545,9 @@ def test_arbitrary_rows_round_trip(rows, part_rows):
         kinds = json.loads(t.schema.metadata[b"jobrunner.kinds"])
         for given_row, got in zip(inputs, t.to_pylist()):
             want = json.loads(W.to_json({k: v for k, v in given_row.items() if v is not None}))
-            if kinds.get("label_probs") and W._label_probs(want.get("label_probs")) is not None:
-                want["label_probs"] = W._label_probs(want["label_probs"])  # dict -> [{label, prob}]
+            for col, field in W._LABEL_LISTS.items():      # dict -> [{label, prob}] / [{label, logprob}]
+                if kinds.get(col) == col and W._label_list(want.get(col), field) is not None:
+                    want[col] = W._label_list(want[col], field)
             assert _reconstruct(got, kinds) == want
         done_ids = ResultWriter(url, manifest()).done_ids
         assert len(done_ids) == len({r["id"] for r in inputs}) and all(r["id"] in done_ids for r in inputs)
@@ -515,3 +604,32 @@ def test_kill_9_then_resume_every_row_exactly_once(tmp_path):
     assert sorted(ids) == sorted(f"r{i}" for i in range(n))  # none lost, none twice
     assert not [f for f in os.listdir(out) if f.startswith(("_tmp-", "_corrupt-"))]
     assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["complete"] is True
+
+
+def test_kill_9_of_a_job_keeps_rows_flushed_by_time(tiny_hf_model_dir, tmp_path):
+    """Issue 15 (5): with --part-rows far above the job's size, a kill -9 kept no row; rows finished
+    more than --flush-seconds before the kill are now in a part, and `jobrunner stats` summarizes them."""
+    rows = [{"id": f"k{i:03d}", "prompt": f"Count from {i} onwards."} for i in range(100)]
+    ds = tmp_path / "k.jsonl"
+    ds.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(ds), "-m", str(tiny_hf_model_dir("llama")),
+           "-o", str(out), "--device", "cpu", "--max-tokens", "16", "--ignore-eos", "--max-num-seqs", "1",
+           "--part-rows", "10000", "--flush-seconds", "0.2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and not (
+            out.is_dir() and any(n.startswith("part-") for n in os.listdir(out))):
+        time.sleep(0.02)
+    assert p.poll() is None, p.communicate()[1]          # killed mid-job, not after it ended
+    p.kill()
+    p.communicate()
+    kept = ids_of(str(out))
+    assert 0 < len(kept) < len(rows) and not (out / "_stats.json").exists()
+    from click.testing import CliRunner
+
+    from jobrunner.cli import main
+    r = CliRunner().invoke(main, ["stats", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["partial"] is True and s["rows"] == len(kept) and s["runs_recorded"] == 0

@@ -5,7 +5,8 @@
     n = rows_in_flight(kv_tokens, avg_prompt, avg_output, shared_prefix_tokens=...)
 
 window.py orders a window (sort = depth-first trie walk), units.py cuts it into work
-units, stats.py holds the prefix figures, flight.py sizes the engine's in-flight window.
+units (and spreads a window's units over data-parallel workers), stats.py holds the prefix
+figures, flight.py sizes the engine's in-flight window.
 """
 
 from .flight import rows_in_flight
@@ -16,7 +17,7 @@ from .stats import (
     partial_block_tokens,
     prefix_stats,
 )
-from .units import PlanItem, WorkUnit, cut_window, join_threshold, plan
+from .units import PlanItem, WorkUnit, cut_window, join_threshold, plan, spread_units
 from engine.kv_manager import common_prefix as lcp  # the engine's prefix match and the planner agree by construction
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "plan",
     "prefix_stats",
     "rows_in_flight",
+    "spread_units",
 ]

@@ -19,13 +19,19 @@ Invariants: units are contiguous in sorted order; every row of a window is in ex
 one unit; in a unit of >= 2 rows every adjacent lcp passes the join threshold, so its
 shared prefix (min of the lcps inside) is >= 1 token, and >= block_size tokens when no
 row is short enough for the share clause. A unit is never split across workers.
+
+Spreading (`spread_units`, data-parallel workers only): a window of fewer units than workers
+leaves workers idle, so its largest unit of 2+ rows is halved until every worker can get one.
+Each half keeps the shared prefix, which each worker then computes once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from engine.kv_manager import common_prefix
 
 from .stats import PrefixStats
 from .window import iter_windows
@@ -125,3 +131,42 @@ def plan(
         for s, e in cut_window(lens, lcps, unit_max_rows, block_size, min_share):
             shared = min(lcps[s + 1 : e]) if e - s > 1 else lens[s]
             yield WorkUnit(keys[s:e], shared, sum(lens[s:e]), window_end=e == len(keys))
+
+
+def spread_units(
+    units: Sequence[WorkUnit],
+    workers: int,
+    tokens_of: Callable[[Hashable], Sequence[int]],
+    size: Callable[[WorkUnit], float] = lambda u: u.prompt_tokens,
+) -> list[WorkUnit]:
+    """One window's units, split until there are `workers` of them or none has 2+ rows.
+
+    Each step halves the largest unit of 2+ rows (by `size`; ties: the earliest) into two
+    contiguous halves, the first taking the odd row; they take its place, the second keeping
+    its `window_end`. Deterministic, so every worker computes the same units. `tokens_of(key)`
+    gives a row's prompt tokens, to recompute each half's figures.
+    """
+    units = list(units)
+    while len(units) < workers:
+        splittable = [i for i, u in enumerate(units) if len(u.items) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: size(units[j]))  # max keeps the first of equals
+        unit = units[i]
+        mid = (len(unit.items) + 1) // 2
+        units[i : i + 1] = [
+            _unit_of(unit.items[:mid], tokens_of, False),
+            _unit_of(unit.items[mid:], tokens_of, unit.window_end),
+        ]
+    return units
+
+
+def _unit_of(
+    keys: list[Hashable], tokens_of: Callable[[Hashable], Sequence[int]], window_end: bool
+) -> WorkUnit:
+    """A unit of `keys` with its figures computed from the tokens (the same as plan's)."""
+    tokens = [tokens_of(k) for k in keys]
+    shared = len(tokens[0])
+    for t in tokens[1:]:  # LCP of all = min of LCP(first, each)
+        shared = min(shared, common_prefix(tokens[0], t))
+    return WorkUnit(list(keys), shared, sum(map(len, tokens)), window_end=window_end)

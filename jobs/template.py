@@ -3,6 +3,10 @@
 Syntax (checked once, at construction):
 - `{name}` is replaced by the row's value of column `name`;
 - `{{` and `}}` are a literal `{` and `}`;
+- `\\n`, `\\t` and `\\\\` (backslash n, backslash t, two backslashes) are a newline, a tab and one
+  backslash, wherever the template comes from: the command line, where a shell passes them
+  as typed, or TOML, where a basic string has already turned "\\n" into a newline.  Any other
+  backslash is kept as is.  (`unescape` applies the same rule to --system.)
 - anything str.format would treat as code or formatting is refused: attribute
   access `{a.b}`, indexing `{a[0]}`, conversions `{a!r}`, format specs `{a:>5}`,
   empty `{}` placeholders, unmatched braces.  Templates come from users' job
@@ -15,13 +19,22 @@ bad template): the caller records it as that row's error.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PromptTemplate", "TemplateRowError", "render_value"]
+__all__ = ["PromptTemplate", "TemplateRowError", "render_value", "unescape"]
 
 _FORBIDDEN = {".": "attribute access", "[": "indexing", "]": "indexing",
               "!": "conversions", ":": "format specs", "{": "nested braces"}
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+_ESCAPE = re.compile(r"\\([nt\\])")
+
+
+def unescape(text: str) -> str:
+    """Backslash n, backslash t and two backslashes -> newline, tab, one backslash (one pass,
+    so an escaped backslash never starts another escape); other backslashes stay."""
+    return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
 
 
 class TemplateRowError(KeyError):
@@ -48,7 +61,8 @@ def render_value(value: Any) -> str:
 
 
 def _parse(text: str) -> list[tuple[str, str | None]]:
-    """Split into [(literal, column or None)]. Raises ValueError on bad syntax."""
+    """Split into [(literal, column or None)], literals with braces and escapes resolved.
+    Raises ValueError on bad syntax."""
     parts: list[tuple[str, str | None]] = []
     literal: list[str] = []
     i, n = 0, len(text)
@@ -76,13 +90,13 @@ def _parse(text: str) -> list[tuple[str, str | None]]:
             if not name.strip():
                 raise ValueError(f"template: empty placeholder '{{}}' at position {i}; "
                                  "name a column, e.g. {prompt}")
-            parts.append(("".join(literal), name))
+            parts.append((unescape("".join(literal)), name))
             literal = []
             i = end + 1
         else:
             literal.append(c)
             i += 1
-    parts.append(("".join(literal), None))
+    parts.append((unescape("".join(literal)), None))
     return parts
 
 

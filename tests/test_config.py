@@ -1,0 +1,146 @@
+"""The job configuration without a model: TOML keys checked by type with the command line's
+conversions, the default output location, the chat default by kind, option checks."""
+import dataclasses
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from jobrunner.cli import build_config, main, submit
+from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
+from jobs import PromptBuilder
+
+
+def config_from(tmp_path, toml: str, *args: str) -> JobConfig:
+    """The JobConfig that `submit ds --config job.toml ARGS` would run (nothing runs)."""
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    ctx = submit.make_context("submit", ["ds.jsonl", "--config", str(path), *args])
+    params = {k: v for k, v in ctx.params.items() if k != "dataset"}
+    return build_config(ctx, "ds.jsonl", params)
+
+
+GOOD_TOML = [
+    ('stop = "Paris"', "stop", ("Paris",)),               # one stop string, not P, a, r, i, s
+    ('stop = ["a", "b"]', "stop", ("a", "b")),
+    ('labels = "yes, no,maybe"', "labels", ("yes", "no", "maybe")),   # comma-separated, as --labels
+    ('labels = ["yes", "no, really"]', "labels", ("yes", "no, really")),
+    ("chat = false", "chat", False),
+    ("chat = true", "chat", True),
+    ("temperature = 1", "temperature", 1.0),
+    ("max-tokens = 7", "max_tokens", 7),
+    ("seed = 3", "seed", 3),
+    ('kv_cache_memory = "1GiB"', "kv_cache_memory", 2**30),
+    ("kv_cache_memory = 1024", "kv_cache_memory", 1024),
+    ("max_error_rate = 0.5", "max_error_rate", 0.5),
+    ('template = "Q: {q}\\nA:"', "template", "Q: {q}\nA:"),
+]
+
+
+@pytest.mark.parametrize("toml,key,value", GOOD_TOML)
+def test_toml_values_convert_like_the_command_line(tmp_path, toml, key, value):
+    got = getattr(config_from(tmp_path, toml + "\n"), key)
+    assert got == value and type(got) is type(value)
+
+
+BAD_TOML = [
+    ('chat = "no"', "chat", "true or false"),              # was truthy: chat turned on
+    ('max_tokens = "sixty"', "max_tokens", "an integer"),  # was a traceback
+    ('temperature = "hot"', "temperature", "a number"),    # was a traceback
+    ("labels = 5", "labels", "a string or a list of strings"),   # was a traceback
+    ("stop = 5", "stop", "a string or a list of strings"),
+    ('stop = ["a", 1]', "stop", "a string or a list of strings"),
+    ("max_tokens = true", "max_tokens", "an integer"),
+    ("max_tokens = 1.5", "max_tokens", "an integer"),
+    ("chat = 1", "chat", "true or false"),
+    ("model = 3", "model", "a string"),
+    ('kv_cache_memory = "lots"', "kv_cache_memory", "cannot read size"),
+    ("kv_cache_memory = 1.5", "kv_cache_memory", "a size"),
+    ("max_error_rate = [0.1]", "max_error_rate", "a number"),
+]
+
+
+@pytest.mark.parametrize("toml,key,expected", BAD_TOML)
+def test_toml_value_of_the_wrong_type_exits_2_naming_the_key(tmp_path, toml, key, expected):
+    with pytest.raises(JobConfigError, match=key) as e:
+        config_from(tmp_path, toml + "\n")
+    assert expected in str(e.value)
+    (tmp_path / "ds.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    r = CliRunner().invoke(main, ["validate", str(tmp_path / "ds.jsonl"), "--config", str(tmp_path / "job.toml")])
+    assert r.exit_code == 2 and key in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("name", sorted(config_fields()))
+def test_every_field_is_type_checked(name):
+    with pytest.raises(JobConfigError, match=name):
+        field_value(name, {"a": "table"})
+    default = config_fields()[name].default
+    if default is not None and default is not dataclasses.MISSING:
+        assert field_value(name, default) == default
+
+
+def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
+    cfg = config_from(tmp_path, 'stop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
+                      "--stop", "Paris", "--labels", "yes, no", "--kv-cache-memory", "2MB")
+    assert cfg.stop == ("Paris",) and cfg.labels == ("yes", "no") and cfg.kv_cache_memory == 2 * 10**6
+    assert cfg.max_tokens == 9 and cfg.dataset == "ds.jsonl"
+
+
+@pytest.mark.parametrize("dataset,output", [
+    ("x.csv", "x.csv.results"),
+    ("x.jsonl", "x.jsonl.results"),                       # was x.results for both
+    ("data/x.jsonl.gz", "data/x.jsonl.results"),
+    ("s3://b/x.parquet.zst", "s3://b/x.parquet.results"),
+    ("data/part-*.parquet", "data/part-_.parquet.results"),
+    ("data/parts/", "data/parts.results"),
+])
+def test_default_output_keeps_the_format_suffix(dataset, output):
+    assert JobConfig(dataset).output_url == output
+
+
+def test_negative_device_hourly_cost_is_refused(tmp_path):
+    with pytest.raises(JobConfigError, match="device-hourly-cost"):
+        JobConfig("x", device_hourly_cost=-1.0).validate()
+    JobConfig("x", device_hourly_cost=0.0).validate()
+    r = CliRunner().invoke(main, ["validate", str(tmp_path / "x.jsonl"), "--device-hourly-cost", "-2"])
+    assert r.exit_code == 2 and "--device-hourly-cost" in r.output
+
+
+def test_show_prompt_does_not_change_the_fingerprint():
+    assert JobConfig("x", show_prompt=True).fingerprint_fields() == JobConfig("x").fingerprint_fields()
+
+
+class ChatTokenizer:
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize("kind,chat,rendered", [
+    ("generate", None, "<user>hello<assistant>"),
+    ("classify", None, "hello"),            # raw text, as lm-eval scores it
+    ("score", None, "hello"),               # raw text, as vLLM's prompt logprobs score it
+    ("classify", True, "<user>hello<assistant>"),
+    ("generate", False, "hello"),
+])
+def test_chat_template_default_by_kind(kind, chat, rendered):
+    cfg = JobConfig("x", kind=kind, chat=chat)
+    assert PromptBuilder(cfg, ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
+
+
+@pytest.mark.parametrize("kind", ["generate", "classify", "score"])
+def test_messages_always_use_the_chat_template(kind):
+    cfg = JobConfig("x", kind=kind, messages_column="m", chat=False)
+    row = {"m": [{"role": "user", "content": "hi"}]}
+    assert PromptBuilder(cfg, ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
+    openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
+    assert PromptBuilder(JobConfig("x", kind=kind), ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
+
+
+def test_system_prompt_escapes_like_the_template():
+    cfg = JobConfig("x", system=r"Be brief.\nNo lists.")
+    expected = "<system>Be brief.\nNo lists.<user>q<assistant>"
+    assert PromptBuilder(cfg, ChatTokenizer()).render({"prompt": "q"})[0] == expected
+    raw = JobConfig("x", system=r"Be brief.\tOK", chat=False)
+    assert PromptBuilder(raw, types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"
