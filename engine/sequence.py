@@ -15,12 +15,16 @@ A sequence's tokens are computed left to right: `num_computed_tokens` catches up
 Callers ask the predicates below instead of re-deriving these rules.
 
 With asynchronous scheduling a GENERATE sequence may end in one PLACEHOLDER: the token that
-the step in flight is sampling. Three places know about it, each for its own reason:
-  * here: `expect_token` adds it, `append_token` puts the real token in its place;
-  * the KV manager hashes a full block only once its tokens are known (`num_known_tokens`);
+the step in flight is sampling, so the next step can be scheduled before the sample is read.
+Only these places touch it, each for its own reason:
+  * here: `expect_token` adds it, `append_token` puts the real token in its place (the text,
+    stop checks and hashes only ever read real tokens);
+  * the engine decides which sequences get one (engine.Engine._expect_tokens: those that go
+    on with exactly one token after their sample);
+  * the KV manager hashes a full block only once its tokens are known (`num_known_tokens` in
+    allocate; the output processor calls `register_resolved` when `append_token` resolves one);
   * the model runner takes a placeholder's input id on the device from the previous step's
-    samples (`awaiting_token`).
-The engine decides when a sequence gets one (engine.Engine._expect_tokens).
+    samples (`awaiting_token`), without waiting for them.
 """
 from __future__ import annotations
 
