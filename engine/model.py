@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
-from kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul, store_kv
-from kernels.kv_int8 import store_kv_int8
-from kernels.rotary import inverse_frequencies, rotary_cos_sin
+from kernels import (AttentionMetadata, apply_rotary, inverse_frequencies, paged_attention, rms_norm, rotary_cos_sin,
+                     silu_and_mul, store_kv, store_kv_int8)
 
 
 class RMSNorm(nn.Module):

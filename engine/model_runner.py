@@ -22,8 +22,7 @@ from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SeqKind
-from kernels import AttentionMetadata
-from kernels.attention import to_device
+from kernels import AttentionMetadata, to_device
 
 LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
 

@@ -113,7 +113,7 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    from kernels.rotary import inverse_frequencies
+    from kernels import inverse_frequencies
     model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict).to(device)
     if bundle.weight_format == "dummy":
         _random_init(model, seed)

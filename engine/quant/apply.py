@@ -28,7 +28,7 @@ from torch import nn
 from engine.config import ConfigError
 from engine.quant import formats, smooth
 from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
-from kernels import quant_matmul as qm
+from kernels import int_mm_exact
 
 SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -74,7 +74,7 @@ def w8a8_backend(device: torch.device) -> tuple[str, int]:
     if device.type == "cuda":
         return "int_mm", 127
     for qmax in (127, 63):
-        if qm.int_mm_exact(qmax):
+        if int_mm_exact(qmax):
             return "int_mm", qmax
     if {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
         return "fbgemm", 127
