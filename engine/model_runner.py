@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
-from engine.model import CausalLM
+from engine.models.base import CausalLM
 from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
