@@ -3,8 +3,8 @@
 Plain data, no torch: ModelConfig.from_hf reads it for the per-family switches' defaults, engine/gguf.py
 for the names of GGUF architectures; only `model_class` imports a family's module.
 
-Adding a family: a module here that subclasses base.CausalLM over layers.py and names its class `Model`,
-its architecture names below, and each new switch as a ModelConfig field (its family default here).
+Adding a family: a module here whose CausalLM subclass (over layers.py) it exposes as `Model`, its
+architecture names below, and each new switch as a ModelConfig field with its family default here.
 """
 from __future__ import annotations
 
