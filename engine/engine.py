@@ -119,8 +119,8 @@ class Engine:
 
     def _oldest_is_due(self, sched: SchedulerOutput) -> bool:
         """Whether the oldest launched step must be processed now: more steps are in flight than the
-        pipeline's depth, or the step just scheduled launched nothing (no forward to overlap with,
-        so the pipeline drains; otherwise the engine would wait on itself)."""
+        pipeline's depth, or the step just scheduled launched nothing (every sequence left waits on
+        the steps in flight, so there is nothing to overlap with: the pipeline drains)."""
         return bool(self._in_flight) and (len(self._in_flight) > self._depth or not sched.chunks)
 
     def _left_in_flight(self, sched: SchedulerOutput) -> bool:
