@@ -119,8 +119,9 @@ class Engine:
 
     def _oldest_is_due(self, sched: SchedulerOutput) -> bool:
         """Whether the oldest launched step must be processed now: more steps are in flight than the
-        pipeline's depth, or the step just scheduled launched nothing (every sequence left waits on
-        the steps in flight, so there is nothing to overlap with: the pipeline drains)."""
+        pipeline's depth, or the step just scheduled launched nothing: there is no forward to overlap
+        with, and what the next schedule needs (samples not yet read, blocks not yet freed) comes
+        from processing the steps in flight, so the pipeline drains."""
         return bool(self._in_flight) and (len(self._in_flight) > self._depth or not sched.chunks)
 
     def _left_in_flight(self, sched: SchedulerOutput) -> bool:
