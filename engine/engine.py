@@ -92,6 +92,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.outputs.has_finished or bool(self._in_flight) or self.scheduler.has_unfinished()
 
+    def reset_counters(self) -> None:
+        """Zero the counters in place (the output processor shares the object), e.g. after a warm-up."""
+        vars(self.counters).update(vars(EngineCounters()))
+
     def add_request(self, req: Request) -> None:
         self.outputs.add(req)
 
