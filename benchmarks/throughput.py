@@ -166,7 +166,7 @@ def run_ours(args, work) -> dict:
         warm_s = time.perf_counter() - tw
     else:
         warm_s = 0.0
-    engine.counters = type(engine.counters)()
+    engine.reset_counters()
     reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True)) for i, (ids, o) in enumerate(work)]
     sync()
     start = time.perf_counter()

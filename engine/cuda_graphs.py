@@ -69,7 +69,7 @@ class DecodeGraphs:
             slot_mapping=self.vectors[2, :bs], block_tables=self.tables[:bs], query_start_loc=self.query_start[:bs + 1],
             seq_lens_t=self.seq_lens[:bs], sliding_window=self.sliding_window)
         if self.capture:
-            from kernels.triton_attention import choose_num_splits
+            from kernels import choose_num_splits
             cfg = self.model.config
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             meta.decode_splits = choose_num_splits(bs, cfg.num_kv_heads, self.max_blocks * self.block_size, sms)

@@ -6,10 +6,11 @@ one at a time, so peak memory is the mapped file plus one float32 tensor.
 
 llama.cpp's converter changes two things we undo here:
   * names: blk.N.attn_q.weight <- model.layers.N.self_attn.q_proj.weight, etc.;
-  * for the llama architecture, the rows of q_proj/k_proj are permuted per head from
-    HF's rotate_half layout [x0..x(d/2-1), x(d/2)..x(d-1)] to interleaved pairs
-    [x0, x(d/2), x1, ...]; `_unpermute_rows` restores HF's order. The permutation moves
-    whole rows, so it can also be applied to raw quantized blocks (which run along rows).
+  * for the llama architecture (`permuted_qk` in engine/models/registry.py), the rows of
+    q_proj/k_proj are permuted per head from HF's rotate_half layout
+    [x0..x(d/2-1), x(d/2)..x(d-1)] to interleaved pairs [x0, x(d/2), x1, ...];
+    `_unpermute_rows` restores HF's order. The permutation moves whole rows, so it can
+    also be applied to raw quantized blocks (which run along rows).
 """
 from __future__ import annotations
 
@@ -24,12 +25,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelError
-
-ARCHITECTURES = {  # general.architecture -> HF architectures[0]
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from engine.models.registry import GGUF_ARCHITECTURES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -127,9 +123,9 @@ class GGUFFile:
     def hf_config(self) -> dict:
         """An HF `config.json`-style dict for the model in this file."""
         arch = self.arch
-        if arch not in ARCHITECTURES:
+        if arch not in GGUF_ARCHITECTURES:
             raise ModelError(f"{self.path}: unsupported GGUF architecture {arch!r}; "
-                             f"supported: {sorted(ARCHITECTURES)}")
+                             f"supported: {sorted(GGUF_ARCHITECTURES)}")
         def g(key: str, default: Any = None) -> Any:
             return self.metadata.get(f"{arch}.{key}", default)
 
@@ -141,7 +137,7 @@ class GGUFFile:
         hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
         embd = self.tensors["token_embd.weight"]
         cfg: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[arch]],
+            "architectures": [GGUF_ARCHITECTURES[arch].hf],
             "model_type": arch,
             "vocab_size": int(embd.shape[1]),  # GGUF shapes are (ne0, ne1) = (hidden, vocab)
             "hidden_size": hidden,
@@ -170,8 +166,9 @@ class GGUFFile:
     # -- tensors ----------------------------------------------------------------
 
     def _unpermute(self, gguf_name: str, rows: torch.Tensor | np.ndarray):
-        """Undo llama.cpp's q/k row permutation (llama architecture only); rows: [out, ...]."""
-        if self.arch != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        """Undo llama.cpp's q/k row permutation (where the registry says it made one); rows: [out, ...]."""
+        spec = GGUF_ARCHITECTURES.get(self.arch)
+        if spec is None or not spec.permuted_qk or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             return rows
         heads = int(self.metadata[f"{self.arch}.attention.head_count"])
         if ".attn_k." in gguf_name:

@@ -23,17 +23,22 @@ from dataclasses import dataclass
 from engine.block_pool import BlockPool
 from engine.sequence import Sequence
 
-WAIT = None  # match_prefix's answer when a matched block is still being computed by another sequence
-
 
 @dataclass
 class PrefixMatch:
     blocks: list[int]                      # full cached blocks, in order
     partial: tuple[int, int] | None = None  # (source block, leading tokens reused from it)
 
-    @property
-    def extra_blocks(self) -> int:
-        return 1 if self.partial else 0
+
+class PrefixWait:
+    """match_prefix's answer when the prefix continues into a block another sequence has yet to
+    compute: admitting now would compute it twice, so the sequence waits a step."""
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = PrefixWait()
 
 
 class KVCacheManager:
@@ -55,10 +60,10 @@ class KVCacheManager:
             hashes.append(prev)
         return hashes
 
-    def match_prefix(self, seq: Sequence, max_tokens: int) -> PrefixMatch | None:
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> PrefixMatch | PrefixWait:
         """The longest cached prefix of at most max_tokens tokens (blocks not yet acquired), or WAIT
-        when that prefix continues into a block another sequence has yet to compute."""
-        if not self.enable_prefix_caching or not seq.cacheable_prefix:
+        when that prefix continues into a block another sequence has yet to compute. No change."""
+        if not self.enable_prefix_caching:
             return PrefixMatch([])
         matched, parent, bs = [], 0, self.block_size
         for h in self._hash_chain(seq.token_ids, max_tokens // bs):
@@ -123,8 +128,9 @@ class KVCacheManager:
         self.written_this_step.update(seq.block_table[first_full:num_blocks])
         if last_full > first_full:
             self.ready_this_step.update(seq.block_table[first_full:last_full])
-            # a block ending in a placeholder is hashed once its token is known (register_resolved)
-            known_full = min(last_full, (seq.num_tokens - seq.awaiting_token) // bs)
+            # a block ending in a placeholder is hashed once its token is known (register_resolved):
+            # its hash covers the token's id, which the host learns only after the step in flight
+            known_full = min(last_full, seq.num_known_tokens // bs)
             if self.enable_prefix_caching:
                 self._register_full(seq, first_full, known_full)
         if self.enable_prefix_caching and end % bs and end <= seq.num_prompt_tokens:

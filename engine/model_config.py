@@ -1,11 +1,15 @@
-"""Architecture hyperparameters, read from a Hugging Face `config.json` dict."""
+"""Architecture hyperparameters, read from a Hugging Face `config.json` dict.
+
+The per-family switches are fields that the shared layers read (engine/models/layers.py):
+attention_bias, qk_norm, tie_word_embeddings, rope_scaling, sliding_window. Where config.json
+leaves out attention_bias, qk_norm or use_sliding_window, the architecture's entry in
+engine/models/registry.py gives the default.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-}
+from engine.models import registry
 
 
 @dataclass(frozen=True)
@@ -22,8 +26,8 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool            # Qwen2: bias on q, k and v projections
-    qk_norm: bool                   # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool            # bias on the q, k and v projections (Qwen2)
+    qk_norm: bool                   # RMSNorm on q and k per head (Qwen3)
     rope_scaling: tuple | None = None   # frozen items of the config's rope_scaling dict
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -31,10 +35,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = (cfg.get("architectures") or [registry.DEFAULT_ARCHITECTURE])[0]
+        spec = registry.architecture(arch)     # ValueError naming the supported architectures
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -42,7 +44,7 @@ class ModelConfig:
         theta = cfg.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
         if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
             scaling = None
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", spec.sliding_window) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -56,13 +58,18 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
+            qk_norm=spec.qk_norm,
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=window,
         )
+
+    @property
+    def family(self) -> str:
+        """The module of engine.models that builds this architecture."""
+        return registry.architecture(self.architecture).family
 
     @property
     def rope_scaling_dict(self) -> dict | None:

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
-from engine.model import CausalLM
+from engine.models.base import CausalLM
 from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
-from kernels import AttentionMetadata
-from kernels.attention import to_device
+from engine.sequence import SeqKind
+from kernels import AttentionMetadata, to_device
 
 LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
 
@@ -212,15 +212,14 @@ class ModelRunner:
                 x.positions.extend(pos.tolist())
                 x.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             if end == seq.num_tokens and seq.awaiting_token:
+                # its id is the previous launch's sample, still on the device: patched in there (no sync)
                 x.placeholder_rows.append((base + end - start - 1, seq.seq_id))
             x.query_lens.append(end - start)
             x.seq_lens.append(end)
             x.tables.append(table)
-            if seq.logprobs_from:
-                last = seq.num_tokens - 1 if seq.scoring else seq.num_prompt_tokens - 1
-                for p in range(max(start, seq.logprobs_from - 1), min(end, last)):
-                    x.score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
-            if chunk.completes and not seq.scoring:
+            for p in seq.scored_positions(start, end):
+                x.score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
+            if chunk.completes and seq.reads_last_logits:
                 x.sample_rows.append((base + end - start - 1, chunk))
         return x
 
@@ -228,19 +227,19 @@ class ModelRunner:
         idx = to_device([r for r, _ in sample_rows], hidden.device, np.int64)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         seqs = [chunk.seq for _, chunk in sample_rows]
-        if all(s.fork_samples == 1 and s.candidate_first_tokens is None and not s.sampling.temperature > 0
+        if all(s.samples_one_token and not s.sampling.temperature > 0
                and s.sampling.logprobs is None for s in seqs):      # all greedy, one token each: the hot path
             step.sampled = DeviceSample(logits.argmax(dim=-1), [], [])
             step.sample_owners = [s.seq_id for s in seqs]
         else:
             rows, cand_rows, cand_tokens = [], [], []
             for i, seq in enumerate(seqs):
-                if seq.candidate_first_tokens is not None:
+                if seq.kind is SeqKind.CANDIDATES:
                     cand_rows += [i] * len(seq.candidate_first_tokens)
                     cand_tokens += seq.candidate_first_tokens
                     step.candidate_owners.append((seq.seq_id, len(seq.candidate_first_tokens)))
                     continue
-                for k in range(seq.fork_samples):      # sample k of a parent's first draw becomes child k
+                for k in range(seq.draws):             # sample k of a parent's first draw becomes child k
                     u = draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens) if seq.sampling.temperature > 0 else 0.0
                     rows.append(SampleRow(i, seq.sampling, u))
                     step.sample_owners.append(seq.seq_id)

@@ -11,8 +11,9 @@ import torch
 
 from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
-from engine.model import CausalLM
 from engine.model_config import ModelConfig
+from engine.models import model_class
+from engine.models.base import CausalLM
 from engine.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -109,12 +110,11 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     """Allocates the model without initializing it, then fills it from the weights, one tensor at a time."""
     cfg = bundle.config
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    from kernels.rotary import inverse_frequencies
-    model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict).to(device)
+    model.init_buffers()
     if bundle.weight_format == "dummy":
         _random_init(model, seed)
     else:

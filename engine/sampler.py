@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
-from kernels.attention import to_device
+from kernels import to_device
 
 
 @dataclass

@@ -95,9 +95,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                limit = (seq.logprobs_from - 1) if seq.logprobs_from else seq.compute_target - 1
-                limit = min(limit, seq.compute_target - 1)
-                match = self.kv.match_prefix(seq, max(limit, 0))
+                match = self.kv.match_prefix(seq, seq.max_cacheable_prefix)
                 if match is WAIT:
                     break
                 if not self.kv.can_admit(seq, match, budget):
@@ -120,7 +118,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

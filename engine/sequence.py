@@ -1,13 +1,30 @@
-"""Per-sequence state. No torch.
+"""Per-sequence state, and the rules that follow from a sequence's kind. No torch.
 
 A sequence's tokens are computed left to right: `num_computed_tokens` catches up with
-`len(token_ids)`; a generating sequence samples when it catches up, a scoring sequence
-stops one short (the last token's logits are never needed).
+`compute_target`, where the sequence's next event happens:
 
-With asynchronous scheduling a sequence may end in one PLACEHOLDER: the token that the step
-in flight is sampling. The next step is scheduled over it (its input id is taken on the
-device from that step's samples); the engine puts the real token in its place before
-anything reads the text, and before another placeholder is added.
+    kind        event when caught up                        compute_target
+    GENERATE    sample `draws` tokens (n > 1: the first     num_tokens
+                event draws n; samples 1..n-1 fork)
+    SCORE       done: logprobs of tokens[logprobs_from:]    num_tokens - 1 (the last token's
+                                                            logits are never needed)
+    CANDIDATES  score each candidate's first token at the   num_tokens
+                prompt's end, then branch one SCORE child
+                per longer candidate
+
+Callers ask the predicates below instead of re-deriving these rules.
+
+With asynchronous scheduling a GENERATE sequence may end in one PLACEHOLDER: the token that
+the step in flight is sampling, so the next step can be scheduled before the sample is read.
+Only these places touch it, each for its own reason:
+  * here: `expect_token` adds it, `append_token` puts the real token in its place (the text,
+    stop checks and hashes only ever read real tokens);
+  * the engine decides which sequences get one (engine.Engine._expect_tokens: those that go
+    on with exactly one token after their sample);
+  * the KV manager hashes a full block only once its tokens are known (`num_known_tokens` in
+    allocate; the output processor calls `register_resolved` when `append_token` resolves one);
+  * the model runner takes a placeholder's input id on the device from the previous step's
+    samples (`awaiting_token`), without waiting for them.
 """
 from __future__ import annotations
 
@@ -27,16 +44,24 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class SeqKind(enum.Enum):
+    GENERATE = "generate"        # samples tokens; may also score its prompt (prompt logprobs)
+    SCORE = "score"              # logprobs of tokens[logprobs_from:], samples nothing
+    CANDIDATES = "candidates"    # scores candidate_first_tokens at the prompt's end, samples nothing
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
-    scoring: bool = False          # compute logprobs of tokens[logprobs_from:], sample nothing
-    logprobs_from: int = 0         # first token whose logprob is wanted (scoring / prompt logprobs)
-    sample_index: int = 0          # which of the request's n samples
-    cacheable_prefix: bool = True  # may match the prefix cache when admitted
+    kind: SeqKind = SeqKind.GENERATE
+    logprobs_from: int = 0         # first token whose logprob is wanted (0: none; SCORE, or prompt logprobs)
+    sample_index: int = 0          # which of the request's n samples (SCORE child of CANDIDATES: which candidate)
+    seed: int = 0                  # sampling generator seed (with sample_index)
+    draws: int = 1                 # GENERATE: tokens to draw at the next sampling event (n at the first, then 1)
+    candidate_first_tokens: list[int] | None = None   # CANDIDATES: the first token of each candidate
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -44,11 +69,68 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)   # scoring / prompt logprobs
-    num_preemptions: int = 0
-    seed: int = 0                  # sampling generator seed (with sample_index)
-    fork_samples: int = 1          # tokens to draw at the first sampling event (n > 1 forks after it)
-    candidate_first_tokens: list[int] | None = None   # classify: score these at the prompt's end, sample nothing
+    token_logprobs: list[float] = field(default_factory=list)   # scored tokens' logprobs, from logprobs_from
+
+    # --- children -----------------------------------------------------------------------------
+
+    def fork(self, sample_index: int) -> Sequence:
+        """Sample `sample_index` of an n > 1 request: the parent's tokens so far, its own draws from then on."""
+        return Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.sampling,
+                        sample_index=sample_index, seed=self.seed)
+
+    def candidate_child(self, candidate: list[int], index: int) -> Sequence:
+        """A SCORE sequence for the rest of candidate `index` (its first token is scored already)."""
+        return Sequence(self.request_id, self.token_ids + list(candidate), self.num_prompt_tokens, self.sampling,
+                        kind=SeqKind.SCORE, logprobs_from=self.num_tokens + 1, sample_index=index)
+
+    # --- what the kind implies ------------------------------------------------------------------
+
+    @property
+    def is_scoring(self) -> bool:
+        """Computes logprobs of its own tokens and ends; no completion of its own."""
+        return self.kind is SeqKind.SCORE
+
+    @property
+    def samples_one_token(self) -> bool:
+        """Its next event appends exactly one sampled token and it goes on (no fork, no branch, no end
+        by kind): the case the greedy fast path and async placeholders serve."""
+        return self.kind is SeqKind.GENERATE and self.draws == 1
+
+    @property
+    def reads_last_logits(self) -> bool:
+        """Its event reads the logits after its last computed token (to sample, or to score the
+        candidates' first tokens); a SCORE sequence's event needs none."""
+        return self.kind is not SeqKind.SCORE
+
+    @property
+    def compute_target(self) -> int:
+        """How many tokens must be computed before the sequence's next event."""
+        return self.num_tokens - 1 if self.is_scoring else self.num_tokens
+
+    @property
+    def max_cacheable_prefix(self) -> int:
+        """The most leading tokens that may come from the prefix cache on admission: tokens before the
+        first scored one (its logits must be computed) and before the compute target."""
+        limit = self.compute_target - 1
+        if self.logprobs_from:
+            limit = min(limit, self.logprobs_from - 1)
+        return max(limit, 0)
+
+    def scored_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits score the token after them: from logprobs_from - 1 up to
+        the last scored token (SCORE: the sequence's end; prompt logprobs: the prompt's end)."""
+        if not self.logprobs_from:
+            return range(0)
+        last = self.num_tokens - 1 if self.is_scoring else self.num_prompt_tokens - 1
+        return range(max(start, self.logprobs_from - 1), min(end, last))
+
+    def record_token_logprobs(self, start: int, values: list[float]) -> None:
+        """Stores the scored logprobs of a chunk that began at position start, by position: a sequence
+        preempted and recomputed scores the same tokens again and overwrites them."""
+        first = max(start, self.logprobs_from - 1) - (self.logprobs_from - 1)
+        self.token_logprobs[first:] = values
+
+    # --- tokens and the async placeholder --------------------------------------------------------
 
     @property
     def num_tokens(self) -> int:
@@ -60,13 +142,25 @@ class Sequence:
         return self.token_ids[-1] == PLACEHOLDER
 
     @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (all but a trailing placeholder)."""
+        return self.num_tokens - self.awaiting_token
+
+    def expect_token(self) -> None:
+        """Holds the place of the token the step in flight samples, so the next step can compute it."""
+        self.token_ids.append(PLACEHOLDER)
+
+    def append_token(self, token: int) -> bool:
+        """Adds a sampled token; True when it replaced the placeholder (then its block may become hashable)."""
+        if self.awaiting_token:
+            self.token_ids[-1] = token
+            return True
+        self.token_ids.append(token)
+        return False
 
     @property
-    def compute_target(self) -> int:
-        """How many tokens must be computed before the sequence's next event."""
-        return self.num_tokens - 1 if self.scoring else self.num_tokens
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_pending(self) -> int:

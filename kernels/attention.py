@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.device import to_device
 from kernels.triton_utils import use_triton
 
 
@@ -89,15 +90,15 @@ class AttentionMetadata:
         return tables.reshape(-1), mask[:, None], q_index, q_valid
 
 
-def to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
-    """Host values (an array or a list, as `dtype`) on the device; on CUDA through pinned memory,
-    without waiting for the copy (the caching host allocator keeps the pinned buffer alive until
-    the copy has run). Never torch.tensor(list, device=cuda): that copy blocks until the whole
-    stream has caught up."""
-    t = torch.from_numpy(np.asarray(values, dtype=dtype))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+    """Split-K factor for decode: enough programs to fill the GPU about twice over, but no
+    split shorter than min_tokens_per_split keys (below that the merge costs more than
+    the parallelism buys). Large batches get 1: the plain kernel, no merge."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = -(-2 * num_sms // programs)
+    cap = max(1, max_seq_len // min_tokens_per_split)
+    return int(max(1, min(want, cap, max_splits)))
 
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -37,7 +37,7 @@ key, cached), so any block_size works and a tile may span blocks.
 Padding (CUDA-graph batches): a decode with seq_len 0 attends to nothing and gets a
 zero output (never NaN); q rows past sum(query_lens) get zeros. The split-K factor
 comes from `num_splits`, else from an int attribute `decode_splits` on the metadata
-when the runner sets one (fix it for graph capture), else from choose_num_splits().
+when the runner sets one (fix it for graph capture), else from choose_num_splits() (kernels/attention.py).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import choose_num_splits
 from kernels.triton_utils import check, check_last_contiguous, check_same_device, launch, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -239,17 +240,6 @@ def _prefill_kernel(
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
-                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
-    """Split-K factor for decode: enough programs to fill the GPU about twice over, but no
-    split shorter than min_tokens_per_split keys (below that the merge costs more than
-    the parallelism buys). Large batches get 1: the plain kernel, no merge."""
-    programs = max(1, num_seqs * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, programs)
-    cap = max(1, max_seq_len // min_tokens_per_split)
-    return int(max(1, min(want, cap, max_splits)))
 
 
 # Tiles, checked by compiling for sm_90 offline (`python -m benchmarks.kernel_bench

@@ -64,7 +64,7 @@ def test_outputs_equal_the_synchronous_engine(model, overrides):
     outs = engine.generate(_requests(stop_at))
     assert [_summary(o) for o in outs] == [_summary(o) for o in sync]
     assert outs[2].finish_reason == "stop" and outs[0].finish_reason == "length"
-    assert not engine.has_unfinished() and not engine._states and not engine.scheduler.running
+    assert not engine.has_unfinished() and engine.num_in_flight == 0 and not engine.scheduler.running
     assert engine.kv.pool.num_free == engine.rt.num_blocks          # every block came back
 
 

@@ -416,14 +416,14 @@ def test_kernel_bench_smoke(capsys):
 def test_tiny_model_greedy_matches_reference(monkeypatch):
     """A tiny random Llama, run step by step (prefill chunks, mixed steps, decodes) on the
     reference path and on the Triton path (interpreted on CPU): same greedy tokens."""
-    from engine.model import CausalLM
+    from engine.models.llama import LlamaForCausalLM
     from engine.model_config import ModelConfig
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
                       attention_bias=False, qk_norm=False)
     torch.manual_seed(0)
-    model = CausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
     BS, NB = 4, 16
     prompts = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
     tables = [[3, 9, 1, 12], [0, 5, 14, 6]]

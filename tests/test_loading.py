@@ -183,6 +183,17 @@ def test_unsupported_architecture(tiny_hf_model_dir, tmp_path):
         load_model_bundle(str(path))
 
 
+def test_registry_names_every_family_and_lists_supported_architectures():
+    from engine.model_config import ModelConfig
+    from engine.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
+    from engine.models.base import CausalLM
+
+    assert all(issubclass(model_class(name), CausalLM) for name in ARCHITECTURES)
+    assert all(g.hf in ARCHITECTURES for g in GGUF_ARCHITECTURES.values())
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'; supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
 # -- dummy ------------------------------------------------------------------------
 
 def test_dummy_builtin_configs():

@@ -1,4 +1,4 @@
-"""Planner tests on hand-made token lists: order, units, windows, stats, in-flight sizing."""
+"""Planner tests on hand-made token lists: order, units, windows, stats."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from jobrunner.planner import (
     partial_block_tokens,
     plan,
     prefix_stats,
-    rows_in_flight,
     spread_units,
 )
 from jobrunner.planner.window import encode, iter_windows
@@ -295,19 +294,6 @@ def test_plan_stats_match_prefix_stats_and_merge():
     assert m.total_tokens == 2 * s.total_tokens and m.windows == 2 * s.windows
     with pytest.raises(ValueError):
         m.merge(PrefixStats(block_size=4))
-
-
-# ---- in-flight sizing ---------------------------------------------------------------
-
-
-def test_rows_in_flight():
-    # No sharing: 100 prompt + 16 output -> 8 blocks of 16 = 128 tokens per row.
-    assert rows_in_flight(128 * 10, 100, 16) == 10
-    # A 64-token shared prefix is held once (twice at unit boundaries): 52 private -> 64.
-    assert rows_in_flight(128 * 10, 100, 16, shared_prefix_tokens=64) == (1280 - 128) // 64
-    # Partial shared blocks are not shared: 70 -> 64 shared tokens.
-    assert rows_in_flight(1280, 100, 16, shared_prefix_tokens=70) == 18
-    assert rows_in_flight(10, 1000, 100) == 1  # never below one row
 
 
 # ---- properties ---------------------------------------------------------------------

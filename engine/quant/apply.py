@@ -28,14 +28,11 @@ from torch import nn
 from engine.config import ConfigError
 from engine.quant import formats, smooth
 from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
-from kernels import quant_matmul as qm
+from kernels import int_mm_exact
 
 SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
 _LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
-# HF checkpoint piece -> (our fused module, shard index); the model's own table
-_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def parse_scheme(scheme: str) -> tuple[str, int | None]:
@@ -74,7 +71,7 @@ def w8a8_backend(device: torch.device) -> tuple[str, int]:
     if device.type == "cuda":
         return "int_mm", 127
     for qmax in (127, 63):
-        if qm.int_mm_exact(qmax):
+        if int_mm_exact(qmax):
             return "int_mm", qmax
     if {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
         return "fbgemm", 127
@@ -98,7 +95,7 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     check_quantization(scheme, device, dtype)
-    raw = _raw_tensors(bundle) if name in ("int8", "int4") else {}   # GGUF blocks only map onto these
+    raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") else {}  # GGUF maps onto these only
     if name == "w8a8":
         backend, qmax = w8a8_backend(device)
         if w8a8_backend_name is not None:
@@ -166,9 +163,10 @@ def _to(tensors, device):
     return tuple(t.to(device) for t in tensors)
 
 
-def _raw_tensors(bundle) -> dict[str, list]:
+def _raw_tensors(bundle, fused_shards: dict[str, tuple[str, int]]) -> dict[str, list]:
     """Our module name -> its GGUF RawTensors in shard order ({} when not a GGUF bundle).
-    e.g. "layers.0.self_attn.qkv_proj" -> [q_proj, k_proj, v_proj]; "embed_tokens"; "lm_head"."""
+    e.g. "layers.0.self_attn.qkv_proj" -> [q_proj, k_proj, v_proj]; "embed_tokens"; "lm_head".
+    fused_shards: the model's HF name piece -> (fused module, shard index) (CausalLM.FUSED_SHARDS)."""
     if bundle is None or getattr(bundle, "raw_weights", None) is None:
         return {}
     shards: dict[str, dict[int, object]] = {}
@@ -178,7 +176,7 @@ def _raw_tensors(bundle) -> dict[str, list]:
             continue
         module = hf[:-len(".weight")]
         index = 0
-        for piece, (fused, shard) in _SHARDS.items():
+        for piece, (fused, shard) in fused_shards.items():
             if module.endswith(f".{piece}"):
                 module, index = module[:-len(piece)] + fused, shard
                 break

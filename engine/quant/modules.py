@@ -21,7 +21,9 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import quant_matmul as qm
+from kernels import (dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref,
+                     int8_matmul, int8_matmul_ref, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref,
+                     w8a8_per_batch_ref)
 
 
 class QuantLinear(nn.Module):
@@ -61,13 +63,13 @@ class Int8Linear(QuantLinear):
         return self.in_features // self.scales.shape[1]
 
     def forward(self, x):
-        return qm.int8_matmul(x, self.qweight, self.scales, self.bias)
+        return int8_matmul(x, self.qweight, self.scales, self.bias)
 
     def forward_ref(self, x):
-        return qm.int8_matmul_ref(x, self.qweight, self.scales, self.bias)
+        return int8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self, dtype=torch.float32):
-        return qm.dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int8(self.qweight, self.scales, dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group_size={self.group_size}"
@@ -86,13 +88,13 @@ class Int4Linear(QuantLinear):
         self.register_buffer("zeros", zeros)        # [N, Kp // G] float16
 
     def forward(self, x):
-        return qm.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+        return int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
 
     def forward_ref(self, x):
-        return qm.int4_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+        return int4_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
 
     def dequantize(self, dtype=torch.float32):
-        return qm.dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, self.in_features, dtype)
+        return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, self.in_features, dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group_size={self.group_size}"
@@ -138,18 +140,18 @@ class W8A8Linear(QuantLinear):
     def forward(self, x):
         if self.backend == "int_mm" and not (x.is_cuda and (self.in_features % 8 or self.out_features % 8)):
             # (cuBLASLt's int8 GEMM wants K and N multiples of 8)
-            return qm.w8a8_matmul_int_mm(x, self.qweight, self.scales, self.bias)
+            return w8a8_matmul_int_mm(x, self.qweight, self.scales, self.bias)
         if self.backend == "fbgemm":
-            return qm.w8a8_matmul_fbgemm(x, self._packed, self.out_features)
-        return qm.w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
+            return w8a8_matmul_fbgemm(x, self._packed, self.out_features)
+        return w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def forward_ref(self, x):
         if self.backend == "fbgemm":
-            return qm.w8a8_per_batch_ref(x, self.qweight, self.scales, self.bias)
-        return qm.w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
+            return w8a8_per_batch_ref(x, self.qweight, self.scales, self.bias)
+        return w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self, dtype=torch.float32):
-        return qm.dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int8(self.qweight, self.scales, dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", backend={self.backend}"
@@ -169,11 +171,11 @@ class Fp8Linear(QuantLinear):
     def forward(self, x):
         n, k = self.qweight.shape
         if x.is_cuda and k % 16 == 0 and n % 16 == 0:
-            return qm.fp8_matmul(x, self.qweight, self.scales, self.bias, self.rowwise)
+            return fp8_matmul(x, self.qweight, self.scales, self.bias, self.rowwise)
         return self.forward_ref(x)
 
     def forward_ref(self, x):
-        return qm.fp8_matmul_ref(x, self.qweight, self.scales, self.bias)
+        return fp8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self, dtype=torch.float32):
         return (self.qweight.float() * self.scales.float()).to(dtype)
@@ -192,11 +194,11 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", scales)      # [V, H // G] float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return qm.dequantize_int8(self.qweight[ids.reshape(-1)], self.scales[ids.reshape(-1)],
+        return dequantize_int8(self.qweight[ids.reshape(-1)], self.scales[ids.reshape(-1)],
                                   self.dtype).view(*ids.shape, self.embedding_dim)
 
     def dequantize(self, dtype=torch.float32):
-        return qm.dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int8(self.qweight, self.scales, dtype)
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, group_size="

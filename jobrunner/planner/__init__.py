@@ -2,14 +2,12 @@
 
     units = plan(PlanItem(key, token_ids) for ...)   # window by window, bounded memory
     stats = prefix_stats(token_lists)               # what a perfect / block cache could reuse
-    n = rows_in_flight(kv_tokens, avg_prompt, avg_output, shared_prefix_tokens=...)
 
 window.py orders a window (sort = depth-first trie walk), units.py cuts it into work
 units (and spreads a window's units over data-parallel workers), stats.py holds the prefix
-figures, flight.py sizes the engine's in-flight window.
+figures.
 """
 
-from .flight import rows_in_flight
 from .stats import (
     PrefixStats,
     block_level_reuse,
@@ -32,6 +30,5 @@ __all__ = [
     "partial_block_tokens",
     "plan",
     "prefix_stats",
-    "rows_in_flight",
     "spread_units",
 ]

@@ -1,0 +1,14 @@
+"""Decoder models: one small module per family over shared layers, chosen through one registry.
+
+    registry.py   HF architectures[0] / GGUF general.architecture -> family, and the family's switch defaults
+    layers.py     RMSNorm, Rotary, Attention (q/k/v bias, q/k norm), GatedMLP: switched by ModelConfig's fields
+    base.py       CausalLM: embedding, the layer stack, the final norm, lm_head; HF weight names -> our params
+    llama.py      Llama 2/3, Mistral, SmolLM2: the pre-norm decoder layer
+    qwen2.py      Qwen2: Llama's layer with q/k/v biases
+    qwen3.py      Qwen3: Llama's layer with q/k norms
+
+Importing this package does not import torch; `model_class` imports the family's module.
+"""
+from engine.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, architecture, model_class
+
+__all__ = ["ARCHITECTURES", "GGUF_ARCHITECTURES", "architecture", "model_class"]

@@ -1,0 +1,110 @@
+"""CausalLM: what every decoder family shares around its layers, and HF weight names -> our parameters.
+
+    input_ids [T] -> embed_tokens -> layers (a family's `layer_class`) -> norm -> hidden [T, hidden]
+    hidden [N, hidden] (only the rows sampled or scored) -> lm_head -> logits [N, vocab] float32
+
+Parameter names are HF's without the "model." prefix, except the fused projections (FUSED_SHARDS).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.layers import RMSNorm, Rotary
+from kernels import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM. Subclasses (one per family) set `layer_class`: built as layer_class(cfg),
+    called as layer(x, residual, cos, sin, kv_cache, meta) -> (x, residual)."""
+    layer_class: type[nn.Module]
+    # HF checkpoint name piece -> (our fused parameter, shard index); engine/quant/apply.py maps GGUF blocks by it
+    FUSED_SHARDS = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+
+    def init_buffers(self) -> None:
+        """Recompute what no checkpoint holds (the rotary frequencies, float32), after a build on the
+        meta device and to_empty()."""
+        self.rotary.inv_freq = self.rotary.frequencies().to(self.rotary.inv_freq.device)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states before the final norm's output projection: [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only for the rows that are sampled or scored: [N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    # --- weights -------------------------------------------------------------------------
+
+    def _shard_sizes(self) -> dict[str, list[int]]:
+        """Our fused parameter -> the rows of each HF tensor in it, in shard order."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF-named tensors in, one at a time; returns the names of parameters filled
+        (a fused parameter's shards as "<name>#<shard>")."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        shard_sizes = self._shard_sizes()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for piece, (fused, shard) in self.FUSED_SHARDS.items():
+                if f".{piece}." in name:
+                    target = name.replace(piece, fused)
+                    sizes = shard_sizes[fused]
+                    offset = sum(sizes[:shard])
+                    param = params[target]
+                    with torch.no_grad():
+                        param.data[offset:offset + sizes[shard]].copy_(tensor)
+                    filled.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name!r}")
+                with torch.no_grad():
+                    params[name].data.copy_(tensor)
+                filled.add(name)
+        return filled
+
+    def expected_weight_names(self) -> set[str]:
+        """What load_weights must fill for a complete model."""
+        names = set()
+        shard_sizes = self._shard_sizes()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            fused = next((f for f in shard_sizes if f".{f}." in name), None)
+            if fused:
+                names.update(f"{name}#{i}" for i in range(len(shard_sizes[fused])))
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,55 @@
+"""Which family module builds a checkpoint: HF `architectures[0]` (or GGUF `general.architecture`) -> family.
+
+Plain data, no torch: ModelConfig.from_hf reads it for the per-family switches' defaults, engine/gguf.py
+for the names of GGUF architectures; only `model_class` imports a family's module.
+
+Adding a family: a module here whose CausalLM subclass (over layers.py) it exposes as `Model`, its
+architecture names below, and each new switch as a ModelConfig field with its family default here.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an HF architecture name implies beyond what its config.json says."""
+    family: str                     # the module engine.models.<family> builds it
+    attention_bias: bool = False    # bias on the q, k and v projections when config.json has no "attention_bias"
+    qk_norm: bool = False           # RMSNorm over each head of q and k (config.json has no key for it)
+    sliding_window: bool = False    # when config.json has no "use_sliding_window"
+
+
+ARCHITECTURES: dict[str, Architecture] = {                     # config.json architectures[0] ->
+    "LlamaForCausalLM": Architecture("llama"),                 # Llama 2/3, SmolLM2
+    "MistralForCausalLM": Architecture("llama", sliding_window=True),
+    "Qwen2ForCausalLM": Architecture("qwen2", attention_bias=True),
+    "Qwen3ForCausalLM": Architecture("qwen3", qk_norm=True),
+}
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"                      # for a config.json without "architectures"
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf: str                         # the HF architecture name the file loads as
+    permuted_qk: bool = False       # llama.cpp's converter permuted the q/k rows per head (engine/gguf.py undoes it)
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {           # GGUF general.architecture ->
+    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM"),
+}
+
+
+def architecture(name: str) -> Architecture:
+    """The entry of an HF architecture name; ValueError naming the supported ones."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {name!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def model_class(name: str) -> type:
+    """The CausalLM subclass that builds HF architecture `name`."""
+    return importlib.import_module(f"engine.models.{architecture(name).family}").Model
