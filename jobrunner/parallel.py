@@ -373,7 +373,7 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
                 before_exit()
                 store.add("exited", 1)
                 return msg.get("exit_code", EXIT_OK)
-            _run_round(cfg, engine, store, r, rank, msg["slots"][str(rank)], world, stop)
+            _run_round(cfg, engine, store, r, rank, msg["slots"][str(rank)], world, stop, members=len(msg["slots"]))
     except _Stop as e:
         return e.args[0]
 
@@ -415,8 +415,8 @@ class _WorkerJob(Job):
         return sorted(units, key=self._cost, reverse=True)     # stable: ties keep the planner's order
 
 
-def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list) -> None:
-    claim = _Claim(store, f"r{r}/next_unit")
+def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list, members: int) -> None:
+    claim = _Claim(store, f"r{r}/next_unit", slot, members)     # members: this round's workers
     job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
     job.max_in_flight = engine.rt.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
     job.progress_factory = lambda total: _StoreProgress(store, f"r{r}/progress/{rank}", total)
@@ -442,12 +442,14 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
 
 
 class _Claim:
-    """Job's claim(index) over the shared counter. Indices come in order 0, 1, 2, ...; a ticket drawn
-    from the counter is the next unit nobody holds. Every index is drawn by exactly one worker, and
-    that worker reaches it, because all workers walk the same plan in the same order."""
+    """Job's claim(index). Unit i < world goes to slot i, so every worker starts with a unit (the
+    counter alone would let the first worker take them all while the others start up). Past those,
+    indices come in order world, world + 1, ...; a ticket drawn from the counter is the next unit
+    nobody holds. Every index is drawn by exactly one worker, and that worker reaches it, because all
+    workers walk the same plan in the same order."""
 
-    def __init__(self, store, key: str):
-        self.store, self.key = store, key
+    def __init__(self, store, key: str, slot: int = 0, world: int = 1):
+        self.store, self.key, self.slot, self.world = store, key, slot, world
         self.ticket: int | None = None
         self.units = 0
         self.die_after_rows: int | None = None   # test hook (TEST_DIE_ENV)
@@ -457,13 +459,18 @@ class _Claim:
         if self.die_after_rows is not None and self.job.stats.rows >= self.die_after_rows \
                 and self.job.engine.num_in_flight:
             os._exit(17)        # as a crash would, holding unfinished units: they and unflushed rows are lost
+        if index < self.world:
+            return self._take(index == self.slot)
         while self.ticket is None or self.ticket < index:
-            self.ticket = self.store.add(self.key, 1) - 1
+            self.ticket = self.store.add(self.key, 1) - 1 + self.world
         if self.ticket > index:
             return False
         self.ticket = None
-        self.units += 1
-        return True
+        return self._take(True)
+
+    def _take(self, mine: bool) -> bool:
+        self.units += mine
+        return mine
 
 
 class _StoreProgress:
