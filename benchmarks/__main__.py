@@ -128,9 +128,9 @@ def gguf_path(model: str) -> Path | None:
     """The GGUF file behind `model`, for the peers that read one (None: not a GGUF model)."""
     if model.endswith(".gguf"):
         return Path(model)
-    from engine import hub
-    if model in hub.KNOWN_MODELS:
-        return Path(hub.pull(model))
+    from jobrunner import models
+    if model in models.KNOWN_MODELS:
+        return Path(models.pull(model))
     return None
 
 
@@ -141,54 +141,62 @@ def thread_env(threads: int | None) -> dict:
     return {k: str(threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 
 
-def run_case(case: Case, args, workdir: Path) -> dict:
+def _run_transformers_peer(case: Case, args, data: Path, workdir: Path, slug: str, env: dict) -> dict:
     w = case.workload
-    slug = case.name.replace("/", "-").replace("=", "")
-    data = w.write(workdir / f"{slug}.jsonl")
-    env = thread_env(args.threads)
-    runs = []
-    for system in case.systems:
-        t0 = time.time()
-        if system == "jobrunner":
-            r = run_jobrunner(data, workdir / f"{slug}.jobrunner", jobrunner_args(case, args.model) + args.extra,
-                              timeout=args.timeout, env=env)
-        elif system == "ablation":
-            if args.no_ablation:
-                continue
-            r = run_jobrunner(data, workdir / f"{slug}.ablation",
-                              jobrunner_args(case, args.model) + args.extra + list(ABLATION),
-                              system="ablation", timeout=args.timeout, env=env)
-            r["label"] = ABLATION_LABEL
-        elif system == "transformers":
-            gguf = gguf_path(args.model)
-            if args.no_transformers:
-                r = {"system": "transformers", "skipped": "--no-transformers"}
-            elif w.format != "jsonl" or gguf is None:
-                r = {"system": "transformers", "skipped": "needs a plain-prompt workload and a GGUF model"}
-            else:
-                r = run_transformers(data, gguf, workdir / f"{slug}.transformers.json",
-                                     new_tokens=case.max_tokens, batch=case.hf_batch,
-                                     labels=w.labels if case.kind == "classify" else (), timeout=args.timeout,
-                                     env=env)
-                r["label"] = f"transformers (batch {case.hf_batch})"
-        elif system == "llamacpp":
-            gguf = gguf_path(args.model)
-            if args.no_llamacpp:
-                r = {"system": "llama.cpp", "skipped": "--no-llamacpp"}
-            elif gguf is None:
-                r = {"system": "llama.cpp", "skipped": "needs a GGUF model"}
-            else:
-                r = run_llamacpp(data, gguf, workdir / f"{slug}.llamacpp.log", rows=w.num_rows,
-                                 new_tokens=case.max_tokens, python=args.llamacpp_python, timeout=args.timeout,
-                                 threads=args.threads, env=env)
-        else:
-            raise ValueError(system)
-        r.setdefault("label", r["system"])
-        status = r.get("skipped") and f"skipped ({r['skipped']})" or r.get("error", "").split("\n")[0] or \
-            f"wall {r.get('wall_s', 0):.2f}s (process {r.get('process_wall_s', 0):.0f}s, other load " \
-            f"{r.get('other_load_cores') or 0:.2f} cores)"
-        print(f"[{case.name}] {r['label']}: {status}  [{time.time() - t0:.0f}s]", flush=True)
-        runs.append(r)
+    gguf = gguf_path(args.model)
+    if args.no_transformers:
+        return {"system": "transformers", "skipped": "--no-transformers"}
+    if w.format != "jsonl" or gguf is None:
+        return {"system": "transformers", "skipped": "needs a plain-prompt workload and a GGUF model"}
+    r = run_transformers(data, gguf, workdir / f"{slug}.transformers.json",
+                         new_tokens=case.max_tokens, batch=case.hf_batch,
+                         labels=w.labels if case.kind == "classify" else (), timeout=args.timeout,
+                         env=env)
+    r["label"] = f"transformers (batch {case.hf_batch})"
+    return r
+
+
+def _run_llamacpp_peer(case: Case, args, data: Path, workdir: Path, slug: str, env: dict) -> dict:
+    gguf = gguf_path(args.model)
+    if args.no_llamacpp:
+        return {"system": "llama.cpp", "skipped": "--no-llamacpp"}
+    if gguf is None:
+        return {"system": "llama.cpp", "skipped": "needs a GGUF model"}
+    return run_llamacpp(data, gguf, workdir / f"{slug}.llamacpp.log", rows=case.workload.num_rows,
+                        new_tokens=case.max_tokens, python=args.llamacpp_python, timeout=args.timeout,
+                        threads=args.threads, env=env)
+
+
+def run_system(case: Case, system: str, args, data: Path, workdir: Path, slug: str, env: dict) -> dict | None:
+    """One system's run of a case (None: the system is switched off and left out of the result)."""
+    if system == "jobrunner":
+        return run_jobrunner(data, workdir / f"{slug}.jobrunner", jobrunner_args(case, args.model) + args.extra,
+                             timeout=args.timeout, env=env)
+    if system == "ablation":
+        if args.no_ablation:
+            return None
+        r = run_jobrunner(data, workdir / f"{slug}.ablation",
+                          jobrunner_args(case, args.model) + args.extra + list(ABLATION),
+                          system="ablation", timeout=args.timeout, env=env)
+        r["label"] = ABLATION_LABEL
+        return r
+    if system == "transformers":
+        return _run_transformers_peer(case, args, data, workdir, slug, env)
+    if system == "llamacpp":
+        return _run_llamacpp_peer(case, args, data, workdir, slug, env)
+    raise ValueError(system)
+
+
+def run_status(r: dict) -> str:
+    """One line on how a run went: skipped, its error's first line, or its wall and load."""
+    return r.get("skipped") and f"skipped ({r['skipped']})" or r.get("error", "").split("\n")[0] or \
+        f"wall {r.get('wall_s', 0):.2f}s (process {r.get('process_wall_s', 0):.0f}s, other load " \
+        f"{r.get('other_load_cores') or 0:.2f} cores)"
+
+
+def case_result(case: Case, runs: list[dict]) -> dict:
+    """A case's entry in the suite result: its workload figures, runs, problems and speedups."""
+    w = case.workload
     out = {"name": case.name, "workload": w.name, "kind": case.kind, "rows": w.num_rows,
            "max_tokens": case.max_tokens if case.kind == "generate" else 0,
            "expected_prompt_tokens": w.total_prompt_tokens,
@@ -202,6 +210,22 @@ def run_case(case: Case, args, workdir: Path) -> dict:
         r.pop("row_completion_tokens", None)
         r.pop("row_finish_reasons", None)
     return out
+
+
+def run_case(case: Case, args, workdir: Path) -> dict:
+    slug = case.name.replace("/", "-").replace("=", "")
+    data = case.workload.write(workdir / f"{slug}.jsonl")
+    env = thread_env(args.threads)
+    runs = []
+    for system in case.systems:
+        t0 = time.time()
+        r = run_system(case, system, args, data, workdir, slug, env)
+        if r is None:
+            continue
+        r.setdefault("label", r["system"])
+        print(f"[{case.name}] {r['label']}: {run_status(r)}  [{time.time() - t0:.0f}s]", flush=True)
+        runs.append(r)
+    return case_result(case, runs)
 
 
 def check_run(case: Case, r: dict) -> list[str]:

@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
@@ -157,31 +158,46 @@ def _attention_case(seqs, num_decodes, Hq, Hk, D, BS, dtype, device, int8=False)
     return q, (k, v), meta
 
 
-def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -> list[tuple]:
-    """Time each kernel and its reference. tiny=True: toy shapes (a smoke test of this
-    script; on CPU tensors the kernels run in the interpreter)."""
-    from kernels.activation import silu_and_mul_ref
-    from kernels.attention import paged_attention_ref, store_kv_ref
-    from kernels.kv_int8 import paged_attention_int8_ref, store_kv_int8_ref
-    from kernels.norm import rms_norm_ref
-    from kernels.rotary import apply_rotary_ref, inverse_frequencies, rotary_cos_sin
-    from kernels.triton_activation import silu_and_mul_triton
-    from kernels.triton_attention import paged_attention_triton
-    from kernels.triton_kv_cache import store_kv_triton
-    from kernels.triton_norm import rms_norm_triton
-    from kernels.triton_rotary import apply_rotary_triton
+@dataclass(frozen=True)
+class _Shapes:
+    """The timing cases' sizes: hidden H, intermediate I, query/KV heads, head_dim D, block size BS,
+    tokens T; dtype dt and device dev."""
+    H: int
+    I: int
+    Hq: int
+    Hk: int
+    D: int
+    BS: int
+    T: int
+    dt: torch.dtype
+    dev: str
 
-    dev = device
+
+def _timing_shapes(quick: bool, device: str, tiny: bool) -> _Shapes:
     dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
     H, I, Hq, Hk, D, BS = (64, 96, 4, 2, 32, 16) if tiny else (4096, 14336, 32, 8, 128, 16)
     T = 32 if tiny else 1024 if quick else 4096
-    rows = []
+    return _Shapes(H, I, Hq, Hk, D, BS, T, dt, device)
 
+
+def _row_adder(rows: list, quick: bool):
+    """add(op, shape, triton fn, reference fn or None, bytes moved): time both, append a row, print it."""
     def add(op, shape, tri, ref, nbytes):
         t_ms, r_ms = _bench(tri, quick), _bench(ref, quick) if ref is not None else float("nan")
         rows.append((op, shape, t_ms, r_ms, nbytes / t_ms / 1e6 if nbytes else float("nan")))
         print(f"  {op:28s} {shape:34s} {t_ms * 1e3:9.1f} us", flush=True)
+    return add
 
+
+def _time_pointwise(add, s: _Shapes) -> None:
+    """rms_norm + residual, silu_and_mul and rotary."""
+    from kernels.activation import silu_and_mul_ref
+    from kernels.norm import rms_norm_ref
+    from kernels.rotary import apply_rotary_ref, inverse_frequencies, rotary_cos_sin
+    from kernels.triton_activation import silu_and_mul_triton
+    from kernels.triton_norm import rms_norm_triton
+    from kernels.triton_rotary import apply_rotary_triton
+    T, H, I, Hq, Hk, D, dev, dt = s.T, s.H, s.I, s.Hq, s.Hk, s.D, s.dev, s.dt
     e = 2  # bytes per bf16 element
     x, r = torch.randn(T, H, device=dev, dtype=dt), torch.randn(T, H, device=dev, dtype=dt)
     w = torch.randn(H, device=dev, dtype=dt)
@@ -194,6 +210,15 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -
     cos, sin = rotary_cos_sin(torch.arange(T, device=dev), inverse_frequencies(D, 5e5, None).to(dev), dt)
     add("rotary (q and k)", f"T={T} Hq={Hq} Hk={Hk} D={D}", lambda: apply_rotary_triton(q, k, cos, sin),
         lambda: apply_rotary_ref(q, k, cos, sin), 2 * T * (Hq + Hk) * D * e + 2 * T * D * e)
+
+
+def _time_store_kv(add, s: _Shapes) -> None:
+    """store_kv into a bf16 and an int8 cache."""
+    from kernels.attention import store_kv_ref
+    from kernels.kv_int8 import store_kv_int8_ref
+    from kernels.triton_kv_cache import store_kv_triton
+    T, Hk, D, BS, dev, dt = s.T, s.Hk, s.D, s.BS, s.dev, s.dt
+    e = 2  # bytes per bf16 element
     nb = T // BS + 8
     kc, vc = torch.zeros(nb, BS, Hk, D, device=dev, dtype=dt), torch.zeros(nb, BS, Hk, D, device=dev, dtype=dt)
     kn, vn = torch.randn(T, Hk, D, device=dev, dtype=dt), torch.randn(T, Hk, D, device=dev, dtype=dt)
@@ -205,6 +230,14 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -
     add("store_kv int8", f"T={T} Hk={Hk} D={D}", lambda: store_kv_triton(kn, vn, kq, vq, slots, ks, vs),
         lambda: store_kv_int8_ref(kn, vn, kq, vq, ks, vs, slots), 2 * T * Hk * D * (e + 1))
 
+
+def _time_decode(add, s: _Shapes, quick: bool, tiny: bool) -> None:
+    """Paged decode attention (split-K and not; int8 cache on the first batch size)."""
+    from kernels.attention import paged_attention_ref
+    from kernels.kv_int8 import paged_attention_int8_ref
+    from kernels.triton_attention import paged_attention_triton
+    Hq, Hk, D, BS, dev, dt = s.Hq, s.Hk, s.D, s.BS, s.dev, s.dt
+    e = 2  # bytes per bf16 element
     scale = D ** -0.5
     decode_cases = [(3, 40)] if tiny else [(64, 1024), (4, 16384)] if quick else [(64, 1024), (256, 1024), (8, 32768)]
     for B, ctx in decode_cases:
@@ -222,6 +255,13 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -
                 qi, ci[0], ci[1], mi, scale, k_scale=ci[2], v_scale=ci[3]),
                 lambda: paged_attention_int8_ref(qi, *ci, mi, scale), B * ctx * Hk * D * (2 + 8 / D))
 
+
+def _time_prefill(rows: list, s: _Shapes, quick: bool, tiny: bool) -> None:
+    """Paged prefill attention (reported in TFLOP/s, no GB/s)."""
+    from kernels.attention import paged_attention_ref
+    from kernels.triton_attention import paged_attention_triton
+    Hq, Hk, D, BS, dev, dt = s.Hq, s.Hk, s.D, s.BS, s.dev, s.dt
+    scale = D ** -0.5
     prefill_cases = ([[(20, 30)]] if tiny else [[(512, 512)] * 2] if quick
                      else [[(1024, 1024)] * 4, [(512, 4096)] * 2])
     for seqs in prefill_cases:
@@ -232,6 +272,18 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -
         shape = f"{len(seqs)}x chunk {seqs[0][0]} / ctx {seqs[0][1]}"
         rows.append(("prefill", shape, t_ms, r_ms, float("nan")))
         print(f"  {'prefill':28s} {shape:34s} {t_ms * 1e3:9.1f} us  {flops / t_ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
+def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -> list[tuple]:
+    """Time each kernel and its reference. tiny=True: toy shapes (a smoke test of this
+    script; on CPU tensors the kernels run in the interpreter)."""
+    s = _timing_shapes(quick, device, tiny)
+    rows = []
+    add = _row_adder(rows, quick)
+    _time_pointwise(add, s)
+    _time_store_kv(add, s)
+    _time_decode(add, s, quick, tiny)
+    _time_prefill(rows, s, quick, tiny)
     return rows
 
 

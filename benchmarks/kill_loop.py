@@ -45,7 +45,7 @@ def main() -> None:
             proc.wait()
             kills += 1
         final = subprocess.run(cmd, capture_output=True, text=True)
-        from jobrunner.writer import read_results
+        from jobrunner.output import read_results
         ids = read_results(out).column("id").to_pylist()
         names = os.listdir(out)
         report = {

@@ -24,6 +24,7 @@ The transformers child is this module run as a script:
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib.util
 import json
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,7 +186,7 @@ def hf_source(gguf: Path) -> tuple[str, dict]:
     try:
         import transformers
 
-        from engine.hub import cache_root
+        from jobrunner.models import cache_root
     except ImportError:
         return str(gguf), {}
     ref = cache_root() / "test-reference"
@@ -235,8 +237,7 @@ def _pythonpath() -> str:
     return os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
-def transformers_child(argv: list[str]) -> None:
-    """Runs in the child: load (timed), then generate or score over the prompts (timed)."""
+def _child_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers transformers")
     ap.add_argument("--model", required=True, help="a .gguf file or an HF model directory")
     ap.add_argument("--tokenizer", help="tokenizer directory (default: from --model)")
@@ -246,30 +247,41 @@ def transformers_child(argv: list[str]) -> None:
     ap.add_argument("--labels", help="classify: score these labels after each prompt instead of generating")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    t0 = time.perf_counter()
+
+def _pretrained_source(path: str) -> tuple[str, dict]:
+    """from_pretrained's path and keywords for a .gguf file or an HF directory."""
+    if path.endswith(".gguf"):
+        d, f = os.path.split(path)
+        return d, {"gguf_file": f}
+    return path, {}
+
+
+def _load_hf(model_path: str, tokenizer_path: str | None):
+    """(tokenizer padding on the left, float32 model in eval mode)."""
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def source(path):
-        if path.endswith(".gguf"):
-            d, f = os.path.split(path)
-            return d, {"gguf_file": f}
-        return path, {}
-
-    tsrc, tkw = source(a.tokenizer or a.model)
-    msrc, mkw = source(a.model)
+    tsrc, tkw = _pretrained_source(tokenizer_path or model_path)
+    msrc, mkw = _pretrained_source(model_path)
     tok = AutoTokenizer.from_pretrained(tsrc, **tkw)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(msrc, dtype=torch.float32, **mkw).eval()
-    load = time.perf_counter() - t0
-    with open(a.prompts, encoding="utf-8") as f:
+    return tok, model
+
+
+def _read_prompts(path: str, limit: int) -> list[str]:
+    with open(path, encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    prompts = prompts[: a.limit] if a.limit else prompts
+    return prompts[:limit] if limit else prompts
+
+
+@functools.cache
+def _first_logits_class():
+    from transformers import LogitsProcessor
 
     class FirstLogits(LogitsProcessor):
         """Notes when generate first asks for logits: the batch's prefill is done."""
@@ -280,44 +292,79 @@ def transformers_child(argv: list[str]) -> None:
                 self.t = time.perf_counter()
             return scores
 
-    n_in = n_out = n_computed = 0
-    prefill = 0.0
-    row_prefill, row_decode = [], []
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), a.batch):
-            b0 = time.perf_counter()
-            enc = tok(prompts[i:i + a.batch], return_tensors="pt", padding=True)
-            n_in += int(enc["attention_mask"].sum())
-            rows = enc["input_ids"].shape[0]
-            if a.labels:
-                n_computed += _score_labels(model, tok, enc, a.labels.split(","))
-                dt = time.perf_counter() - b0
-                prefill += dt
-                row_prefill += [dt] * rows
-                row_decode += [0.0] * rows
-                continue
-            first = FirstLogits()
-            out = model.generate(**enc, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([first]))
-            b1 = time.perf_counter()
-            n_out += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
-            n_computed += int(enc["input_ids"].numel())
-            prefill += first.t - b0
-            row_prefill += [first.t - b0] * rows
-            row_decode += [b1 - first.t] * rows
-    wall = time.perf_counter() - start
-    row_prefill.sort()
-    row_decode.sort()
-    figures = {
-        "wall_s": wall, "model_load_s": load, "rows": len(prompts), "prompt_tokens": n_in,
-        "completion_tokens": n_out, "prompt_tokens_computed": n_computed, "prefill_s": prefill,
-        "decode_s": wall - prefill, "row_prefill_s_p50": row_prefill[len(row_prefill) // 2] if row_prefill else None,
+    return FirstLogits
+
+
+@dataclass
+class _HFTally:
+    """Token counts and prefill/decode times summed over a transformers child's batches."""
+    n_in: int = 0
+    n_out: int = 0
+    n_computed: int = 0
+    prefill: float = 0.0
+    row_prefill: list = field(default_factory=list)
+    row_decode: list = field(default_factory=list)
+
+    def add_times(self, rows: int, prefill_s: float, decode_s: float) -> None:
+        self.prefill += prefill_s
+        self.row_prefill += [prefill_s] * rows
+        self.row_decode += [decode_s] * rows
+
+
+def _hf_batch(model, tok, prompts: list[str], a: argparse.Namespace, tally: _HFTally) -> None:
+    """One batch: score the labels (classify: all prefill) or generate a.new tokens a row."""
+    from transformers import LogitsProcessorList
+
+    b0 = time.perf_counter()
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    tally.n_in += int(enc["attention_mask"].sum())
+    rows = enc["input_ids"].shape[0]
+    if a.labels:
+        tally.n_computed += _score_labels(model, tok, enc, a.labels.split(","))
+        tally.add_times(rows, time.perf_counter() - b0, 0.0)
+        return
+    first = _first_logits_class()()
+    out = model.generate(**enc, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False,
+                         pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([first]))
+    b1 = time.perf_counter()
+    tally.n_out += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    tally.n_computed += int(enc["input_ids"].numel())
+    tally.add_times(rows, first.t - b0, b1 - first.t)
+
+
+def _hf_figures(a: argparse.Namespace, rows: int, tally: _HFTally, wall: float, load: float) -> dict:
+    import torch
+    import transformers
+
+    row_prefill, row_decode = sorted(tally.row_prefill), sorted(tally.row_decode)
+    return {
+        "wall_s": wall, "model_load_s": load, "rows": rows, "prompt_tokens": tally.n_in,
+        "completion_tokens": tally.n_out, "prompt_tokens_computed": tally.n_computed, "prefill_s": tally.prefill,
+        "decode_s": wall - tally.prefill,
+        "row_prefill_s_p50": row_prefill[len(row_prefill) // 2] if row_prefill else None,
         "row_decode_s_p50": row_decode[len(row_decode) // 2] if row_decode else None,
         "batch": a.batch, "dtype": "float32", "threads": torch.get_num_threads(),
         "transformers": transformers.__version__, "model_source": a.model,
         "mode": "classify" if a.labels else "generate",
     }
+
+
+def transformers_child(argv: list[str]) -> None:
+    """Runs in the child: load (timed), then generate or score over the prompts (timed)."""
+    a = _child_args(argv)
+    t0 = time.perf_counter()
+    tok, model = _load_hf(a.model, a.tokenizer)
+    load = time.perf_counter() - t0
+    prompts = _read_prompts(a.prompts, a.limit)
+    import torch
+
+    tally = _HFTally()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), a.batch):
+            _hf_batch(model, tok, prompts[i:i + a.batch], a, tally)
+    wall = time.perf_counter() - start
+    figures = _hf_figures(a, len(prompts), tally, wall, load)
     Path(a.out).write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures))
 

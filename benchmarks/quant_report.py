@@ -152,10 +152,11 @@ def run(args) -> list[Row]:
     from engine.model_runner import ModelRunner
     from engine.quant import check_quantization, w8a8_backend
     from engine.runtime import resolve_device, resolve_dtype
+    from jobrunner.models import resolve_model
 
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
-    bundle = load_model_bundle(args.model)
+    bundle = load_model_bundle(resolve_model(args.model))
     tok = bundle.tokenizer
     base = None
     rows = []

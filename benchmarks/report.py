@@ -116,7 +116,8 @@ def _pct(x):
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def markdown(result: dict) -> str:
+def _md_header(result: dict) -> list[str]:
+    """Suite, command, machine and versions, threads and load."""
     lines = [f"## Suite `{result['suite']}`: {result.get('started', '')}", ""]
     lines.append(f"Command: `{result.get('command', '')}`  ")
     m, g = result.get("machine", {}), result.get("git", {})
@@ -127,64 +128,94 @@ def markdown(result: dict) -> str:
     lines.append(f"Compute threads per system: {result.get('threads', 'default')}  ")
     lines.append(f"Load: {result.get('load_note', '')}")
     lines.append("")
-    lines.append("| case | system | wall s | load s | rows | prompt tok | output tok | prompt tok/s | output tok/s "
-                 "| prefill s / decode s | cache hit of optimum (reached) | peak RSS MB | other load | "
-                 "jobrunner speed-up |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    return lines
+
+
+def _md_run_row(case: dict, r: dict) -> str:
+    """One run's row of the main table (skipped and failed runs: the reason, then empty cells)."""
+    name = r.get("label", r.get("system"))
+    if r.get("skipped"):
+        return f"| {case['name']} | {name} | skipped: {r['skipped']} |" + " |" * 11
+    if r.get("error"):
+        first = r["error"].splitlines()[0]
+        return f"| {case['name']} | {name} | FAILED: {first} |" + " |" * 11
+    cache = "-"
+    if r.get("cache_hit_rate") is not None:
+        opt = r.get("optimum_cache_hit_rate")
+        reached = r["cache_hit_rate"] / opt if opt else None
+        cache = f"{_pct(r['cache_hit_rate'])} of {_pct(opt)} ({_pct(reached)})"
+    split = f"{_f(r.get('prefill_s'))} / {_f(r.get('decode_s'))}" if r.get("prefill_s") is not None else "-"
+    ratio = case.get("speedups", {}).get(name)
+    return (f"| {case['name']} | {name} | {_f(r.get('wall_s'), 2)} | {_f(r.get('model_load_s'))} | "
+            f"{_f(r.get('rows'))} | {_f(r.get('prompt_tokens'))} | {_f(r.get('completion_tokens'))} | "
+            f"{_f(r.get('prompt_tokens_per_s'))} | {_f(r.get('output_tokens_per_s'))} | {split} | {cache} | "
+            f"{_f(r.get('peak_rss_mb'), 0)} | {_f(r.get('other_load_cores'), 2)} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+
+
+def _md_runs_table(result: dict) -> list[str]:
+    lines = ["| case | system | wall s | load s | rows | prompt tok | output tok | prompt tok/s | output tok/s "
+             "| prefill s / decode s | cache hit of optimum (reached) | peak RSS MB | other load | "
+             "jobrunner speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in result.get("cases", []):
         for r in case.get("runs", []):
-            name = r.get("label", r.get("system"))
-            if r.get("skipped"):
-                lines.append(f"| {case['name']} | {name} | skipped: {r['skipped']} |" + " |" * 11)
-                continue
-            if r.get("error"):
-                first = r["error"].splitlines()[0]
-                lines.append(f"| {case['name']} | {name} | FAILED: {first} |" + " |" * 11)
-                continue
-            cache = "-"
-            if r.get("cache_hit_rate") is not None:
-                opt = r.get("optimum_cache_hit_rate")
-                reached = r["cache_hit_rate"] / opt if opt else None
-                cache = f"{_pct(r['cache_hit_rate'])} of {_pct(opt)} ({_pct(reached)})"
-            split = f"{_f(r.get('prefill_s'))} / {_f(r.get('decode_s'))}" if r.get("prefill_s") is not None else "-"
-            ratio = case.get("speedups", {}).get(name)
-            lines.append(
-                f"| {case['name']} | {name} | {_f(r.get('wall_s'), 2)} | {_f(r.get('model_load_s'))} | "
-                f"{_f(r.get('rows'))} | {_f(r.get('prompt_tokens'))} | {_f(r.get('completion_tokens'))} | "
-                f"{_f(r.get('prompt_tokens_per_s'))} | {_f(r.get('output_tokens_per_s'))} | {split} | {cache} | "
-                f"{_f(r.get('peak_rss_mb'), 0)} | {_f(r.get('other_load_cores'), 2)} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+            lines.append(_md_run_row(case, r))
+    return lines
+
+
+def _md_comparisons(result: dict) -> list[str]:
     extra = list(result.get("comparisons", []))
-    if extra:
-        if result.get("load_loaded"):
-            lines += ["", "**From a loaded machine**: the issues' targets assume a quiet one; compare ratios "
-                          "measured side by side, not absolute times."]
-        lines += ["", "| comparison | figure |", "|---|---|"]
-        for c in extra:
-            lines.append(f"| {c['name']} | {c['text']} |")
+    if not extra:
+        return []
+    lines = []
+    if result.get("load_loaded"):
+        lines += ["", "**From a loaded machine**: the issues' targets assume a quiet one; compare ratios "
+                      "measured side by side, not absolute times."]
+    lines += ["", "| comparison | figure |", "|---|---|"]
+    for c in extra:
+        lines.append(f"| {c['name']} | {c['text']} |")
+    return lines
+
+
+def _md_metrics(result: dict) -> list[str]:
     metrics = [(c["name"], r.get("label", r["system"]), r["metrics"]) for c in result.get("cases", [])
                for r in c.get("runs", []) if r.get("metrics")]
-    if metrics:
-        lines += ["", "| case | system | job metrics |", "|---|---|---|"]
-        for case, sysname, mt in metrics:
-            shown = {k: v for k, v in mt.items() if not isinstance(v, (dict, list))}
-            lines.append(f"| {case} | {sysname} | "
-                         f"{', '.join(f'{k} {_f(v, 3)}' for k, v in shown.items())} |")
+    if not metrics:
+        return []
+    lines = ["", "| case | system | job metrics |", "|---|---|---|"]
+    for case, sysname, mt in metrics:
+        shown = {k: v for k, v in mt.items() if not isinstance(v, (dict, list))}
+        lines.append(f"| {case} | {sysname} | "
+                     f"{', '.join(f'{k} {_f(v, 3)}' for k, v in shown.items())} |")
+    return lines
+
+
+def _md_checks(result: dict) -> list[str]:
+    """The checks' verdict, then each problem, note and plot."""
     problems = result.get("problems", [])
-    lines += ["", f"Checks: {'all figures present and consistent with the workloads' if not problems else ''}"]
+    lines = ["", f"Checks: {'all figures present and consistent with the workloads' if not problems else ''}"]
     for p in problems:
         lines.append(f"- PROBLEM: {p}")
     for n in result.get("notes", []):
         lines.append(f"- note: {n}")
     for p in result.get("plots", []):
         lines.append(f"- plot: {p}")
-    lines += ["", "Columns: wall excludes model load (load s). Tokens/s are over that wall. Prefill/decode: "
-              "jobrunner, time with at least one prompt in prefill vs the rest; transformers, time to each batch's "
-              "first logits vs the rest. Cache hit: share of prompt tokens served from the prefix cache, against "
-              "the best any cache could do for this dataset (every repeated prefix token cached), and the share "
-              "of that optimum reached. Other load: "
-              "cores used by other processes during the run (0 = quiet). Speed-up: this system's wall / "
-              "jobrunner's wall on the same case.", ""]
+    return lines
+
+
+_MD_COLUMNS = ("Columns: wall excludes model load (load s). Tokens/s are over that wall. Prefill/decode: "
+               "jobrunner, time with at least one prompt in prefill vs the rest; transformers, time to each batch's "
+               "first logits vs the rest. Cache hit: share of prompt tokens served from the prefix cache, against "
+               "the best any cache could do for this dataset (every repeated prefix token cached), and the share "
+               "of that optimum reached. Other load: "
+               "cores used by other processes during the run (0 = quiet). Speed-up: this system's wall / "
+               "jobrunner's wall on the same case.")
+
+
+def markdown(result: dict) -> str:
+    lines = (_md_header(result) + _md_runs_table(result) + _md_comparisons(result) + _md_metrics(result)
+             + _md_checks(result) + ["", _MD_COLUMNS, ""])
     return "\n".join(lines)
 
 

@@ -138,35 +138,38 @@ def measure_copy_bandwidth(device) -> float:
 
 # ------------------------------------------------------------------------------ runs
 
-def run_ours(args, work) -> dict:
-    import torch
-
+def _engine_config(args):
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from jobrunner.models import resolve_model
+
+    return EngineConfig(model=resolve_model(args.model), device=args.device, dtype=args.dtype, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads,
+                        cuda_graphs=not args.eager, async_scheduling=not args.sync_scheduling)
+
+
+def _warm_up(engine, args, sync) -> float:
+    """Runs args.warmup short requests before timing; their seconds (0.0: no warm-up)."""
     from engine.request import Request, SamplingParams
 
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                       enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads,
-                       cuda_graphs=not args.eager, async_scheduling=not args.sync_scheduling)
-    t0 = time.perf_counter()
-    engine = Engine(cfg)
-    load = time.perf_counter() - t0
-    rt = engine.rt
-    sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
-    if args.warmup:
-        rng = random.Random(args.seed + 1)
-        vocab = rt.model_config.vocab_size
-        warm = [Request(f"warmup-{k}", [rng.randrange(16, vocab) for _ in range(32 + 8 * k)],
-                        SamplingParams(max_tokens=8, ignore_eos=True)) for k in range(args.warmup)]
-        tw = time.perf_counter()
-        engine.generate(warm)
-        sync()
-        warm_s = time.perf_counter() - tw
-    else:
-        warm_s = 0.0
-    engine.reset_counters()
+    if not args.warmup:
+        return 0.0
+    rng = random.Random(args.seed + 1)
+    vocab = engine.rt.model_config.vocab_size
+    warm = [Request(f"warmup-{k}", [rng.randrange(16, vocab) for _ in range(32 + 8 * k)],
+                    SamplingParams(max_tokens=8, ignore_eos=True)) for k in range(args.warmup)]
+    tw = time.perf_counter()
+    engine.generate(warm)
+    sync()
+    return time.perf_counter() - tw
+
+
+def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
+    """Adds the workload's requests and steps the engine until done or past --time-limit
+    (profiling --profile-steps of them); (requests finished, truncated, elapsed seconds)."""
+    from engine.request import Request, SamplingParams
+
     reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True)) for i, (ids, o) in enumerate(work)]
     sync()
     start = time.perf_counter()
@@ -184,8 +187,12 @@ def run_ours(args, work) -> dict:
             truncated = engine.has_unfinished()
             break
     sync()
-    elapsed = time.perf_counter() - start
-    c = engine.counters
+    return finished, truncated, time.perf_counter() - start
+
+
+def _our_figures(args, engine, work, finished: int, elapsed: float) -> dict:
+    """figures() from the engine's counters, with the weight bytes averaged over the model as loaded."""
+    rt, c = engine.rt, engine.counters
     planned = sum(len(ids) + o for ids, o in work)
     done_prompt = c.prompt_tokens_computed + c.prompt_tokens_cached
     # bytes a weight takes, averaged over the model as loaded (quantized or not)
@@ -195,9 +202,27 @@ def run_ours(args, work) -> dict:
     arith = model_arith(rt.model_config, rt.weight_bytes / unique, rt.kv_dtype.itemsize)
     peak_tf, peak_bw = peaks(args, rt.device)
     done = min(1.0, (done_prompt + c.generated_tokens) / planned)
-    out = figures(elapsed=elapsed, prompt_done=done_prompt, prompt_computed=c.prompt_tokens_computed,
-                  generated=c.generated_tokens, steps=c.steps, requests=finished, work=work, arith=arith,
-                  peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=done)
+    return figures(elapsed=elapsed, prompt_done=done_prompt, prompt_computed=c.prompt_tokens_computed,
+                   generated=c.generated_tokens, steps=c.steps, requests=finished, work=work, arith=arith,
+                   peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=done)
+
+
+def run_ours(args, work) -> dict:
+    import torch
+
+    from engine.engine import Engine
+
+    cfg = _engine_config(args)
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    load = time.perf_counter() - t0
+    rt = engine.rt
+    sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
+    warm_s = _warm_up(engine, args, sync)
+    engine.reset_counters()
+    finished, truncated, elapsed = _timed_run(engine, args, work, sync)
+    c = engine.counters
+    out = _our_figures(args, engine, work, finished, elapsed)
     out.update(engine="jobrunner", model=args.model, device=str(rt.device), dtype=str(rt.dtype).replace("torch.", ""),
                kv_blocks=rt.num_blocks, load_s=load, warmup_s=warm_s, truncated=truncated,
                preemptions=c.preemptions, cached_prompt_tokens=c.prompt_tokens_cached,
@@ -230,21 +255,24 @@ def profile_steps(engine, n: int, sync) -> int:
     return finished
 
 
-def run_transformers(args, work) -> dict:
-    """HF transformers batched greedy generate on the same prompts (the peer). Rows of a batch
-    generate the batch's longest output length; each row counts only its own."""
+def _hf_device_dtype(args):
+    """(torch device, torch dtype) for the transformers peer from --device and --dtype."""
+    import torch
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    return device, dtype
+
+
+def _load_hf_model(model_name: str, device, dtype):
+    """A transformers model: random weights from a dummy:<name or config> spec, else from_pretrained."""
     import torch
     import transformers
 
     from engine.loader import DUMMY_CONFIGS
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    if args.threads and device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    if args.model.startswith("dummy:"):
-        spec = args.model[len("dummy:"):]
+    if model_name.startswith("dummy:"):
+        spec = model_name[len("dummy:"):]
         if spec in DUMMY_CONFIGS:
             hf = dict(DUMMY_CONFIGS[spec])
         else:
@@ -255,45 +283,73 @@ def run_transformers(args, work) -> dict:
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(conf, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
     model.eval()
-    load = time.perf_counter() - t0
-    cfg = model.config
-    generated = prompt = steps = computed = finished = 0
-    truncated = False
+    return model
+
+
+def _hf_generate_batch(model, batch, device) -> int:
+    """Left-padded greedy generate of one batch to its longest output length; that length."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    new = max(o for _, o in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for k, (p, _) in enumerate(batch):          # left padding
+        ids[k, width - len(p):] = torch.tensor(p)
+        mask[k, width - len(p):] = 1
+    model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                   min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return new
+
+
+def _hf_timed_run(model, args, work, device) -> dict:
+    """Generates the workload in --hf-batch batches until done or past --time-limit; the counts and elapsed_s."""
+    import torch
+
+    n = dict(generated=0, prompt=0, steps=0, computed=0, finished=0, truncated=False)
     start = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(work), args.hf_batch):
             batch = work[b:b + args.hf_batch]
-            width = max(len(ids) for ids, _ in batch)
-            new = max(o for _, o in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for k, (p, _) in enumerate(batch):          # left padding
-                ids[k, width - len(p):] = torch.tensor(p)
-                mask[k, width - len(p):] = 1
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=0)
-            prompt += sum(len(p) for p, _ in batch)
-            computed += sum(len(p) for p, _ in batch)
-            generated += sum(o for _, o in batch)
-            steps += new
-            finished += len(batch)
+            new = _hf_generate_batch(model, batch, device)
+            n["prompt"] += sum(len(p) for p, _ in batch)
+            n["computed"] += sum(len(p) for p, _ in batch)
+            n["generated"] += sum(o for _, o in batch)
+            n["steps"] += new
+            n["finished"] += len(batch)
             if args.time_limit and time.perf_counter() - start > args.time_limit and b + args.hf_batch < len(work):
-                truncated = True
+                n["truncated"] = True
                 break
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    n["elapsed_s"] = time.perf_counter() - start
+    return n
+
+
+def run_transformers(args, work) -> dict:
+    """HF transformers batched greedy generate on the same prompts (the peer). Rows of a batch
+    generate the batch's longest output length; each row counts only its own."""
+    import torch
+    import transformers
+
+    device, dtype = _hf_device_dtype(args)
+    if args.threads and device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = _load_hf_model(args.model, device, dtype)
+    load = time.perf_counter() - t0
+    n = _hf_timed_run(model, args, work, device)
     from engine.model_config import ModelConfig
-    mc = ModelConfig.from_hf({**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    mc = ModelConfig.from_hf({**model.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     arith = model_arith(mc, dtype.itemsize, dtype.itemsize)
     peak_tf, peak_bw = peaks(args, device)
-    out = figures(elapsed=elapsed, prompt_done=prompt, prompt_computed=computed, generated=generated, steps=steps,
-                  requests=finished, work=work[:finished], arith=arith, peak_tflops=peak_tf, peak_tbps=peak_bw,
-                  fraction=1.0)
+    out = figures(elapsed=n["elapsed_s"], prompt_done=n["prompt"], prompt_computed=n["computed"],
+                  generated=n["generated"], steps=n["steps"], requests=n["finished"], work=work[:n["finished"]],
+                  arith=arith, peak_tflops=peak_tf, peak_tbps=peak_bw, fraction=1.0)
     out.update(engine=f"transformers {transformers.__version__} (batch {args.hf_batch})", model=args.model,
-               device=str(device), dtype=str(dtype).replace("torch.", ""), load_s=load, truncated=truncated)
+               device=str(device), dtype=str(dtype).replace("torch.", ""), load_s=load, truncated=n["truncated"])
     return out
 
 
@@ -351,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from engine.loader import load_model_bundle
-    vocab = load_model_bundle(args.model).config.vocab_size
+    from jobrunner.models import resolve_model
+    vocab = load_model_bundle(resolve_model(args.model)).config.vocab_size
     work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     r = run_ours(args, work) if args.engine == "ours" else run_transformers(args, work)
     r.update(num_prompts=args.num_prompts, input_len=list(args.input_len), output_len=list(args.output_len))

@@ -1,19 +1,24 @@
-"""Engine configuration: one frozen dataclass built once by the caller."""
+"""Engine configuration: one frozen dataclass built once by the caller, and the choices its
+fields take (the CLI offers these same tuples)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # fixed CPU budget (about 46k tokens of the default model); GPUs size from free memory
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL          # known name, local path, fsspec URL, or "dummy:<config.json>"
+    model: str                          # local path or fsspec URL of a checkpoint (HF directory or .gguf),
+                                        # or "dummy:<name or config.json>" (random weights); no names
     dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                # auto | cpu | cuda | cuda:N
-    quantization: str = "none"          # none | int8 | int4 | w8a8 | fp8
-    kv_cache_dtype: str = "auto"        # auto | int8 | fp8
+    quantization: str = "none"          # one of QUANTIZATIONS
+    kv_cache_dtype: str = "auto"        # one of KV_CACHE_DTYPES
     kv_cache_memory: int | None = None  # bytes; None: a share of free GPU memory, or CPU_KV_CACHE_BYTES
     gpu_memory_share: float = 0.85
     block_size: int = 16
@@ -28,3 +33,13 @@ class EngineConfig:
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local cache directory: the argument, else $JOBRUNNER_CACHE, else ~/.cache/jobrunner.
+    The engine copies remote checkpoints under <cache>/remote/ (engine.loader); the CLI keeps the
+    known models it fetches beside them (jobrunner.models)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("JOBRUNNER_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "jobrunner"

@@ -1,7 +1,6 @@
 """Find a model and open it: config, tokenizer, and a lazy iterator over its weights.
 
-`model` may be:
-  * a known name (engine.hub), pulled into the cache on first use;
+`model` is a checkpoint, never a name (jobrunner.models turns known names into files):
   * a local directory or fsspec URL of an HF model directory (config.json, *.safetensors,
     tokenizer.json, ...); remote files are copied to <cache>/remote/ first, then mmapped;
   * a local path or fsspec URL of a single .gguf file (or of a directory holding one .gguf
@@ -26,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine import hub
+from engine.config import cache_root
 from engine.errors import ModelError
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -61,9 +60,6 @@ def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) ->
     """Open `model` (see the module docstring); raises ModelError with a clear message."""
     if model.startswith("dummy:"):
         return _load_dummy(model[len("dummy:"):])
-    if model in hub.KNOWN_MODELS:
-        path = hub.pull(model, cache_dir)
-        return _load_gguf(path, source=f"{model} ({path})")
     fs, path = _url_to_fs(model)
     try:
         return _load_path(fs, path, model, cache_dir)
@@ -76,9 +72,9 @@ def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) ->
 def _load_path(fs, path: str, model: str, cache_dir) -> ModelBundle:
     if not fs.exists(path):
         raise ModelError(
-            f"model {model!r} is not a known model name, an existing path or a reachable URL. "
-            f"Known models: {', '.join(sorted(hub.KNOWN_MODELS))}; "
-            f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
+            f"model {model!r} is not an existing path or a reachable URL: give an HF model directory, a .gguf "
+            f"file or an fsspec URL of one, or dummy:<name> for random weights "
+            f"({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
     local = _is_local(fs)
     if fs.isdir(path) and not fs.exists(posixpath.join(path, "config.json")):
         ggufs = [p for p in fs.ls(path, detail=False) if p.endswith(".gguf")]
@@ -248,7 +244,7 @@ def _has_gguf_magic(fs, path: str) -> bool:
 
 
 def _remote_dir(url: str, cache_dir) -> Path:
-    return hub.cache_root(cache_dir) / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    return cache_root(cache_dir) / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _copy_hf_dir(fs, path: str, url: str, cache_dir) -> Path:

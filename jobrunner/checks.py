@@ -48,7 +48,7 @@ def check_template(cfg: JobConfig, columns: list[str]):
 
 def check_output(cfg: JobConfig) -> None:
     """The output's problems, before a model loads; creates the directory (OSError if it can't)."""
-    from jobrunner.writer import OutputError, check_output
+    from jobrunner.output import OutputError, check_output
     try:
         check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.overwrite)
     except OutputError as e:
@@ -80,11 +80,14 @@ def load_engine(cfg: JobConfig):
     from engine.config import ConfigError
     from engine.engine import Engine
     from engine.errors import ModelError
+    from jobrunner.models import describe
+    config = cfg.engine_config()                # a known model name is pulled here, on first use
     try:
-        engine = Engine(cfg.engine_config())
+        engine = Engine(config)
     except (ModelError, ConfigError) as e:
         raise JobConfigError(str(e)) from None
     rt = engine.rt
+    rt.source = describe(cfg.model, rt.source)     # logs and the manifest name a known model and its file
     log.info("model %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device,
              str(rt.dtype).removeprefix("torch."), rt.num_blocks, cfg.block_size, rt.load_s)
     if cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
@@ -93,7 +96,7 @@ def load_engine(cfg: JobConfig):
 
 
 def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part"):
-    from jobrunner.writer import OutputError
+    from jobrunner.output import OutputError
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
                           part_prefix=part_prefix, flush_seconds=cfg.flush_seconds)

@@ -7,173 +7,23 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
-import tomllib
 
 import click
 
-from jobrunner.config import FORMATS, KINDS, JobConfig, JobConfigError, config_fields, field_value
-
-D = JobConfig("")      # the defaults
-
-
-def _job_options(f):
-    opts = [
-        # input
-        click.option("--format", "format", type=click.Choice(FORMATS), default=D.format, show_default=True,
-                     help="Input format; auto: from the file extension (a JSONL of OpenAI batch requests is "
-                          "openai-batch)."),
-        click.option("--id-column", default=D.id_column, show_default=True, help="Row id column; else the row number."),
-        click.option("--prompt-column", default=D.prompt_column, show_default=True,
-                     help="Column holding each row's prompt text."),
-        click.option("--messages-column", help="Column holding a chat messages list [{role, content}, ...] "
-                                               "(always rendered through the chat template)."),
-        click.option("--limit", type=int, help="Only the first N rows."),
-        click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                     help="TOML job file; any option by name (e.g. max_tokens = 64); the command line wins."),
-        # prompt
-        click.option("--template", help="Prompt template filled from columns: {column}; {{ and }} are braces; "
-                                        "\\n, \\t and \\\\ are a newline, a tab and a backslash, here as in TOML. "
-                                        'E.g. "Review: {text}\\nSentiment:".'),
-        click.option("--system", help="System prompt for every row (same escapes as --template); without the chat "
-                                      "template it goes before the prompt and a blank line."),
-        click.option("--chat/--no-chat", default=None,
-                     help="Render plain prompts through the model's chat template. Default by kind: generate "
-                          "does when the model has one; classify and score use raw text (as lm-eval and vLLM's "
-                          "prompt logprobs do). Messages always use it."),
-        click.option("--show-prompt", is_flag=True, default=False,
-                     help="submit: log the first row's rendered prompt (the text the tokenizer gets)."),
-        # generation
-        click.option("--max-tokens", type=int, default=D.max_tokens, show_default=True,
-                     help="Tokens to generate at most per sample."),
-        click.option("--temperature", type=float, default=D.temperature, show_default=True,
-                     help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", type=float, default=D.top_p, show_default=True,
-                     help="Nucleus sampling: keep the smallest set of tokens with this much probability."),
-        click.option("--top-k", type=int, default=D.top_k, show_default=True,
-                     help="Keep the k most likely tokens; 0 keeps all."),
-        click.option("--min-p", type=float, default=D.min_p, show_default=True,
-                     help="Drop tokens less likely than this fraction of the most likely one."),
-        click.option("--seed", type=int, help="Sampling seed (per row, so outputs don't depend on batching)."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--ignore-eos", is_flag=True, default=False, help="Generate max-tokens even past end-of-sequence."),
-        click.option("--n", type=int, default=D.n, show_default=True, help="Samples per prompt (rows get sample_index)."),
-        # job kinds
-        click.option("--kind", type=click.Choice(KINDS), default=D.kind, show_default=True,
-                     help="generate text, classify by label scoring, or score a completion's log-likelihood."),
-        click.option("--labels", help="classify: comma-separated labels, e.g. positive,negative,neutral."),
-        click.option("--labels-column", help="classify: column with each row's list of labels."),
-        click.option("--normalize", type=click.Choice(["sum", "mean"]), default=D.normalize, show_default=True,
-                     help="classify: sum or per-token mean of a label's logprobs."),
-        click.option("--reference-column", help="Evaluate against this column: per-row `correct`, summary accuracy."),
-        click.option("--match", type=click.Choice(["exact", "normalized", "contains"]), default=D.match,
-                     show_default=True, help="How an output is compared with --reference-column."),
-        click.option("--score-column", help="score: the column whose log-likelihood after the prompt is measured."),
-        # output
-        click.option("-o", "--output", help="Output directory URL (default: the dataset's path + .results, "
-                                            "e.g. x.csv -> x.csv.results). Rows come in completion order, "
-                                            "not input order: join on id."),
-        click.option("--output-format", type=click.Choice(["parquet", "openai-batch"]), default=D.output_format,
-                     show_default=True, help="openai-batch also writes an OpenAI Batch API output file."),
-        click.option("--part-rows", type=int, default=D.part_rows, show_default=True, help="Rows per output part."),
-        click.option("--flush-seconds", type=float, default=D.flush_seconds, show_default=True,
-                     help="Write a part at least this often, so a kill loses at most this much finished work."),
-        click.option("--overwrite", is_flag=True, default=False,
-                     help="Replace an existing jobrunner output (never a directory that is not one)."),
-        click.option("--max-error-rate", type=float, help="Fail (exit 3) when more than this fraction of rows failed."),
-        click.option("--fail-on-empty", is_flag=True, default=False,
-                     help="Exit 2 when the dataset has no rows (else 0, with a warning)."),
-        click.option("--device-hourly-cost", type=float, help="USD per device-hour, for cost figures."),
-        # model and engine
-        click.option("-m", "--model", default=D.model, show_default=True,
-                     help="Known model name, local HF directory, .gguf file, fsspec URL, or dummy:<config>."),
-        click.option("--device", default=D.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
-        click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
-        click.option("--quantization", type=click.Choice(["none", "int8", "int4", "w8a8", "fp8"]),
-                     default=D.quantization, show_default=True,
-                     help="Weight quantization (w8a8: the CPU speed mode; fp8: sm_89+ GPUs)."),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=D.kv_cache_dtype,
-                     show_default=True, help="KV cache storage; int8 and fp8 store it in 8 bits, so more rows fit."),
-        click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "
-                                               "a share of free GPU memory)."),
-        click.option("--block-size", type=int, default=D.block_size, show_default=True,
-                     help="Tokens per KV cache block."),
-        click.option("--max-num-seqs", type=int, help="Sequences in flight at once (default: 256 on CPU, 1024 on a GPU)."),
-        click.option("--max-batched-tokens", type=int,
-                     help="Tokens a step computes at most (default: 2048 on CPU, 8192 on a GPU)."),
-        click.option("--plan/--no-plan", default=D.plan, show_default=True,
-                     help="Order rows so shared prefixes run back to back."),
-        click.option("--prefix-cache/--no-prefix-cache", default=D.prefix_cache, show_default=True,
-                     help="Reuse the KV cache of prompt prefixes already computed."),
-        click.option("--cuda-graphs/--no-cuda-graphs", default=D.cuda_graphs, show_default=True,
-                     help="On a GPU, replay captured CUDA graphs for decode steps."),
-        click.option("--async-scheduling/--no-async-scheduling", default=D.async_scheduling, show_default=True,
-                     help="Schedule and prepare each step while the one before runs on the device."),
-        # parallel
-        click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),
-        click.option("-v", "--verbose", is_flag=True, help="Debug logging."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-# Sections of `submit --help` and `validate --help`, in order (parameter names); "Other" takes the rest.
-OPTION_GROUPS = {
-    "Input": ("format", "id_column", "prompt_column", "messages_column", "limit", "config_file"),
-    "Prompt": ("template", "system", "chat", "show_prompt"),
-    "Generation": ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "n"),
-    "Job kind": ("kind", "labels", "labels_column", "normalize", "reference_column", "match", "score_column"),
-    "Output": ("output", "output_format", "part_rows", "overwrite", "max_error_rate", "fail_on_empty",
-               "device_hourly_cost", "flush_seconds"),
-    "Model and engine": ("model", "device", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory",
-                         "block_size", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs",
-                         "async_scheduling"),
-    "Parallel": ("data_parallel",),
-}
-
-
-class GroupedCommand(click.Command):
-    """A command whose help lists its options in the sections of OPTION_GROUPS."""
-
-    def format_options(self, ctx, formatter):
-        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
-        left = {name: rec for name, rec in records.items() if rec}     # shrinks as sections take options
-        sections = [*OPTION_GROUPS.items(), ("Other", tuple(left))]
-        for title, names in sections:
-            rows = [left.pop(n) for n in names if n in left]
-            if rows:
-                with formatter.section(f"{title} options"):
-                    formatter.write_dl(rows)
-
-
-def _read_toml(path: str) -> dict:
-    """The job file's values, by field name, checked and converted (config.field_value)."""
-    try:
-        with open(path, "rb") as fh:
-            values = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise JobConfigError(f"cannot read --config {path}: {e}") from None
-    values = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(values) - set(config_fields()))
-    if unknown:
-        raise JobConfigError(f"--config: unknown keys {', '.join(unknown)}")
-    try:
-        return {k: field_value(k, v) for k, v in values.items()}
-    except JobConfigError as e:
-        raise JobConfigError(f"--config {path}: {e}") from None
+from jobrunner.cli_options import GroupedCommand, job_options
+from jobrunner.config import JobConfig, JobConfigError, config_fields
 
 
 def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
-    """Command line over TOML file over JobConfig's defaults (which the options' defaults show)."""
-    values = _read_toml(params["config_file"]) if params.get("config_file") else {}
+    """Command line over TOML file over JobConfig's defaults (which the options' defaults show):
+    the options given on the command line, through the API's build_config."""
+    from jobrunner.api import build_config as build
     known = config_fields()
-    for name, value in params.items():
-        source = ctx.get_parameter_source(name)
-        if name in known and source not in (click.core.ParameterSource.DEFAULT, None):
-            values[name] = field_value(name, value)
-    values["dataset"] = dataset or values.get("dataset", "")
-    return JobConfig(**values)
+    given = {name: value for name, value in params.items()
+             if name in known and ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
+    return build(dataset, given, params.get("config_file"))
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -212,7 +62,7 @@ def main():
 
 @main.command(cls=GroupedCommand)
 @click.argument("dataset")
-@_job_options
+@job_options
 @click.pass_context
 def submit(ctx, dataset, **params):
     """Run a job to completion in the foreground.
@@ -232,8 +82,14 @@ def submit(ctx, dataset, **params):
       jobrunner submit batch.jsonl --format openai-batch --output-format openai-batch
     """
     _setup_logging(params["verbose"])
+    from jobrunner.api import OutputStorageError, run
+    from jobrunner.job import EXIT_STORAGE
     try:
-        result = _submit(ctx, dataset, params)
+        result = run(build_config(ctx, dataset, params))
+    except JobConfigError as e:
+        _fail_config(e)
+    except OutputStorageError as e:
+        _fail(EXIT_STORAGE, str(e))
     except KeyboardInterrupt:
         click.echo(err=True)    # past the ^C on the terminal
         _interrupted()
@@ -241,34 +97,9 @@ def submit(ctx, dataset, **params):
     sys.exit(result.exit_code)
 
 
-def _submit(ctx, dataset: str, params: dict):
-    """Prepare and run the job; a failure a user can cause exits with its code and a message."""
-    from jobrunner.dataset import DatasetError
-    from jobrunner.job import EXIT_STORAGE, Job
-    from jobrunner.parallel import run_parallel, wants_parallel
-    from jobrunner.writer import OutputError
-    job = None
-    try:
-        cfg = build_config(ctx, dataset, params)
-        if not wants_parallel(cfg):     # else one worker per device, or a rank under torchrun: jobrunner.parallel
-            job = Job(cfg)
-            job.prepare()
-    except (JobConfigError, DatasetError) as e:
-        _fail_config(e)
-    except OSError as e:                # the output directory can't be created (checks.check_output)
-        _fail(EXIT_STORAGE, f"{e}; check the path and its permissions, or choose another --output")
-    try:
-        return job.run() if job is not None else run_parallel(cfg)
-    except (JobConfigError, DatasetError) as e:
-        _fail_config(e)
-    except (OSError, OutputError) as e:  # the writer's OutputError at run time is a failed write
-        _fail(EXIT_STORAGE, f"output storage failed: {e}. Nothing written is lost; "
-                            "fix the storage and run the same command again to resume.")
-
-
 @main.command(cls=GroupedCommand)
 @click.argument("dataset")
-@_job_options
+@job_options
 @click.pass_context
 def validate(ctx, dataset, **params):
     """Check a dataset and options, count prompt tokens and estimate time, without generating."""
@@ -294,11 +125,13 @@ def validate(ctx, dataset, **params):
 
 @main.command()
 @click.argument("output")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def stats(output, as_json):
+@click.option("--all", "show_all", is_flag=True, help="Print every figure (latency percentiles, prefix optimum, "
+                                                     "engine counters, each run), not the ten-line summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON (the whole _stats.json).")
+def stats(output, show_all, as_json):
     """Print a job's summary; for a job killed before any run ended, a partial one from its parts."""
     from jobrunner.summary import job_summary
-    from jobrunner.writer import OutputError, read_manifest, read_stats
+    from jobrunner.output import OutputError, read_manifest, read_stats
     try:
         s = read_stats(output)
         if s is None:       # no run wrote stats (killed): the rows' figures from the parts written so far
@@ -311,14 +144,92 @@ def stats(output, as_json):
         click.echo("partial summary: the job did not finish; figures over the rows written so far", err=True)
     if as_json:
         click.echo(json.dumps(s, indent=2))
+    elif show_all:
+        _print_all(s, output)
     else:
         _print_summary(s, output)
+
+
+def _print_summary(s: dict, output: str) -> None:
+    """The summary a person reads at the end of a job: about ten lines. `jobrunner stats --all`
+    prints every figure, `--json` the whole _stats.json."""
+    click.echo("\n".join(summary_lines(s, output)))
+
+
+def summary_lines(s: dict, output: str) -> list[str]:
+    """Rows, tokens, cache hits, time, throughput, cost, metrics, device, and where the output and
+    the full figures are; a line only when the summary has its figures (a partial one has no times)."""
+    lines = [("output", output)]
+    if "rows" in s:
+        failed = s.get("rows_failed") or 0
+        note = " (their errors are in the `error` column)" if failed else ""
+        lines.append(("rows", f"{s['rows']:,}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
+    if "prompt_tokens" in s:
+        lines.append(("tokens", f"{s['prompt_tokens']:,} prompt, {s.get('completion_tokens', 0):,} completion"))
+        hits = f"{s.get('cache_hit_rate') or 0:.1%} of prompt tokens from the prefix cache"
+        if s.get("optimum_cache_hit_rate") is not None:
+            hits += f" (the dataset's optimum: {s['optimum_cache_hit_rate']:.1%})"
+        lines.append(("cache hits", hits))
+    if s.get("wall_s") is not None:
+        runs = s.get("runs_recorded") or 1
+        wall = _duration(s["wall_s"]) + (f" over {runs} runs" if runs > 1 else "")
+        if s.get("model_load_s"):
+            wall += f", plus {_duration(s['model_load_s'])} loading the model"
+        lines.append(("wall time", wall))
+    if s.get("decode_tokens_per_s") is not None:
+        lines.append(("throughput", f"{_rate(s['decode_tokens_per_s'])} completion tokens/s, "
+                                    f"{_rate(s.get('prefill_tokens_per_s') or 0)} prompt tokens/s, "
+                                    f"{_rate(s.get('rows_per_s') or 0)} rows/s"))
+    if s.get("cost_usd") is not None:
+        per_m = s.get("cost_per_million_tokens")
+        lines.append(("cost", _usd(s["cost_usd"]) + (f", {_usd(per_m)} per million tokens" if per_m else "")))
+    elif "wall_s" in s:
+        lines.append(("cost", "not priced: give --device-hourly-cost (USD per device-hour)"))
+    metrics = s.get("metrics")
+    if isinstance(metrics, dict):
+        shown = [f"{k} {_number(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)) and v is not None]
+        if shown:
+            lines.append(("metrics", ", ".join(shown)))
+    if s.get("device"):
+        devices = s.get("devices") or 1
+        device = str(s["device"]) + (f" x {devices}" if devices > 1 else "")
+        if s.get("quantization") not in (None, "none"):
+            device += f", {s['quantization']} weights"
+        lines.append(("device", device))
+    if s.get("interrupted"):
+        lines.append(("interrupted", "run the same command again to resume"))
+    lines.append(("all figures", f"jobrunner stats --all {shlex.quote(output)} (or _stats.json)"))
+    return [f"{k:12s} {v}" for k, v in lines]
+
+
+def _number(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _usd(v: float) -> str:
+    return f"${v:,.2f}" if v >= 1 else f"${v:.4f}" if v >= 0.01 else f"${v:.6f}"
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    """12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    m, sec = divmod(round(seconds), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
 
 
 _RUN_LINE = ("started_at", "rows", "rows_skipped_done", "wall_s", "decode_tokens_per_s", "device", "interrupted")
 
 
-def _print_summary(s: dict, output: str) -> None:
+def _print_all(s: dict, output: str) -> None:
+    """Every figure of the summary, one a line (`jobrunner stats --all`)."""
     def show(v):
         if isinstance(v, float):
             return f"{v:.4g}"
@@ -344,7 +255,7 @@ def _print_summary(s: dict, output: str) -> None:
 def models(ctx):
     """List known model names and what is cached; `models pull NAME` fetches one."""
     if ctx.invoked_subcommand is None:
-        from engine.hub import known_models
+        from jobrunner.models import known_models
         for m in known_models():
             state = f"cached at {m['path']}" if m["cached"] else "not cached"
             click.echo(f"{m['name']:28s} {m['description']}  [{state}]")
@@ -355,7 +266,7 @@ def models(ctx):
 def pull(name):
     """Fetch a known model into the cache."""
     from engine.errors import ModelError
-    from engine.hub import pull as pull_model
+    from jobrunner.models import pull as pull_model
     try:
         path = pull_model(name)
     except ModelError as e:

@@ -8,10 +8,20 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from engine.request import SamplingParams
+from jobrunner.models import DEFAULT_MODEL
+from jobs import KINDS
+from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
-KINDS = ("generate", "classify", "score")
+# The choices of the options that take one; the command line's click.Choice lists are these same tuples
+# (KINDS: the job kinds by name, jobs.KINDS; QUANTIZATIONS, KV_CACHE_DTYPES: engine.config; MATCH_MODES,
+# NORMALIZE_MODES: jobs.spec).
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
+OUTPUT_FORMATS = ("parquet", "openai-batch")
+__all__ = ["FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS", "QUANTIZATIONS",
+           "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
+           "split_labels"]
 
 
 class JobConfigError(ValueError):
@@ -73,13 +83,41 @@ class JobConfig:
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
     limit: int | None = None                # only the first N rows (for trying a job out)
 
+    # --- the one place the job's configuration becomes the engine's and the job kind's ----------
+
     def engine_config(self) -> EngineConfig:
+        """The engine's configuration. A known model name becomes its local file here, pulled into
+        the cache on first use (jobrunner.models: this may download); JobConfigError when it can't."""
+        from engine.errors import ModelError
+        from jobrunner.models import resolve_model
+        try:
+            model = resolve_model(self.model)
+        except ModelError as e:
+            raise JobConfigError(str(e)) from None
         return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
+            model=model, dtype=self.dtype, device=self.device, quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
             async_scheduling=self.async_scheduling, seed=self.seed or 0)
+
+    def sampling_params(self) -> SamplingParams:
+        """What generate samples with (an OpenAI batch row's body overrides it: jobs.base.sampling_params)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=tuple(self.stop),
+                              ignore_eos=self.ignore_eos, n=self.n)
+
+    def job_spec(self) -> JobSpec:
+        """The job kind's instructions; call after validate()."""
+        return JobSpec(
+            kind=self.kind,
+            prompt=PromptSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
+                              system=self.system, chat=self.chat),
+            sampling=self.sampling_params(),
+            evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
+            classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
+                                  normalize=self.normalize) if self.kind == "classify" else None,
+            score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None)
 
     @property
     def output_url(self) -> str:
@@ -144,19 +182,26 @@ class JobConfig:
             bad("--kind score needs --score-column COL (the text whose log-likelihood is measured)")
         if self.score_column and self.kind != "score":
             bad("--score-column needs --kind score")
-        if self.normalize not in ("sum", "mean"):
-            bad("--normalize must be sum or mean")
-        if self.match not in ("exact", "normalized", "contains"):
-            bad("--match must be exact, normalized or contains")
+        if self.normalize not in NORMALIZE_MODES:
+            bad(f"--normalize must be {_either(NORMALIZE_MODES)}")
+        if self.match not in MATCH_MODES:
+            bad(f"--match must be {_either(MATCH_MODES)}")
         if self.block_size < 1 or any(v is not None and v < 1 for v in (self.max_num_seqs, self.max_batched_tokens)):
             bad("--block-size, --max-num-seqs and --max-batched-tokens must be >= 1")
-        if self.output_format not in ("parquet", "openai-batch"):
-            bad("--output-format must be parquet or openai-batch")
-        if self.quantization not in ("none", "int8", "int4", "w8a8", "fp8"):
-            bad("--quantization must be one of none, int8, int4, w8a8, fp8")
+        if self.output_format not in OUTPUT_FORMATS:
+            bad(f"--output-format must be {_either(OUTPUT_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            bad(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
         check_device(self.device)
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    """('a', 'b', 'c') -> 'a, b or c'."""
+    return f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
 
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

@@ -57,7 +57,7 @@ class Job:
 
     def prepare(self, engine=None) -> None:
         from jobrunner import checks
-        from jobrunner.writer import ResultWriter
+        from jobrunner.output import ResultWriter
 
         cfg = self.cfg
         cfg.validate()
@@ -66,8 +66,9 @@ class Job:
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
         from jobs import PromptBuilder, make_job
-        self.job = make_job(cfg, self.engine.tokenizer)
-        self.builder = PromptBuilder(cfg, self.engine.tokenizer, self.template)
+        spec = cfg.job_spec()
+        self.job = make_job(spec, self.engine.tokenizer)
+        self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
         self.reserved = reserved_columns(self.job.result_columns)
         self._input_names: dict[tuple, dict[str, str]] = {}
         manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
@@ -89,8 +90,30 @@ class Job:
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
+        interrupted = self._run_units()
+        self.writer.flush()
+        self.progress.close()
+        run = self._run_record(counters_before, interrupted)
+        if self.world > 1:      # a data-parallel worker: its coordinator sums the runs and marks the job complete
+            if not interrupted:
+                self.writer.close()
+            return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, cfg.output_url)
+        from jobrunner.summary import job_summary
+        summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)     # every row in the output
+        if interrupted:
+            self.writer.write_stats(summary)
+            log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
+            return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
+        self.writer.close(summary)
+        if cfg.output_format == "openai-batch":
+            from jobrunner.openai_batch import write_openai_batch_output
+            write_openai_batch_output(cfg.output_url)
+        return JobResult(self._exit_code(), summary, cfg.output_url)
+
+    def _run_units(self) -> bool:
+        """Submit the units this worker claims and step the engine until all are done; True if interrupted."""
+        engine = self.engine
         max_in_flight = self.max_in_flight or max(2 * engine.rt.max_num_seqs, 64)
-        interrupted = False
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             for index, unit in enumerate(self._units()):
@@ -105,44 +128,34 @@ class Job:
             while engine.has_unfinished():
                 self._step()
         except _Interrupted:
-            interrupted = True
+            return True
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-        self.writer.flush()
-        self.progress.close()
-        from jobrunner.summary import job_summary
-        run = self.stats.summary(
+        return False
+
+    def _run_record(self, counters_before: dict, interrupted: bool) -> dict:
+        """This run's own figures (time, throughput, engine counters, cost)."""
+        cfg, engine = self.cfg, self.engine
+        return self.stats.summary(
             device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
             quantization=cfg.quantization, prefix=self.prefix,
             engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
             device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)
-        # the summary of every row in the output; a data-parallel worker reports only its run to its coordinator
-        summary = run if self.world > 1 else job_summary(cfg.output_url, cfg.fingerprint_fields(), run)
-        if interrupted:
-            if self.world == 1:
-                self.writer.write_stats(summary)
-            log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
-            return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
-        if self.world > 1:      # a data-parallel worker: its coordinator merges the stats and marks the job complete
-            self.writer.close()
-            return JobResult(EXIT_OK, summary, cfg.output_url)
-        self.writer.close(summary)
-        if cfg.output_format == "openai-batch":
-            from jobrunner.writer import write_openai_batch_output
-            write_openai_batch_output(cfg.output_url)
-        if self.stats.rows_failed:      # said whether or not --max-error-rate is set
-            log.warning("%d of %d rows failed; their errors are in the `error` column of %s",
-                        self.stats.rows_failed, self.stats.rows, cfg.output_url)
+
+    def _exit_code(self) -> int:
+        """Failed rows are reported whether or not --max-error-rate is set; an empty dataset warns."""
+        cfg, st = self.cfg, self.stats
         code = EXIT_OK
-        if cfg.max_error_rate is not None and self.stats.rows and \
-                self.stats.rows_failed / self.stats.rows > cfg.max_error_rate:
-            log.error("%d of %d rows failed, over --max-error-rate %s", self.stats.rows_failed, self.stats.rows,
-                      cfg.max_error_rate)
+        if st.rows_failed:
+            log.warning("%d of %d rows failed; their errors are in the `error` column of %s",
+                        st.rows_failed, st.rows, cfg.output_url)
+        if cfg.max_error_rate is not None and st.rows and st.rows_failed / st.rows > cfg.max_error_rate:
+            log.error("%d of %d rows failed, over --max-error-rate %s", st.rows_failed, st.rows, cfg.max_error_rate)
             code = EXIT_ERROR_RATE
-        if not self.stats.rows and not self.stats.rows_skipped:     # no row read: an empty dataset
+        if not st.rows and not st.rows_skipped:     # no row read: an empty dataset
             code = self._on_empty(code)
-        return JobResult(code, summary, cfg.output_url)
+        return code
 
     def _on_empty(self, code: int) -> int:
         """Warn of an empty dataset; with --fail-on-empty, say so and exit 2."""

@@ -2,7 +2,7 @@
 
 JobStats accumulates one run (one process) and gives its record; `rates` derives throughput, cache
 hit rates and cost from sums, the same way for a run, for a data-parallel run over its workers
-(stats_merge) and for a job over its recorded runs (summary).
+(parallel/stats.py) and for a job over its recorded runs (summary).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Row figures (rows, tokens, cache hit rate, latency percentiles, job metrics) are recomputed from
 the part files, so they are exact after a resume, and after a kill -9 that wrote no stats. Time,
 throughput, engine counters and cost exist only for runs that recorded them: each run's record
-(JobStats.summary, or stats_merge.merge_stats for a data-parallel run) is kept in `runs`, carried
+(JobStats.summary, or parallel.stats.merge_stats for a data-parallel run) is kept in `runs`, carried
 forward from the previous _stats.json, and the top level sums them; `runs_recorded` says how many
 runs that is. The parts are read a few columns and one part at a time (bounded memory).
 """
@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from jobrunner.columns import reserved_columns
 from jobrunner.stats import PREFIX_SUMS, ROW_SUMS, JobStats, rates
-from jobrunner.writer import EXTRA_JSON, iter_result_parts, read_stats, stored_values
+from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 
 # Run figures that add up over runs (the rows of different runs are disjoint).
 RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours") + PREFIX_SUMS

@@ -21,47 +21,32 @@ def validate_job(cfg: JobConfig) -> dict:
     from engine.errors import ModelError
     from engine.loader import load_model_bundle
     from jobrunner.dataset import read_rows
-    from jobs import PromptBuilder, RowError, make_job
+    from jobrunner.models import describe
+    from jobs import PromptBuilder, make_job
 
     cfg.validate()
     fmt, columns = checks.check_dataset(cfg)
     template = checks.check_template(cfg, columns)
+    model = cfg.engine_config().model       # a known model name is pulled here, on first use
     try:
-        bundle = load_model_bundle(cfg.model)
+        bundle = load_model_bundle(model)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
-    tok = bundle.tokenizer
-    builder, job = PromptBuilder(cfg, tok, template), make_job(cfg, tok)
-    limit = bundle.config.max_position_embeddings
-    rows = bad = prompt_tokens = longest = 0
-    errors: dict[str, int] = {}
-    seen: set[str] = set()
-    dup = 0
-    first_prompt = None
+    tok, spec = bundle.tokenizer, cfg.job_spec()
+    builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok)
+    t = _Tally()
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
-        for row in batch:
-            if cfg.limit is not None and rows >= cfg.limit:
-                break
-            rows += 1
-            if row.id in seen:
-                dup += 1
-            seen.add(row.id)
-            try:
-                text, n_tokens = _check_row(builder, job, row, limit)
-            except RowError as e:
-                bad += 1
-                errors[str(e)[:80]] = errors.get(str(e)[:80], 0) + 1
-                continue
-            if first_prompt is None:
-                first_prompt = (row.id, text)
-            prompt_tokens += n_tokens
-            longest = max(longest, n_tokens)
+        for row in batch[:None if cfg.limit is None else max(0, cfg.limit - t.rows)]:
+            t.add(row, builder, job, bundle.config.max_position_embeddings)
+    rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
+    first_prompt = t.first_prompt
     ok = rows - bad
     out_tokens = ok * cfg.max_tokens * cfg.n if cfg.kind == "generate" else 0
     rate = GPU_FLOPS if torch.cuda.is_available() and cfg.device != "cpu" else CPU_FLOPS
     seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
     report = {
-        "dataset": cfg.dataset, "format": fmt, "columns": ", ".join(columns), "model": bundle.source,
+        "dataset": cfg.dataset, "format": fmt, "columns": ", ".join(columns),
+        "model": describe(cfg.model, bundle.source),
         "kind": cfg.kind, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
@@ -74,6 +59,32 @@ def validate_job(cfg: JobConfig) -> dict:
     if first_prompt is not None:
         report["first_prompt_id"], report["first_prompt"] = first_prompt
     return report
+
+
+class _Tally:
+    """Rows, error rows by message, prompt tokens, duplicates and the first good prompt."""
+
+    def __init__(self):
+        self.rows = self.bad = self.prompt_tokens = self.longest = self.dup = 0
+        self.errors: dict[str, int] = {}
+        self.seen: set[str] = set()
+        self.first_prompt: tuple[str, str] | None = None
+
+    def add(self, row, builder, job, context: int) -> None:
+        from jobs import RowError
+        self.rows += 1
+        self.dup += row.id in self.seen
+        self.seen.add(row.id)
+        try:
+            text, n_tokens = _check_row(builder, job, row, context)
+        except RowError as e:
+            self.bad += 1
+            self.errors[str(e)[:80]] = self.errors.get(str(e)[:80], 0) + 1
+            return
+        if self.first_prompt is None:
+            self.first_prompt = (row.id, text)
+        self.prompt_tokens += n_tokens
+        self.longest = max(self.longest, n_tokens)
 
 
 def _check_row(builder, job, row, context: int) -> tuple[str, int]:

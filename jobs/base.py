@@ -1,9 +1,11 @@
 """What every job kind shares: turning a row into a prompt, and the row errors that stop one row only."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.request import SamplingParams
+from jobs.spec import JobSpec
 from jobs.template import unescape
 
 
@@ -14,12 +16,12 @@ class RowError(ValueError):
 class PromptBuilder:
     """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw."""
 
-    def __init__(self, cfg, tokenizer, template=None):
-        self.cfg = cfg
+    def __init__(self, spec: JobSpec, tokenizer, template=None):
+        self.spec = spec.prompt
         self.tokenizer = tokenizer
         self.template = template                     # jobs.template.PromptTemplate or None
-        self.system = unescape(cfg.system) if cfg.system else None     # the template's escapes, \n etc.
-        self.chat = uses_chat(cfg, tokenizer)
+        self.system = unescape(self.spec.system) if self.spec.system else None   # the template's escapes, \n etc.
+        self.chat = uses_chat(spec, tokenizer)
 
     def messages(self, data: dict) -> list[dict] | None:
         """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
@@ -27,8 +29,8 @@ class PromptBuilder:
             if data.get("messages") is not None:            # /v1/chat/completions
                 return _check_messages(data["messages"])
             return None                                     # /v1/completions: a raw prompt
-        if self.cfg.messages_column:
-            return _check_messages(data.get(self.cfg.messages_column))
+        if self.spec.messages_column:
+            return _check_messages(data.get(self.spec.messages_column))
         text = self.text(data)
         if not self.chat:
             return None
@@ -41,7 +43,7 @@ class PromptBuilder:
                 return self.template.render(data)
             except KeyError as e:
                 raise RowError(str(e)) from None
-        col = self.cfg.prompt_column
+        col = self.spec.prompt_column
         if col not in data or data[col] is None:
             raise RowError(f"prompt column {col!r} is missing or null")
         value = data[col]
@@ -70,14 +72,14 @@ class PromptBuilder:
         return text, self.tokenizer.encode(text, add_special_tokens=special)
 
 
-def uses_chat(cfg, tokenizer) -> bool:
+def uses_chat(spec: JobSpec, tokenizer) -> bool:
     """Whether a plain prompt goes through the chat template: --chat/--no-chat when given; else
     generate does when the model has one, and classify and score score raw text, as lm-eval
     (no chat template by default) and vLLM's prompt logprobs do. Messages (a --messages-column,
     an OpenAI batch chat row) always go through it: see PromptBuilder.messages."""
-    if cfg.chat is not None:
-        return cfg.chat
-    return cfg.kind == "generate" and bool(getattr(tokenizer, "has_chat_template", False))
+    if spec.prompt.chat is not None:
+        return spec.prompt.chat
+    return spec.kind == "generate" and bool(getattr(tokenizer, "has_chat_template", False))
 
 
 def _check_messages(value: Any) -> list[dict]:
@@ -89,17 +91,21 @@ def _check_messages(value: Any) -> list[dict]:
     return value
 
 
-def sampling_params(cfg, overrides: dict | None = None, **fixed) -> SamplingParams:
-    """The job's sampling settings; an OpenAI batch row's own body parameters win."""
-    p = dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-             min_p=cfg.min_p, seed=cfg.seed, stop=tuple(cfg.stop), ignore_eos=cfg.ignore_eos, n=cfg.n)
+# The sampling parameters an OpenAI batch row's body may set (max_completion_tokens is max_tokens).
+ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "n")
+
+
+def sampling_params(base: SamplingParams, overrides: dict | None = None) -> SamplingParams:
+    """The job's sampling settings (`base`, JobSpec.sampling); an OpenAI batch row's own body parameters win."""
+    p = {}
     for key, value in (overrides or {}).items():
         if key == "max_completion_tokens":
             key = "max_tokens"
-        if key in p and value is not None:
+        if key in ROW_SAMPLING_KEYS and value is not None:
             p[key] = tuple([value] if isinstance(value, str) else value) if key == "stop" else value
-    p.update(fixed)
+    if not p:
+        return base
     try:
-        return SamplingParams(**p)
+        return replace(base, **p)
     except (TypeError, ValueError) as e:
         raise RowError(f"bad sampling parameters: {e}") from None

@@ -4,7 +4,7 @@ A label's tokens are the tokenizer's encoding of the label text alone, appended 
 tokens; its score is the sum (or, with --normalize mean, the mean) of those tokens' logprobs.
 Probabilities are a softmax over the scores of the row's labels. `label_probs` and `label_logprobs`
 are dicts label -> number in the row's label order; the writer stores each as a list of structs
-({label, prob} and {label, logprob}: jobrunner.writer KNOWN_COLUMNS), so both read the same way.
+({label, prob} and {label, logprob}: jobrunner.output.values KNOWN_COLUMNS), so both read the same way.
 """
 from __future__ import annotations
 
@@ -14,29 +14,32 @@ import math
 from engine.request import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
 from jobs.metrics import ClassificationMetrics
+from jobs.spec import JobSpec
 
 
 class ClassifyJob:
     name = "classify"
     result_columns = ("label", "label_probs", "label_logprobs", "confidence", "correct")
 
-    def __init__(self, cfg, tokenizer):
-        self.cfg = cfg
+    def __init__(self, spec: JobSpec, tokenizer):
+        self.spec = spec.classify
+        self.evaluation = spec.evaluation
         self.tokenizer = tokenizer
         self._encoded: dict[str, list[int]] = {}
-        self.metrics = ClassificationMetrics(cfg.match, cfg.labels) if cfg.reference_column else None
+        self.metrics = ClassificationMetrics(spec.evaluation.match, self.spec.labels) \
+            if spec.evaluation.enabled else None
 
     def labels(self, data: dict) -> list[str]:
-        if self.cfg.labels:
-            return list(self.cfg.labels)
-        value = data.get(self.cfg.labels_column)
+        if self.spec.labels:
+            return list(self.spec.labels)
+        value = data.get(self.spec.labels_column)
         if isinstance(value, str):
             try:
                 value = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
             except json.JSONDecodeError:
-                raise RowError(f"labels column {self.cfg.labels_column!r} is not a list") from None
+                raise RowError(f"labels column {self.spec.labels_column!r} is not a list") from None
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
-            raise RowError(f"labels column {self.cfg.labels_column!r} must hold a non-empty list of strings")
+            raise RowError(f"labels column {self.spec.labels_column!r} must hold a non-empty list of strings")
         labels = [v.strip() for v in value]
         if len(set(labels)) != len(labels):
             raise RowError("duplicate labels in this row")
@@ -59,7 +62,7 @@ class ClassifyJob:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
         labels = self.labels(data)
         sums = [sum(lp) for lp in out.candidate_logprobs]
-        scores = sums if self.cfg.normalize == "sum" else [
+        scores = sums if self.spec.normalize == "sum" else [
             s / len(lp) for s, lp in zip(sums, out.candidate_logprobs)]
         top = max(scores)
         exp = [math.exp(s - top) for s in scores]
@@ -73,7 +76,7 @@ class ClassifyJob:
             "confidence": probs[best],
         }
         if self.metrics is not None:
-            row["correct"] = self.metrics.add(labels[best], data.get(self.cfg.reference_column))
+            row["correct"] = self.metrics.add(labels[best], data.get(self.evaluation.reference_column))
         return [row]
 
     def summary(self) -> dict:

@@ -5,22 +5,23 @@ import math
 
 from engine.request import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
+from jobs.spec import JobSpec
 
 
 class ScoreJob:
     name = "score"
     result_columns = ("scored_tokens", "logprob", "mean_logprob", "perplexity")
 
-    def __init__(self, cfg, tokenizer):
-        self.cfg = cfg
+    def __init__(self, spec: JobSpec, tokenizer):
+        self.column = spec.score.score_column
         self.tokenizer = tokenizer
         self.total_logprob = 0.0
         self.total_tokens = 0
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        text = data.get(self.cfg.score_column)
+        text = data.get(self.column)
         if not isinstance(text, str) or not text:
-            raise RowError(f"score column {self.cfg.score_column!r} is missing, empty or not a string")
+            raise RowError(f"score column {self.column!r} is missing, empty or not a string")
         completion = self.tokenizer.encode(text, add_special_tokens=False)
         if not completion:
             raise RowError("the scored text encodes to no tokens")

@@ -11,7 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import OPTION_GROUPS, main, submit
+from jobrunner.cli import main, submit
+from jobrunner.cli_options import SECTIONS
 
 
 def jsonl(path, rows):
@@ -47,6 +48,8 @@ def test_toml_config_and_command_line_wins_then_stats(default_gguf_path, tmp_pat
     manifest = json.loads(open(os.path.join(out, "_manifest.json")).read())
     assert manifest["config"]["template"] == "Answer briefly: {q}" and manifest["config"]["max_tokens"] == 3
     r = CliRunner().invoke(main, ["stats", out])
+    assert r.exit_code == 0 and "rows         2: 2 ok, 0 failed" in r.output and "per million tokens" in r.output
+    r = CliRunner().invoke(main, ["stats", out, "--all"])
     assert r.exit_code == 0 and "rows_ok" in r.output and "cost_usd" in r.output
     bad = tmp_path / "bad.toml"
     bad.write_text("max_tokenz = 3\n")
@@ -72,7 +75,7 @@ def test_sigterm_stops_promptly_and_resume_completes(default_gguf_path, tmp_path
     assert time.time() - sent < 60
     assert "resume" in err
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-    from jobrunner.writer import read_results
+    from jobrunner.output import read_results
     assert sorted(read_results(out).column("id").to_pylist()) == [r["id"] for r in rows]
 
 
@@ -80,7 +83,7 @@ def test_sigterm_stops_promptly_and_resume_completes(default_gguf_path, tmp_path
 def test_async_scheduling_flag_changes_no_output(default_gguf_path, tmp_path):
     """The same job with and without async scheduling (the default model, stop strings, sampling):
     identical rows."""
-    from jobrunner.writer import read_results
+    from jobrunner.output import read_results
     rows = [{"id": f"a{i}", "prompt": f"List three things about the number {i}."} for i in range(5)]
     ds = jsonl(tmp_path / "a.jsonl", rows)
     common = ["--max-tokens", "24", "--stop", "\n\n", "--temperature", "0.7", "--seed", "3"]
@@ -103,12 +106,12 @@ def test_version():
 
 def test_submit_help_groups_every_option_and_describes_it():
     options = [p for p in submit.params if isinstance(p, click.Option)]
-    grouped = {n for names in OPTION_GROUPS.values() for n in names}
+    grouped = {n for names in SECTIONS.values() for n in names}
     assert all(p.help for p in options), [p.name for p in options if not p.help]
     assert {p.name for p in options} - grouped == {"verbose"}
     r = CliRunner().invoke(main, ["submit", "--help"])
     assert r.exit_code == 0
-    titles = [f"{t} options:" for t in OPTION_GROUPS] + ["Other options:"]
+    titles = [f"{t} options:" for t in SECTIONS] + ["Other options:"]
     assert [r.output.index(t) for t in titles] == sorted(r.output.index(t) for t in titles)
     assert "completion order" in r.output and r"\n, \t and \\" in r.output
 

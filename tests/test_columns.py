@@ -7,7 +7,7 @@ import pytest
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig
 from jobrunner.job import EXIT_OK, Job
-from jobrunner.writer import read_results
+from jobrunner.output import read_results
 from jobs import KINDS
 
 

@@ -126,21 +126,22 @@ class ChatTokenizer:
 ])
 def test_chat_template_default_by_kind(kind, chat, rendered):
     cfg = JobConfig("x", kind=kind, chat=chat)
-    assert PromptBuilder(cfg, ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
+    assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
 
 
 @pytest.mark.parametrize("kind", ["generate", "classify", "score"])
 def test_messages_always_use_the_chat_template(kind):
     cfg = JobConfig("x", kind=kind, messages_column="m", chat=False)
     row = {"m": [{"role": "user", "content": "hi"}]}
-    assert PromptBuilder(cfg, ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
+    assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
-    assert PromptBuilder(JobConfig("x", kind=kind), ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
+    spec = JobConfig("x", kind=kind).job_spec()
+    assert PromptBuilder(spec, ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
 
 
 def test_system_prompt_escapes_like_the_template():
     cfg = JobConfig("x", system=r"Be brief.\nNo lists.")
     expected = "<system>Be brief.\nNo lists.<user>q<assistant>"
-    assert PromptBuilder(cfg, ChatTokenizer()).render({"prompt": "q"})[0] == expected
+    assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "q"})[0] == expected
     raw = JobConfig("x", system=r"Be brief.\tOK", chat=False)
-    assert PromptBuilder(raw, types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"
+    assert PromptBuilder(raw.job_spec(), types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"

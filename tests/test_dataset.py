@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner import dataset as D
+from jobrunner.dataset import counting, files
 from jobrunner.dataset import (DatasetError, count_rows, dataset_columns, detect_format,
                                list_files, read_rows)
 
@@ -408,9 +408,9 @@ def test_corrupt_or_compressed_parquet(tmp_path):
 
 def test_iter_lines_handles_long_lines_across_chunks(monkeypatch):
     import io
-    monkeypatch.setattr(D, "_CHUNK", 7)
+    monkeypatch.setattr(files, "_CHUNK", 7)
     data = b"a" * 30 + b"\n" + b"bc\n\n" + b"d" * 15
-    assert list(D._iter_lines(io.BytesIO(data))) == [b"a" * 30 + b"\n", b"bc\n", b"\n", b"d" * 15]
+    assert list(files.iter_lines(io.BytesIO(data))) == [b"a" * 30 + b"\n", b"bc\n", b"\n", b"d" * 15]
 
 
 # ---------------------------------------------------------------- count_rows (the progress bar's total)
@@ -428,7 +428,7 @@ def counted_and_read(url, **kw):
     b"", b"\n\n",
 ])
 def test_count_rows_jsonl_matches_the_rows_read(tmp_path, monkeypatch, data):
-    monkeypatch.setattr(D, "_COUNT_CHUNK", 4)          # lines across chunk ends
+    monkeypatch.setattr(counting, "_COUNT_CHUNK", 4)          # lines across chunk ends
     p = tmp_path / "d.jsonl"
     p.write_bytes(data)
     n, read = counted_and_read(str(p))
@@ -445,7 +445,7 @@ def test_count_rows_jsonl_matches_the_rows_read(tmp_path, monkeypatch, data):
     b"id,text\n", b"",
 ])
 def test_count_rows_csv_matches_the_rows_read(tmp_path, monkeypatch, data):
-    monkeypatch.setattr(D, "_COUNT_CHUNK", 5)
+    monkeypatch.setattr(counting, "_COUNT_CHUNK", 5)
     p = tmp_path / "d.csv"
     p.write_bytes(data)
     n, read = counted_and_read(str(p))
@@ -477,7 +477,7 @@ def test_count_rows_text_formats_compressed_dirs_and_openai(tmp_path, mem):
 def test_count_rows_gives_up_on_huge_text_datasets(tmp_path, monkeypatch):
     p = tmp_path / "d.jsonl"
     p.write_bytes(jsonl(RECORDS))
-    monkeypatch.setattr(D, "COUNT_MAX_BYTES", 10)
+    monkeypatch.setattr(counting, "COUNT_MAX_BYTES", 10)
     assert count_rows(str(p)) is None
 
 

@@ -23,7 +23,7 @@ CHATS = [
 def engine(default_gguf_path):
     from engine.config import EngineConfig
     from engine.engine import Engine
-    return Engine(EngineConfig())
+    return Engine(EngineConfig(model=str(default_gguf_path)))
 
 
 def test_greedy_chat_continuations_match_transformers(engine, hf_default_model, hf_default_tokenizer):

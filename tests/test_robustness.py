@@ -37,7 +37,7 @@ def test_any_rows_give_one_result_each(engine, tmp_path_factory, data, junk):
     job = Job(JobConfig(str(d / "in.jsonl"), output=str(d / "out"), max_tokens=1))
     job.prepare(engine=engine)
     result = job.run()
-    from jobrunner.writer import read_results
+    from jobrunner.output import read_results
     table = read_results(str(d / "out")).to_pylist()
     assert len(table) == len(lines)                      # nothing lost, nothing merged
     for row in table:

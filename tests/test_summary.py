@@ -10,9 +10,9 @@ from jobrunner.cli import main
 from jobrunner.config import JobConfig
 from jobrunner.job import EXIT_OK, Job
 from jobrunner.stats import percentile
-from jobrunner.stats_merge import merge_stats
+from jobrunner.parallel.stats import merge_stats
 from jobrunner.summary import job_summary, over_runs, part_figures, stored_name
-from jobrunner.writer import ResultWriter, read_results, read_stats, write_stats
+from jobrunner.output import ResultWriter, read_results, read_stats, write_stats
 
 
 def row(i, **extra):
@@ -158,8 +158,40 @@ def test_stats_command_on_a_killed_job_and_a_missing_directory(tmp_path):
     assert s["metrics"]["accuracy"] == pytest.approx(2 / 3)
     assert "did not finish" in r.stderr
     r = CliRunner().invoke(main, ["stats", str(out)])
-    assert r.exit_code == 0 and "rows_ok" in r.stdout
+    assert r.exit_code == 0 and "rows         3: 3 ok, 0 failed" in r.stdout
+    assert "accuracy 0.6667" in r.stdout and "wall time" not in r.stdout     # no run recorded a time
+    r = CliRunner().invoke(main, ["stats", str(out), "--all"])
+    assert r.exit_code == 0 and "rows_ok" in r.stdout and "queue_s_p95" in r.stdout
     missing = str(tmp_path / "nope")
     r = CliRunner().invoke(main, ["stats", missing])
     assert r.exit_code == 2 and f"no jobrunner output at {missing}" in r.stderr
     assert "Traceback" not in r.output and not os.path.exists(missing)
+
+
+def test_submit_ends_with_a_ten_line_summary(tiny_hf_model_dir, tmp_path):
+    """Issue 16 (9): the end of submit (and `jobrunner stats`) is about ten lines a person reads;
+    every figure stays in _stats.json and `jobrunner stats --all`."""
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"question {i}?", "label": "Yes"}) + "\n"
+                          for i in range(4)) + '{"id": "bad", "prompt": null, "label": "No"}\n')
+    out = str(tmp_path / "out")
+    args = ["submit", str(ds), "-o", out, "-m", str(tiny_hf_model_dir("llama")), "--device", "cpu",
+            "--kv-cache-memory", "16MB", "--kind", "classify", "--labels", "Yes,No", "--reference-column", "label",
+            "--device-hourly-cost", "2.5"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert 8 <= len(lines) <= 12, r.stdout
+    assert [line.split("  ")[0] for line in lines] == [
+        "output", "rows", "tokens", "cache hits", "wall time", "throughput", "cost", "metrics", "device",
+        "all figures"]
+    assert lines[0].split() == ["output", out]
+    assert lines[1] == "rows         5: 4 ok, 1 failed (their errors are in the `error` column)"
+    assert "completion tokens/s" in lines[5] and lines[6].startswith("cost         $")
+    assert "accuracy" in lines[7] and "macro_f1" in lines[7] and "confusion" not in r.stdout
+    assert lines[-1] == f"all figures  jobrunner stats --all {out} (or _stats.json)"
+    r = CliRunner().invoke(main, ["stats", out])
+    assert r.exit_code == 0 and r.stdout.splitlines()[:4] == lines[:4]
+    full = CliRunner().invoke(main, ["stats", out, "--all"]).stdout
+    assert all(k in full for k in ("\nrows_ok ", "\nqueue_s_p99 ", "\ncost_per_million_tokens ", "\nengine:\n",
+                                   "\nruns:\n"))

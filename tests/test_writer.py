@@ -20,9 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobrunner import writer as W
-from jobrunner.writer import (EXTRA_JSON, FIXED_COLUMNS, OutputError, ResultWriter, fingerprint,
-                              read_results, read_stats, write_openai_batch_output)
+from jobrunner.openai_batch import write_openai_batch_output
+from jobrunner.output import values as V
+from jobrunner.output import (EXTRA_JSON, FIXED_COLUMNS, OutputError, ResultWriter, fingerprint,
+                              iter_result_parts, mark_complete, prepare_output, read_results, read_stats,
+                              stored_values)
 
 CONFIG = {"model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0.0,
           "sampling": {"seed": 1, "stop": ["\n"]}}
@@ -105,6 +107,34 @@ def test_parts_manifest_and_atomic_names(tmp_path, monkeypatch):
     assert s.height == 1 and s["rows"][0] == 25 and json.loads(s["latency"][0]) == {"p50": 0.1}
 
 
+def test_mark_complete_reads_no_part(tmp_path, monkeypatch):
+    """Issue 16 (4): marking a job complete lists the directory; it never opens a part."""
+    out = tmp_path / "out"
+    for prefix in ("part-r0", "part-r1"):             # two data-parallel workers, closed with stats=None
+        w = ResultWriter(str(out), manifest(), part_rows=2, part_prefix=prefix)
+        w.write([result(i) for i in range(3)])
+        w.close()
+    (out / "part-r2-00000.parquet").write_bytes(b"damaged: only a listing can pass it")
+    opened = []
+    real_open = LocalFileSystem.open
+
+    def spy(self, path, *a, **kw):
+        opened.append(path.rsplit("/", 1)[1])
+        return real_open(self, path, *a, **kw)
+
+    monkeypatch.setattr(LocalFileSystem, "open", spy)
+    m = mark_complete(str(out), {"rows": 6}, prepare_output(str(out), {**manifest(), "model_source": "dummy:x"}))
+    assert not [n for n in opened if n.startswith("part")]
+    on_disk = json.loads((out / "_manifest.json").read_text())
+    assert on_disk == m and m["complete"] is True and m["model_source"] == "dummy:x"
+    assert m["parts"] == sorted(n for n in names(out) if n.startswith("part"))
+    assert read_stats(str(out)) == {"rows": 6}
+    mark_complete(str(out), {"rows": 7})              # no manifest given: the one on disk
+    assert json.loads((out / "_manifest.json").read_text())["complete"] is True
+    with pytest.raises(OutputError, match="no jobrunner output"):
+        mark_complete(str(tmp_path / "nope"), {"rows": 0})
+
+
 def test_one_write_call_stays_in_one_part(mem):
     _, url, _ = mem
     w = ResultWriter(url, manifest(), part_rows=4)
@@ -182,14 +212,14 @@ def test_stored_values_put_back_what_went_to_extra_json(mem):
     w.write([result(0, gold=4, meta={"a": 1}), result(1, gold=5, meta=None)])   # gold: int, meta: json
     w.write([result(2, gold="five", meta=[1, 2], late=True), result(3, gold=None, meta=None)])
     w.close()
-    tables = list(W.iter_result_parts(url, lambda names: ["id", "gold", "meta", "late", EXTRA_JSON]))
+    tables = list(iter_result_parts(url, lambda names: ["id", "gold", "meta", "late", EXTRA_JSON]))
     assert [t.column_names for t in tables] == [["id", "gold", "meta", EXTRA_JSON]] * 2   # "late" is in no schema
     second = tables[1]
-    assert W.stored_values(second, "gold") == ["five", None]          # a misfit, put back from extra_json
-    assert W.stored_values(second, "meta") == [[1, 2], None]          # JSON kind, decoded
-    assert W.stored_values(second, "late") == [True, None]            # a column the pinned schema lacks
-    assert W.stored_values(tables[0], "gold") == [4, 5]
-    only = list(W.iter_result_parts(url, ["gold", "nope"]))
+    assert stored_values(second, "gold") == ["five", None]          # a misfit, put back from extra_json
+    assert stored_values(second, "meta") == [[1, 2], None]          # JSON kind, decoded
+    assert stored_values(second, "late") == [True, None]            # a column the pinned schema lacks
+    assert stored_values(tables[0], "gold") == [4, 5]
+    only = list(iter_result_parts(url, ["gold", "nope"]))
     assert [t.column_names for t in only] == [["gold"], ["gold"]]
 
 
@@ -388,12 +418,12 @@ def test_classification_columns(mem):
                     label_logprobs=[{"label": "neg", "logprob": -0.2}, {"label": "pos", "logprob": -0.9}])])
     w.close()
     t = read_results(url)
-    assert t.schema.field("label_probs").type == W.LABEL_PROBS
+    assert t.schema.field("label_probs").type == V.LABEL_PROBS
     assert t.column("label_probs").to_pylist() == [
         [{"label": "pos", "prob": 0.75}, {"label": "neg", "prob": 0.25}], None,
         [{"label": "neg", "prob": 0.6}, {"label": "pos", "prob": 0.4}]]
     # issue 15: label_logprobs is a struct list like label_probs, not a JSON text
-    assert t.schema.field("label_logprobs").type == W.LABEL_LOGPROBS
+    assert t.schema.field("label_logprobs").type == V.LABEL_LOGPROBS
     assert t.column("label_logprobs").to_pylist() == [
         [{"label": "pos", "logprob": -0.5}, {"label": "neg", "logprob": -1.5}], None,
         [{"label": "neg", "logprob": -0.2}, {"label": "pos", "logprob": -0.9}]]
@@ -544,10 +574,10 @@ def test_arbitrary_rows_round_trip(rows, part_rows):
         assert t.column("id").to_pylist() == [r["id"] for r in inputs]
         kinds = json.loads(t.schema.metadata[b"jobrunner.kinds"])
         for given_row, got in zip(inputs, t.to_pylist()):
-            want = json.loads(W.to_json({k: v for k, v in given_row.items() if v is not None}))
-            for col, field in W._LABEL_LISTS.items():      # dict -> [{label, prob}] / [{label, logprob}]
-                if kinds.get(col) == col and W._label_list(want.get(col), field) is not None:
-                    want[col] = W._label_list(want[col], field)
+            want = json.loads(V.to_json({k: v for k, v in given_row.items() if v is not None}))
+            for col, field in V._LABEL_LISTS.items():      # dict -> [{label, prob}] / [{label, logprob}]
+                if kinds.get(col) == col and V._label_list(want.get(col), field) is not None:
+                    want[col] = V._label_list(want[col], field)
             assert _reconstruct(got, kinds) == want
         done_ids = ResultWriter(url, manifest()).done_ids
         assert len(done_ids) == len({r["id"] for r in inputs}) and all(r["id"] in done_ids for r in inputs)
@@ -573,7 +603,7 @@ def test_non_finite_and_surrogate_values_do_not_crash(mem):
 
 CHILD = """
 import sys
-from jobrunner.writer import ResultWriter
+from jobrunner.output import ResultWriter
 out, n = sys.argv[1], int(sys.argv[2])
 w = ResultWriter(out, {"config": {"model": "m"}}, part_rows=5)
 for i in range(n):

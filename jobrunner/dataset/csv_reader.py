@@ -1,0 +1,108 @@
+"""CSV and TSV (by extension): a header line, then records; every cell is a string.
+
+Multi-line quoted cells are fine: a row's error names its last line.  (Named csv_reader so that
+`import csv` here is the standard library's.)
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from jobrunner.dataset.files import decode, ext, lines
+from jobrunner.dataset.rows import LOST_ID, DatasetError, row_id, where
+
+csv.field_size_limit(2**31 - 1)  # huge cells are rows, not errors
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    names: list[str]
+    id_column: str | None
+    has_id: bool              # the id column is one of names
+    keep: list[str] | None    # the columns read_csv keeps (None: all)
+
+
+def _delimiter(url: str) -> str:
+    return "\t" if ext(url)[0] == ".tsv" else ","
+
+
+def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
+    """Decoded lines for csv.reader; lines with invalid UTF-8 are recorded in `bad`."""
+    for lineno, line in enumerate(lines(url), start=1):
+        text, err = decode(line)
+        if err:
+            bad[lineno] = err
+            text = line.decode("utf-8", errors="replace")
+        yield text
+
+
+def csv_header(url: str) -> list[str]:
+    """The column names: the first non-empty record."""
+    reader = csv.reader(_text_lines(url, {}), delimiter=_delimiter(url))
+    for header in reader:
+        if header:
+            return header
+    return []
+
+
+def _header(url: str, cells: list[str], bad: dict[int, str], id_column: str | None,
+            columns: Sequence[str] | None) -> _Header:
+    """The header record, checked (valid UTF-8, distinct names)."""
+    if bad:
+        raise DatasetError(f"CSV header of {url} is not valid UTF-8 (line {min(bad)})")
+    if len(set(cells)) != len(cells):
+        dup = sorted({c for c in cells if cells.count(c) > 1})
+        raise DatasetError(f"CSV header of {url} repeats column names {dup}; rename them")
+    has_id = id_column is not None and id_column in cells
+    keep = None if columns is None else [c for c in cells if c in columns or c == id_column]
+    return _Header(cells, id_column, has_id, keep)
+
+
+def _row(cells: list[str], first: int, last: int, h: _Header, bad: dict[int, str],
+         name: str | None) -> tuple[str | None, dict | None, str | None] | None:
+    """A reader's (id, data, error) for the record on lines first..last; None for a blank line."""
+    lost = LOST_ID if h.has_id else None
+    if bad and (errs := [(n, bad.pop(n)) for n in range(first, last + 1) if n in bad]):
+        n, err = errs[0]
+        rid = lost
+        if h.has_id and len(cells) == len(h.names):  # the id cell may be intact
+            cell = cells[h.names.index(h.id_column)]
+            rid = cell if "\ufffd" not in cell else lost
+        return rid, None, f"{where(name, n)}: {err}"
+    if not cells:
+        return None  # blank line
+    if len(cells) != len(h.names):
+        return lost, None, (f"{where(name, last)}: expected {len(h.names)} fields "
+                            f"(as in the header), got {len(cells)}")
+    rec = dict(zip(h.names, cells))
+    if h.keep is not None:
+        rec = {c: rec[c] for c in h.keep}
+    return row_id(rec, h.id_column, h.has_id, name, last)
+
+
+def read_csv(url: str, name: str | None, id_column: str | None,
+             columns: Sequence[str] | None) -> Iterator[tuple[str | None, dict | None, str | None]]:
+    """(id or None, data or None, error or None) per record after the header."""
+    bad: dict[int, str] = {}
+    reader = csv.reader(_text_lines(url, bad), delimiter=_delimiter(url))
+    h: _Header | None = None
+    start = 1  # first line of the record being read
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            if h is None:
+                raise DatasetError(f"cannot read the CSV header of {url}: {e}") from e
+            yield (LOST_ID if h.has_id else None), None, f"{where(name, reader.line_num)}: invalid CSV: {e}"
+            start = reader.line_num + 1
+            continue
+        first, start = start, reader.line_num + 1
+        if h is None:
+            if cells:
+                h = _header(url, cells, bad, id_column, columns)
+        elif (row := _row(cells, first, reader.line_num, h, bad, name)) is not None:
+            yield row

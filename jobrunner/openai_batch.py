@@ -1,0 +1,139 @@
+"""The OpenAI Batch format: reading its input records and writing its output lines.
+
+Input: a JSONL file, one request a line:
+
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [...], "max_tokens": 5, ...}}
+
+parse_record turns one into a row's data {"messages", "params", "model"} (plus "prompt" for
+/v1/completions); params are the body's other keys (sampling options).  The dataset reader
+(jobrunner.dataset) reads the lines, and turns custom_id into the row's id.
+
+Output: results.openai.jsonl in the output directory, one line per custom_id:
+
+    {"id": "batch_req_...", "custom_id": "req-1", "error": null,
+     "response": {"status_code": 200, "request_id": "req_...", "body": <a chat.completion>}}
+
+The samples of one custom_id become the choices of one line; a custom_id whose every sample
+failed gets response=null and error={code, message}.  Ids in a line are derived from a sha256 of
+custom_id, so they are the same on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from jobrunner import storage
+from jobrunner.output import iter_result_parts, read_manifest
+from jobrunner.output.values import is_int, norm_row, to_json
+
+__all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_OUTPUT", "is_openai_record", "parse_record",
+           "write_openai_batch_output"]
+
+FORMAT = "openai-batch"                                     # the dataset format's name
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")     # the request urls we serve
+COLUMNS = ("messages", "params", "model")                   # the columns of a parsed record
+OPENAI_OUTPUT = "results.openai.jsonl"                      # the output file's name
+
+
+# ---------------------------------------------------------------- input
+
+
+def is_openai_record(rec: Any) -> bool:
+    """Whether a parsed JSON line looks like an OpenAI batch request (used to sniff the format)."""
+    return isinstance(rec, dict) and "custom_id" in rec and "body" in rec
+
+
+def parse_record(rec: Any) -> tuple[Any, dict | None, str | None]:
+    """(custom_id as given or None, data, error) for one OpenAI batch input record.
+
+    data is None exactly when error is set.  The caller turns custom_id into a str id.
+    """
+    if not isinstance(rec, dict):
+        return None, None, f"expected a JSON object, got {type(rec).__name__}"
+    cid = rec.get("custom_id")
+    body = rec.get("body")
+    if cid is None:
+        return None, None, "OpenAI batch record without custom_id"
+    if not isinstance(body, dict):
+        return cid, None, "OpenAI batch record without a body object"
+    url = rec.get("url")
+    if url is not None and url not in ENDPOINTS:
+        return cid, None, f"unsupported endpoint {url!r} (supported: {', '.join(ENDPOINTS)})"
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if messages is None and prompt is None:
+        return cid, None, "OpenAI batch body without messages (or prompt)"
+    if messages is not None and not isinstance(messages, list):
+        return cid, None, "OpenAI batch body: messages must be a list"
+    params = {k: v for k, v in body.items() if k not in ("messages", "prompt", "model")}
+    data = {"messages": messages, "params": params, "model": body.get("model")}
+    if prompt is not None:
+        data["prompt"] = prompt
+    return cid, data, None
+
+
+# ---------------------------------------------------------------- output
+
+
+def _openai_record(rows: list[dict[str, Any]], model: str, created: int) -> dict:
+    """One OpenAI batch output line for all result rows (samples) of one custom_id."""
+    cid = rows[0]["id"]
+    digest = hashlib.sha256(cid.encode("utf-8", errors="surrogatepass")).hexdigest()
+    errors = [r.get("error") for r in rows if r.get("error")]
+    if errors and len(errors) == len(rows):
+        return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "response": None,
+                "error": {"code": "row_error", "message": str(errors[0])}}
+    ok = [r for r in rows if not r.get("error")]
+    choices = [{"index": r["sample_index"] if is_int(r.get("sample_index")) else i,
+                "message": {"role": "assistant", "content": r.get("output")},
+                "logprobs": None, "finish_reason": r.get("finish_reason")}
+               for i, r in enumerate(ok)]
+    prompt = int(ok[0].get("prompt_tokens") or 0)
+    completion = sum(int(r.get("completion_tokens") or 0) for r in ok)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": int(ok[0].get("cached_tokens") or 0)}}
+    body = {"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion", "created": created,
+            "model": model, "choices": choices, "usage": usage}
+    return {"id": f"batch_req_{digest[:24]}", "custom_id": cid,
+            "response": {"status_code": 200, "request_id": f"req_{digest[:24]}", "body": body},
+            "error": None}
+
+
+def _output_lines(rows: Iterable[Mapping[str, Any]], model: str, created: int) -> Iterator[str]:
+    """The JSON text of each output line; consecutive rows with the same id form one line."""
+    group: list[dict[str, Any]] = []
+    for r in rows:
+        r = norm_row(r)
+        if group and group[0]["id"] != r["id"]:
+            yield to_json(_openai_record(group, model, created))
+            group = []
+        group.append(r)
+    if group:
+        yield to_json(_openai_record(group, model, created))
+
+
+def write_openai_batch_output(output_url: str, rows: Iterable[Mapping[str, Any]] | None = None,
+                              model: str | None = None, name: str = OPENAI_OUTPUT) -> str:
+    """Write results in the OpenAI Batch output format (one JSON line per custom_id).
+
+    rows: result rows; None reads all parts.  Consecutive rows with the same id
+    (samples) become one line with several choices; a row whose every sample
+    failed gets response=null and error={code, message}.  Returns the file's path.
+    The file appears complete or not at all (storage.atomic_write_with); lines are streamed
+    into the temporary file, so the output never sits in memory at once.
+    """
+    fs, root = storage.url_fs(output_url)
+    if model is None:
+        m = read_manifest(output_url) or {}
+        cfg = m.get("config") or {}
+        model = str(cfg.get("model") or m.get("model") or "jobrunner")
+    created = int(time.time())
+    if rows is None:
+        rows = (r for t in iter_result_parts(output_url) for r in t.to_pylist())
+    path = storage.join(root, name)
+    storage.atomic_write_with(fs, path, lambda f: storage.write_lines(f, _output_lines(rows, model, created)))
+    return path

@@ -1,0 +1,183 @@
+"""The manifest (_manifest.json) and the policy it carries: resume, refuse, or overwrite.
+
+_manifest.json holds the job's output-affecting configuration and its fingerprint (sha256 of
+the configuration's canonical JSON), when it was created and updated, whether the job is
+complete, and the part files seen at the last update.
+
+Invariants:
+- An existing output with our manifest and the same fingerprint is resumed; one with another
+  fingerprint is refused, and the message names the options that differ.
+- --overwrite deletes only files our naming says are ours (layout.OURS_RE), in a directory our
+  manifest says is ours, and refuses when anything else is inside.  The manifest is replaced
+  last, so an overwrite killed halfway leaves a directory that is still ours.
+- The manifest is informative: the listing of part files is the truth (layout.py), so a failed
+  manifest update only warns, and its parts list is rewritten from a listing, never by reading parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from jobrunner.output import layout
+from jobrunner.output.layout import FORMAT_MARK, MANIFEST, MANIFEST_TMP_RE, OURS_RE, PART_RE, OutputError
+from jobrunner.output.values import json_default, to_json, to_json_pretty
+from jobrunner.storage import atomic_write, join
+
+__all__ = ["fingerprint", "load_manifest", "check_output", "prepare_output", "write_manifest"]
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of a job's output-affecting configuration."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=json_default)
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, Mapping) or (prefix and not d):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _config_diff(old: Any, new: Any, limit: int = 8) -> str:
+    a, b = _flatten(json.loads(to_json(old))), _flatten(json.loads(to_json(new)))
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if k not in b:
+            diffs.append(f"{k}: {a[k]!r} (existing) -> unset (now)")
+        elif k not in a:
+            diffs.append(f"{k}: unset (existing) -> {b[k]!r} (now)")
+        elif a[k] != b[k]:
+            diffs.append(f"{k}: {a[k]!r} (existing) -> {b[k]!r} (now)")
+    more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more if diffs else "(configurations differ)"
+
+
+def load_manifest(fs: Any, root: str) -> dict | None:
+    """root's manifest; None when it has none; OutputError when it is unreadable or not ours."""
+    path = join(root, MANIFEST)
+    try:
+        with fs.open(path, "rb") as f:
+            m = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as e:
+        raise OutputError(f"{path} is unreadable ({e}); it can't be resumed. Choose another "
+                          "--output, or delete the directory yourself") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT_MARK:
+        raise OutputError(f"{path} is not a jobrunner manifest; choose another --output")
+    return m
+
+
+def _check_existing(fs: Any, root: str, output_url: str, config: Mapping[str, Any],
+                    overwrite: bool) -> tuple[dict | None, list[str]]:
+    """The rules for an existing output: (its manifest or None, names to delete before starting afresh).
+
+    Raises OutputError for every refusal; reads only.  A manifest with our fingerprint and no
+    overwrite means resume.  Overwrite deletes only files our naming says are ours, in a directory
+    our manifest says is ours, and refuses when anything else is inside.
+    """
+    if not fs.exists(root):
+        return None, []
+    if not fs.isdir(root):
+        raise OutputError(f"output {output_url} exists and is a file; choose a directory for --output")
+    entries = layout.entries(fs, root)
+    names = sorted(entries)
+    old = load_manifest(fs, root) if MANIFEST in entries else None
+    if old is None:
+        if all(MANIFEST_TMP_RE.match(n) for n in names):  # empty, or killed writing its first manifest
+            return None, names
+        raise OutputError(
+            f"output {output_url} exists, is not empty and is not a jobrunner output "
+            f"(no {MANIFEST}); choose another --output"
+            + (" (--overwrite only ever deletes jobrunner outputs)" if overwrite else ""))
+    if not overwrite:
+        if old.get("fingerprint") == fingerprint(config):
+            return old, []
+        raise OutputError(
+            f"output {output_url} holds a different job: {_config_diff(old.get('config'), config)}. "
+            "Run with the same options to resume it, pass --overwrite to replace it, "
+            "or choose another --output")
+    foreign = [n for n in names if entries[n] != "file" or not OURS_RE.match(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputError(f"--overwrite: output {output_url} also holds files jobrunner did not write "
+                          f"({shown}); nothing was deleted. Move them away or choose another --output")
+    # the manifest is replaced last, so an overwrite killed halfway leaves a directory still ours
+    return old, [n for n in names if n != MANIFEST]
+
+
+def check_output(output_url: str, config: Mapping[str, Any], overwrite: bool = False) -> None:
+    """prepare_output's refusals, found before a model loads: raises OutputError for each.
+
+    Creates the directory (an OSError saying so when it can't be) and changes nothing else.
+    """
+    fs, root = layout.output_fs(output_url)
+    _check_existing(fs, root, output_url, config, overwrite)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the output directory {output_url}: {e}") from e
+
+
+def prepare_output(output_url: str, manifest: Mapping[str, Any], overwrite: bool = False) -> dict:
+    """Check (and create, or with overwrite reset) an output directory; returns the manifest.
+
+    Resume when the existing manifest has the same fingerprint; refuse a different
+    job.  overwrite starts afresh (same configuration or not), deleting only our own
+    files, and only in a directory that holds our _manifest.json and nothing foreign
+    (see _check_existing).  Data-parallel launchers call this once (with overwrite),
+    then start workers with overwrite=False.
+    """
+    config = manifest.get("config")
+    if not isinstance(config, Mapping):
+        raise ValueError('manifest needs a "config" dict (what affects the outputs)')
+    fp = fingerprint(config)
+    fs, root = layout.output_fs(output_url)
+    old, stale = _check_existing(fs, root, output_url, config, overwrite)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if old is not None and not overwrite:  # resume
+        merged = {**old, **{k: v for k, v in manifest.items() if k != "config"}}
+        merged.update(format=FORMAT_MARK, fingerprint=fp, created_at=old.get("created_at", now))
+        return merged
+    for n in stale:
+        try:
+            fs.rm(join(root, n))
+        except FileNotFoundError:
+            pass
+    fresh = {**manifest, "config": json.loads(to_json(config)), "format": FORMAT_MARK,
+             "version": 1, "fingerprint": fp, "created_at": now, "updated_at": now,
+             "parts": [], "complete": False}
+    fs.makedirs(root, exist_ok=True)
+    atomic_write(fs, join(root, MANIFEST), manifest_bytes(fresh))
+    return fresh
+
+
+def manifest_bytes(m: Mapping[str, Any]) -> bytes:
+    """The manifest file's content: indented JSON, UTF-8."""
+    return to_json_pretty(m).encode("utf-8", errors="replace")
+
+
+def write_manifest(fs: Any, root: str, output_url: str, manifest: dict, complete: bool,
+                   stacklevel: int = 2) -> None:
+    """Rewrite _manifest.json atomically with `complete`; its parts list comes from the listing.
+
+    Updates `manifest` in place.  A failure only warns (stacklevel as warnings.warn's, counted
+    from the caller): the manifest is informative, the part files are the truth.
+    """
+    manifest["parts"] = [n for n in layout.names(fs, root) if PART_RE.match(n)]
+    manifest["complete"] = complete
+    manifest["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        atomic_write(fs, join(root, MANIFEST), manifest_bytes(manifest))
+    except Exception as e:  # noqa: BLE001 - informative only: the listing is the truth
+        warnings.warn(f"updating {MANIFEST} in {output_url} failed: {e}",
+                      RuntimeWarning, stacklevel=stacklevel + 1)

@@ -1,0 +1,213 @@
+"""ResultWriter: result rows buffered and written as atomic, resumable parquet parts.
+
+Invariants:
+- done_ids = ids in all readable part*.parquet files found at open (what a resumed
+  job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
+  since the caller knows them.  A part that can't be read is renamed _corrupt-<name>
+  and its ids are not done.
+- Rows passed in one write() call always land in the same part (a multi-sample
+  row is never half written).
+- A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
+  waited flush_seconds (checked on write() and maybe_flush(), which a job calls after every
+  engine step): a kill loses at most flush_seconds of finished rows.  (The first part also
+  waits for a row without an error, as it pins the schema; error rows are no work to redo.)
+- A part never replaces another: its number is past every part of this prefix, and it is
+  written under a temporary name and renamed (storage.atomic_write).
+- Data-parallel workers sharing a directory: the launcher calls prepare_output
+  once (it alone may --overwrite), each worker uses its own part_prefix and
+  closes with stats=None; the launcher then calls completion.mark_complete (or write_stats
+  when the job is not complete).  If two workers flush their very first parts at the same
+  moment from data of different types, their pinned schemas can differ and a glob read then
+  fails on that column; let one worker flush first when input types are mixed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobrunner import storage
+from jobrunner.idset import IdSet
+from jobrunner.output import layout
+from jobrunner.output.completion import mark_complete, write_stats
+from jobrunner.output.layout import MANIFEST_TMP_RE, PART_RE, PREFIX_RE, OutputError
+from jobrunner.output.manifest import prepare_output, write_manifest
+from jobrunner.output.values import infer_kinds, kinds_of, norm_row, to_table
+
+__all__ = ["ResultWriter"]
+
+
+class ResultWriter:
+    """Buffers result rows and writes them as atomic, resumable parquet parts.
+
+    Not thread-safe; one writer per process and part_prefix.
+    """
+
+    clock = staticmethod(time.monotonic)    # seconds; tests replace it
+
+    def __init__(self, output_url: str, manifest: dict, part_rows: int = 10000,
+                 overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0):
+        if part_rows < 1:
+            raise ValueError("part_rows must be >= 1")
+        if not flush_seconds > 0:
+            raise ValueError("flush_seconds must be > 0")
+        if not PREFIX_RE.match(part_prefix):
+            raise ValueError(f"part_prefix must look like 'part' or 'part-r1', got {part_prefix!r}")
+        self.output_url = output_url
+        self.part_rows = part_rows
+        self.flush_seconds = flush_seconds
+        self.part_prefix = part_prefix
+        self.manifest = prepare_output(output_url, manifest, overwrite)
+        self.fs, self.root = storage.url_fs(output_url)
+        self._own_re = re.compile(rf"^(?:_corrupt-(?:\d+-)?)?{re.escape(part_prefix)}-(\d+)\.parquet$")
+        self._tmp_re = re.compile(rf"^_tmp-{re.escape(part_prefix)}-\d+\.parquet\.[0-9a-f]+$")
+        self._buffer: list[dict[str, Any]] = []
+        self._oldest: float | None = None      # clock() when the oldest buffered row came; None: buffer empty
+        self._ok_buffered = False               # a buffered row has no error (see maybe_flush)
+        self._kinds: dict[str, str] | None = None
+        self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
+        self.parts: list[str] = []      # all valid part files at open, plus ours since
+        self.corrupt: list[str] = []    # parts set aside at open (new names)
+        self._next = 0
+        self._scan()
+
+    # -- resume
+
+    def _scan(self) -> None:
+        """Read every part's id column; set damaged parts aside; find our next part number."""
+        names = layout.names(self.fs, self.root)
+        for name in names:
+            # our own stale temp part from a killed run, or anyone's stale manifest temp
+            # (a writer racing with this loses one informative manifest update, no data)
+            if self._tmp_re.match(name) or MANIFEST_TMP_RE.match(name):
+                try:
+                    self.fs.rm(storage.join(self.root, name))
+                except FileNotFoundError:
+                    pass
+        for name in names:
+            if not PART_RE.match(name):
+                continue
+            ids, kinds = self._read_part_ids(name)
+            if ids is None:
+                self.corrupt.append(self._set_aside(name, names))
+                continue
+            self.done_ids.update(ids)
+            self.parts.append(name)
+            if self._kinds is None and kinds is not None:
+                self._kinds = kinds
+        seqs = [int(m.group(1)) for n in layout.names(self.fs, self.root) if (m := self._own_re.match(n))]
+        self._next = max(seqs, default=-1) + 1
+
+    def _read_part_ids(self, name: str) -> tuple[list[str] | None, dict[str, str] | None]:
+        try:
+            with self.fs.open(storage.join(self.root, name), "rb") as f:
+                pf = pq.ParquetFile(f)
+                ids = pf.read(columns=["id"], use_threads=False).column("id")
+                if ids.null_count or len(ids) != pf.metadata.num_rows:
+                    return None, None
+                return [str(x) for x in ids.to_pylist()], kinds_of(pf.schema_arrow)
+        except FileNotFoundError:
+            return [], None  # moved aside by another writer meanwhile
+        except (pa.ArrowException, OSError, KeyError, ValueError, EOFError):
+            return None, None
+
+    def _set_aside(self, name: str, names: list[str]) -> str:
+        new = f"_corrupt-{name}"
+        k = 1
+        while new in names:
+            new, k = f"_corrupt-{k}-{name}", k + 1
+        warnings.warn(f"{self.output_url}: part {name} is damaged; set aside as {new}, "
+                      "its rows will be done again", RuntimeWarning, stacklevel=3)
+        try:
+            self.fs.mv(storage.join(self.root, name), storage.join(self.root, new))
+        except FileNotFoundError:
+            pass  # another writer set it aside first
+        return new
+
+    # -- writing
+
+    def write(self, rows: list[dict]) -> None:
+        """Buffer rows; flush a part once part_rows are buffered or the oldest has waited
+        flush_seconds. One call's rows share a part."""
+        self._buffer.extend(norm_row(r) for r in rows)
+        if self._buffer and self._oldest is None:
+            self._oldest = self.clock()
+        self._ok_buffered = self._ok_buffered or any(r.get("error") is None for r in rows)
+        if len(self._buffer) >= self.part_rows:
+            self.flush()
+        else:
+            self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        """Flush when the oldest buffered row has waited flush_seconds (cheap: call it often).
+
+        The very first part waits for a row without an error: it pins the schema, which error rows
+        alone would leave without the job's own columns (and error rows cost no work to redo).
+        """
+        if self._oldest is None or (self._kinds is None and not self._ok_buffered):
+            return
+        if self.clock() - self._oldest >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as the next part (atomic), then update the manifest."""
+        if not self._buffer:
+            return
+        rows = self._buffer
+        if self._kinds is None:
+            self._kinds = self._pinned_by_others() or infer_kinds(rows)
+        table = to_table(rows, self._kinds)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd", row_group_size=max(len(rows), 1))
+        data = sink.getvalue().to_pybytes()
+        name = f"{self.part_prefix}-{self._next:05d}.parquet"
+        while self.fs.exists(storage.join(self.root, name)):  # never replace a part (another process?)
+            self._next += 1
+            name = f"{self.part_prefix}-{self._next:05d}.parquet"
+        try:
+            storage.atomic_write(self.fs, storage.join(self.root, name), data)
+        except Exception as e:
+            raise OutputError(f"writing {name} to {self.output_url} failed: {e}; rows written "
+                              "before are safe and the job can be resumed") from e
+        self._next += 1
+        self._buffer, self._oldest, self._ok_buffered = [], None, False
+        self.parts.append(name)
+        write_manifest(self.fs, self.root, self.output_url, self.manifest, complete=False)
+
+    def _pinned_by_others(self) -> dict[str, str] | None:
+        """Kinds of a part another writer wrote since we opened (shared directories)."""
+        for name in layout.names(self.fs, self.root):
+            if PART_RE.match(name):
+                try:
+                    with self.fs.open(storage.join(self.root, name), "rb") as f:
+                        kinds = kinds_of(pq.read_schema(f))
+                except (pa.ArrowException, OSError, ValueError):
+                    continue
+                if kinds:
+                    return kinds
+        return None
+
+    def close(self, stats: dict | None = None) -> None:
+        """Flush; with stats, write _stats.json/_stats.parquet and mark the job complete.
+
+        Data-parallel workers close with stats=None; the launcher writes the stats.
+        """
+        self.flush()
+        if stats is not None:
+            mark_complete(self.output_url, stats, self.manifest)
+
+    def write_stats(self, stats: Mapping[str, Any]) -> None:
+        """_stats.json/_stats.parquet without marking the job complete (e.g. interrupted)."""
+        write_stats(self.output_url, stats)
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flush()  # keep what is done, even on an exception or interrupt

@@ -1,0 +1,261 @@
+"""Result values and their Arrow types: what a part's columns hold and how rows are made to fit.
+
+Invariants:
+- Every part has the same schema (so `polars.read_parquet("out/part*.parquet")`
+  and `pyarrow.dataset.dataset("out")` read them together):
+    fixed columns   id, output, finish_reason, error: string;
+                    prompt_tokens, cached_tokens, completion_tokens: int64;
+                    queue_s, prefill_s, decode_s: float64
+    known columns   label: string; sample_index: int64;
+                    label_probs: list<struct<label: string, prob: float64>> (from a dict label->prob)
+                    label_logprobs: list<struct<label: string, logprob: float64>> (likewise)
+    extra columns   pinned by the first part ever written (read back from it afterwards):
+                    all values str -> string; all bool -> bool; all int -> int64;
+                    int/float -> float64; anything else (nested, mixed, all-null,
+                    bytes, dates) -> "json": a string column of JSON texts.
+    extra_json      a JSON object (string) of the row's values that don't fit the pinned
+                    schema: keys first seen after the first part, or values of another
+                    type than the column's.  Null when everything fit.  Nothing is dropped;
+                    readers.stored_values(table, name) reads a column with these put back.
+  Each column's kind is recorded in the parquet schema metadata "jobrunner.kinds".
+- to_json never raises: any value has a JSON text (falling back to repr).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import json
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+__all__ = ["EXTRA_JSON", "FIXED_COLUMNS", "KNOWN_COLUMNS", "LABEL_PROBS", "LABEL_LOGPROBS",
+           "to_json", "to_json_pretty", "json_default", "is_int", "is_float", "scrub", "arrow_array",
+           "arrow_schema", "kinds_of", "infer_kinds", "norm_row", "to_table"]
+
+EXTRA_JSON = "extra_json"
+LABEL_PROBS = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float64())]))
+LABEL_LOGPROBS = pa.list_(pa.struct([("label", pa.string()), ("logprob", pa.float64())]))
+_LABEL_LISTS = {"label_probs": "prob", "label_logprobs": "logprob"}   # kind -> its struct's number field
+_ARROW = {"string": pa.string(), "json": pa.string(), "int": pa.int64(), "float": pa.float64(),
+          "bool": pa.bool_(), "label_probs": LABEL_PROBS, "label_logprobs": LABEL_LOGPROBS}
+FIXED_COLUMNS: dict[str, str] = {
+    "id": "string", "output": "string", "finish_reason": "string",
+    "prompt_tokens": "int", "cached_tokens": "int", "completion_tokens": "int",
+    "queue_s": "float", "prefill_s": "float", "decode_s": "float", "error": "string"}
+KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs",
+                                 "label_logprobs": "label_logprobs", "sample_index": "int"}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+# ---------------------------------------------------------------- values
+
+
+def json_default(v: Any) -> Any:
+    """json.dumps default: bytes, dates, sets and decimals as JSON-able values; else str."""
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).decode("utf-8", errors="replace")
+    if isinstance(v, (_dt.datetime, _dt.date, _dt.time)):
+        return v.isoformat()
+    if isinstance(v, (set, frozenset)):
+        return sorted(v, key=repr)
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    return str(v)
+
+
+def _plain(v: Any) -> Any:
+    """Containers with non-string keys made JSON-able (keys become str)."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def to_json(v: Any) -> str:
+    """JSON text of any value; never raises (falls back to repr)."""
+    try:
+        return json.dumps(v, ensure_ascii=False, default=json_default)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return json.dumps(_plain(v), ensure_ascii=False, default=json_default)
+        except (TypeError, ValueError, RecursionError):
+            return json.dumps(repr(v))
+
+
+def to_json_pretty(v: Any) -> str:
+    """Indented JSON text (the manifest and _stats.json)."""
+    try:
+        return json.dumps(v, ensure_ascii=False, indent=2, default=json_default)
+    except (TypeError, ValueError):
+        return json.dumps(_plain(v), ensure_ascii=False, indent=2, default=json_default)
+
+
+def is_int(v: Any) -> bool:
+    """An integer (not a bool) that an int64 holds."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
+
+
+def is_float(v: Any) -> bool:
+    """A real number that a float64 holds exactly (ints up to 2**53)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return False
+    if isinstance(v, numbers.Integral):
+        return -(2**53) <= v <= 2**53
+    try:
+        float(v)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _label_list(v: Any, field: str) -> list[dict] | None:
+    """dict label->number, or [{label, <field>}], as a list of structs; None if neither."""
+    items = v.items() if isinstance(v, Mapping) else None
+    if items is None and isinstance(v, (list, tuple)) and all(
+            isinstance(x, Mapping) and set(x) == {"label", field} for x in v):
+        items = [(x["label"], x[field]) for x in v]
+    if items is None:
+        return None
+    out = []
+    for label, number in items:
+        if not isinstance(label, str) or not (number is None or is_float(number)):
+            return None
+        out.append({"label": label, field: None if number is None else float(number)})
+    return out
+
+
+_MISS = object()  # a value that doesn't fit its column's kind
+
+
+def _fit(kind: str, v: Any) -> Any:
+    """v converted for a column of `kind`, or _MISS. None always fits."""
+    if v is None:
+        return None
+    if kind == "json":
+        return to_json(v)
+    if kind == "string":
+        return v if isinstance(v, str) else _MISS
+    if kind == "int":
+        return int(v) if is_int(v) else _MISS
+    if kind == "float":
+        return float(v) if is_float(v) else _MISS
+    if kind == "bool":
+        return v if isinstance(v, bool) else _MISS
+    if kind in _LABEL_LISTS:
+        lp = _label_list(v, _LABEL_LISTS[kind])
+        return _MISS if lp is None else lp
+    raise AssertionError(kind)
+
+
+def _infer_kind(name: str, values: list[Any]) -> str:
+    """Kind of a new extra column from its values in the first part (see module doc)."""
+    if name in KNOWN_COLUMNS:
+        return KNOWN_COLUMNS[name]
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "json"
+    if all(isinstance(v, str) for v in vals):
+        return "string"
+    if all(isinstance(v, bool) for v in vals):
+        return "bool"
+    if all(is_int(v) for v in vals):
+        return "int"
+    if all(is_float(v) for v in vals):
+        return "float"
+    return "json"
+
+
+def infer_kinds(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The kinds a first part pins: the fixed columns, then each other key in order of appearance."""
+    kinds = dict(FIXED_COLUMNS)
+    order: dict[str, None] = {}
+    for r in rows:
+        order.update(dict.fromkeys(k for k in r if k not in kinds and k != EXTRA_JSON))
+    for name in order:
+        kinds[name] = _infer_kind(name, [r.get(name) for r in rows])
+    return kinds
+
+
+def scrub(v: Any) -> Any:
+    """Strings made encodable as UTF-8 (lone surrogates -> '?'), recursively."""
+    if isinstance(v, str):
+        return v.encode("utf-8", errors="replace").decode("utf-8")
+    if isinstance(v, list):
+        return [scrub(x) for x in v]
+    if isinstance(v, dict):
+        return {scrub(k): scrub(x) for k, x in v.items()}
+    return v
+
+
+def arrow_array(values: list[Any], kind: str) -> pa.Array:
+    """An Arrow array of a kind's type (strings scrubbed when they can't be encoded)."""
+    try:
+        return pa.array(values, type=_ARROW[kind])
+    except (pa.ArrowException, UnicodeEncodeError):
+        return pa.array(scrub(values), type=_ARROW[kind])
+
+
+# ---------------------------------------------------------------- schema
+
+
+def arrow_schema(kinds: dict[str, str]) -> pa.Schema:
+    """A part's schema: the kinds' columns, then extra_json; the kinds in its metadata."""
+    fields = [pa.field(n, _ARROW[k]) for n, k in kinds.items()]
+    fields.append(pa.field(EXTRA_JSON, pa.string()))
+    meta = {"jobrunner.kinds": json.dumps(kinds, ensure_ascii=False), "jobrunner.version": "1"}
+    return pa.schema(fields, metadata=meta)
+
+
+def kinds_of(schema: pa.Schema) -> dict[str, str] | None:
+    """The pinned kinds recorded in a part's schema, or None for a foreign file."""
+    raw = (schema.metadata or {}).get(b"jobrunner.kinds")
+    try:
+        kinds = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if not isinstance(kinds, dict) or any(k not in _ARROW for k in kinds.values()):
+        return None
+    if any(kinds.get(n) != k for n, k in FIXED_COLUMNS.items()):
+        return None
+    return kinds
+
+
+def norm_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A result row with str keys and a str id; TypeError/ValueError for a non-dict or no id."""
+    if not isinstance(row, Mapping):
+        raise TypeError(f"result rows must be dicts, got {type(row).__name__}")
+    rid = row.get("id")
+    if rid is None:
+        raise ValueError("result row without an id")
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        name = k if isinstance(k, str) else str(k)
+        out[name if name not in out else repr(k)] = v  # 1 and "1" both kept
+    out["id"] = rid if isinstance(rid, str) else str(rid)
+    return out
+
+
+def to_table(rows: list[dict[str, Any]], kinds: dict[str, str]) -> pa.Table:
+    """Rows conformed to the pinned kinds; misfits go to extra_json."""
+    cols: dict[str, list[Any]] = {n: [] for n in kinds}
+    extra: list[str | None] = []
+    for row in rows:
+        over: dict[str, Any] = {}
+        for n, k in kinds.items():
+            v = _fit(k, row.get(n))
+            if v is _MISS:
+                over[n] = row[n]
+                v = None
+            cols[n].append(v)
+        for n, v in row.items():
+            if n not in kinds:
+                over[n] = v
+        extra.append(to_json(over) if over else None)
+    arrays = [arrow_array(cols[n], k) for n, k in kinds.items()]
+    arrays.append(arrow_array(extra, "string"))
+    return pa.Table.from_arrays(arrays, schema=arrow_schema(kinds))

@@ -1,0 +1,138 @@
+"""The single-node launcher (`--data-parallel N`) and the worker processes it starts.
+
+The launcher hosts a TCPStore, starts N workers (WORKER_COMMAND: `python -m jobrunner.parallel`,
+one GPU or cores // N threads each) and coordinates. It sees a worker die at once (its process
+ends), and hands the rows that worker had not written to another round of the workers left.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.job import JobResult
+from jobrunner.parallel import protocol
+from jobrunner.parallel.coordinator import Coordinator
+from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
+from jobrunner.parallel.worker import worker_loop
+from jobrunner.parallel.world import cpu_cores, cuda_count, preflight
+
+log = logging.getLogger("jobrunner")
+
+# What each worker process runs (worker_process_main, through __main__.py); its environment says which
+# worker it is. Tests point this at a wrapper that injects faults.
+WORKER_COMMAND = [sys.executable, "-m", "jobrunner.parallel"]
+
+
+def launch(cfg: JobConfig, n: int) -> JobResult:
+    """The job over n worker processes on this machine, coordinated from this one."""
+    import torch.distributed as dist
+
+    preflight(cfg)
+    gpus = cuda_count(cfg.device)
+    on_gpu = gpus > 0 and cfg.device != "cpu"
+    if cfg.device.startswith("cuda:"):
+        raise JobConfigError(f"--device {cfg.device} names one GPU; use --device cuda --data-parallel {n} "
+                             "(or CUDA_VISIBLE_DEVICES) to spread the job over several")
+    if cfg.device == "cuda" and not on_gpu:
+        raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
+    if on_gpu and n > gpus:
+        raise JobConfigError(f"--data-parallel {n} but only {gpus} GPUs are visible (one worker per GPU)")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(gpus)]
+    threads = max(1, cpu_cores() // n)
+    server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    store = protocol.namespace(server)
+    procs = _start_workers(cfg, n, server.port, visible if on_gpu else None, threads)
+    log.info("data parallel: %d workers on %s", n, f"GPUs {','.join(visible[:n])}" if on_gpu
+             else f"CPU, {threads} threads each")
+    coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True)
+
+    def on_signal(signum, frame):
+        coord.stopping = True
+        log.warning("signal %d: workers finish what is written, then stop", signum)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = coord.run()
+    except BaseException:
+        if not protocol.aborted(store):
+            coord._abort(EXIT_FAILED)
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _reap(procs)
+    return coord.raise_or(result)
+
+
+def _start_workers(cfg: JobConfig, n: int, port: int, gpus: list[str] | None,
+                   threads: int) -> dict[int, subprocess.Popen]:
+    """One process per rank: a GPU each from `gpus`, or (gpus None) `threads` CPU threads each."""
+    worker_cfg = json.dumps(asdict(cfg))
+    procs: dict[int, subprocess.Popen] = {}
+    for rank in range(n):
+        env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
+                   RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+        else:
+            env.update(OMP_NUM_THREADS=str(threads), RAYON_NUM_THREADS=str(threads), JOBRUNNER_THREADS=str(threads))
+        # A session of its own: a Ctrl-C on the terminal reaches the launcher only, which forwards one SIGTERM.
+        procs[rank] = subprocess.Popen(WORKER_COMMAND, env=env, start_new_session=True)
+    return procs
+
+
+def _reap(procs: dict[int, subprocess.Popen], timeout_s: float = 30) -> None:
+    deadline = time.time() + timeout_s
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def worker_process_main() -> int:
+    """`python -m jobrunner.parallel`: one worker started by launch."""
+    import torch.distributed as dist
+
+    _setup_worker_logging(int(os.environ["RANK"]))
+    cfg = config_from_json(os.environ["JOBRUNNER_WORKER_CONFIG"])
+    parent = int(os.environ["JOBRUNNER_LAUNCHER_PID"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, False,
+                           timeout=STORE_TIMEOUT)
+    threads = int(os.environ.get("JOBRUNNER_THREADS") or 0) or None
+    return worker_loop(cfg, rank, world, protocol.namespace(client), threads=threads)
+
+
+def _orphan_watch(parent: int) -> None:
+    """The launcher was killed (SIGKILL, OOM): stop at once, so that a rerun never races this worker."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(EXIT_FAILED)
+
+
+def config_from_json(text: str) -> JobConfig:
+    d = json.loads(text)
+    for key in ("stop", "labels"):
+        d[key] = tuple(d.get(key) or ())
+    return JobConfig(**d)
+
+
+def _setup_worker_logging(rank: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+                            format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")

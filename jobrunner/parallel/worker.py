@@ -1,0 +1,164 @@
+"""A worker: one engine, loaded once, running the rounds its coordinator opens.
+
+In a round every member plans the rows not yet in the output into the same units (the `ready`
+barrier makes all read the done ids first) and claims units as its engine has room for them, so a
+fast worker takes more and all finish within about one engine queue of each other.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import time
+from dataclasses import replace
+
+from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.job import EXIT_CONFIG, EXIT_STORAGE, Job
+from jobrunner.parallel import protocol
+from jobrunner.parallel.protocol import Stop
+from jobrunner.planner import spread_units
+from jobrunner.parallel.stats import worker_sketch
+
+log = logging.getLogger("jobrunner")
+
+
+def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None,
+                before_exit=lambda: None) -> int:
+    """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code.
+    `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
+    it stops the process's other users of the store."""
+    from jobrunner.checks import load_engine
+
+    stop: list = []
+
+    def on_signal(signum, frame):   # between rounds; Job.run has its own handlers while it runs
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    cfg = replace(cfg, overwrite=False)     # the coordinator alone prepares (and overwrites) the output
+    try:
+        engine = load_engine(cfg)
+    except JobConfigError as e:
+        protocol.set_loaded(store, rank, error=str(e))
+        return EXIT_CONFIG
+    protocol.set_loaded(store, rank, device=str(engine.rt.device))
+    try:
+        for r in itertools.count():
+            rnd = protocol.wait_round(store, r, stop)
+            if rnd.slots is None or rank not in rnd.slots:
+                before_exit()
+                protocol.ack_exit(store)
+                return rnd.exit_code
+            _run_round(cfg, engine, store, r, rank, rnd.slots[rank], world, stop, members=len(rnd.slots))
+    except Stop as e:
+        return e.args[0]
+
+
+class _WorkerJob(Job):
+    """A data-parallel worker's Job: each planning window's units are spread over the workers, then
+    come out largest first.
+
+    A window of fewer units than workers (a small job sharing one prefix is one unit) would leave
+    workers idle, so its largest units are halved until each worker can get one (spread_units); each
+    worker then computes the shared prefix once. The planner orders units for cache locality (a
+    depth-first trie walk), so a big prefix group can come last, and whoever draws it finishes long
+    after the others. Handing the units out longest first (LPT) lets the small ones fill in around the
+    big ones. Across workers the locality is lost anyway; within a unit nothing changes. Both steps are
+    deterministic, so every worker agrees on the units and their order.
+    """
+
+    def _units(self):
+        window = []
+        for unit in super()._units():
+            window.append(unit)
+            if unit.window_end:
+                yield from self._spread(window)
+                window = []
+        yield from self._spread(window)
+
+    def _spread(self, window):
+        # the window's rows all wait in self.pending, token ids packed: none is yielded (submitted) yet
+        def tokens_of(key):
+            return memoryview(self.pending[key][1].prompt_token_ids).cast("I")
+        return self._largest_first(spread_units(window, self.world, tokens_of, self._cost))
+
+    def _cost(self, u) -> int:
+        """Tokens the engine computes for a unit: the shared prefix once, the rest, the outputs."""
+        n = len(u.items)
+        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.cfg.n * self.cfg.max_tokens
+
+    def _largest_first(self, units):
+        return sorted(units, key=self._cost, reverse=True)     # stable: ties keep the planner's order
+
+
+def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list, members: int) -> None:
+    claim = _Claim(store, r, slot, members)     # members: this round's workers
+    job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
+    job.max_in_flight = engine.rt.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
+    job.progress_factory = lambda total: _StoreProgress(store, r, rank, total)
+    try:
+        job.prepare(engine=engine)
+    except JobConfigError as e:
+        protocol.set_ready(store, r, rank, error=str(e))
+        raise Stop(EXIT_CONFIG) from None
+    protocol.set_ready(store, r, rank, model_source=engine.rt.source, dataset_format=job.fmt)
+    protocol.wait_go(store, r, stop)
+    t0 = time.time()
+    payload = {"rank": rank, "slot": slot, "round": r, "device": str(engine.rt.device), "error": None}
+    try:
+        result = job.run()
+        payload.update(exit_code=result.exit_code, summary=result.stats)
+    except OSError as e:
+        log.error("writing the output failed: %s", e)
+        payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
+    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(getattr(job, "stats", None)))
+    protocol.set_result(store, r, rank, payload)
+
+
+class _Claim:
+    """Job's claim(index). Unit i < world goes to slot i, so every worker starts with a unit (the
+    counter alone would let the first worker take them all while the others start up). Past those,
+    indices come in order world, world + 1, ...; a ticket drawn from the counter is the next unit
+    nobody holds. Every index is drawn by exactly one worker, and that worker reaches it, because all
+    workers walk the same plan in the same order."""
+
+    def __init__(self, store, r: int, slot: int = 0, world: int = 1):
+        self.store, self.r, self.slot, self.world = store, r, slot, world
+        self.ticket: int | None = None
+        self.units = 0
+
+    def __call__(self, index: int) -> bool:
+        if index < self.world:
+            return self._take(index == self.slot)
+        while self.ticket is None or self.ticket < index:
+            self.ticket = protocol.next_ticket(self.store, self.r) + self.world
+        if self.ticket > index:
+            return False
+        self.ticket = None
+        return self._take(True)
+
+    def _take(self, mine: bool) -> bool:
+        self.units += mine
+        return mine
+
+
+class _StoreProgress:
+    """Job's progress object for a worker: publishes its counts for the coordinator's progress line."""
+
+    def __init__(self, store, r: int, rank: int, total: int | None, every_s: float = 1.0):
+        self.store, self.r, self.rank, self.total, self.every_s = store, r, rank, total, every_s
+        self.last = 0.0
+
+    def update(self, stats, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self.last >= self.every_s:
+            self.last = now
+            protocol.set_progress(self.store, self.r, self.rank, stats, self.total)
+
+    def close(self) -> None:
+        pass
