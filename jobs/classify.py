@@ -78,6 +78,3 @@ class ClassifyJob:
         if self.metrics is not None:
             row["correct"] = self.metrics.add(labels[best], data.get(self.evaluation.reference_column))
         return [row]
-
-    def summary(self) -> dict:
-        return self.metrics.summary() if self.metrics else {}

@@ -30,6 +30,3 @@ class GenerateJob:
                 row["correct"] = self.accuracy.add(c.text, data.get(self.evaluation.reference_column))
             rows.append(row)
         return rows
-
-    def summary(self) -> dict:
-        return self.accuracy.summary() if self.accuracy else {}

@@ -15,8 +15,6 @@ class ScoreJob:
     def __init__(self, spec: JobSpec, tokenizer):
         self.column = spec.score.score_column
         self.tokenizer = tokenizer
-        self.total_logprob = 0.0
-        self.total_tokens = 0
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
         text = data.get(self.column)
@@ -32,13 +30,5 @@ class ScoreJob:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
         lps = out.prompt_logprobs
         total = sum(lps)
-        self.total_logprob += total
-        self.total_tokens += len(lps)
         return [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "scored_tokens": len(lps),
                  "logprob": total, "mean_logprob": total / len(lps), "perplexity": math.exp(-total / len(lps))}]
-
-    def summary(self) -> dict:
-        if not self.total_tokens:
-            return {"scored_tokens": 0, "perplexity": None}
-        return {"scored_tokens": self.total_tokens, "mean_logprob": self.total_logprob / self.total_tokens,
-                "perplexity": math.exp(-self.total_logprob / self.total_tokens)}
