@@ -18,7 +18,6 @@ check the bucketing and padding on CPU.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kernels import AttentionMetadata

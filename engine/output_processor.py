@@ -226,10 +226,10 @@ class OutputProcessor:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             return f"prompt has token ids outside the vocabulary (0..{vocab - 1})"
-        longest = len(ids) + max((len(c) for c in req.candidates or [[]]), default=0)
-        limit = self.model_config.max_position_embeddings
-        if longest > limit:
-            return f"prompt of {longest} tokens exceeds the model's context of {limit} tokens"
+        too_long = req.context_error(self.model_config.max_position_embeddings)
+        if too_long:
+            return too_long
+        longest = req.tokens_needed
         blocks = self.kv.blocks_for(longest)
         if blocks > self.kv.num_blocks:
             return (f"prompt of {longest} tokens needs {blocks} KV blocks but the cache has {self.kv.num_blocks}; "

@@ -45,6 +45,17 @@ class Request:
     score_from: int | None = None       # score mode: logprobs of prompt tokens [score_from:], nothing generated
     prompt: str | None = None           # the text, kept for the output only
 
+    @property
+    def tokens_needed(self) -> int:
+        """Positions the request occupies at most: the prompt and its longest candidate."""
+        return len(self.prompt_token_ids) + max((len(c) for c in self.candidates or [[]]), default=0)
+
+    def context_error(self, context: int) -> str | None:
+        """Why the request does not fit a model's context of `context` positions, or None."""
+        if self.tokens_needed > context:
+            return f"prompt of {self.tokens_needed} tokens exceeds the model's context of {context} tokens"
+        return None
+
 
 @dataclass
 class TokenLogprob:

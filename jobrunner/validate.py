@@ -95,8 +95,7 @@ def _check_row(builder, job, row, context: int) -> tuple[str, int]:
         raise RowError(row.error.split(": ", 1)[-1])
     text, ids = builder.build(row.data)
     req = job.request(row.id, ids, row.data)
-    # the engine's rule (engine.Engine._check): the prompt and its longest candidate fit the context
-    longest = len(req.prompt_token_ids) + max((len(c) for c in req.candidates or [[]]), default=0)
-    if longest > context:
-        raise RowError(f"prompt of {longest} tokens exceeds the model's context of {context} tokens")
+    too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
+    if too_long:
+        raise RowError(too_long)
     return text, len(req.prompt_token_ids)
