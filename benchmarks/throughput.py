@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import random
+import shlex
+import subprocess
 import sys
 import time
 
@@ -364,8 +368,33 @@ def peaks(args, device) -> tuple[float, float]:
     return args.peak_tflops or CPU_TFLOPS, args.peak_bandwidth or _MEASURED_BW["cpu"]
 
 
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_identity(args, argv: list[str] | None) -> dict:
+    """What a result line needs to be compared later: the device's name, the numeric setup, the code, the command."""
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else None
+    return dict(gpu=gpu, cpu=platform.processor() or platform.machine(), quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype, commit=_commit(),
+                command=shlex.join(["python", "-m", "benchmarks.throughput",
+                                    *(sys.argv[1:] if argv is None else argv)]))
+
+
+def _lengths(lo_hi: list[int]) -> str:
+    return str(lo_hi[0]) if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}:{lo_hi[1]}"
+
+
 def summary_line(r: dict) -> str:
-    return (f"{r['engine']} {r['model']} {r['device']} {r['dtype']}: {r['requests_finished']} requests in "
+    setup = "" if r.get("quantization", "none") == "none" else f" {r['quantization']}"
+    setup += "" if r.get("kv_cache_dtype", "auto") == "auto" else f" kv={r['kv_cache_dtype']}"
+    return (f"{r['engine']} {r['model']} {r['gpu'] or r['device']} {r['dtype']}{setup} "
+            f"{_lengths(r['input_len'])}/{_lengths(r['output_len'])}: {r['requests_finished']} requests in "
             f"{r['elapsed_s']:.1f}s{' (TRUNCATED by --time-limit)' if r.get('truncated') else ''} | "
             f"output {r['output_tokens_per_s']:,.0f} tok/s | total {r['total_tokens_per_s']:,.0f} tok/s | "
             f"MFU {100 * r['mfu']:.1f}% ({100 * r['mfu_with_attention']:.1f}% with attention) of "
@@ -411,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_model_bundle(resolve_model(args.model)).config.vocab_size
     work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     r = run_ours(args, work) if args.engine == "ours" else run_transformers(args, work)
-    r.update(num_prompts=args.num_prompts, input_len=list(args.input_len), output_len=list(args.output_len))
+    r.update(num_prompts=args.num_prompts, input_len=list(args.input_len), output_len=list(args.output_len),
+             **run_identity(args, argv))
     print(summary_line(r))
     print(json.dumps(r))
     if args.json:
