@@ -88,7 +88,8 @@ def load_engine(cfg: JobConfig):
         raise JobConfigError(str(e)) from None
     rt = engine.rt
     rt.source = describe(cfg.model, rt.source)     # logs and the manifest name a known model and its file
-    log.info("model %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device,
+    threads = f", {config.num_threads} threads" if rt.device.type == "cpu" else ""
+    log.info("model %s on %s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device, threads,
              str(rt.dtype).removeprefix("torch."), rt.num_blocks, cfg.block_size, rt.load_s)
     if cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
         raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")

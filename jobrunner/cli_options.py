@@ -108,6 +108,8 @@ OPTION_GROUPS: dict[str, list] = {
                      help="On a GPU, replay captured CUDA graphs for decode steps."),
         click.option("--async-scheduling/--no-async-scheduling", default=D.async_scheduling, show_default=True,
                      help="Schedule and prepare each step while the one before runs on the device."),
+        click.option("--threads", type=int, help="CPU compute threads (default: the cores no other process is "
+                                                 "busy on at start; a thread waiting for a busy core stalls all)."),
     ],
     "Parallel": [
         click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),

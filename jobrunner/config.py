@@ -72,6 +72,7 @@ class JobConfig:
     prefix_cache: bool = True
     cuda_graphs: bool = True                # replay CUDA graphs for decode steps (GPUs only)
     async_scheduling: bool = True           # schedule the next step while the current one runs
+    threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     data_parallel: int | None = None
     # output
     part_rows: int = 10_000
@@ -99,7 +100,11 @@ class JobConfig:
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
-            async_scheduling=self.async_scheduling, seed=self.seed or 0)
+            async_scheduling=self.async_scheduling, seed=self.seed or 0, num_threads=self.cpu_threads())
+
+    def cpu_threads(self) -> int:
+        from jobrunner.threads import free_cores
+        return self.threads or free_cores()
 
     def sampling_params(self) -> SamplingParams:
         """What generate samples with (an OpenAI batch row's body overrides it: jobs.base.sampling_params)."""
@@ -134,7 +139,7 @@ class JobConfig:
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
-                "fail_on_empty", "flush_seconds"}
+                "fail_on_empty", "flush_seconds", "threads"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
@@ -186,6 +191,8 @@ class JobConfig:
             bad(f"--normalize must be {_either(NORMALIZE_MODES)}")
         if self.match not in MATCH_MODES:
             bad(f"--match must be {_either(MATCH_MODES)}")
+        if self.threads is not None and self.threads < 1:
+            bad("--threads must be >= 1 (leave it out to use the cores nothing else is busy on)")
         if self.block_size < 1 or any(v is not None and v < 1 for v in (self.max_num_seqs, self.max_batched_tokens)):
             bad("--block-size, --max-num-seqs and --max-batched-tokens must be >= 1")
         if self.output_format not in OUTPUT_FORMATS:

@@ -22,7 +22,8 @@ from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import cpu_cores, cuda_count, preflight
+from jobrunner.parallel.world import cuda_count, preflight
+from jobrunner.threads import free_cores
 
 log = logging.getLogger("jobrunner")
 
@@ -47,7 +48,7 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
         raise JobConfigError(f"--data-parallel {n} but only {gpus} GPUs are visible (one worker per GPU)")
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
-    threads = max(1, cpu_cores() // n)
+    threads = cfg.threads or max(1, free_cores() // n)
     server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     store = protocol.namespace(server)
     procs = _start_workers(cfg, n, server.port, visible if on_gpu else None, threads)

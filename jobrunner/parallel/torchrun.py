@@ -18,7 +18,8 @@ from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import cpu_cores, cuda_count, preflight
+from jobrunner.parallel.world import cuda_count, preflight
+from jobrunner.threads import available_cores
 
 log = logging.getLogger("jobrunner")
 
@@ -33,7 +34,7 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     if on_gpu:
         cfg = replace(cfg, device=f"cuda:{env['local_rank']}")
     else:
-        threads = max(1, cpu_cores() // env["local_world"])
+        threads = cfg.threads or max(1, available_cores() // env["local_world"])   # the other local ranks are ours
     preflight(cfg)
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -37,10 +37,8 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
         stop.append(signum)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
-    if threads:
-        import torch
-        torch.set_num_threads(threads)
-    cfg = replace(cfg, overwrite=False)     # the coordinator alone prepares (and overwrites) the output
+    # the coordinator alone prepares (and overwrites) the output; the launcher shares the cores out
+    cfg = replace(cfg, overwrite=False, threads=threads or cfg.threads)
     try:
         engine = load_engine(cfg)
     except JobConfigError as e:

@@ -46,13 +46,6 @@ def data_parallel_size(cfg: JobConfig) -> int:
     return max(1, cuda_count(cfg.device))
 
 
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def preflight(cfg: JobConfig) -> None:
     """What can fail without a model, before any process starts."""
     from jobrunner import checks
