@@ -89,20 +89,32 @@ def _load_path(fs, path: str, model: str, cache_dir) -> ModelBundle:
     if path.endswith(".gguf") or _has_gguf_magic(fs, path):
         if not local:
             path = str(_copy_files(fs, [path], _remote_dir(model, cache_dir))[0])
-        return _load_gguf(Path(path), source=model)
+        return _load_gguf(Path(path), source=model, cache_dir=cache_dir)
     raise ModelError(f"{model}: expected an HF model directory (config.json, *.safetensors) or a .gguf file")
 
 
 # -- GGUF ------------------------------------------------------------------------
 
-def _load_gguf(path: Path, source: str) -> ModelBundle:
+def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
+    """A GGUF file; a small one's float conversion is kept on disk and memory-mapped at later starts
+    (engine/float_cache.py), the file itself then opened only for its quantized blocks."""
+    from engine import float_cache
     from engine.gguf import GGUFFile
 
-    f = GGUFFile(path)
-    hf_config = f.hf_config()
-    return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config,
-                       tokenizer=Tokenizer.from_gguf(f), weights=f.iter_tensors, source=source,
-                       weight_format="gguf", raw_weights=f.iter_raw_tensors)
+    converted = float_cache.cache_dir(path, cache_root(cache_dir))
+    cached = float_cache.read(converted)
+    if cached is None:
+        f = GGUFFile(path)
+        hf_config, tokenizer = f.hf_config(), Tokenizer.from_gguf(f)
+        if not float_cache.write(converted, hf_config, tokenizer, f.iter_tensors()) or \
+                (cached := float_cache.read(converted)) is None:
+            return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
+                               weights=f.iter_tensors, source=source, weight_format="gguf",
+                               raw_weights=f.iter_raw_tensors)
+    hf_config, tokenizer, weights_file = cached
+    return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
+                       weights=_safetensors_weights([weights_file]), source=source, weight_format="gguf",
+                       raw_weights=lambda: GGUFFile(path).iter_raw_tensors())
 
 
 # -- HF directories (safetensors) ------------------------------------------------
@@ -127,16 +139,21 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     if missing:
         raise ModelError(f"{root}: model.safetensors.index.json names tensors no shard has: {missing[:5]}")
 
+    tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
+    return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
+                       tokenizer=tokenizer, weights=_safetensors_weights(files), source=source,
+                       weight_format="safetensors")
+
+
+def _safetensors_weights(files: list[Path]) -> Callable[[], WeightIterator]:
     def weights() -> WeightIterator:
+        from safetensors import safe_open
         for file in files:
             with safe_open(file, framework="pt") as st:
                 for name in st.keys():
                     if not name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
                         yield name, st.get_tensor(name)
-
-    tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
-    return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
-                       tokenizer=tokenizer, weights=weights, source=source, weight_format="safetensors")
+    return weights
 
 
 def _safetensors_files(root: Path) -> list[Path]:

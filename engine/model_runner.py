@@ -27,6 +27,15 @@ from kernels import AttentionMetadata, to_device
 LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU from calloc'ed pages (numpy's zeros), which the OS zeroes on
+    first touch: a 2 GiB cache costs nothing at start-up and memory only for the blocks used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = int(np.prod(shape))
+    return torch.from_numpy(np.zeros(numel * dtype.itemsize, np.uint8)).view(dtype).view(shape)
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[int, list[int]] = field(default_factory=dict)                 # seq_id -> tokens (one per sample)
@@ -100,7 +109,7 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V; an int8 cache
         # adds float32 scales [num_blocks, block_size, num_kv_heads] (layout in kernels/kv_int8.py)
-        zeros = lambda shp, dt: torch.zeros(shp, dtype=dt, device=self.device)
+        zeros = lambda shp, dt: _zeros(shp, dt, self.device)
         if kv_dtype == torch.int8:
             self.kv_caches = [(zeros(shape, kv_dtype), zeros(shape, kv_dtype), zeros(shape[:3], torch.float32),
                                zeros(shape[:3], torch.float32)) for _ in range(cfg.num_layers)]

@@ -5,9 +5,11 @@ Values found at start-up live here, not in the frozen EngineConfig.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
@@ -109,9 +111,9 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
 def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     """Allocates the model without initializing it, then fills it from the weights, one tensor at a time."""
     cfg = bundle.config
-    with torch.device("meta"):
+    with _uninitialized():
         model = model_class(cfg.architecture)(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()
@@ -125,6 +127,39 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
                               + (" ..." if len(missing) > 5 else ""))
     model.eval().requires_grad_(False)
     return model
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextmanager
+def _uninitialized():
+    """Build modules on the meta device without their default initialization (the checkpoint fills
+    every weight): initializing meta tensors runs Python decompositions that import torch._dynamo,
+    seconds of every start-up."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Real, uninitialized storage for a meta-built model, floating tensors in `dtype` (Module.to_empty
+    runs Python decompositions of empty_like that import sympy: another second of start-up).
+    Shared parameters come out unshared: the caller ties them again."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(empty(p), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, empty(b), persistent=name not in module._non_persistent_buffers_set)
 
 
 def _random_init(model: CausalLM, seed: int) -> None:

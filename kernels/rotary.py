@@ -9,7 +9,8 @@ from kernels.triton_utils import use_triton
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # on the CPU even inside a meta-device build: meta ops run Python decompositions that import torch._dynamo
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
     elif scaling and (scaling.get("rope_type") or scaling.get("type")) == "linear":
