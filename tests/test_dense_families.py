@@ -1,0 +1,115 @@
+"""Gemma 2, Gemma 3 (text), Phi-3, OLMo 2 and Granite against HF transformers, from checkpoints
+that transformers saves: greedy 32 tokens identical and chosen-token logprobs within 1e-4, with
+chunked prefill, preemption and prefix caching on, through the engine and through the CLI.
+
+The tiny configurations make each family's switches bind: sliding windows (8 tokens) shorter than
+the prompts, attention and final soft-caps below the scores they cap, Gemma 3's local rope base
+beside a linearly scaled global one, Phi-3's LongRoPE with an original context (16) shorter than
+every prompt (so HF, too, uses the long factors throughout) and 3/4 partial rotary, Granite's four
+multipliers. No EOS id: HF's min_new_tokens would otherwise forbid a token our ignore_eos allows.
+"""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import TINY_VOCAB, save_tiny_tokenizer
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import load_model_bundle
+from engine.request import Request, SamplingParams
+from jobrunner.cli import main
+from tests.tiny import hf_greedy
+
+_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+               initializer_range=0.1)
+_GEMMA = dict(query_pre_attn_scalar=24, sliding_window=8)
+FAMILIES = {
+    "gemma2": ("Gemma2Config", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        _GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
+    "phi3": ("Phi3Config", dict(original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
+                                      logits_scaling=8.0)),
+}
+# KV cache of 24 blocks of 4 tokens (K and V x 4 layers x 4 tokens x 2 heads x 16 dims x 4 bytes each): too small for the
+# batch at once, so sequences are preempted and recomputed; 7 tokens a step: prefill in chunks.
+ENGINE = dict(block_size=4, kv_cache_memory=24 * 4096, max_num_batched_tokens=7)
+N = 32
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, the transformers model, the directory it saved itself to with a tiny tokenizer)."""
+    import transformers
+
+    name = request.param
+    cfg_class, extra = FAMILIES[name]
+    cfg = getattr(transformers, cfg_class)(**_COMMON, **extra)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # norms and biases start at constants: randomize them so their loading is checked
+        for pname, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in pname and "gemma" not in name else 0.0))
+    path = tmp_path_factory.mktemp(f"tiny-{name}")
+    hf.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return name, hf, path
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Five prompts of 17-40 tokens, four sharing a 20-token prefix (prefix cache hits)."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, TINY_VOCAB, (20,), generator=g).tolist()
+    tails = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (1, 9, 20, 4)]
+    return [shared + t for t in tails] + [torch.randint(3, TINY_VOCAB, (17,), generator=g).tolist()]
+
+
+def test_engine_matches_transformers(family):
+    name, hf, path = family
+    engine = Engine(EngineConfig(model=str(path), **ENGINE))
+    batch = _prompts(engine.tokenizer)
+    params = SamplingParams(max_tokens=N, ignore_eos=True, logprobs=0)
+    outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
+    assert engine.counters.preemptions > 0 and sum(o.cached_tokens for o in outs) > 0
+    for ids, out in zip(batch, outs):
+        ref_tokens, ref_lps = hf_greedy(hf, ids, N)
+        assert out.token_ids == ref_tokens, name
+        ours = [lp.logprob for lp in out.completions[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-4, name
+
+
+def test_cli_matches_transformers(family, tmp_path):
+    """`jobrunner submit --no-chat` on text prompts: each row's output is the text of HF's 32 tokens."""
+    name, hf, path = family
+    tokenizer = load_model_bundle(str(path)).tokenizer
+    head = "The quick brown fox jumps over the lazy dog. Hello world! Batch inference over datasets"
+    texts = [head + tail for tail in (", row by row.", ": code.", " and numbers 0123456789.")]
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, [
+        "submit", str(ds), "-m", str(path), "--no-chat", "--ignore-eos", "--max-tokens", str(N), "-o", str(out),
+        "--block-size", "4", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]), "--max-batched-tokens", "7"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for part in sorted(out.glob("part*.parquet")) for row in pq.read_table(part).to_pylist()}
+    assert sorted(rows) == ["0", "1", "2"]
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        assert len(ids) > 16                                    # past Phi-3's original context: long factors
+        ref_tokens, _ = hf_greedy(hf, ids, N)
+        row = rows[str(i)]
+        assert row["error"] is None and row["completion_tokens"] == N, name
+        assert row["output"] == tokenizer.decode(ref_tokens), name
