@@ -69,7 +69,7 @@ def family(request, tmp_path_factory):
     return name, hf, path
 
 
-def _prompts(tokenizer) -> list[list[int]]:
+def _prompts() -> list[list[int]]:
     """Five prompts of 17-40 tokens, four sharing a 20-token prefix (prefix cache hits)."""
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(3, TINY_VOCAB, (20,), generator=g).tolist()
@@ -80,7 +80,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 def test_engine_matches_transformers(family):
     name, hf, path = family
     engine = Engine(EngineConfig(model=str(path), **ENGINE))
-    batch = _prompts(engine.tokenizer)
+    batch = _prompts()
     params = SamplingParams(max_tokens=N, ignore_eos=True, logprobs=0)
     outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
     assert engine.counters.preemptions > 0 and sum(o.cached_tokens for o in outs) > 0
@@ -113,3 +113,40 @@ def test_cli_matches_transformers(family, tmp_path):
         row = rows[str(i)]
         assert row["error"] is None and row["completion_tokens"] == N, name
         assert row["output"] == tokenizer.decode(ref_tokens), name
+
+
+@pytest.mark.parametrize("options", [dict(quantization="w8a8"), dict(kv_cache_dtype="int8")], ids=["w8a8", "kv-int8"])
+def test_quantized_paths(family, options):
+    """w8a8 (SmoothQuant only where a plain norm feeds qkv and gate_up: not Gemma's or OLMo 2's layers) and
+    the int8 KV cache (windows and soft-caps over an int8 cache) run each family; on these tiny models with
+    their flat distributions, the first token of at least 4 of 5 prompts is the float engine's."""
+    from engine.quant import smooth
+
+    name, _, path = family
+    batch = _prompts()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = lambda: [Request(str(i), ids, params) for i, ids in enumerate(batch)]   # noqa: E731
+    base = Engine(EngineConfig(model=str(path))).generate(requests())
+    engine = Engine(EngineConfig(model=str(path), **options))
+    outs = engine.generate(requests())
+    assert smooth.applies_to(engine.rt.model) == (name in ("granite", "phi3"))
+    assert all(o.completion_tokens == 4 and o.error is None for o in outs)
+    assert sum(o.token_ids[0] == b.token_ids[0] for o, b in zip(outs, base)) >= 4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_triton_and_graphs_match_transformers(family):
+    """On a GPU, float32: Triton attention with each family's switches (soft-cap, per-layer window), Triton
+    GELU-tanh and partial rotary, and CUDA graphs for the decodes; greedy tokens as HF's on CPU."""
+    name, hf, path = family
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", **ENGINE))
+    batch = _prompts()
+    params = SamplingParams(max_tokens=N, ignore_eos=True, logprobs=0)
+    outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    for ids, out in zip(batch, outs):
+        ref_tokens, ref_lps = hf_greedy(hf, ids, N)
+        assert out.token_ids == ref_tokens, name
+        ours = [lp.logprob for lp in out.completions[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3, name
