@@ -150,3 +150,24 @@ def test_cuda_triton_and_graphs_match_transformers(family):
         assert out.token_ids == ref_tokens, name
         ours = [lp.logprob for lp in out.completions[0].logprobs]
         assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3, name
+
+
+def test_unsupported_family_exits_2_naming_it_and_the_supported_ones(tmp_path):
+    """Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration) is not a text family of ours."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**_COMMON, "architectures": ["Gemma3ForConditionalGeneration"],
+                                                  "model_type": "gemma3"}))
+    save_file({"model.embed_tokens.weight": torch.zeros(TINY_VOCAB, 64)}, str(path / "model.safetensors"))
+    save_tiny_tokenizer(path)
+    ds = tmp_path / "d.jsonl"
+    ds.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    r = CliRunner().invoke(main, ["submit", str(ds), "-m", str(path), "--no-chat", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert "Gemma3ForConditionalGeneration" in r.output and "Traceback" not in r.output
+    for supported in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
+                      "Olmo2ForCausalLM", "Phi3ForCausalLM"):
+        assert supported in r.output
+    assert not any((tmp_path / "out").glob("part*"))

@@ -18,6 +18,7 @@ from kernels.attention import paged_attention_ref  # noqa: E402
 from kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 from kernels.triton_activation import gelu_tanh_and_mul_triton  # noqa: E402
 
+from tests.kernel_cases import cuda_only  # noqa: E402
 from tests.test_kernels import ATTN_TOL, CASES, TOL, attention_ref_fp32, attention_triton, make_step, randn  # noqa: E402
 
 
@@ -50,6 +51,21 @@ def test_attention_switches(device, dtype, sliding, softcap, int8, gen):
     out = attention_triton(q, cache, meta, 0.5, num_splits=3, sliding=sliding, softcap=softcap)
     ref = _ref(q, cache, meta, 0.5, sliding=sliding, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, **ATTN_TOL[dtype])
+
+
+@pytest.mark.gpu
+@cuda_only[1]
+@pytest.mark.parametrize("sliding", [True, False], ids=["sliding-layer", "global-layer"])
+def test_attention_gemma2_shapes_cuda(sliding, gen):
+    """Gemma 2 9B's attention on the GPU in bfloat16: head_dim 256 (the small-tile configs), GQA 2,
+    window 4096 against contexts past it, scale 256^-1/2 and soft-cap 50; split-K decodes and prefill."""
+    seqs = [(1, 5000), (1, 300), (1, 4097), (700, 700), (64, 4500)]
+    q, cache, meta = make_step(seqs, 3, 16, 8, 256, 16, torch.bfloat16, "cuda", gen, window=4096)
+    q = q * 4                                          # scores up to about 20: tanh(s / 50) * 50 bends them
+    for splits in (1, 4):
+        out = attention_triton(q, cache, meta, 256 ** -0.5, num_splits=splits, sliding=sliding, softcap=50.0)
+        ref = _ref(q, cache, meta, 256 ** -0.5, sliding=sliding, softcap=50.0)
+        torch.testing.assert_close(out.float(), ref, **ATTN_TOL[torch.bfloat16])
 
 
 def test_switches_change_the_reference(gen):
