@@ -130,4 +130,5 @@ def _layer_types(cfg: dict, pattern: int) -> tuple[str, ...]:
     pattern = cfg.get("sliding_window_pattern", pattern)
     if not pattern:
         return ()
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"]))
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(cfg["num_hidden_layers"]))

@@ -43,8 +43,8 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
                                       logits_scaling=8.0)),
 }
-# KV cache of 24 blocks of 4 tokens (K and V x 4 layers x 4 tokens x 2 heads x 16 dims x 4 bytes each): too small for the
-# batch at once, so sequences are preempted and recomputed; 7 tokens a step: prefill in chunks.
+# KV cache of 24 blocks of 4 tokens (K and V x 4 layers x 4 tokens x 2 heads x 16 dims x 4 bytes each): too
+# small for the batch at once, so sequences are preempted and recomputed; 7 tokens a step: prefill in chunks.
 ENGINE = dict(block_size=4, kv_cache_memory=24 * 4096, max_num_batched_tokens=7)
 N = 32
 

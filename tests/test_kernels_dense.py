@@ -19,7 +19,8 @@ from kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 from kernels.triton_activation import gelu_tanh_and_mul_triton  # noqa: E402
 
 from tests.kernel_cases import cuda_only  # noqa: E402
-from tests.test_kernels import ATTN_TOL, CASES, TOL, attention_ref_fp32, attention_triton, make_step, randn  # noqa: E402
+from tests.test_kernels import (ATTN_TOL, CASES, TOL, attention_ref_fp32, attention_triton, make_step,  # noqa: E402
+                                randn)
 
 
 @pytest.fixture
@@ -101,3 +102,4 @@ def test_partial_rotary(device, dtype, gen, monkeypatch):
     torch.testing.assert_close(qo[..., :rd], qr, **TOL[dtype])
     torch.testing.assert_close(ko[..., :rd], kr, **TOL[dtype])
     assert torch.equal(qo[..., rd:], q[..., rd:]) and torch.equal(ko[..., rd:], k[..., rd:])
+

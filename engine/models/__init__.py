@@ -1,7 +1,8 @@
 """Decoder models: one small module per family over shared layers, chosen through one registry.
 
     registry.py   HF architectures[0] / GGUF general.architecture -> family, and the family's switch defaults
-    layers.py     RMSNorm, Rotary, Attention (q/k/v bias, q/k norm, scale, soft-cap, window), GatedMLP: ModelConfig's switches
+    layers.py     RMSNorm, Rotary, Attention (q/k/v bias, q/k norm, scale, soft-cap, window), GatedMLP:
+                  switched by ModelConfig's fields
     base.py       CausalLM: embedding, the layer stack, the final norm, lm_head; HF weight names -> our params
     llama.py      Llama 2/3, Mistral, SmolLM2: the pre-norm decoder layer
     qwen2.py      Qwen2: Llama's layer with q/k/v biases

@@ -1,7 +1,8 @@
 """CausalLM: what every decoder family shares around its layers, and HF weight names -> our parameters.
 
-    input_ids [T] -> embed_tokens (x embedding_multiplier) -> layers (a family's `layer_class`) -> norm -> hidden [T, hidden]
-    hidden [N, hidden] (only the rows sampled or scored) -> lm_head (/ logits_scaling, soft-capped) -> logits [N, vocab] float32
+    input_ids [T] -> embed (x embedding_multiplier) -> layers (a family's `layer_class`) -> norm -> hidden [T, hidden]
+    hidden [N, hidden] (only the rows sampled or scored) -> lm_head -> logits [N, vocab] float32
+                                                 (/ logits_scaling, then soft-capped, where the family says)
 
 Parameter names are HF's without the "model." prefix, except the fused projections (FUSED_SHARDS).
 """

@@ -26,10 +26,12 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm scales by (1 + weight): checkpoints store the offset from 1 (zeros at init)."""
+    """Gemma's RMSNorm scales by (1 + weight): checkpoints store the offset from 1 (zeros at init). As in HF,
+    1 + w is float32 (in bfloat16 it would keep 7 bits of w) and the product is rounded to x's dtype."""
 
     def forward(self, x, residual=None):
-        return rms_norm(x, 1.0 + self.weight, self.eps, residual)
+        out, residual = rms_norm(x, 1.0 + self.weight.float(), self.eps, residual)
+        return out.to(x.dtype), residual
 
 
 class Rotary(nn.Module):
