@@ -171,3 +171,12 @@ def test_unsupported_family_exits_2_naming_it_and_the_supported_ones(tmp_path):
                       "Olmo2ForCausalLM", "Phi3ForCausalLM"):
         assert supported in r.output
     assert not any((tmp_path / "out").glob("part*"))
+
+
+def test_dummy_gemma2_config_has_the_switches():
+    """dummy:gemma-2-9b (random weights, for GPU benchmarks of the soft-capped, alternating-window path)."""
+    cfg = load_model_bundle("dummy:gemma-2-9b").config
+    assert cfg.family == "gemma" and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and len(cfg.layer_types) == 42
+    assert (cfg.sliding_window, cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4096, 50.0, 30.0)
+    assert cfg.embedding_multiplier == 3584 ** 0.5 and cfg.query_pre_attn_scalar == 256
