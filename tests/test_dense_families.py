@@ -180,3 +180,30 @@ def test_dummy_gemma2_config_has_the_switches():
     assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and len(cfg.layer_types) == 42
     assert (cfg.sliding_window, cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4096, 50.0, 30.0)
     assert cfg.embedding_multiplier == 3584 ** 0.5 and cfg.query_pre_attn_scalar == 256
+
+
+def test_published_config_formats():
+    """config.json as the hub has them, older than transformers 5's rope_parameters: Gemma 3 1B (local rope
+    base and sliding_window_pattern) and Phi-3-mini-128k (rope_scaling of "type" longrope, 128k context)."""
+    import math
+
+    from engine.model_config import ModelConfig
+    from engine.models.layers import Rotary
+
+    gemma3 = ModelConfig.from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None, "sliding_window": 512,
+        "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"})
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.qk_norm) == (1e6, 1e4, True)
+    assert [i for i in range(26) if not gemma3.is_sliding(i)] == [5, 11, 17, 23]
+    phi3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+            "rope_theta": 10000.0}
+    longrope = ModelConfig.from_hf({**phi3, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}})
+    assert longrope.sliding_window == 262144 and longrope.is_sliding(0)
+    rotary, plain = Rotary(longrope), Rotary(ModelConfig.from_hf({**phi3, "rope_scaling": None}))
+    assert rotary.factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096))) and plain.factor == 1.0
+    torch.testing.assert_close(rotary.inv_freq, plain.inv_freq / 2)      # the long factors: a 128k context
