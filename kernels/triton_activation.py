@@ -16,7 +16,7 @@ import triton.language as tl
 from kernels.triton_utils import check, check_float, check_last_contiguous, launch, next_pow2
 
 
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)    # a constexpr: jitted code reads no plain globals
 
 
 @triton.jit
