@@ -42,7 +42,10 @@ def _sm90_cases():
         ("rms_norm+residual", tnorm._rms_norm_kernel,
          dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, eps="fp32"),
          dict(HAS_RESIDUAL=True, BLOCK=4096), dict(num_warps=16)),
-        ("silu_and_mul", tact._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024), dict(num_warps=4)),
+        ("silu_and_mul", tact._act_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, ACT="silu"),
+         dict(num_warps=4)),
+        ("gelu_tanh_and_mul", tact._act_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, ACT="gelu_tanh"),
+         dict(num_warps=4)),
         ("rotary", trot._rotary_kernel, dict(q_ptr=bf, k_ptr=bf, qo_ptr=bf, ko_ptr=bf, cos_ptr=bf, sin_ptr=bf),
          dict(BLOCK_H=32, BLOCK_D=64), dict(num_warps=4)),
         ("decode_reduce", tatt._decode_reduce_kernel, dict(po_ptr="*fp32", plse_ptr="*fp32", out_ptr=bf),
@@ -55,17 +58,20 @@ def _sm90_cases():
                       dict(k_ptr=bf, v_ptr=bf, kc_ptr=cp, vc_ptr=cp, ks_ptr="*fp32", vs_ptr="*fp32", slot_ptr="*i64"),
                       dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, INT8=int8), dict(num_warps=4)))
         attn = dict(q_ptr=bf, k_ptr=cp, v_ptr=cp, ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=bf, po_ptr="*fp32",
-                    plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", sm_scale_log2="fp32")
-        for model, D, group in (("llama8b", 128, 4), ("smollm", 64, 3)):
-            if int8 and model == "smollm":
+                    plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", sm_scale_log2="fp32",
+                    softcap_log2="fp32")
+        # gemma2-9b: head_dim 256, group 2, soft-capped scores
+        for model, D, group in (("llama8b", 128, 4), ("smollm", 64, 3), ("gemma2-9b", 256, 2)):
+            if int8 and model != "llama8b":
                 continue
+            softcap = model.startswith("gemma2")
             for split in (False, True):
                 cfg = tatt.decode_config(D, group, torch.bfloat16, int8)
                 cases.append((f"decode {model} {tag}{' split-K' if split else ''}", tatt._decode_kernel, attn,
-                              *_split_opts(dict(cfg, BLOCK_SIZE=16, SPLIT=split, KV_INT8=int8))))
+                              *_split_opts(dict(cfg, BLOCK_SIZE=16, SPLIT=split, KV_INT8=int8, SOFTCAP=softcap))))
             cfg = tatt.prefill_config(D, group, torch.bfloat16, 4096)
             cases.append((f"prefill {model} {tag}", tatt._prefill_kernel, attn,
-                          *_split_opts(dict(cfg, BLOCK_SIZE=16, KV_INT8=int8))))
+                          *_split_opts(dict(cfg, BLOCK_SIZE=16, KV_INT8=int8, SOFTCAP=softcap))))
     return cases
 
 
@@ -191,10 +197,10 @@ def _row_adder(rows: list, quick: bool):
 
 def _time_pointwise(add, s: _Shapes) -> None:
     """rms_norm + residual, silu_and_mul and rotary."""
-    from kernels.activation import silu_and_mul_ref
+    from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
     from kernels.norm import rms_norm_ref
     from kernels.rotary import apply_rotary_ref, inverse_frequencies, rotary_cos_sin
-    from kernels.triton_activation import silu_and_mul_triton
+    from kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
     from kernels.triton_norm import rms_norm_triton
     from kernels.triton_rotary import apply_rotary_triton
     T, H, I, Hq, Hk, D, dev, dt = s.T, s.H, s.I, s.Hq, s.Hk, s.D, s.dev, s.dt
@@ -205,6 +211,8 @@ def _time_pointwise(add, s: _Shapes) -> None:
         lambda: rms_norm_ref(x, w, 1e-5, r), 4 * T * H * e)
     gu = torch.randn(T, 2 * I, device=dev, dtype=dt)
     add("silu_and_mul", f"[{T}, 2x{I}]", lambda: silu_and_mul_triton(gu), lambda: silu_and_mul_ref(gu), 3 * T * I * e)
+    add("gelu_tanh_and_mul", f"[{T}, 2x{I}]", lambda: gelu_tanh_and_mul_triton(gu), lambda: gelu_tanh_and_mul_ref(gu),
+        3 * T * I * e)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=dev, dtype=dt)
     q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
     cos, sin = rotary_cos_sin(torch.arange(T, device=dev), inverse_frequencies(D, 5e5, None).to(dev), dt)
@@ -249,6 +257,8 @@ def _time_decode(add, s: _Shapes, quick: bool, tiny: bool) -> None:
             paged_attention_triton(qd, *cache, meta, scale), ref, kv_bytes)
         add("decode, no split", f"B={B} ctx={ctx}", lambda qd=qd, cache=cache, meta=meta:
             paged_attention_triton(qd, *cache, meta, scale, num_splits=1), None, kv_bytes)
+        add("decode, softcap 50", f"B={B} ctx={ctx}", lambda qd=qd, cache=cache, meta=meta:
+            paged_attention_triton(qd, *cache, meta, scale, softcap=50.0), None, kv_bytes)
         if B == decode_cases[0][0]:
             qi, ci, mi = _attention_case([(1, ctx)] * B, B, Hq, Hk, D, BS, dt, dev, int8=True)
             add("decode int8 cache", f"B={B} ctx={ctx}", lambda: paged_attention_triton(

@@ -175,6 +175,15 @@ def _safetensors_files(root: Path) -> list[Path]:
 # -- dummy -----------------------------------------------------------------------
 
 DUMMY_CONFIGS: dict[str, dict] = {
+    "gemma-2-9b": {     # soft-capped attention, sliding and global layers, head_dim 256: the GPU paths Llama skips
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000,
+        "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "bos_token_id": 2, "eos_token_id": [1, 107],
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

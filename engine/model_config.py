@@ -1,8 +1,9 @@
 """Architecture hyperparameters, read from a Hugging Face `config.json` dict.
 
 The per-family switches are fields that the shared layers read (engine/models/layers.py):
-attention_bias, qk_norm, tie_word_embeddings, rope_scaling, sliding_window. Where config.json
-leaves out attention_bias, qk_norm or use_sliding_window, the architecture's entry in
+attention_bias, qk_norm, tie_word_embeddings, rope_scaling, sliding_window, and the Gemma, Phi-3 and
+Granite switches after them (their defaults change nothing). Where config.json leaves out
+attention_bias, qk_norm, use_sliding_window or the layer pattern, the architecture's entry in
 engine/models/registry.py gives the default.
 """
 from __future__ import annotations
@@ -32,6 +33,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()           # per layer, sliding_attention or full_attention; (): all alike
+    hidden_act: str = "silu"                    # the gated MLP's activation: silu or gelu_pytorch_tanh
+    attn_logit_softcapping: float | None = None     # Gemma 2: scores -> c * tanh(scores / c)
+    final_logit_softcapping: float | None = None    # Gemma 2: logits -> c * tanh(logits / c)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power (else head_dim's)
+    rope_local_theta: float | None = None       # Gemma 3: the rope base of the sliding layers
+    partial_rotary_factor: float = 1.0          # Phi-3, Phi-4-mini: the share of each head that rotates
+    embedding_multiplier: float = 1.0           # Granite; Gemma: sqrt(hidden_size)
+    attention_multiplier: float | None = None   # Granite: the attention scale itself
+    residual_multiplier: float = 1.0            # Granite: each block's output is scaled before the add
+    logits_scaling: float = 1.0                 # Granite: logits are divided by it
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -40,11 +52,23 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        theta = cfg.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
-        if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        local_theta = cfg.get("rope_local_base_freq")
+        if "full_attention" in scaling:     # rope per layer type (transformers 5 writes Gemma 3's so)
+            local_theta = local_theta or scaling.get("sliding_attention", {}).get("rope_theta")
+            scaling = scaling["full_attention"]
+        theta = cfg.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+        partial = cfg.get("partial_rotary_factor") or scaling.get("partial_rotary_factor") or 1.0
+        if (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
             scaling = None
+        elif (scaling.get("rope_type") or scaling.get("type")) == "longrope":     # Phi-3: the contexts decide
+            scaling = {**scaling, "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+                       "original_max_position_embeddings": scaling.get("original_max_position_embeddings")
+                       or cfg["original_max_position_embeddings"]}
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", spec.sliding_window) else None
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -60,11 +84,28 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
             qk_norm=spec.qk_norm,
-            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            rope_scaling=_frozen(scaling) if scaling else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=window,
+            layer_types=_layer_types(cfg, spec.sliding_window_pattern),
+            hidden_act=act,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            rope_local_theta=float(local_theta) if local_theta else None,
+            partial_rotary_factor=float(partial),
+            embedding_multiplier=(cfg["hidden_size"] ** 0.5 if spec.scale_embeddings
+                                  else cfg.get("embedding_multiplier", 1.0)),
+            attention_multiplier=cfg.get("attention_multiplier"),
+            residual_multiplier=cfg.get("residual_multiplier", 1.0),
+            logits_scaling=cfg.get("logits_scaling", 1.0),
         )
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends within sliding_window (when one is set): every layer
+        without layer_types (Mistral), else those of type sliding_attention (Gemma)."""
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
     @property
     def family(self) -> str:
@@ -74,3 +115,20 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+def _frozen(d: dict) -> tuple:
+    """A dict as sorted items, lists as tuples: a frozen dataclass field that hashes."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+def _layer_types(cfg: dict, pattern: int) -> tuple[str, ...]:
+    """config.json's layer_types, else every `pattern`-th layer global and the others sliding (older
+    Gemma configs: Gemma 2 alternates, Gemma 3 says sliding_window_pattern); () when neither."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", pattern)
+    if not pattern:
+        return ()
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(cfg["num_hidden_layers"]))

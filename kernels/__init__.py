@@ -4,7 +4,7 @@ Each op lives in its own module beside its reference (`*_ref`). The engine impor
 the names below, never a module of this package. Importing this package needs torch and
 numpy only: triton is imported on first use of a Triton path (kernels/triton_utils.py).
 """
-from kernels.activation import silu_and_mul
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.attention import AttentionMetadata, choose_num_splits, paged_attention, store_kv
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
@@ -12,13 +12,14 @@ from kernels.norm import rms_norm
 from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref,
                                   int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
                                   w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
-from kernels.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
+from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
 
 __all__ = [
     # attention over the paged KV cache (float or int8 cache)
     "AttentionMetadata", "choose_num_splits", "paged_attention", "store_kv", "store_kv_int8",
     # layers
-    "apply_rotary", "inverse_frequencies", "rms_norm", "rotary_cos_sin", "silu_and_mul",
+    "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
+    "silu_and_mul",
     # quantized matmuls: the dispatch, and the torch forward each quantized linear keeps as its reference
     "AMAX_FLOOR", "FP8_MAX", "dequantize_int4", "dequantize_int8", "fp8_matmul", "fp8_matmul_ref", "int4_matmul",
     "int4_matmul_ref", "int8_matmul", "int8_matmul_ref", "int_mm_exact", "pack_int4", "w8a8_matmul_fbgemm",

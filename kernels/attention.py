@@ -8,6 +8,10 @@ A step's tokens are flattened: the decodes first (one token per sequence), then 
 prefill chunks, each sequence's tokens contiguous and in position order. Each new token
 attends causally to its sequence's cached tokens and to the chunk's earlier tokens; the
 step's K/V are written to the cache before any attention reads it.
+
+Per layer, two switches (Gemma 2/3): `sliding` says whether the layer sees only the last
+meta.sliding_window keys (Mistral: every layer; Gemma: the layers whose type is
+sliding_attention) or all of them; `softcap` bounds the scaled scores to softcap * tanh(s / softcap).
 """
 from __future__ import annotations
 
@@ -31,11 +35,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor       # [num_seqs, max_blocks] int32 (padded with 0)
     query_start_loc: torch.Tensor    # [num_seqs + 1] int32
     seq_lens_t: torch.Tensor         # [num_seqs] int32
-    sliding_window: int | None = None
+    sliding_window: int | None = None # the window of the layers that slide (paged_attention's `sliding`)
     decode_splits: int | None = None # Triton split-K factor for decodes; None: chosen per step (fix it for CUDA graphs)
     # Torch path, built once per step by prepare() and shared by all layers:
     _decode: tuple | None = None
     _prefill: tuple | None = None
+    _window_masks: dict | None = None  # (part, window) -> mask, made on first use by a sliding layer
 
     @classmethod
     def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
@@ -62,14 +67,29 @@ class AttentionMetadata:
         """Gather indices and masks for the torch path (one padded batch for decodes, one for prefills)."""
         dev = self.block_tables.device
         nd = self.num_decodes
+        self._window_masks = {}
         if nd:
             self._decode = self._gather(0, nd, dev)
         if len(self.query_lens) > nd:
             self._prefill = self._gather(nd, len(self.query_lens), dev)
 
+    def mask(self, part: str, window: int | None) -> torch.Tensor:
+        """The causal mask of `part` ("decode" or "prefill"), narrowed to the last `window` keys when
+        one is given: [B, 1, qmax, keys], True where a query sees a key."""
+        _, causal, _, q_valid, q_pos = self._decode if part == "decode" else self._prefill
+        if not window:
+            return causal
+        key = (part, window)
+        if key not in self._window_masks:
+            j = torch.arange(causal.shape[-1], device=causal.device)
+            windowed = causal & (j[None, None, None, :] > (q_pos - window)[:, None, :, None])
+            windowed[:, 0, :, 0] |= ~q_valid                                          # padding rows: never NaN
+            self._window_masks[key] = windowed
+        return self._window_masks[key]
+
     def _gather(self, lo: int, hi: int, dev):
         """Whole blocks are gathered (contiguous 16-slot runs: ~4x faster than slot by slot on CPU);
-        the mask hides the slots past each sequence's length."""
+        the mask hides the slots past each sequence's length (a sliding window: `mask`)."""
         bs = self.block_size
         seq_lens = self.seq_lens_t[lo:hi].long()
         qlens = torch.tensor(self.query_lens[lo:hi], device=dev)
@@ -82,12 +102,10 @@ class AttentionMetadata:
         q_pos = (seq_lens - qlens)[:, None] + i[None, :]                             # [B, qmax]
         q_valid = i[None, :] < qlens[:, None]
         mask = j[None, None, :] <= q_pos[:, :, None]                                 # causal, and < seq_len
-        if self.sliding_window:
-            mask &= j[None, None, :] > q_pos[:, :, None] - self.sliding_window
         mask[:, :, 0] |= ~q_valid                                                    # padding rows see one key, never NaN
         q_start = self.query_start_loc[lo:hi].long() - int(self.query_start_loc[lo])
         q_index = (q_start[:, None] + i[None, :]).clamp(max=int(qlens.sum()) - 1)   # [B, qmax]
-        return tables.reshape(-1), mask[:, None], q_index, q_valid
+        return tables.reshape(-1), mask[:, None], q_index, q_valid, q_pos
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
@@ -108,22 +126,25 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                        k_scale=None, v_scale=None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. With k_scale/v_scale the caches are int8 (kernels/kv_int8.py)."""
+                        k_scale=None, v_scale=None, *, sliding: bool = True,
+                        softcap: float | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]. With k_scale/v_scale the caches are int8 (kernels/kv_int8.py).
+    sliding: this layer keeps to meta.sliding_window (when set); softcap: scores -> softcap * tanh(s / softcap)."""
     if meta._decode is None and meta._prefill is None:
         meta.prepare()
     out = torch.empty_like(q)
     nd = meta.num_decodes
+    window = meta.sliding_window if sliding else None
     if meta._decode is not None:
-        blocks, mask, _, _ = meta._decode
+        blocks = meta._decode[0]
         k, v = _blocks(k_cache, k_scale, blocks, nd, q.dtype), _blocks(v_cache, v_scale, blocks, nd, q.dtype)
-        out[:nd] = _sdpa(q[:nd, None], k, v, mask, scale)[:, 0]
+        out[:nd] = _sdpa(q[:nd, None], k, v, meta.mask("decode", window), scale, softcap)[:, 0]
     if meta._prefill is not None:
-        blocks, mask, q_index, q_valid = meta._prefill
+        blocks, _, q_index, q_valid, _ = meta._prefill
         n = q_index.shape[0]
         qp = q[nd:][q_index]                                                         # [B, qmax, Hq, D]
         k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)
-        out[nd:] = _sdpa(qp, k, v, mask, scale)[q_valid]
+        out[nd:] = _sdpa(qp, k, v, meta.mask("prefill", window), scale, softcap)[q_valid]
     return out
 
 
@@ -135,11 +156,19 @@ def _blocks(cache, cache_scale, blocks, batch: int, dtype):
     return x.view(batch, -1, *cache.shape[2:])
 
 
-def _sdpa(q, k, v, mask, scale):
+def _sdpa(q, k, v, mask, scale, softcap=None):
     """q: [B, Lq, Hq, D], k/v: [B, Lk, Hk, D], mask: [B, 1, Lq, Lk] -> [B, Lq, Hq, D]."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2)
+    # SDPA has no soft-capping: the scores by hand, as HF's eager Gemma 2 computes them
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale                                 # [B, Hq, Lq, Lk]
+    s = torch.tanh(s / softcap) * softcap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v).transpose(1, 2)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
@@ -152,13 +181,16 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
+def paged_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, *, sliding=True, softcap=None):
     """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere.
-    k_scale/v_scale: only for int8 caches (layout in kernels/kv_int8.py)."""
+    k_scale/v_scale: only for int8 caches (layout in kernels/kv_int8.py); sliding, softcap: the layer's
+    switches (module docstring)."""
     if use_triton(q):
         from kernels.triton_attention import paged_attention_triton
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                      sliding=sliding, softcap=softcap)
     if k_cache.dtype == torch.int8:
         from kernels.kv_int8 import paged_attention_int8_ref
-        return paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale,
+                                        sliding=sliding, softcap=softcap)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)

@@ -12,7 +12,9 @@ Step layout: q is [T, Hq, D], the decodes first (one token each), then the prefi
 chunks, each contiguous. All of the step's K/V are already in the cache (store_kv ran
 first), so every key, the chunk's own included, is read through the block table.
 Query token i of a sequence with query_len n and seq_len L sits at position
-L - n + i and sees keys j <= that position (and j > position - sliding_window).
+L - n + i and sees keys j <= that position (and j > position - sliding_window when the
+layer slides: `sliding`). With `softcap` (Gemma 2), a score s = q.k * scale becomes
+softcap * tanh(s / softcap) before the softmax (SOFTCAP constexpr: no cost when off).
 
 Kernels
 -------
@@ -54,16 +56,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (the interpreter and every Triton version have it): exact limits, +-1 at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, offs, valid, visible, bt_row_ptr, kvh, d, dmask, sm_scale_log2,
+    q, acc, m_i, l_i, offs, valid, visible, bt_row_ptr, kvh, d, dmask, sm_scale_log2, softcap_log2,
     k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh,
     BLOCK_SIZE: tl.constexpr, KV_INT8: tl.constexpr, PRECISION: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One key tile of the online softmax (exp2 domain): gathers the K/V rows of positions `offs`
     through the block table, scores them against q's rows, hides what `visible` [rows, keys]
     hides, and folds the tile into (acc, m_i, l_i). EMPTY_ROWS: a row may see no key of a tile
-    (causal prefill); it then keeps m_i = -inf and adds nothing."""
+    (causal prefill); it then keeps m_i = -inf and adds nothing. SOFTCAP: sm_scale_log2 is then
+    scale / softcap and softcap_log2 = softcap * log2(e), so s = softcap * tanh(q.k * scale / softcap)."""
     blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = offs % BLOCK_SIZE
     kvmask = valid[:, None] & dmask[None, :]
@@ -75,6 +85,8 @@ def _attend_tile(
     if KV_INT8:         # int8 values are exact in 16-bit floats: scales go on scores and probabilities
         sp = blk * stride_sb + off * stride_ss + kvh * stride_sh
         s = s * tl.load(ks_ptr + sp, mask=valid, other=0.0)[None, :]
+    if SOFTCAP:
+        s = _tanh(s) * softcap_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = m_new
@@ -96,7 +108,7 @@ def _attend_tile(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, po_ptr, plse_ptr,
     bt_ptr, seq_lens_ptr,
-    sm_scale_log2,
+    sm_scale_log2, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh,
@@ -106,7 +118,7 @@ def _decode_kernel(
     window, head_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    KV_INT8: tl.constexpr, PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -135,8 +147,9 @@ def _decode_kernel(
         valid = offs < end
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, offs, valid, valid[None, :], bt_ptr + b * stride_bt, kvh, d, dmask, sm_scale_log2,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=False)
+            softcap_log2, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=False,
+            SOFTCAP=SOFTCAP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -180,7 +193,7 @@ def _decode_reduce_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr,
-    sm_scale_log2,
+    sm_scale_log2, softcap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh,
@@ -189,7 +202,7 @@ def _prefill_kernel(
     window, head_dim,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_INT8: tl.constexpr, PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     qtile = tl.program_id(1)
@@ -226,8 +239,9 @@ def _prefill_kernel(
         visible = visible & ((window <= 0) | (offs[None, :] > pos[:, None] - window))
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, offs, valid, visible, bt_ptr + seq * stride_bt, kvh, d, dmask, sm_scale_log2,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=True)
+            softcap_log2, k_ptr, v_ptr, ks_ptr, vs_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE, KV_INT8, PRECISION, EMPTY_ROWS=True,
+            SOFTCAP=SOFTCAP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -307,12 +321,14 @@ def _step_summary(meta) -> tuple:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, *, sliding: bool = True,
+                           softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], like kernels.attention.paged_attention_ref.
 
     k_scale/v_scale: [num_blocks, block_size, Hk] float32, required iff the caches are int8.
     num_splits: split-K factor for the decodes; None: meta.decode_splits if set, else
     choose_num_splits() (on CUDA graphs pass a fixed value; any value is correct).
+    sliding: this layer keeps to meta.sliding_window (when set); softcap: scores capped (module docstring).
     """
     check(q.dim() == 3, f"q: expected [T, Hq, D], got {tuple(q.shape)}")
     T, Hq, D = q.shape
@@ -352,8 +368,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if total < T:                      # padding rows (a padded CUDA-graph batch): zeros, not garbage
         out[total:].zero_()
     group = Hq // Hk
-    window = int(meta.sliding_window or 0)
-    scale_log2 = float(scale) * LOG2E
+    check(softcap is None or softcap > 0, f"softcap must be positive, got {softcap}")
+    window = int(meta.sliding_window or 0) if sliding else 0
+    # with a cap, the kernel scales by scale / softcap, takes tanh, then multiplies by softcap * log2(e)
+    scale_log2 = float(scale) / softcap if softcap else float(scale) * LOG2E
+    softcap_log2 = float(softcap or 0.0) * LOG2E
     BLOCK_D = max(16, next_pow2(D))
     bt = meta.block_tables
     common_strides = (q.stride(0), q.stride(1),
@@ -377,9 +396,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         p_strides = (*part_o.stride()[:3], *part_lse.stride()[:2]) if num_splits > 1 else (0, 0, 0, 0, 0)
         launch(_decode_kernel, (nd, Hk, num_splits), device,
                q, k_cache, v_cache, k_scale, v_scale, out, part_o, part_lse,
-               bt, meta.seq_lens_t, scale_log2, *common_strides, *p_strides,
+               bt, meta.seq_lens_t, scale_log2, softcap_log2, *common_strides, *p_strides,
                window, D, num_splits, **decode_config(D, group, q.dtype, kv_int8), BLOCK_SIZE=BS,
-               SPLIT=num_splits > 1, KV_INT8=kv_int8)
+               SPLIT=num_splits > 1, KV_INT8=kv_int8, SOFTCAP=bool(softcap))
         if num_splits > 1:
             launch(_decode_reduce_kernel, (nd, Hq), device,
                    part_o, part_lse, out, *p_strides, out.stride(0), out.stride(1), D, num_splits,
@@ -390,5 +409,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch(_prefill_kernel, (B - nd, triton.cdiv(max_q, cfg["BLOCK_Q"]), Hk), device,
                q, k_cache, v_cache, k_scale, v_scale, out,
                bt[nd:], meta.seq_lens_t[nd:], meta.query_start_loc[nd:],
-               scale_log2, *common_strides, window, D, **cfg, BLOCK_SIZE=BS, KV_INT8=kv_int8)
+               scale_log2, softcap_log2, *common_strides, window, D, **cfg, BLOCK_SIZE=BS, KV_INT8=kv_int8,
+               SOFTCAP=bool(softcap))
     return out

@@ -1,7 +1,8 @@
 """CausalLM: what every decoder family shares around its layers, and HF weight names -> our parameters.
 
-    input_ids [T] -> embed_tokens -> layers (a family's `layer_class`) -> norm -> hidden [T, hidden]
+    input_ids [T] -> embed (x embedding_multiplier) -> layers (a family's `layer_class`) -> norm -> hidden [T, hidden]
     hidden [N, hidden] (only the rows sampled or scored) -> lm_head -> logits [N, vocab] float32
+                                                 (/ logits_scaling, then soft-capped, where the family says)
 
 Parameter names are HF's without the "model." prefix, except the fused projections (FUSED_SHARDS).
 """
@@ -18,7 +19,7 @@ from kernels import AttentionMetadata
 
 
 class CausalLM(nn.Module):
-    """A decoder-only LM. Subclasses (one per family) set `layer_class`: built as layer_class(cfg),
+    """A decoder-only LM. Subclasses (one per family) set `layer_class`: built as layer_class(cfg, layer_idx),
     called as layer(x, residual, cos, sin, kv_cache, meta) -> (x, residual)."""
     layer_class: type[nn.Module]
     # HF checkpoint name piece -> (our fused parameter, shard index); engine/quant/apply.py maps GGUF blocks by it
@@ -31,7 +32,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -40,12 +41,12 @@ class CausalLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute what no checkpoint holds (the rotary frequencies, float32), after a build on the
-        meta device and to_empty()."""
+        meta device and materialization (engine.runtime)."""
         self.rotary.inv_freq = self.rotary.frequencies().to(self.rotary.inv_freq.device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states before the final norm's output projection: [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -53,9 +54,23 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def embed(self, input_ids) -> torch.Tensor:
+        """[T] -> [T, hidden], times cfg.embedding_multiplier rounded to the model's dtype first (as HF's
+        Gemma does: sqrt(3584) is 60 in bfloat16; Granite's multipliers are exact there)."""
+        x = self.embed_tokens(input_ids)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * float(torch.tensor(m, dtype=x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Only for the rows that are sampled or scored: [N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """Only for the rows that are sampled or scored: [N, hidden] -> [N, vocab] float32
+        (divided by cfg.logits_scaling, then soft-capped by cfg.final_logit_softcapping, when set)."""
+        logits = self.lm_head(hidden).float()
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcapping:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
 
     # --- weights -------------------------------------------------------------------------
 
@@ -76,6 +91,11 @@ class CausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name in params and name.split(".")[-2] in shard_sizes:     # stored fused already (Phi-3)
+                with torch.no_grad():
+                    params[name].data.copy_(tensor)
+                filled.update(f"{name}#{i}" for i in range(len(shard_sizes[name.split(".")[-2]])))
                 continue
             for piece, (fused, shard) in self.FUSED_SHARDS.items():
                 if f".{piece}." in name:

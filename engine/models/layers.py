@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
-from kernels import (AttentionMetadata, apply_rotary, inverse_frequencies, paged_attention, rms_norm, rotary_cos_sin,
-                     silu_and_mul, store_kv, store_kv_int8)
+from kernels import (AttentionMetadata, apply_rotary, attention_factor, gelu_tanh_and_mul, inverse_frequencies,
+                     paged_attention, rms_norm, rotary_cos_sin, silu_and_mul, store_kv, store_kv_int8)
 
 
 class RMSNorm(nn.Module):
@@ -25,66 +25,92 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-class Rotary(nn.Module):
-    """cos/sin for a step's positions, in HF's rotate-half layout. The variant (plain, linear, llama3)
-    is cfg.rope_scaling; the frequencies stay float32 whatever the model's dtype."""
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + weight): checkpoints store the offset from 1 (zeros at init). As in HF,
+    1 + w is float32 (in bfloat16 it would keep 7 bits of w) and the product is rounded to x's dtype."""
 
-    def __init__(self, cfg: ModelConfig):
+    def forward(self, x, residual=None):
+        out, residual = rms_norm(x, 1.0 + self.weight.float(), self.eps, residual)
+        return out.to(x.dtype), residual
+
+
+class Rotary(nn.Module):
+    """cos/sin for a step's positions, in HF's rotate-half layout. The variant (plain, linear, llama3,
+    longrope) is cfg.rope_scaling; `theta` given: a plain rope of that base (Gemma 3's sliding layers).
+    cos/sin cover the rotary part of a head (cfg.partial_rotary_factor); the frequencies stay float32
+    whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig, theta: float | None = None):
         super().__init__()
-        self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict
+        self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.theta = cfg.rope_theta if theta is None else theta
+        self.scaling = cfg.rope_scaling_dict if theta is None else None
+        self.factor = attention_factor(self.scaling)
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)
 
     def frequencies(self) -> torch.Tensor:
-        return inverse_frequencies(self.head_dim, self.theta, self.scaling)     # [head_dim / 2] float32
+        return inverse_frequencies(self.rotary_dim, self.theta, self.scaling)   # [rotary_dim / 2] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions: [T] -> cos, sin: [T, head_dim] in dtype."""
-        return rotary_cos_sin(positions, self.inv_freq, dtype)
+        """positions: [T] -> cos, sin: [T, rotary_dim] in dtype."""
+        return rotary_cos_sin(positions, self.inv_freq, dtype, self.factor)
 
 
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache. Switches: cfg.attention_bias (bias on q, k
-    and v), cfg.qk_norm (RMSNorm over each head of q and k, before rotary)."""
+    and v), cfg.qk_norm (a `norm_class` over each head of q and k, before rotary), the scale
+    (cfg.attention_multiplier, else cfg.query_pre_attn_scalar or head_dim to the -1/2), the score
+    cap (cfg.attn_logit_softcapping) and whether this layer slides (cfg.is_sliding)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+        self.sliding = cfg.is_sliding(layer_idx)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def project(self, x):
+        """x: [T, hidden] -> q [T, Hq, D], k and v [T, Hk, D], normed where the family norms them."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)       # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)    # [T, Hk, D]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.project(x)
         q, k = apply_rotary(q, k, cos, sin)
+        switches = dict(sliding=self.sliding, softcap=self.softcap)
         if len(kv_cache) == 4:      # 8-bit cache: int8 values, a float32 scale per token and head
             k_cache, v_cache, k_scale, v_scale = kv_cache
             store_kv_int8(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale, **switches)
         else:
             k_cache, v_cache = kv_cache
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, **switches)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is cfg.hidden_act."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

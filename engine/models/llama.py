@@ -15,9 +15,9 @@ from engine.models.layers import Attention, GatedMLP, RMSNorm
 class LlamaDecoderLayer(nn.Module):
     """x -> x + attn(norm(x)) -> x + mlp(norm(x)); the residual add is fused into the next norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.mlp = GatedMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -19,6 +19,8 @@ class Architecture:
     attention_bias: bool = False    # bias on the q, k and v projections when config.json has no "attention_bias"
     qk_norm: bool = False           # RMSNorm over each head of q and k (config.json has no key for it)
     sliding_window: bool = False    # when config.json has no "use_sliding_window"
+    sliding_window_pattern: int = 0 # every n-th layer global, the others sliding, when config.json has no layer_types
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
 
 
 ARCHITECTURES: dict[str, Architecture] = {                     # config.json architectures[0] ->
@@ -26,6 +28,12 @@ ARCHITECTURES: dict[str, Architecture] = {                     # config.json arc
     "MistralForCausalLM": Architecture("llama", sliding_window=True),
     "Qwen2ForCausalLM": Architecture("qwen2", attention_bias=True),
     "Qwen3ForCausalLM": Architecture("qwen3", qk_norm=True),
+    "Gemma2ForCausalLM": Architecture("gemma", sliding_window=True, sliding_window_pattern=2, scale_embeddings=True),
+    "Gemma3ForCausalLM": Architecture("gemma", qk_norm=True, sliding_window=True, sliding_window_pattern=6,
+                                      scale_embeddings=True),                  # Gemma 3 text (1B, and text configs)
+    "Phi3ForCausalLM": Architecture("phi3", sliding_window=True),             # Phi-3, Phi-3.5, Phi-4-mini
+    "Olmo2ForCausalLM": Architecture("olmo2"),
+    "GraniteForCausalLM": Architecture("granite"),
 }
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"                      # for a config.json without "architectures"
 

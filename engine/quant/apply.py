@@ -101,7 +101,8 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
         if w8a8_backend_name is not None:
             backend, qmax = w8a8_backend_name, (qmax if w8a8_backend_name == "int_mm" else 127)
     rowwise = name == "fp8" and torch.cuda.get_device_capability(device) >= (9, 0)
-    if name == "w8a8" and smooth_alpha is not None and getattr(bundle, "tokenizer", None) is not None:
+    if name == "w8a8" and smooth_alpha is not None and getattr(bundle, "tokenizer", None) is not None \
+            and smooth.applies_to(model):
         ids = smooth.calibration_ids(bundle.tokenizer)
         smooth.smooth_model(model, smooth.input_amax(model, ids), smooth_alpha)
 

@@ -100,6 +100,14 @@ def _factor(x_amax: torch.Tensor, w_amax: torch.Tensor, alpha: float) -> torch.T
     return t.clamp(min=1e-5)
 
 
+def applies_to(model: nn.Module) -> bool:
+    """The factors fold into the RMSNorm before qkv_proj (input_layernorm) and the one before gate_up_proj
+    (post_attention_layernorm): Llama's layer (Qwen, Phi-3 and Granite use it). Gemma's (1 + weight)
+    sandwich norms and OLMo 2's post-norms have no such norm: those models quantize unsmoothed."""
+    from engine.models.llama import LlamaDecoderLayer
+    return all(isinstance(layer, LlamaDecoderLayer) for layer in model.layers)
+
+
 @torch.no_grad()
 def smooth_model(model: nn.Module, stats: dict[str, torch.Tensor], alpha: float = ALPHA) -> None:
     """Folds SmoothQuant factors into the float model in place (see the module doc): same function,
