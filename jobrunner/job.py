@@ -26,6 +26,7 @@ EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3,
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
 WINDOW_ROWS = 50_000
 WINDOW_TOKENS = 64_000_000
+LOOKUP_ROWS = 16_384      # rows looked up in the result cache together (jobrunner/cache/store.py: the cost)
 
 
 def _open_cache(cfg: JobConfig):
@@ -136,7 +137,7 @@ class Job:
                         del self.pending[key]
                         self.reuse.drop(key)
                     continue
-                cached = self.reuse.lookup(unit.items)
+                cached = self.reuse.take(unit.items)     # data-parallel: hits held for the claiming worker
                 for key in unit.items:
                     if key in cached:
                         self._finish(self.pending.pop(key)[0], cached[key], from_cache=True)
@@ -208,6 +209,7 @@ class Job:
         from jobs import RowError
 
         cfg, read, show = self.cfg, 0, self.cfg.show_prompt     # show: --show-prompt, until one is logged
+        held = []       # rows waiting for a batch lookup in the result cache (_past_cache)
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
             if cfg.limit is not None:
                 batch = batch[:max(0, cfg.limit - read)]
@@ -248,16 +250,35 @@ class Job:
                     if result is not None:
                         self._emit_output(row, result, reused=True)
                     continue
-                if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
-                    req.sampling = self._sampling
-                self._sampling = req.sampling
-                tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
-                self.pending[row.id] = (row, req)
-                yield PlanItem(row.id, tokens)
+                held.append((row, req))
+            if len(held) >= LOOKUP_ROWS:
+                yield from self._past_cache(held)
+                held = []
             if self.stop_requested:
                 raise _Interrupted
             if cfg.limit is not None and read >= cfg.limit:
                 break
+        yield from self._past_cache(held)
+
+    def _past_cache(self, held: list):
+        """Rows (row, request) past the result cache, looked up together (a lookup's cost is per bucket
+        and shard touched, so a large batch amortizes it). A hit is done at once, unless data-parallel:
+        then every worker must plan the same rows, so a hit waits in the planner like any row and is
+        served when its unit is claimed. The rest go on to the planner."""
+        found = self.reuse.fetch([row.id for row, _ in held])
+        for row, req in held:
+            out = found.get(row.id)
+            if out is not None and self.world == 1:
+                self._finish(row, out, from_cache=True)
+                continue
+            if out is not None:
+                self.reuse.hold(row.id, out)
+            if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
+                req.sampling = self._sampling
+            self._sampling = req.sampling
+            tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
+            self.pending[row.id] = (row, req)
+            yield PlanItem(row.id, tokens)
 
     def _submit(self, req) -> None:
         tokens = array("I")

@@ -30,6 +30,7 @@ class Reuse:
         self.write = self.store is not None and mode in ("read-write", "write-only", "refresh")
         self.keys: dict[str, bytes] = {}    # row id -> key: keyed rows admitted, not finished
         self.lookup_s = 0.0
+        self.held: dict[str, RequestOutput] = {}        # row id -> hit, until its unit is claimed (data-parallel)
 
     def admit(self, row, req) -> tuple[bool, RequestOutput | None]:
         """(runs, result) for a row and its request: see Dedup.admit. Call before packing the prompt."""
@@ -45,7 +46,7 @@ class Reuse:
         self.keys[row.id] = key
         return True, None
 
-    def lookup(self, ids: list[str]) -> dict[str, RequestOutput]:
+    def fetch(self, ids: list[str]) -> dict[str, RequestOutput]:
         """Row id -> its result from the cache, for the keyed rows among ids that it holds."""
         keyed = [(i, self.keys[i]) for i in ids if i in self.keys] if self.read else []
         if not keyed:
@@ -61,6 +62,15 @@ class Reuse:
                     log.warning("result cache: an entry does not decode (%s); recomputing its row", e)
         self.lookup_s += time.perf_counter() - start
         return out
+
+    def hold(self, row_id: str, out: RequestOutput) -> None:
+        self.held[row_id] = out
+
+    def take(self, ids: list[str]) -> dict[str, RequestOutput]:
+        """The held hits among ids (a claimed unit's rows)."""
+        if not self.held:
+            return {}
+        return {i: self.held.pop(i) for i in ids if i in self.held}
 
     def finished(self, row_id: str, out: RequestOutput, from_cache: bool = False) -> list:
         """A leader's result (computed or from the cache): stores it, and returns the copies waiting for it."""
@@ -78,6 +88,7 @@ class Reuse:
     def drop(self, row_id: str) -> None:
         """A row another worker runs."""
         self.keys.pop(row_id, None)
+        self.held.pop(row_id, None)
         if self.dedup is not None:
             self.dedup.drop(row_id)
 

@@ -2,7 +2,10 @@
 
     <cache>/jobrunner-cache-v1/<bucket>/<created ns, 16 hex>-<random, 12 hex>.parquet
 
-bucket: the first byte of the key in hex (256 buckets), so a lookup reads only its keys' buckets.
+bucket: the key's first BUCKET_BITS bits in hex, so a lookup reads only its keys' buckets. 64
+buckets: a batch of lookups reads one row-group set per bucket and shard (about a millisecond in
+pyarrow however small), so fewer, larger shards cost less per batch; at 10M entries a bucket's keys
+are still only 2.5 MB.
 A shard is written once and never changed: locally to a temporary name and renamed, on an object
 store as one PUT (an object appears whole or not at all). Its name is unique, so writers never
 collide, and sorts by creation time, so among equal keys the newest wins (--cache-mode refresh).
@@ -30,6 +33,7 @@ LAYOUT = "jobrunner-cache-v1"
 MARK = b"jobrunner-cache"
 SCHEMA = pa.schema([("key", pa.binary(16)), ("value", pa.large_binary()), ("check", pa.binary(8))],
                    metadata={MARK: b"1"})
+BUCKET_BITS = 6
 ROW_GROUP = 512                 # a hit reads one row group of its shard, not the whole file
 SHARD_RE = re.compile(r"^([0-9a-f]{16})-[0-9a-f]{12}\.parquet$")
 
@@ -39,7 +43,7 @@ class ShardError(Exception):
 
 
 def bucket_of(key: bytes) -> str:
-    return f"{key[0]:02x}"
+    return f"{key[0] >> (8 - BUCKET_BITS):02x}"
 
 
 def shard_name() -> str:
@@ -64,7 +68,9 @@ def write_shard(fs, path: str, entries: dict[bytes, bytes]) -> None:
     pq.write_table(table, buf, row_group_size=ROW_GROUP, compression="zstd", write_page_checksum=True)
     if isinstance(fs, LocalFileSystem):
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        storage.atomic_write(fs, path, buf.getvalue())
+        # temp + rename; no fsync: a shard lost to a power cut is only work to redo, and one left
+        # empty or short fails to read and is skipped
+        storage.atomic_write_with(fs, path, lambda f: f.write(buf.getvalue()))
     else:           # an object store: one PUT is atomic and the name is new (write-once)
         fs.pipe_file(path, buf.getvalue())
 
@@ -85,7 +91,7 @@ def read_keys(fs, path: str) -> np.ndarray:
     """The shard's keys, sorted, as a numpy 'S16' array (16 bytes a key in memory)."""
     try:
         pf = _open(fs, path)
-        col = pf.read(columns=["key"]).column("key").combine_chunks()
+        col = pf.read(columns=["key"], use_threads=False).column("key").combine_chunks()
         if col.null_count:
             raise ShardError(f"{path}: null keys")
         keys = np.frombuffer(col.buffers()[1], dtype="S16", count=len(col), offset=col.offset * 16).copy()
@@ -104,14 +110,18 @@ def read_values(fs, path: str, rows: list[int]) -> dict[int, tuple[bytes, bytes]
     by_group: dict[int, list[int]] = {}
     for r in rows:
         by_group.setdefault(int(np.searchsorted(starts, r, side="right") - 1), []).append(r)
-    for g, group_rows in by_group.items():
-        try:
-            t = pf.read_row_group(g)
-        except Exception as e:  # noqa: BLE001
-            raise ShardError(f"{path}: damaged row group {g} ({type(e).__name__}: {e})") from None
-        keys, values, checks = (t.column(c).to_pylist() for c in ("key", "value", "check"))
-        for r in group_rows:
-            i = r - int(starts[g])
-            if i < len(keys) and checks[i] == check_of(keys[i], values[i]):
-                out[r] = (keys[i], values[i])
+    groups = sorted(by_group)
+    try:
+        t = pf.read_row_groups(groups, use_threads=False)
+    except Exception as e:  # noqa: BLE001
+        raise ShardError(f"{path}: damaged ({type(e).__name__}: {e})") from None
+    keys, values, checks = (t.column(c) for c in ("key", "value", "check"))
+    at = 0                          # the first row of group g in t
+    for g in groups:
+        for r in by_group[g]:
+            i = at + r - int(starts[g])
+            k, v, c = keys[i].as_py(), values[i].as_py(), checks[i].as_py()
+            if c == check_of(k, v):
+                out[r] = (k, v)
+        at += int(starts[g + 1] - starts[g])
     return out

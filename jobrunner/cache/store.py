@@ -7,8 +7,8 @@ keeps them (16 bytes a key, sorted) in an LRU bounded by `max_index_bytes`, bina
 and reads the value of a hit from its shard's row group (ROW_GROUP entries).
 
 What a lookup of a batch costs: per bucket touched the first time in a job, one listing and one
-key-column read per shard; then numpy binary search (microseconds) and, per hit, one row-group
-read. Large batches amortize the first touch of all 256 buckets.
+key-column read per shard; then numpy binary search (microseconds) and, per shard with hits, one
+read of the row groups holding them. Large batches (jobrunner/job.py: LOOKUP_ROWS) amortize both.
 
 A store's view of the cache is its bucket listings at first use plus what it wrote itself:
 entries other jobs write meanwhile are seen by the next job. Writes go to a buffer (seen by
