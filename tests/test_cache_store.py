@@ -114,8 +114,8 @@ def _entries(n, salt=b""):
     return {hashlib.blake2b(salt + i.to_bytes(4, "little"), digest_size=16).digest(): b"v%d" % i + salt
             for i in range(n)}
 url, salt = sys.argv[1], sys.argv[2].encode()
-store = CacheStore(url, flush_entries=97)
-for k, v in {**_entries(1500, salt), **_entries(300, b"shared")}.items():
+store = CacheStore(url, flush_entries=250)
+for k, v in {**_entries(800, salt), **_entries(200, b"shared")}.items():
     store.put(k, v)
 store.flush()
 """
@@ -126,7 +126,7 @@ def test_two_writer_processes_lose_and_tear_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, url, salt], env=env) for salt in ("a", "b")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    want = {**_entries(1500, b"a"), **_entries(1500, b"b"), **_entries(300, b"shared")}
+    want = {**_entries(800, b"a"), **_entries(800, b"b"), **_entries(200, b"shared")}
     assert CacheStore(url).get_many(list(want)) == want
     names = [n for _, _, files in os.walk(url) for n in files]
     assert not [n for n in names if n.startswith("_tmp-")]
