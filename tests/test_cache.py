@@ -168,3 +168,27 @@ def test_an_unopenable_cache_url_exits_2_before_any_work(tmp_path):
     r = CliRunner().invoke(main, ["submit", ds, "-m", "dummy:smollm2-135m", "--cache", "nosuchproto://x/y"])
     assert r.exit_code == 2 and "--cache" in r.output
     assert not (tmp_path / "d.jsonl.results").exists()
+
+
+def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
+    """Workers serve cached rows and copies of the units they claim, and each stores what it computed:
+    every row once, outputs as one worker's without a cache, and no entry lost."""
+    from jobrunner.config import JobConfig
+    from jobrunner.parallel import run_parallel
+    cache = str(tmp_path / "cache")
+    rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts(20))]
+    rows += [{"id": f"copy{i}", "prompt": p} for i, p in enumerate(prompts(4))]
+    old = write_jsonl(tmp_path / "old.jsonl", rows[:10])
+    ds = write_jsonl(tmp_path / "d.jsonl", rows)
+    run_job(engine, old, str(tmp_path / "old"), cache=cache)
+    cold = outputs(run_job(engine, ds, str(tmp_path / "cold")).output)
+    cfg = JobConfig(ds, output=str(tmp_path / "dp"), model=engine.config.model, max_tokens=MAX_TOKENS,
+                    ignore_eos=True, device="cpu", cache=cache, data_parallel=2, max_num_seqs=2)
+    res = run_parallel(cfg)
+    assert res.exit_code == EXIT_OK
+    got = outputs(res.output)
+    assert _values(got, sorted(cold)) == _values(cold, sorted(cold))
+    assert res.stats["rows_from_cache"] == 10 and res.stats["rows_reused"] == 4
+    assert res.stats["engine"]["generated_tokens"] == 10 * MAX_TOKENS
+    again = run_job(engine, ds, str(tmp_path / "again"), cache=cache)
+    assert again.stats["rows_from_cache"] == 20 and again.stats["engine"]["generated_tokens"] == 0
