@@ -29,7 +29,6 @@ class Reuse:
         self.read = self.store is not None and mode in ("read-write", "read-only")
         self.write = self.store is not None and mode in ("read-write", "write-only", "refresh")
         self.keys: dict[str, bytes] = {}    # row id -> key: keyed rows admitted, not finished
-        self.lookup_s = 0.0
         self.held: dict[str, RequestOutput] = {}        # row id -> hit, until its unit is claimed (data-parallel)
 
     def admit(self, row, req) -> tuple[bool, RequestOutput | None]:
@@ -52,6 +51,7 @@ class Reuse:
         if not keyed:
             return {}
         start = time.perf_counter()
+        self.stats.cache_lookups += len(keyed)
         found = self.store.get_many([k for _, k in keyed])
         out = {}
         for i, k in keyed:
@@ -60,7 +60,7 @@ class Reuse:
                     out[i] = decode_output(found[k], i)
                 except (ValueError, TypeError, KeyError) as e:
                     log.warning("result cache: an entry does not decode (%s); recomputing its row", e)
-        self.lookup_s += time.perf_counter() - start
+        self.stats.cache_lookup_s += time.perf_counter() - start
         return out
 
     def hold(self, row_id: str, out: RequestOutput) -> None:

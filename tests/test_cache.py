@@ -117,23 +117,26 @@ def test_damaged_truncated_and_foreign_shards_are_skipped_and_recomputed(engine,
     ds = write_jsonl(tmp_path / "d.jsonl", [{"id": f"d{i}", "prompt": p} for i, p in enumerate(prompts(24))])
     cold = outputs(run_job(engine, ds, str(tmp_path / "cold"), cache=str(cache)).output)
     shards = sorted(p for p in (cache / LAYOUT).rglob("*.parquet"))
-    assert len(shards) >= 6
-    shards[0].write_bytes(shards[0].read_bytes()[:-40])                         # truncated
-    data = bytearray(shards[1].read_bytes())
-    data[len(data) // 3: len(data) // 3 + 64] = os.urandom(64)                  # damaged inside
-    shards[1].write_bytes(bytes(data))
+    assert len(shards) >= 6     # 24 entries over 64 buckets
+    shards[0].write_bytes(shards[0].read_bytes()[:-40])                         # an index truncated
+    values = shards[1].with_suffix(".values")
+    data = bytearray(values.read_bytes())
+    data[len(data) // 3: len(data) // 3 + 8] = os.urandom(8)                    # values damaged inside
+    values.write_bytes(bytes(data))
     shards[2].write_bytes(b"not parquet at all")                                # garbage under a shard's name
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"key": [b"x" * 16], "value": [b"{}"]}), shards[3])  # a foreign Parquet file
-    (shards[4].parent / "notes.txt").write_text("garbage beside the shards")
+    values = shards[4].with_suffix(".values")
+    values.write_bytes(values.read_bytes()[:-5])                                # values truncated
+    (shards[5].parent / "notes.txt").write_text("garbage beside the shards")
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
         res = run_job(engine, ds, str(tmp_path / "warm"), cache=str(cache))
     assert res.exit_code == EXIT_OK
     got = outputs(res.output)
     assert _values(got, sorted(cold)) == _values(cold, sorted(cold))
-    assert res.stats["rows_from_cache"] <= 24 - 3 and res.stats["rows_from_cache"] >= 24 - 4 - 4
-    assert "result cache" in caplog.text and "not a cache shard" in caplog.text
+    assert 24 - 5 * 4 <= res.stats["rows_from_cache"] <= 24 - 5      # 5 damaged shards, each 1-4 entries
+    assert "not a cache shard" in caplog.text and "failed their check" in caplog.text
 
 
 def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypatch):

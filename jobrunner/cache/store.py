@@ -2,13 +2,14 @@
 
 Layout and shard format: jobrunner/cache/shards.py. The index is two-level: a bucket's listing
 names its shards, and each shard's key column (read alone) says where an entry is. No index of
-the whole cache is ever in memory: a lookup reads the key columns of its keys' buckets only,
-keeps them (16 bytes a key, sorted) in an LRU bounded by `max_index_bytes`, binary-searches them,
-and reads the value of a hit from its shard's row group (ROW_GROUP entries).
+the whole cache is ever in memory: a lookup reads the shard indexes of its keys' buckets only,
+keeps them (30 bytes a key, sorted) in an LRU bounded by `max_index_bytes`, binary-searches them,
+and reads the record of each hit by its offset (shards.py).
 
-What a lookup of a batch costs: per bucket touched the first time in a job, one listing and one
-key-column read per shard; then numpy binary search (microseconds) and, per shard with hits, one
-read of the row groups holding them. Large batches (jobrunner/job.py: LOOKUP_ROWS) amortize both.
+What a lookup of a batch costs: per bucket touched the first time in a job (or again after the
+LRU dropped it), one listing and one index read per shard; then numpy binary search
+(microseconds) and one range read per hit. Large batches (jobrunner/job.py: LOOKUP_ROWS) amortize
+the per-bucket and per-shard costs.
 
 A store's view of the cache is its bucket listings at first use plus what it wrote itself:
 entries other jobs write meanwhile are seen by the next job. Writes go to a buffer (seen by
@@ -23,45 +24,48 @@ from collections import OrderedDict
 import numpy as np
 
 from jobrunner import storage
-from jobrunner.cache.shards import LAYOUT, SHARD_RE, ShardError, bucket_of, read_keys, read_values, shard_name, \
-    write_shard
+from jobrunner.cache.shards import CHECK_BYTES, LAYOUT, SHARD_RE, VALUES_RE, ShardError, bucket_of, read_index, \
+    read_records, shard_name, write_shard
 
 log = logging.getLogger("jobrunner")
 
 
 class _BucketIndex:
-    """A bucket's keys over its shards: sorted, each with its shard and row; equal keys oldest first."""
+    """A bucket's keys over its shards, sorted, each with its shard, record offset and length; equal
+    keys oldest first. 30 bytes a key."""
 
-    def __init__(self, names: list[str], keys: list[np.ndarray]):
+    def __init__(self, names: list[str], indexes: list[tuple]):
         self.names = list(names)
-        self._set(keys, [np.full(len(k), i, np.int32) for i, k in enumerate(keys)],
-                  [np.arange(len(k), dtype=np.int32) for k in keys])
+        self._set([(i, *ix) for i, ix in enumerate(indexes)])
 
-    def _set(self, keys, shards, rows):
-        keys = np.concatenate(keys) if keys else np.empty(0, "S16")
-        order = np.argsort(keys, kind="stable")          # stable: shards are in creation order
+    def _set(self, parts: list[tuple]):
+        """parts: (shard index or an array of them, keys, offsets, lengths), oldest first."""
+        def cat(arrays, dtype):
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+        keys = cat([p[1] for p in parts], "S16")
+        order = np.argsort(keys, kind="stable")          # stable: older shards first among equal keys
         self.keys = keys[order]
-        self.shard = (np.concatenate(shards) if shards else np.empty(0, np.int32))[order]
-        self.row = (np.concatenate(rows) if rows else np.empty(0, np.int32))[order]
+        self.shard = cat([np.broadcast_to(np.asarray(p[0], np.int32), len(p[1])) for p in parts], np.int32)[order]
+        self.offset = cat([p[2] for p in parts], np.int64)[order]
+        self.length = cat([p[3] for p in parts], np.int32)[order]
 
-    def add(self, name: str, keys: np.ndarray) -> None:
+    def add(self, name: str, keys: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """A shard this process wrote (the newest)."""
         self.names.append(name)
-        i = len(self.names) - 1
-        self._set([self.keys, keys], [self.shard, np.full(len(keys), i, np.int32)],
-                  [self.row, np.arange(len(keys), dtype=np.int32)])
+        self._set([(self.shard, self.keys, self.offset, self.length), (len(self.names) - 1, keys, offsets, lengths)])
 
-    def find(self, queries: np.ndarray) -> list[tuple[int, int] | None]:
-        """Per query key: (shard index, row) of its newest entry, or None."""
+    def find(self, queries: np.ndarray) -> list[tuple[int, int, int] | None]:
+        """Per query key: (shard index, offset, length) of its newest entry, or None."""
         if not len(self.keys):
             return [None] * len(queries)
         at = np.searchsorted(self.keys, queries, side="right") - 1
         ok = (at >= 0) & (self.keys[np.maximum(at, 0)] == queries)
-        return [(int(self.shard[a]), int(self.row[a])) if hit else None for a, hit in zip(at, ok)]
+        return [(int(self.shard[a]), int(self.offset[a]), int(self.length[a])) if hit else None
+                for a, hit in zip(at, ok)]
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.shard.nbytes + self.row.nbytes
+        return self.keys.nbytes + self.shard.nbytes + self.offset.nbytes + self.length.nbytes
 
 
 class CacheStore:
@@ -95,25 +99,24 @@ class CacheStore:
 
     def _get_bucket(self, bucket: str, keys: list[bytes]) -> dict[bytes, bytes]:
         index = self._bucket_index(bucket)
-        hits: dict[int, list[tuple[int, bytes]]] = {}       # shard -> [(row, key)]
+        hits: dict[int, list[tuple[bytes, int, int]]] = {}      # shard -> [(key, offset, length)]
         for k, where in zip(keys, index.find(np.array(keys, dtype="S16"))):
             if where is not None:
-                hits.setdefault(where[0], []).append((where[1], k))
+                hits.setdefault(where[0], []).append((k, where[1], where[2]))
         found = {}
         for shard, wanted in hits.items():
             path = self._path(bucket, index.names[shard])
             if path in self._bad:
                 continue
             try:
-                got = read_values(self.fs, path, [r for r, _ in wanted])
+                got = read_records(self.fs, path, wanted)
             except (ShardError, OSError) as e:
                 self._warn_bad(path, e)
                 continue
-            for r, k in wanted:
-                if r in got and got[r][0] == k:
-                    found[k] = got[r][1]
-                else:
-                    log.warning("result cache: entry %d of %s failed its check; recomputing it", r, path)
+            if len(got) < len(wanted):
+                log.warning("result cache: %d entries of %s failed their check; recomputing them",
+                            len(wanted) - len(got), path)
+            found.update(got)
         return found
 
     def _bucket_index(self, bucket: str) -> _BucketIndex:
@@ -121,15 +124,15 @@ class CacheStore:
         if index is not None:
             self._index.move_to_end(bucket)
             return index
-        names, keys = [], []
+        names, indexes = [], []
         for name in self._listing(bucket):
             path = self._path(bucket, name)
             try:
-                keys.append(read_keys(self.fs, path))
+                indexes.append(read_index(self.fs, path))
                 names.append(name)
             except (ShardError, OSError) as e:
                 self._warn_bad(path, e)
-        index = self._index[bucket] = _BucketIndex(names, keys)
+        index = self._index[bucket] = _BucketIndex(names, indexes)
         self._evict()
         return index
 
@@ -137,7 +140,7 @@ class CacheStore:
         if bucket not in self._listings:
             names = storage.list_names(self.fs, storage.join(self.base, bucket))
             for name in names:
-                if not SHARD_RE.match(name) and not name.startswith("_tmp-"):
+                if not SHARD_RE.match(name) and not VALUES_RE.match(name) and not name.startswith("_tmp-"):
                     log.warning("result cache: %s is not a cache shard; skipped", self._path(bucket, name))
             self._listings[bucket] = [n for n in names if SHARD_RE.match(n)]
         return self._listings[bucket]
@@ -180,4 +183,12 @@ class CacheStore:
             if bucket in self._listings:
                 self._listings[bucket].append(name)
             if bucket in self._index:
-                self._index[bucket].add(name, np.array(sorted(entries), dtype="S16"))
+                self._index[bucket].add(name, *_index_of(entries))
+
+
+def _index_of(entries: dict[bytes, bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The index write_shard writes for entries: sorted keys, record offsets and lengths."""
+    keys = sorted(entries)
+    lengths = np.array([CHECK_BYTES + len(entries[k]) for k in keys], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if keys else lengths
+    return np.array(keys, dtype="S16"), offsets, lengths.astype(np.int32)
