@@ -86,6 +86,7 @@ class CacheStore:
 
     def get_many(self, keys: list[bytes]) -> dict[bytes, bytes]:
         """key -> value for the keys found (the newest entry of each)."""
+        keys = list(dict.fromkeys(keys))
         found = {k: self._buffer[k] for k in keys if k in self._buffer}
         by_bucket: dict[str, list[bytes]] = {}
         for k in keys:
