@@ -26,7 +26,6 @@ EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3,
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
 WINDOW_ROWS = 50_000
 WINDOW_TOKENS = 64_000_000
-LOOKUP_ROWS = 16_384      # rows looked up in the result cache together (jobrunner/cache/store.py: the cost)
 
 
 def _open_cache(cfg: JobConfig):
@@ -251,7 +250,7 @@ class Job:
                         self._emit_output(row, result, reused=True)
                     continue
                 held.append((row, req))
-            if len(held) >= LOOKUP_ROWS:
+            if len(held) >= self.reuse.batch_rows:
                 yield from self._past_cache(held)
                 held = []
             if self.stop_requested:

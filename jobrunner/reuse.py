@@ -17,6 +17,7 @@ from jobrunner.cache.key import is_deterministic, request_key
 from jobrunner.dedup import Dedup
 
 log = logging.getLogger("jobrunner")
+LOOKUP_ROWS = 16_384    # rows looked up in the result cache together (jobrunner/cache/store.py: the cost)
 
 
 class Reuse:
@@ -29,6 +30,7 @@ class Reuse:
         self.read = self.store is not None and mode in ("read-write", "read-only")
         self.write = self.store is not None and mode in ("read-write", "write-only", "refresh")
         self.keys: dict[str, bytes] = {}    # row id -> key: keyed rows admitted, not finished
+        self.batch_rows = LOOKUP_ROWS if self.read else 1      # rows a job holds back for one lookup
         self.held: dict[str, RequestOutput] = {}        # row id -> hit, until its unit is claimed (data-parallel)
 
     def admit(self, row, req) -> tuple[bool, RequestOutput | None]:
