@@ -52,7 +52,7 @@ class Reuse:
         keyed = [(i, self.keys[i]) for i in ids if i in self.keys] if self.read else []
         if not keyed:
             return {}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.stats.cache_lookups += len(keyed)
         found = self.store.get_many([k for _, k in keyed])
         out = {}
@@ -63,6 +63,7 @@ class Reuse:
                 except (ValueError, TypeError, KeyError) as e:
                     log.warning("result cache: an entry does not decode (%s); recomputing its row", e)
         self.stats.cache_lookup_s += time.perf_counter() - start
+        self.stats.cache_lookup_cpu_s += time.process_time() - cpu
         return out
 
     def hold(self, row_id: str, out: RequestOutput) -> None:

@@ -17,7 +17,7 @@ PREFIX_SUMS = ("planned_prompt_tokens", "optimum_cached_tokens", "block_optimum_
 PREFIX_KEYS = PREFIX_SUMS + ("optimum_exact",)
 ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
 # Rows whose result was reused (jobrunner/reuse.py): a copy's, the cache's, and the tokens not computed.
-REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s")
+REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
 
 
 def percentile(values, q: float) -> float | None:
@@ -49,7 +49,7 @@ class JobStats:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.latency_rows = 0
         self.rows_reused = self.rows_from_cache = self.tokens_saved = self.cache_lookups = 0
-        self.cache_lookup_s = 0.0
+        self.cache_lookup_s = self.cache_lookup_cpu_s = 0.0     # wall and this process's CPU seconds
         self.queue, self.prefill, self.decode = array("d"), array("d"), array("d")
         self._rng = random.Random(0)
 
