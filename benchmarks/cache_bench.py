@@ -101,7 +101,7 @@ from benchmarks.cache_bench import _key, _rss_mb
 from jobrunner.cache.store import CacheStore
 from jobrunner.reuse import LOOKUP_ROWS
 url, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-keys = [_key(i * 10 if i % 10 == 9 else i) for i in range(n)]     # 1 in 10 absent (or, past size, absent anyway)
+keys = [_key(size + i if i % 10 == 9 else i) for i in range(n)]      # 1 in 10 absent
 store = CacheStore(url)
 before = _rss_mb()
 start, cpu, hits = time.perf_counter(), time.process_time(), 0
