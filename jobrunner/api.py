@@ -13,11 +13,13 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 import uuid
 from collections.abc import Mapping
 from contextlib import contextmanager
 
+from jobrunner.cache import ENV_URL
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, JobResult
 
@@ -69,6 +71,8 @@ def build_config(dataset: str | None, options: Mapping | None = None, config: st
                              f"the options are {', '.join(k for k in known if k != 'dataset')}")
     values.update((name, field_value(name, value)) for name, value in options.items())
     values["dataset"] = dataset or values.get("dataset", "")
+    if "cache" not in values and os.environ.get(ENV_URL):      # the result cache's default
+        values["cache"] = os.environ[ENV_URL]
     return JobConfig(**values)
 
 

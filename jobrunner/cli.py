@@ -1,4 +1,4 @@
-"""The command line: `jobrunner submit | validate | stats | models`.
+"""The command line: `jobrunner submit | validate | stats | models | cache`.
 
 Option defaults come from JobConfig; `--config job.toml` supplies any option, and the
 command line wins over the file.
@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from jobrunner.cache.cli import cache as cache_commands
 from jobrunner.cli_options import GroupedCommand, job_options
 from jobrunner.config import JobConfig, JobConfigError, config_fields
 
@@ -170,6 +171,10 @@ def summary_lines(s: dict, output: str) -> list[str]:
         if s.get("optimum_cache_hit_rate") is not None:
             hits += f" (the dataset's optimum: {s['optimum_cache_hit_rate']:.1%})"
         lines.append(("cache hits", hits))
+    if s.get("rows_reused") or s.get("rows_from_cache"):
+        saved = f" (~{_usd(s['cost_saved_usd'])} saved)" if s.get("cost_saved_usd") is not None else ""
+        lines.append(("reused", f"{s.get('rows_from_cache') or 0:,} rows from the cache, {s.get('rows_reused') or 0:,} "
+                                f"copies of other rows; {s.get('tokens_saved') or 0:,} tokens not computed{saved}"))
     if s.get("wall_s") is not None:
         runs = s.get("runs_recorded") or 1
         wall = _duration(s["wall_s"]) + (f" over {runs} runs" if runs > 1 else "")
@@ -273,6 +278,8 @@ def pull(name):
         _fail_config(e)
     click.echo(str(path))
 
+
+main.add_command(cache_commands)     # `jobrunner cache stats | prune` (jobrunner/cache/cli.py)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from jobrunner.config import (FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
+from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
                               QUANTIZATIONS, JobConfig)
 
 D = JobConfig("")      # the defaults
@@ -110,6 +110,15 @@ OPTION_GROUPS: dict[str, list] = {
                      help="Schedule and prepare each step while the one before runs on the device."),
         click.option("--threads", type=int, help="CPU compute threads (default: the cores no other process is "
                                                  "busy on at start; a thread waiting for a busy core stalls all)."),
+    ],
+    "Reuse": [
+        click.option("--dedup/--no-dedup", default=D.dedup, show_default=True,
+                     help="Compute identical rows (same request, deterministic) once; copies get the result."),
+        click.option("--cache", help="Result cache URL (a directory or any fsspec URL), shared across runs "
+                                     "and jobs; default $JOBRUNNER_CACHE_URL. Rows sampled without a seed "
+                                     "are never cached."),
+        click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=D.cache_mode, show_default=True,
+                     help="read-only: never store; write-only: never serve; refresh: recompute and replace."),
     ],
     "Parallel": [
         click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),

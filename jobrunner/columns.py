@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
-                  "queue_s", "prefill_s", "decode_s", "error")
+                  "queue_s", "prefill_s", "decode_s", "error", "reused")
 EXTRA_JSON = "extra_json"       # the writer's column for values that don't fit the pinned schema
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.request import SamplingParams
+from jobrunner.cache import CACHE_MODES
 from jobrunner.models import DEFAULT_MODEL
 from jobs import KINDS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
@@ -19,7 +20,7 @@ from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EvalSpec, JobS
 # NORMALIZE_MODES: jobs.spec).
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
-__all__ = ["FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS", "QUANTIZATIONS",
+__all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS", "QUANTIZATIONS",
            "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
            "split_labels"]
 
@@ -83,6 +84,10 @@ class JobConfig:
     device_hourly_cost: float | None = None
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
     limit: int | None = None                # only the first N rows (for trying a job out)
+    # reuse (jobrunner/reuse.py): identical rows computed once; results cached across runs
+    dedup: bool = True
+    cache: str | None = None                # result cache URL (api.build_config: $JOBRUNNER_CACHE_URL by default)
+    cache_mode: str = "read-write"          # read-write | read-only | write-only | refresh
 
     # --- the one place the job's configuration becomes the engine's and the job kind's ----------
 
@@ -139,7 +144,7 @@ class JobConfig:
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
-                "fail_on_empty", "flush_seconds", "threads"}
+                "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
@@ -203,6 +208,8 @@ class JobConfig:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
+        if self.cache_mode not in CACHE_MODES:
+            bad(f"--cache-mode must be {_either(CACHE_MODES)}, not {self.cache_mode!r}")
         check_device(self.device)
 
 

@@ -28,6 +28,15 @@ WINDOW_ROWS = 50_000
 WINDOW_TOKENS = 64_000_000
 
 
+def _open_cache(cfg: JobConfig):
+    """The result cache's store (None without --cache); a URL that cannot be opened exits 2."""
+    from jobrunner.cache import open_store
+    try:
+        return open_store(cfg.cache)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
+
+
 @dataclass
 class JobResult:
     exit_code: int
@@ -63,6 +72,7 @@ class Job:
         cfg.validate()
         self.fmt, self.columns = checks.check_dataset(cfg)
         self.template = checks.check_template(cfg, self.columns)
+        self.cache = _open_cache(cfg)
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
         from jobs import PromptBuilder, make_job
@@ -89,8 +99,12 @@ class Job:
         self._sampling = None                   # the last request's SamplingParams, shared by equal ones
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows())
+        self.reuse = self._reuse()
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
-        interrupted = self._run_units()
+        try:
+            interrupted = self._run_units()
+        finally:
+            self.reuse.close()
         self.writer.flush()
         self.progress.close()
         run = self._run_record(counters_before, interrupted)
@@ -120,9 +134,14 @@ class Job:
                 if not self.claim(index):
                     for key in unit.items:
                         del self.pending[key]
+                        self.reuse.drop(key)
                     continue
+                cached = self.reuse.take(unit.items)     # data-parallel: hits held for the claiming worker
                 for key in unit.items:
-                    self._submit(self.pending[key][1])
+                    if key in cached:
+                        self._finish(self.pending.pop(key)[0], cached[key], from_cache=True)
+                    else:
+                        self._submit(self.pending[key][1])
                 while engine.num_in_flight >= max_in_flight:
                     self._step()
             while engine.has_unfinished():
@@ -189,6 +208,7 @@ class Job:
         from jobs import RowError
 
         cfg, read, show = self.cfg, 0, self.cfg.show_prompt     # show: --show-prompt, until one is logged
+        held = []       # rows waiting for a batch lookup in the result cache (_past_cache)
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
             if cfg.limit is not None:
                 batch = batch[:max(0, cfg.limit - read)]
@@ -224,16 +244,40 @@ class Job:
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
-                if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
-                    req.sampling = self._sampling
-                self._sampling = req.sampling
-                tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
-                self.pending[row.id] = (row, req)
-                yield PlanItem(row.id, tokens)
+                runs, result = self.reuse.admit(row, req)
+                if not runs:        # a copy of an earlier row: it gets that row's result, now or when it is done
+                    if result is not None:
+                        self._emit_output(row, result, reused=True)
+                    continue
+                held.append((row, req))
+            if len(held) >= self.reuse.batch_rows:
+                yield from self._past_cache(held)
+                held = []
             if self.stop_requested:
                 raise _Interrupted
             if cfg.limit is not None and read >= cfg.limit:
                 break
+        yield from self._past_cache(held)
+
+    def _past_cache(self, held: list):
+        """Rows (row, request) past the result cache, looked up together (a lookup's cost is per bucket
+        and shard touched, so a large batch amortizes it). A hit is done at once, unless data-parallel:
+        then every worker must plan the same rows, so a hit waits in the planner like any row and is
+        served when its unit is claimed. The rest go on to the planner."""
+        found = self.reuse.fetch([row.id for row, _ in held])
+        for row, req in held:
+            out = found.get(row.id)
+            if out is not None and self.world == 1:
+                self._finish(row, out, from_cache=True)
+                continue
+            if out is not None:
+                self.reuse.hold(row.id, out)
+            if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
+                req.sampling = self._sampling
+            self._sampling = req.sampling
+            tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
+            self.pending[row.id] = (row, req)
+            yield PlanItem(row.id, tokens)
 
     def _submit(self, req) -> None:
         tokens = array("I")
@@ -269,20 +313,38 @@ class Job:
         if self.stop_requested:
             raise _Interrupted
         for out in self.engine.step():
-            row, _ = self.pending.pop(out.id)
-            base = self._base(row)
-            base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                        queue_s=out.queue_s, prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error)
-            rows = []
-            for cols in self.job.columns(out, row.data):
-                r = dict(base)
-                r.update(cols)
-                if out.error is not None:
-                    r["finish_reason"] = "error"
-                rows.append(r)
-            self._emit(rows)
+            self._finish(self.pending.pop(out.id)[0], out)
         self.writer.maybe_flush()       # rows that finished a while ago reach a part even when few come
         self.progress.update(self.stats)
+
+    def _finish(self, row, out, from_cache: bool = False) -> None:
+        """A row's result (from the engine or the cache), and the same result for its waiting copies."""
+        copies = self.reuse.finished(row.id, out, from_cache)
+        self._emit_output(row, out, reused=from_cache)
+        for copy in copies:
+            self._emit_output(copy, out, reused=True)
+
+    def _emit_output(self, row, out, reused: bool) -> None:
+        base = self._base(row)
+        base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
+                    prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
+        rows = []
+        for cols in self.job.columns(out, row.data):
+            r = dict(base)
+            r.update(cols)
+            if out.error is not None:
+                r["finish_reason"] = "error"
+            rows.append(r)
+        self._emit(rows)
+
+    def _reuse(self):
+        from jobrunner.reuse import Reuse
+        cfg, model = self.cfg, None
+        if self.cache is not None:
+            from jobrunner.cache import job_model_key
+            model = job_model_key(self.engine.config.model, self.engine.rt, cfg.quantization, cfg.kv_cache_dtype)
+        return Reuse(self.stats, cfg.kind, dedup=cfg.dedup, window_rows=WINDOW_ROWS, store=self.cache,
+                     mode=cfg.cache_mode, model=model)
 
     def _base(self, row) -> dict:
         """The id and the row's input columns, renamed where a result column takes the name."""
@@ -300,7 +362,7 @@ class Job:
             return
         r = self._base(row)
         r.update(output=None, finish_reason="error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
-                 queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message)
+                 queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message, reused=False)
         self._emit([r])
 
     def _emit(self, rows: list[dict]) -> None:

@@ -16,6 +16,8 @@ PREFIX_SUMS = ("planned_prompt_tokens", "optimum_cached_tokens", "block_optimum_
                "partial_block_optimum_cached_tokens")
 PREFIX_KEYS = PREFIX_SUMS + ("optimum_exact",)
 ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
+# Rows whose result was reused (jobrunner/reuse.py): a copy's, the cache's, and the tokens not computed.
+REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
 
 
 def percentile(values, q: float) -> float | None:
@@ -46,6 +48,8 @@ class JobStats:
         self.rows = self.rows_ok = self.rows_failed = self.rows_skipped = self.duplicate_ids = 0
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.latency_rows = 0
+        self.rows_reused = self.rows_from_cache = self.tokens_saved = self.cache_lookups = 0
+        self.cache_lookup_s = self.cache_lookup_cpu_s = 0.0     # wall and this process's CPU seconds
         self.queue, self.prefill, self.decode = array("d"), array("d"), array("d")
         self._rng = random.Random(0)
 
@@ -90,7 +94,8 @@ class JobStats:
         s = {"started_at": utc_iso(self.start), **self.row_figures(), "rows_skipped_done": self.rows_skipped,
              "duplicate_ids": self.duplicate_ids, "wall_s": wall, "model_load_s": load_s, "device": device,
              "devices": devices, "device_hours": wall * devices / 3600, "model_weight_bytes": model_weight_bytes,
-             "quantization": quantization, "interrupted": interrupted}
+             "quantization": quantization, "interrupted": interrupted,
+             **{k: getattr(self, k) for k in REUSE_SUMS}}
         s.update(prefix_figures(prefix))
         if engine_counters is not None:
             s["engine"] = dict(engine_counters)
@@ -125,4 +130,11 @@ def rates(s: dict, device_hourly_cost: float | None) -> dict:
         out["cost_usd"] = cost
         # one device-hour price over all tokens: a token costs the same whichever side it is on
         out["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
+        out["cost_saved_usd"] = cost_saved(cost, tokens, s.get("tokens_saved") or 0)
     return out
+
+
+def cost_saved(cost: float, tokens: int, saved: int) -> float | None:
+    """What the reused rows' tokens would have cost at the price of those computed (None: none computed)."""
+    computed = tokens - saved
+    return cost * saved / computed if computed > 0 else None

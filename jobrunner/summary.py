@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobrunner.columns import reserved_columns
-from jobrunner.stats import PREFIX_SUMS, ROW_SUMS, JobStats, rates
+from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 
 # Run figures that add up over runs (the rows of different runs are disjoint).
-RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours") + PREFIX_SUMS
+RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours") + PREFIX_SUMS + REUSE_SUMS
 # The last run's: its hardware, whether it was interrupted, and for a data-parallel run its workers.
 LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel")
 _ROW_COLUMNS = ("error", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",
@@ -59,7 +59,7 @@ def over_runs(runs: list[dict]) -> dict:
     if not runs:
         return {}
     sums = {k: sum(r.get(k) or 0 for r in runs) for k in RUN_SUMS}
-    out = {k: sums[k] for k in ("wall_s", "model_load_s", "device_hours", "duplicate_ids")}
+    out = {k: sums[k] for k in ("wall_s", "model_load_s", "device_hours", "duplicate_ids") + REUSE_SUMS}
     planned = [r for r in runs if r.get("planned_prompt_tokens")]
     if planned:
         out.update({k: sums[k] for k in PREFIX_SUMS})
@@ -73,6 +73,7 @@ def over_runs(runs: list[dict]) -> dict:
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in priced)
         out["cost_usd"] = cost
         out["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
+        out["cost_saved_usd"] = cost_saved(cost, tokens, sum(r.get("tokens_saved") or 0 for r in priced))
     engines = [r["engine"] for r in runs if isinstance(r.get("engine"), dict)]
     if engines:
         keys = dict.fromkeys(k for e in engines for k in e)

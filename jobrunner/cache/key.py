@@ -1,0 +1,70 @@
+"""Result cache keys: a hash of everything that determines a request's result, nothing else.
+
+A key is blake2b-128 over (the model key, the request's description). The model key covers the
+checkpoint's content (jobrunner/cache/identity.py) and the numeric mode (dtype, quantization, KV
+cache dtype, device type, torch's version, engine.numerics.NUMERICS_VERSION). The request's
+description is every field of engine.request.Request but its id and its prompt text (kept for the
+output only), plus the job kind: the prompt's token ids, the sampling parameters (seed included),
+the kind's inputs (classify's candidates, score's score_from) and any field a later change adds
+(a constraint: one more Request field is keyed with no change here). Never the row id or the
+dataset path.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from array import array
+from dataclasses import asdict, fields, is_dataclass
+
+from engine.request import Request, SamplingParams
+
+KEY_BYTES = 16
+# Request fields that never change a result: the row id, and the prompt text (the token ids decide).
+NOT_KEYED = frozenset({"id", "prompt", "prompt_token_ids"})     # token ids: hashed apart, as raw bytes
+
+
+def is_deterministic(req: Request) -> bool:
+    """Whether equal requests give equal results: scoring (nothing sampled), greedy, or seeded.
+    A row sampled without a seed draws from its row id, so its copies differ: never reused."""
+    sp = req.sampling
+    return req.candidates is not None or req.score_from is not None or sp.temperature == 0 or sp.seed is not None
+
+
+def model_key(checkpoint: dict, numeric_mode: dict) -> bytes:
+    """The model's part of every key: its checkpoint identity and the engine's numeric mode."""
+    from engine.numerics import NUMERICS_VERSION
+    text = _canonical({"checkpoint": checkpoint, "numerics": {**numeric_mode, "version": NUMERICS_VERSION}})
+    return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def request_key(model: bytes, kind: str, req: Request) -> bytes:
+    """The cache key of `req` run by the model `model` (model_key) in a job of `kind`."""
+    h = hashlib.blake2b(model, digest_size=KEY_BYTES)
+    tokens = array("I", req.prompt_token_ids).tobytes()
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(tokens)
+    h.update(_sampling_text(req.sampling).encode())
+    rest = {f.name: getattr(req, f.name) for f in fields(req) if f.name not in NOT_KEYED and f.name != "sampling"}
+    h.update(_canonical({"kind": kind, **rest}).encode())
+    return h.digest()
+
+
+@functools.lru_cache(maxsize=256)
+def _sampling_text(sp: SamplingParams) -> str:
+    """Most rows share one SamplingParams (frozen, hashable): serialize it once."""
+    return _canonical(asdict(sp))
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain)
+
+
+def _plain(o):
+    if is_dataclass(o) and not isinstance(o, type):
+        return asdict(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    if isinstance(o, (bytes, bytearray)):
+        return o.hex()
+    raise TypeError(f"cannot key a {type(o).__name__}")
