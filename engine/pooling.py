@@ -46,11 +46,12 @@ class Pooler:
                 part = hidden[base].float() if chunk.start == 0 else self._partial.pop(seq.seq_id)
                 vector = part if chunk.completes else None
             else:   # last: only the completing chunk matters; it ends with the last token
-                part = vector = hidden[base + chunk.num_tokens - 1].float() if chunk.completes else None
-            if vector is None:
-                self._partial[seq.seq_id] = part
-            else:
+                part = None
+                vector = hidden[base + chunk.num_tokens - 1].float() if chunk.completes else None
+            if vector is not None:
                 done.append((vector, seq.embed, seq.seq_id))
+            elif part is not None:
+                self._partial[seq.seq_id] = part
         return finish(done)
 
     @staticmethod
