@@ -2,7 +2,10 @@
 forward with the same pooling, on the same rows (issue 23: rows/s at least 2x transformers').
 
     python -m benchmarks.embed_bench                                  # 1,000 rows of ~100 tokens, default model
-    python -m benchmarks.embed_bench --rows 64 --words 20             # a quick look
+    python -m benchmarks.embed_bench --rows 64 --words 20:30          # a quick look
+
+Rows are distinct texts of a number of words drawn uniformly from --words (default 45:105, about
+60 to 140 tokens, 100 on average), in no particular order, as a corpus comes.
 
 Both run in child processes (benchmarks.peers.run_child: wall, peak RSS, CPU seconds, the machine's
 other load). jobrunner's rows/s is rows over its _stats.json wall_s (model load excluded, dataset
@@ -33,11 +36,16 @@ _WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly 
           "every night before the morning reports arrive at the office").split()
 
 
-def make_rows(n: int, words: int, seed: int = 0) -> list[dict]:
-    """n distinct rows of `words` words each (about 1.3 tokens a word with the default tokenizer)."""
+def make_rows(n: int, words: tuple[int, int], seed: int = 0) -> list[dict]:
+    """n distinct rows of words[0]..words[1] words each (about 1.3 tokens a word with the default tokenizer)."""
     rng = random.Random(seed)
-    return [{"id": f"r{i}", "prompt": f"document {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words))}
-            for i in range(n)]
+    return [{"id": f"r{i}", "prompt": f"document {i}: " + " ".join(
+        rng.choice(_WORDS) for _ in range(rng.randint(*words)))} for i in range(n)]
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
 
 
 # ------------------------------------------------------------------------------ the transformers child
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.embed_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", type=int, default=1000)
-    ap.add_argument("--words", type=int, default=75, help="words a row (75: about 100 tokens)")
+    ap.add_argument("--words", type=_span, default=(45, 105), help="words a row, N or LO:HI (default 45:105)")
     ap.add_argument("--pooling", default="last", choices=("last", "mean", "cls"))
     ap.add_argument("--batch", type=int, default=32, help="transformers: rows a forward")
     args = ap.parse_args(argv)
@@ -135,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = run_jobrunner(prompts, tmp / "out", ["--kind", "embed", "-m", args.model, "--pooling", args.pooling,
                                                 "--device", "cpu"])
     hf = run_transformers_embed(prompts, gguf, tmp / "transformers.json", args.pooling, args.batch)
-    report = {"stamp": stamp, "rows": args.rows, "pooling": args.pooling, "model": args.model,
+    report = {"stamp": stamp, "rows": args.rows, "words": list(args.words), "pooling": args.pooling,
+              "model": args.model, "transformers_batch": args.batch,
               "jobrunner": {k: v for k, v in ours.items() if not k.startswith("row_")},
               "transformers": {k: v for k, v in hf.items() if k != "vectors"}}
     if "error" not in ours and "rows_per_s" in hf:
