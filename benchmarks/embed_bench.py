@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=_span, default=(45, 105), help="words a row, N or LO:HI (default 45:105)")
     ap.add_argument("--pooling", default="last", choices=("last", "mean", "cls"))
     ap.add_argument("--batch", type=int, default=32, help="transformers: rows a forward")
+    ap.add_argument("--kv-cache-memory", default="512MB",
+                    help="jobrunner's KV cache: an embedding row holds blocks only while it is computed")
     args = ap.parse_args(argv)
 
     from jobrunner.models import resolve_model
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts.write_text("".join(json.dumps(r) + "\n" for r in make_rows(args.rows, args.words)))
 
     ours = run_jobrunner(prompts, tmp / "out", ["--kind", "embed", "-m", args.model, "--pooling", args.pooling,
-                                                "--device", "cpu"])
+                                                "--device", "cpu", "--kv-cache-memory", args.kv_cache_memory])
     hf = run_transformers_embed(prompts, gguf, tmp / "transformers.json", args.pooling, args.batch)
     report = {"stamp": stamp, "rows": args.rows, "words": list(args.words), "pooling": args.pooling,
               "model": args.model, "transformers_batch": args.batch,

@@ -31,14 +31,15 @@ class Pooler:
         """hidden: [T, hidden], the step's flattened tokens; rows: (first token row, chunk) of each EMBED
         chunk. Returns the finished vectors of the chunks that complete their sequence, flat ([sum of
         their sizes] float32, in owner order), and their owners (seq_id, size)."""
-        mean_sums = self._chunk_sums(hidden, [(base, chunk) for base, chunk in rows
-                                              if chunk.seq.embed.pooling == "mean"])
+        mean_sums = iter(self._chunk_sums(hidden, [(base, c) for base, c in rows if c.seq.embed.pooling == "mean"]))
+        last_rows = [base + c.num_tokens - 1 for base, c in rows if c.seq.embed.pooling == "last" and c.completes]
+        lasts = iter(_rows(hidden, last_rows))      # one gather for the step, not one per sequence
         done: list[tuple[torch.Tensor, EmbedParams, int]] = []
         for base, chunk in rows:
             seq = chunk.seq
             pooling = seq.embed.pooling
             if pooling == "mean":
-                part = mean_sums.pop(0)
+                part = next(mean_sums)
                 if chunk.start > 0:
                     part = part + self._partial.pop(seq.seq_id)
                 vector = part / seq.num_tokens if chunk.completes else None
@@ -47,7 +48,7 @@ class Pooler:
                 vector = part if chunk.completes else None
             else:   # last: only the completing chunk matters; it ends with the last token
                 part = None
-                vector = hidden[base + chunk.num_tokens - 1].float() if chunk.completes else None
+                vector = next(lasts) if chunk.completes else None
             if vector is not None:
                 done.append((vector, seq.embed, seq.seq_id))
             elif part is not None:
@@ -66,6 +67,13 @@ class Pooler:
         sums.index_add_(0, to_device(segment, dev, np.int64),
                         hidden.index_select(0, to_device(token_rows, dev, np.int64)).float())
         return list(sums.unbind(0))
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """hidden's rows `rows` as float32 vectors, in one gather."""
+    if not rows:
+        return []
+    return list(hidden.index_select(0, to_device(rows, hidden.device, np.int64)).float().unbind(0))
 
 
 def finish(done: list[tuple[torch.Tensor, EmbedParams, int]]) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:

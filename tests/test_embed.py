@@ -20,6 +20,7 @@ from engine.request import EmbedParams, Request
 from jobrunner.config import JobConfigError
 from jobrunner.output import read_results
 from jobs.spec import EmbedSpec
+from tests.kernel_cases import cuda_only
 from tests.tiny import engine_for, hf_model, prompts
 
 COMBOS = [(pooling, normalize, dims) for pooling in ("last", "mean", "cls")
@@ -85,6 +86,33 @@ def test_one_request_embeds_several_inputs_and_refuses_too_many_dimensions():
     for got, ids in zip(out.embeddings, (a, b, c)):
         assert torch.allclose(torch.tensor(got), pooled(hf_hidden(hf, ids), "last", True, None), atol=1e-5)
     assert bad.error == "dimensions 65 exceeds the model's embedding size 64" and bad.embeddings is None
+
+
+@cuda_only[0]
+@cuda_only[1]
+def test_on_cuda_embeddings_match_transformers_and_launch_never_waits():
+    """Pooling stays on the device: with torch's sync debug mode on during launch(), any host sync
+    would raise. float32 vectors equal transformers' (Triton attention: a looser tolerance)."""
+    hf = hf_model("qwen3")
+    engine = engine_for(hf, device="cuda", dtype="float32", max_num_batched_tokens=24, block_size=4)
+    texts = [prompts(7, (18,))[0] + p for p in prompts(3, (5, 17, 22, 1, 9))]
+    requests = lambda tag: [Request(f"{tag}-{pooling}-{i}", ids, embed=EmbedParams(pooling, True, 24))
+                            for pooling in ("last", "mean", "cls") for i, ids in enumerate(texts)]
+    engine.generate(requests("warm"))                  # compiles every kernel first
+    launch = engine.runner.launch
+
+    def strict_launch(sched):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.runner.launch = strict_launch
+    outs = engine.generate(requests("strict"))
+    for k, out in enumerate(outs):
+        pooling, ids = ("last", "mean", "cls")[k // len(texts)], texts[k % len(texts)]
+        want = pooled(hf_hidden(hf, ids), pooling, True, 24)
+        assert torch.allclose(torch.tensor(out.embedding), want, atol=1e-3), (pooling, k)
 
 
 # --- the checkpoint's sentence-transformers files ---------------------------------------------------------
