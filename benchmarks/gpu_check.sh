@@ -109,8 +109,15 @@ part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --t
 # 1024/512, then (same log: the device tool brings back 8 files) lengths uniform in 100..1024
 part throughput-1024-512 "$L_B" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $B --time-limit $TL_B $PROF_B &&
   \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $U --time-limit $TL_U"
-# A/B of async scheduling (every other run uses it): the same 256/256 run waiting for each step
-part sync-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --sync-scheduling --time-limit "$TL_E"
+# A/B of async scheduling (every other run uses it): the same 256/256 run waiting for each step; then
+# (same log: the device tool brings back 8 files) embeddings, 1000 prompts of 512 tokens pooled by their
+# last token, beside the prefill rate of the same prompts (--output-len 1): issue 23 wants the
+# embedding tokens/s within 10% of it
+E512="--num-prompts 1000 --input-len 512 --max-num-seqs 1024 --max-batched-tokens 8192"; TL_EMB=15
+[ "$MODE" = small ] && E512="--num-prompts 8 --input-len 64" && TL_EMB=60
+part sync-256-256-and-embed-512 $(( L_E + 80 )) sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --sync-scheduling --time-limit $TL_E &&
+  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --output-len 1 --time-limit $TL_EMB &&
+  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --embed last --time-limit $TL_EMB"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
 if [ "$MODE" = full ]; then

@@ -4,6 +4,10 @@
     python -m benchmarks.throughput -m dummy:llama-3.1-8b --num-prompts 1000 --input-len 256 --output-len 256
     python -m benchmarks.throughput -m dummy:llama-3.1-8b --num-prompts 1000 --input-len 100:1024 --output-len 100:1024
     python -m benchmarks.throughput -m dummy:llama-3.1-8b --engine transformers --num-prompts 64 ...   (the peer)
+    python -m benchmarks.throughput -m dummy:llama-3.1-8b --num-prompts 1000 --input-len 512 --embed last
+
+--embed POOLING makes every request an embedding (prefill only, pooled; --output-len is ignored):
+its total tokens/s compares with the prefill rate of the same prompts with --output-len 1.
 
 Every request generates exactly its output length (ignore_eos). Reported: output tokens/s,
 total (prompt + output) tokens/s, requests/s, model FLOP utilization and an estimate of the
@@ -172,9 +176,11 @@ def _warm_up(engine, args, sync) -> float:
 def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
     """Adds the workload's requests and steps the engine until done or past --time-limit
     (profiling --profile-steps of them); (requests finished, truncated, elapsed seconds)."""
-    from engine.request import Request, SamplingParams
+    from engine.request import EmbedParams, Request, SamplingParams
 
-    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True)) for i, (ids, o) in enumerate(work)]
+    embed = EmbedParams(args.embed) if args.embed else None
+    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), embed=embed)
+            for i, (ids, o) in enumerate(work)]
     sync()
     start = time.perf_counter()
     for r in reqs:
@@ -432,16 +438,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=64, help="transformers: prompts per generate call")
     ap.add_argument("--peak-tflops", type=float, help="default: 790 on CUDA (H200 bf16), 0.128 on CPU")
     ap.add_argument("--peak-bandwidth", type=float, help="TB/s; default: 4.8 on CUDA (H200), measured on CPU")
+    ap.add_argument("--embed", choices=("last", "mean", "cls"),
+                    help="embedding requests pooled so: prefill only, --output-len ignored (ours only)")
     ap.add_argument("--json", help="write the figures to this file too")
     args = ap.parse_args(argv)
+    if args.embed and args.engine != "ours":
+        ap.error("--embed runs our engine only")
 
     from engine.loader import load_model_bundle
     from jobrunner.models import resolve_model
     vocab = load_model_bundle(resolve_model(args.model)).config.vocab_size
     work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    if args.embed:
+        work = [(ids, 0) for ids, _ in work]
     r = run_ours(args, work) if args.engine == "ours" else run_transformers(args, work)
     r.update(num_prompts=args.num_prompts, input_len=list(args.input_len), output_len=list(args.output_len),
-             **run_identity(args, argv))
+             embed=args.embed, **run_identity(args, argv))
     print(summary_line(r))
     print(json.dumps(r))
     if args.json:

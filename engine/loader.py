@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.config import cache_root
+from engine.embedding_config import CheckpointPooling, read_checkpoint_pooling
 from engine.errors import ModelError
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -36,7 +37,7 @@ WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 # HF directory files we read; weights are the *.safetensors the index (or the listing) names.
 _HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-             "chat_template.jinja", "model.safetensors.index.json")
+             "chat_template.jinja", "model.safetensors.index.json", "modules.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -54,6 +55,8 @@ class ModelBundle:
     weight_format: str            # safetensors | gguf | dummy
     # GGUF only: the stored (quantized) tensors, rows in HF order (engine.gguf.RawTensor).
     raw_weights: Callable[[], Iterator] | None = None
+    # a local HF directory's sentence-transformers pooling (engine.embedding_config), or None
+    pooling: CheckpointPooling | None = None
 
 
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
@@ -142,7 +145,7 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
     return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
                        tokenizer=tokenizer, weights=_safetensors_weights(files), source=source,
-                       weight_format="safetensors")
+                       weight_format="safetensors", pooling=read_checkpoint_pooling(root))
 
 
 def _safetensors_weights(files: list[Path]) -> Callable[[], WeightIterator]:
@@ -280,6 +283,9 @@ def _copy_hf_dir(fs, path: str, url: str, cache_dir) -> Path:
     wanted += [p for n, p in sorted(listing.items()) if n.endswith(".safetensors")]
     dest = _remote_dir(url, cache_dir)
     _copy_files(fs, wanted, dest)
+    pooling = posixpath.join(path, "1_Pooling", "config.json")     # sentence-transformers' usual place
+    if "modules.json" in listing and fs.exists(pooling):
+        _copy_files(fs, [pooling], dest / "1_Pooling")
     return dest
 
 

@@ -18,6 +18,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.base import CausalLM
+from engine.pooling import Pooler, split
 from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
@@ -42,6 +43,7 @@ class RunnerOutput:
     sample_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     token_logprobs: dict[int, list[float]] = field(default_factory=dict)        # seq_id -> scored tokens' logprobs
     candidate_first: dict[int, list[float]] = field(default_factory=dict)       # seq_id -> logprob of each candidate's first token
+    embeddings: dict[int, list[float]] = field(default_factory=dict)            # seq_id -> its pooled vector (EMBED)
     num_tokens: int = 0
     # host seconds: building inputs, enqueueing the forward, enqueueing logits + sampling, waiting for the results
     prepare_s: float = 0.0
@@ -61,6 +63,8 @@ class LaunchedStep:
     candidate_owners: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, number of candidates)
     score_lp: torch.Tensor | None = None                                    # [len(score_owners)]
     score_owners: list[int] = field(default_factory=list)
+    pooled: torch.Tensor | None = None                                      # [sum of sizes] float32 (engine/pooling.py)
+    pooled_owners: list[tuple[int, int]] = field(default_factory=list)      # (seq_id, size)
     fetch: HostCopy | None = None
 
 
@@ -96,6 +100,7 @@ class _StepInputs:
     sample_rows: list[tuple] = field(default_factory=list)   # (token row, chunk)
     score_rows: list[tuple] = field(default_factory=list)    # (token row, target token, seq_id)
     placeholder_rows: list[tuple] = field(default_factory=list)  # (token row, seq_id): input id sampled last step
+    pool_rows: list[tuple] = field(default_factory=list)     # (first token row, chunk) of each EMBED chunk
 
 
 class ModelRunner:
@@ -119,6 +124,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._last_tokens: torch.Tensor | None = None   # the last launch's sampled tokens, on the device
         self._last_rows: dict[int, int] = {}            # seq_id -> its row there
+        self.pooler = Pooler()
 
     def enable_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> float:
         """Pure-decode steps of up to max_batch sequences replay CUDA graphs, captured now; returns the
@@ -166,7 +172,9 @@ class ModelRunner:
             self._sample(hidden, x.sample_rows, step)
         if x.score_rows:
             self._score(hidden, x.score_rows, step)
-        wanted = [t for t in (step.candidate_lp, step.score_lp) if t is not None]
+        if x.pool_rows:
+            step.pooled, step.pooled_owners = self.pooler.pool(hidden, x.pool_rows)
+        wanted = [t for t in (step.candidate_lp, step.score_lp, step.pooled) if t is not None]
         step.fetch = HostCopy([*(step.sampled.tensors() if step.sampled else []), *wanted])
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return step
@@ -192,6 +200,8 @@ class ModelRunner:
         if step.score_lp is not None:
             for seq_id, value in zip(step.score_owners, next(host).tolist()):
                 out.token_logprobs.setdefault(seq_id, []).append(value)
+        if step.pooled is not None:
+            out.embeddings = split(next(host).tolist(), step.pooled_owners)
         return out
 
     def _placeholder_ids(self, rows) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -230,6 +240,8 @@ class ModelRunner:
                 x.score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
             if chunk.completes and seq.reads_last_logits:
                 x.sample_rows.append((base + end - start - 1, chunk))
+            if seq.kind is SeqKind.EMBED:
+                x.pool_rows.append((base, chunk))
         return x
 
     def _sample(self, hidden, sample_rows, step: LaunchedStep) -> None:

@@ -13,6 +13,8 @@ A request lives as long as one of its sequences does (engine/sequence.py has the
     generate      GENERATE ──first sample, n > 1──> + n-1 GENERATE forks (sharing the prompt's KV)
     classify      CANDIDATES ──prompt's logits──> one SCORE child per candidate longer than a token
     score         SCORE
+    embed         EMBED (one per input: the prompt, then Request.more_inputs), each freeing its blocks
+                  as soon as its vector is pooled
 
 Each finished sequence leaves its part in the request's state (a completion, prompt logprobs,
 a candidate's logprobs); the request's output is assembled when its last one ends.
@@ -47,6 +49,7 @@ class _RequestState:
     completions: dict[int, Completion] = field(default_factory=dict)
     candidate_logprobs: list[list[float] | None] | None = None
     prompt_logprobs: list[float] | None = None
+    embeddings: list[list[float] | None] | None = None
     error: str | None = None
 
 
@@ -88,6 +91,8 @@ class OutputProcessor:
         error = self._check(req)
         if error:
             return self._fail(state, error)
+        if req.embed is not None:
+            return self._add_embedding(req, state)
         seq = self._first_sequence(req, state)
         if seq is None:
             state.completions[0] = Completion(0, [], "", "length")
@@ -125,6 +130,8 @@ class OutputProcessor:
                 state.prefill_done = now
             if seq.kind is SeqKind.SCORE:
                 self._finish_scoring(seq, state)
+            elif seq.kind is SeqKind.EMBED:
+                self._finish_embedding(seq, state, out.embeddings[seq.seq_id])
             elif seq.kind is SeqKind.CANDIDATES:
                 self._branch_candidates(seq, state, out.candidate_first[seq.seq_id])
             else:
@@ -146,6 +153,24 @@ class OutputProcessor:
             return None
         return Sequence(req.id, prompt, len(prompt), p, logprobs_from=1 if p.prompt_logprobs else 0,
                         draws=p.n, seed=state.seed)
+
+    def _add_embedding(self, req: Request, state: _RequestState) -> None:
+        """One EMBED sequence per input; the request ends when the last one is pooled."""
+        inputs = [list(req.prompt_token_ids), *(list(x) for x in req.more_inputs or ())]
+        state.embeddings = [None] * len(inputs)
+        state.prompt_tokens = sum(map(len, inputs))
+        seqs = [Sequence(req.id, ids, len(ids), req.sampling, kind=SeqKind.EMBED, embed=req.embed, sample_index=i,
+                         seed=state.seed) for i, ids in enumerate(inputs)]
+        for seq in seqs:        # all tracked first: the request must not end before its last input is queued
+            self._track(seq, state)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _finish_embedding(self, seq: Sequence, state: _RequestState, vector: list[float]) -> None:
+        """Its vector is pooled: the sequence ends and its blocks go back to the pool (cached for reuse)."""
+        state.embeddings[seq.sample_index] = vector
+        self.scheduler.finish(seq, "stop")
+        self._untrack(seq, state)
 
     def _sampled(self, seq: Sequence, state: _RequestState, tokens: list[int],
                  logprobs: list[TokenLogprob | None]) -> None:
@@ -238,6 +263,14 @@ class OutputProcessor:
             return "every candidate must have at least one token"
         if req.score_from is not None and not 1 <= req.score_from < len(ids):
             return "nothing to score: the scored text is empty"
+        dims = req.embed.dimensions if req.embed is not None else None
+        if dims is not None and dims > self.model_config.hidden_size:
+            return f"dimensions {dims} exceeds the model's embedding size {self.model_config.hidden_size}"
+        for more in req.more_inputs or ():
+            if not more:
+                return "empty input"
+            if min(more) < 0 or max(more) >= vocab:
+                return f"input has token ids outside the vocabulary (0..{vocab - 1})"
         return None
 
     def _fail(self, state: _RequestState, error: str) -> None:
@@ -255,7 +288,8 @@ class OutputProcessor:
             cached_tokens=state.cached_tokens, completion_tokens=sum(len(c.token_ids) for c in comps),
             queue_s=first - state.arrival, prefill_s=max(prefill_done - first, 0.0),
             decode_s=max(now - prefill_done, 0.0), error=state.error,
-            prompt_logprobs=state.prompt_logprobs, candidate_logprobs=state.candidate_logprobs))
+            prompt_logprobs=state.prompt_logprobs, candidate_logprobs=state.candidate_logprobs,
+            embeddings=state.embeddings))
         del self._states[state.request.id]
 
 

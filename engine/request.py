@@ -34,6 +34,25 @@ class SamplingParams:
             raise ValueError("n must be >= 1")
 
 
+POOLINGS = ("last", "mean", "cls")     # which hidden states an embedding is made of
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    """An embedding request's pooling: the final hidden states (after the final norm) of the
+    prompt's last token, of all its tokens averaged, or of its first token (cls); then truncated
+    to `dimensions` (Matryoshka) and, with `normalize`, scaled to unit L2 norm."""
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None       # None: the model's hidden size
+
+    def __post_init__(self):
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError("dimensions must be >= 1")
+
+
 @dataclass
 class Request:
     """One prompt. `candidates`: token lists to score after the prompt (classification);
@@ -44,10 +63,14 @@ class Request:
     candidates: list[list[int]] | None = None
     score_from: int | None = None       # score mode: logprobs of prompt tokens [score_from:], nothing generated
     prompt: str | None = None           # the text, kept for the output only
+    embed: EmbedParams | None = None    # embedding mode: one forward over the prompt, its pooled hidden state
+    more_inputs: list[list[int]] | None = None   # embedding mode: further texts, one vector each after the prompt's
 
     @property
     def tokens_needed(self) -> int:
         """Positions the request occupies at most: the prompt and its longest candidate."""
+        if self.more_inputs:
+            return max(len(self.prompt_token_ids), *(len(x) for x in self.more_inputs))
         return len(self.prompt_token_ids) + max((len(c) for c in self.candidates or [[]]), default=0)
 
     def context_error(self, context: int) -> str | None:
@@ -87,6 +110,12 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[float] | None = None       # from token 1 (prompt_logprobs) or score_from on
     candidate_logprobs: list[list[float]] | None = None  # per candidate, per token
+    embeddings: list[list[float]] | None = None      # embedding mode: one vector per input, the prompt's first
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """The prompt's embedding (embedding mode), else None."""
+        return self.embeddings[0] if self.embeddings else None
 
     @property
     def text(self) -> str:

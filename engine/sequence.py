@@ -11,6 +11,8 @@ A sequence's tokens are computed left to right: `num_computed_tokens` catches up
     CANDIDATES  score each candidate's first token at the   num_tokens
                 prompt's end, then branch one SCORE child
                 per longer candidate
+    EMBED       done: its pooled final hidden state         num_tokens
+                (engine/pooling.py); samples nothing
 
 Callers ask the predicates below instead of re-deriving these rules.
 
@@ -32,7 +34,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.request import EmbedParams, SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 PLACEHOLDER = -1   # never a token id: prompts are checked to lie in 0..vocab-1
@@ -48,6 +50,7 @@ class SeqKind(enum.Enum):
     GENERATE = "generate"        # samples tokens; may also score its prompt (prompt logprobs)
     SCORE = "score"              # logprobs of tokens[logprobs_from:], samples nothing
     CANDIDATES = "candidates"    # scores candidate_first_tokens at the prompt's end, samples nothing
+    EMBED = "embed"              # pools its prompt's hidden states, samples nothing
 
 
 @dataclass(eq=False)
@@ -62,6 +65,7 @@ class Sequence:
     seed: int = 0                  # sampling generator seed (with sample_index)
     draws: int = 1                 # GENERATE: tokens to draw at the next sampling event (n at the first, then 1)
     candidate_first_tokens: list[int] | None = None   # CANDIDATES: the first token of each candidate
+    embed: EmbedParams | None = None                  # EMBED: how its hidden states are pooled
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -100,7 +104,13 @@ class Sequence:
     def reads_last_logits(self) -> bool:
         """Its event reads the logits after its last computed token (to sample, or to score the
         candidates' first tokens); a SCORE sequence's event needs none."""
-        return self.kind is not SeqKind.SCORE
+        return self.kind in (SeqKind.GENERATE, SeqKind.CANDIDATES)
+
+    @property
+    def pools_every_position(self) -> bool:
+        """An EMBED sequence whose pooling reads positions other than the last (mean, cls): each of
+        them must be computed here, so none may come from the prefix cache."""
+        return self.kind is SeqKind.EMBED and self.embed.pooling != "last"
 
     @property
     def compute_target(self) -> int:
@@ -110,7 +120,10 @@ class Sequence:
     @property
     def max_cacheable_prefix(self) -> int:
         """The most leading tokens that may come from the prefix cache on admission: tokens before the
-        first scored one (its logits must be computed) and before the compute target."""
+        first scored one (its logits must be computed) and before the compute target; none for an
+        embedding pooled over more than its last position (the cache keeps K and V, not hidden states)."""
+        if self.pools_every_position:
+            return 0
         limit = self.compute_target - 1
         if self.logprobs_from:
             limit = min(limit, self.logprobs_from - 1)

@@ -96,6 +96,13 @@ def load_engine(cfg: JobConfig):
     return engine
 
 
+def check_dimensions(cfg: JobConfig, model_config) -> None:
+    """embed: --dimensions keeps the first N values of the model's hidden size; no more than it has."""
+    if cfg.dimensions is not None and cfg.dimensions > model_config.hidden_size:
+        raise JobConfigError(f"--dimensions {cfg.dimensions} exceeds the model's embedding size "
+                             f"{model_config.hidden_size}; give at most that")
+
+
 def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part"):
     from jobrunner.output import OutputError
     try:

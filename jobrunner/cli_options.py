@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
-                              QUANTIZATIONS, JobConfig)
+                              POOLINGS, QUANTIZATIONS, JobConfig)
 
 D = JobConfig("")      # the defaults
 
@@ -57,7 +57,8 @@ OPTION_GROUPS: dict[str, list] = {
     ],
     "Job kind": [
         click.option("--kind", type=click.Choice(tuple(KINDS)), default=D.kind, show_default=True,
-                     help="generate text, classify by label scoring, or score a completion's log-likelihood."),
+                     help="generate text, classify by label scoring, score a completion's log-likelihood, "
+                          "or embed each prompt as a vector."),
         click.option("--labels", help="classify: comma-separated labels, e.g. positive,negative,neutral."),
         click.option("--labels-column", help="classify: column with each row's list of labels."),
         click.option("--normalize", type=click.Choice(NORMALIZE_MODES), default=D.normalize, show_default=True,
@@ -66,6 +67,13 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--match", type=click.Choice(MATCH_MODES), default=D.match,
                      show_default=True, help="How an output is compared with --reference-column."),
         click.option("--score-column", help="score: the column whose log-likelihood after the prompt is measured."),
+        click.option("--pooling", type=click.Choice(POOLINGS),
+                     help="embed: the last token's, the mean or the first (cls) token's final hidden state "
+                          "(default: the checkpoint's sentence-transformers pooling, else last)."),
+        click.option("--normalize-embeddings/--no-normalize-embeddings", default=None,
+                     help="embed: scale vectors to unit L2 norm (default: as the checkpoint says, else yes)."),
+        click.option("--dimensions", type=int,
+                     help="embed: keep the first N values (Matryoshka models), then normalize."),
     ],
     "Output": [
         click.option("-o", "--output", help="Output directory URL (default: the dataset's path + .results, "

@@ -9,18 +9,19 @@ import typing
 from dataclasses import asdict, dataclass, fields
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from engine.request import SamplingParams
+from engine.request import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
 from jobrunner.models import DEFAULT_MODEL
 from jobs import KINDS
-from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
+from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
 # The choices of the options that take one; the command line's click.Choice lists are these same tuples
 # (KINDS: the job kinds by name, jobs.KINDS; QUANTIZATIONS, KV_CACHE_DTYPES: engine.config; MATCH_MODES,
-# NORMALIZE_MODES: jobs.spec).
+# NORMALIZE_MODES: jobs.spec; POOLINGS: engine.request).
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
-__all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS", "QUANTIZATIONS",
+__all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS",
+           "POOLINGS", "QUANTIZATIONS",
            "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
            "split_labels"]
 
@@ -60,6 +61,9 @@ class JobConfig:
     reference_column: str | None = None
     match: str = "normalized"               # exact | normalized | contains
     score_column: str | None = None
+    pooling: str | None = None              # embed: last | mean | cls; None: the checkpoint's, else last
+    normalize_embeddings: bool | None = None    # embed: L2-normalize; None: the checkpoint's, else yes
+    dimensions: int | None = None           # embed: keep the first N values (Matryoshka), then normalize
     # engine
     device: str = "auto"
     dtype: str = "auto"
@@ -127,7 +131,9 @@ class JobConfig:
             evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
             classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
                                   normalize=self.normalize) if self.kind == "classify" else None,
-            score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None)
+            score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None,
+            embed=EmbedSpec(pooling=self.pooling, normalize=self.normalize_embeddings,
+                            dimensions=self.dimensions) if self.kind == "embed" else None)
 
     @property
     def output_url(self) -> str:
@@ -192,6 +198,7 @@ class JobConfig:
             bad("--kind score needs --score-column COL (the text whose log-likelihood is measured)")
         if self.score_column and self.kind != "score":
             bad("--score-column needs --kind score")
+        self._validate_embed(bad)
         if self.normalize not in NORMALIZE_MODES:
             bad(f"--normalize must be {_either(NORMALIZE_MODES)}")
         if self.match not in MATCH_MODES:
@@ -211,6 +218,18 @@ class JobConfig:
         if self.cache_mode not in CACHE_MODES:
             bad(f"--cache-mode must be {_either(CACHE_MODES)}, not {self.cache_mode!r}")
         check_device(self.device)
+
+
+    def _validate_embed(self, bad) -> None:
+        if self.kind == "embed":
+            if self.pooling is not None and self.pooling not in POOLINGS:
+                bad(f"--pooling must be {_either(POOLINGS)}, not {self.pooling!r}")
+            if self.dimensions is not None and self.dimensions < 1:
+                bad("--dimensions must be >= 1 (the embedding's first N values are kept)")
+            if self.n > 1 or self.reference_column:
+                bad("--n and --reference-column apply to generate and classify, not to embed")
+        elif self.pooling is not None or self.normalize_embeddings is not None or self.dimensions is not None:
+            bad("--pooling, --normalize-embeddings and --dimensions need --kind embed")
 
 
 def _either(choices: tuple[str, ...]) -> str:

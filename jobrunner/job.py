@@ -75,9 +75,13 @@ class Job:
         self.cache = _open_cache(cfg)
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
+        checks.check_dimensions(cfg, self.engine.rt.model_config)
         from jobs import PromptBuilder, make_job
         spec = cfg.job_spec()
-        self.job = make_job(spec, self.engine.tokenizer)
+        try:
+            self.job = make_job(spec, self.engine.tokenizer, self.engine.rt.pooling)
+        except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
+            raise JobConfigError(str(e)) from None
         self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
         self.reserved = reserved_columns(self.job.result_columns)
         self._input_names: dict[tuple, dict[str, str]] = {}

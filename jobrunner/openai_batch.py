@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from jobrunner import storage
+from jobrunner import openai_embeddings, storage
 from jobrunner.output import iter_result_parts, read_manifest
 from jobrunner.output.values import is_int, norm_row, to_json
 
@@ -34,7 +34,7 @@ __all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_OUTPUT", "is_openai_record"
            "write_openai_batch_output"]
 
 FORMAT = "openai-batch"                                     # the dataset format's name
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")     # the request urls we serve
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", openai_embeddings.ENDPOINT)   # the request urls we serve
 COLUMNS = ("messages", "params", "model")                   # the columns of a parsed record
 OPENAI_OUTPUT = "results.openai.jsonl"                      # the output file's name
 
@@ -63,6 +63,9 @@ def parse_record(rec: Any) -> tuple[Any, dict | None, str | None]:
     url = rec.get("url")
     if url is not None and url not in ENDPOINTS:
         return cid, None, f"unsupported endpoint {url!r} (supported: {', '.join(ENDPOINTS)})"
+    if url == openai_embeddings.ENDPOINT:
+        data, error = openai_embeddings.parse_embeddings_body(body)
+        return cid, data, error
     messages, prompt = body.get("messages"), body.get("prompt")
     if messages is None and prompt is None:
         return cid, None, "OpenAI batch body without messages (or prompt)"
@@ -87,6 +90,10 @@ def _openai_record(rows: list[dict[str, Any]], model: str, created: int) -> dict
         return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "response": None,
                 "error": {"code": "row_error", "message": str(errors[0])}}
     ok = [r for r in rows if not r.get("error")]
+    if openai_embeddings.is_embeddings_rows(ok):
+        return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "error": None,
+                "response": {"status_code": 200, "request_id": f"req_{digest[:24]}",
+                             "body": openai_embeddings.embeddings_body(ok, model)}}
     choices = [{"index": r["sample_index"] if is_int(r.get("sample_index")) else i,
                 "message": {"role": "assistant", "content": r.get("output")},
                 "logprobs": None, "finish_reason": r.get("finish_reason")}

@@ -32,8 +32,12 @@ def validate_job(cfg: JobConfig) -> dict:
         bundle = load_model_bundle(model)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
+    checks.check_dimensions(cfg, bundle.config)
     tok, spec = bundle.tokenizer, cfg.job_spec()
-    builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok)
+    try:
+        builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok, bundle.pooling)
+    except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
+        raise JobConfigError(str(e)) from None
     t = _Tally()
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
         for row in batch[:None if cfg.limit is None else max(0, cfg.limit - t.rows)]:

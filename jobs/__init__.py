@@ -3,17 +3,22 @@ No file IO and no torch here. A kind is told what to do by a JobSpec (jobs.spec)
 CLI's configuration."""
 from jobs.base import PromptBuilder, RowError
 from jobs.classify import ClassifyJob
+from jobs.embed import EmbedJob
 from jobs.generate import GenerateJob
 from jobs.score import ScoreJob
-from jobs.spec import ClassifySpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
+from jobs.spec import ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
 # The job kinds, by name: the one list of them (the CLI's --kind choices are its keys).
-KINDS = {"generate": GenerateJob, "classify": ClassifyJob, "score": ScoreJob}
+KINDS = {"generate": GenerateJob, "classify": ClassifyJob, "score": ScoreJob, "embed": EmbedJob}
 
 
-def make_job(spec: JobSpec, tokenizer):
+def make_job(spec: JobSpec, tokenizer, checkpoint_pooling=None):
+    """The job kind; embed also reads the checkpoint's own pooling (engine.embedding_config) and raises
+    ValueError when it pools in a way we don't reproduce."""
+    if spec.kind == "embed":
+        return EmbedJob(spec, tokenizer, checkpoint_pooling)
     return KINDS[spec.kind](spec, tokenizer)
 
 
-__all__ = ["KINDS", "ClassifySpec", "EvalSpec", "JobSpec", "PromptBuilder", "PromptSpec", "RowError", "ScoreSpec",
+__all__ = ["KINDS", "ClassifySpec", "EmbedSpec", "EvalSpec", "JobSpec", "PromptBuilder", "PromptSpec", "RowError", "ScoreSpec",
            "make_job"]

@@ -13,6 +13,14 @@ class RowError(ValueError):
     """This row cannot run; it becomes an output row with `error` set and the job goes on."""
 
 
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"      # the OpenAI url that kind embed serves
+
+
+def is_embeddings_row(data: dict) -> bool:
+    """An OpenAI batch /v1/embeddings line (jobrunner.openai_embeddings marks its rows so)."""
+    return isinstance(data.get("params"), dict) and data.get("endpoint") == EMBEDDINGS_ENDPOINT
+
+
 class PromptBuilder:
     """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw."""
 
@@ -22,10 +30,13 @@ class PromptBuilder:
         self.template = template                     # jobs.template.PromptTemplate or None
         self.system = unescape(self.spec.system) if self.spec.system else None   # the template's escapes, \n etc.
         self.chat = uses_chat(spec, tokenizer)
+        self.kind = spec.kind
 
     def messages(self, data: dict) -> list[dict] | None:
         """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
         if isinstance(data.get("params"), dict):          # an OpenAI batch row
+            if is_embeddings_row(data) and self.kind != "embed":
+                raise RowError(f"an OpenAI {EMBEDDINGS_ENDPOINT} line needs --kind embed")
             if data.get("messages") is not None:            # /v1/chat/completions
                 return _check_messages(data["messages"])
             return None                                     # /v1/completions: a raw prompt

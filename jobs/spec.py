@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import SamplingParams
+from engine.embedding_config import CheckpointPooling
+from engine.request import POOLINGS, EmbedParams, SamplingParams
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs
@@ -47,9 +48,28 @@ class ScoreSpec:
 
 
 @dataclass(frozen=True)
+class EmbedSpec:
+    """embed: how hidden states become a row's vector. None: what the checkpoint's sentence-transformers
+    files say (engine.embedding_config), else last-token pooling, L2-normalized."""
+    pooling: str | None = None              # one of POOLINGS
+    normalize: bool | None = None
+    dimensions: int | None = None           # Matryoshka: keep the first N, then normalize
+
+    def params(self, checkpoint: CheckpointPooling | None) -> EmbedParams:
+        """The engine's parameters, the checkpoint's defaults filled in. ValueError, saying what to pass,
+        when the checkpoint pools in a way we don't reproduce and no --pooling overrides it."""
+        if checkpoint is not None and checkpoint.unsupported and self.pooling is None:
+            raise ValueError(f"the checkpoint's embedding pipeline has {checkpoint.unsupported}, which jobrunner "
+                             f"does not apply; pass --pooling {'|'.join(POOLINGS)} to embed anyway")
+        pooling = self.pooling or (checkpoint.pooling if checkpoint else None) or "last"
+        normalize = self.normalize if self.normalize is not None else (checkpoint.normalize if checkpoint else True)
+        return EmbedParams(pooling, normalize, self.dimensions)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One job kind's whole instructions. `classify` is set for kind classify only, `score` for
-    kind score only; `sampling` is what generate samples with (an OpenAI batch row's body
+    kind score only, `embed` for kind embed only; `sampling` is what generate samples with (an OpenAI batch row's body
     parameters override it row by row: jobs.base.sampling_params)."""
     kind: str                               # a name of jobs.KINDS
     prompt: PromptSpec = PromptSpec()
@@ -57,3 +77,4 @@ class JobSpec:
     evaluation: EvalSpec = EvalSpec()
     classify: ClassifySpec | None = None
     score: ScoreSpec | None = None
+    embed: EmbedSpec | None = None

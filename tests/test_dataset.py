@@ -261,7 +261,7 @@ def test_openai_batch_detection_and_parsing(mem):
             openai_record("req-2", n=2),
             {"custom_id": "req-3", "method": "POST", "url": "/v1/chat/completions"},
             {"method": "POST", "body": {"messages": []}},
-            openai_record("req-5") | {"url": "/v1/embeddings"},
+            openai_record("req-5") | {"url": "/v1/moderations"},
             {"custom_id": "req-6", "url": "/v1/completions", "body": {"prompt": "p", "max_tokens": 2}}]
     fs.pipe(f"{url}/batch.jsonl", jsonl(recs))
     u = f"{url}/batch.jsonl"

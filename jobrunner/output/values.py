@@ -9,6 +9,9 @@ Invariants:
     known columns   label: string; sample_index: int64;
                     label_probs: list<struct<label: string, prob: float64>> (from a dict label->prob)
                     label_logprobs: list<struct<label: string, logprob: float64>> (likewise)
+                    embedding: fixed_size_list<float32>[N] (kind "float32[N]"), N pinned by the first
+                    vector seen; polars reads it as an Array column. A first part without any vector
+                    pins it as json; a vector of another size goes to extra_json.
     extra columns   pinned by the first part ever written (read back from it afterwards):
                     all values str -> string; all bool -> bool; all int -> int64;
                     int/float -> float64; anything else (nested, mixed, all-null,
@@ -27,9 +30,12 @@ import datetime as _dt
 import decimal
 import json
 import numbers
+import re
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 __all__ = ["EXTRA_JSON", "FIXED_COLUMNS", "KNOWN_COLUMNS", "LABEL_PROBS", "LABEL_LOGPROBS",
@@ -49,6 +55,22 @@ FIXED_COLUMNS: dict[str, str] = {
 KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs",
                                  "label_logprobs": "label_logprobs", "sample_index": "int"}
 _INT64 = (-(2**63), 2**63 - 1)
+VECTOR_COLUMNS = ("embedding",)         # columns of float vectors: kind float32[N] by their first value
+_VECTOR = re.compile(r"^float32\[([1-9][0-9]*)\]$")
+
+
+def vector_kind(size: int) -> str:
+    return f"float32[{size}]"
+
+
+def _vector_size(kind: str) -> int | None:
+    m = _VECTOR.match(kind) if isinstance(kind, str) else None
+    return int(m.group(1)) if m else None
+
+
+def _arrow_type(kind: str) -> pa.DataType | None:
+    size = _vector_size(kind)
+    return pa.list_(pa.float32(), size) if size else _ARROW.get(kind) if isinstance(kind, str) else None
 
 
 # ---------------------------------------------------------------- values
@@ -64,6 +86,8 @@ def json_default(v: Any) -> Any:
         return sorted(v, key=repr)
     if isinstance(v, decimal.Decimal):
         return str(v)
+    if isinstance(v, (array, np.ndarray)):
+        return v.tolist()
     return str(v)
 
 
@@ -149,6 +173,10 @@ def _fit(kind: str, v: Any) -> Any:
     if kind in _LABEL_LISTS:
         lp = _label_list(v, _LABEL_LISTS[kind])
         return _MISS if lp is None else lp
+    size = _vector_size(kind)
+    if size is not None:
+        ok = isinstance(v, (array, list, tuple, np.ndarray)) and len(v) == size and all(map(is_float, v))
+        return v if ok else _MISS
     raise AssertionError(kind)
 
 
@@ -159,6 +187,8 @@ def _infer_kind(name: str, values: list[Any]) -> str:
     vals = [v for v in values if v is not None]
     if not vals:
         return "json"
+    if name in VECTOR_COLUMNS and isinstance(vals[0], (array, list, tuple, np.ndarray)) and len(vals[0]):
+        return vector_kind(len(vals[0]))
     if all(isinstance(v, str) for v in vals):
         return "string"
     if all(isinstance(v, bool) for v in vals):
@@ -194,10 +224,28 @@ def scrub(v: Any) -> Any:
 
 def arrow_array(values: list[Any], kind: str) -> pa.Array:
     """An Arrow array of a kind's type (strings scrubbed when they can't be encoded)."""
+    size = _vector_size(kind)
+    if size is not None:
+        return _vector_array(values, size)
     try:
         return pa.array(values, type=_ARROW[kind])
     except (pa.ArrowException, UnicodeEncodeError):
         return pa.array(scrub(values), type=_ARROW[kind])
+
+
+def _vector_array(values: list[Any], size: int) -> pa.Array:
+    """Vectors (array('f'), lists; None: null) as one fixed_size_list<float32>[size] array, through
+    one flat float32 buffer rather than a Python float per value."""
+    flat = np.zeros((len(values), size), dtype=np.float32)
+    null = np.zeros(len(values), dtype=bool)
+    for i, v in enumerate(values):
+        if v is None:
+            null[i] = True
+        elif isinstance(v, array) and v.typecode == "f":
+            flat[i] = np.frombuffer(v, dtype=np.float32)
+        else:
+            flat[i] = v
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), size, mask=pa.array(null))
 
 
 # ---------------------------------------------------------------- schema
@@ -205,7 +253,7 @@ def arrow_array(values: list[Any], kind: str) -> pa.Array:
 
 def arrow_schema(kinds: dict[str, str]) -> pa.Schema:
     """A part's schema: the kinds' columns, then extra_json; the kinds in its metadata."""
-    fields = [pa.field(n, _ARROW[k]) for n, k in kinds.items()]
+    fields = [pa.field(n, _arrow_type(k)) for n, k in kinds.items()]
     fields.append(pa.field(EXTRA_JSON, pa.string()))
     meta = {"jobrunner.kinds": json.dumps(kinds, ensure_ascii=False), "jobrunner.version": "1"}
     return pa.schema(fields, metadata=meta)
@@ -218,7 +266,7 @@ def kinds_of(schema: pa.Schema) -> dict[str, str] | None:
         kinds = json.loads(raw) if raw else None
     except ValueError:
         return None
-    if not isinstance(kinds, dict) or any(k not in _ARROW for k in kinds.values()):
+    if not isinstance(kinds, dict) or any(_arrow_type(k) is None for k in kinds.values()):
         return None
     if any(kinds.get(n) != k for n, k in FIXED_COLUMNS.items()):
         return None

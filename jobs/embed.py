@@ -1,0 +1,58 @@
+"""embed: each row's prompt -> one vector, its model's final hidden states pooled (engine/pooling.py).
+
+Nothing is generated: the engine runs the prompt once, pools it and frees its KV blocks at once.
+The pooling, normalization and size come from EmbedSpec over the checkpoint's sentence-transformers
+files. The row's `embedding` is an array('f') (4 bytes a value, not a Python float each), written as
+a fixed-size float32 list column (jobrunner.output.values).
+
+An OpenAI /v1/embeddings line (jobrunner.openai_embeddings) may set `dimensions`, and its `input` may
+be a list of texts: then the request embeds each as given (one EMBED sequence each) and the row gives
+one output row per text, `input_index` 0.., the first carrying the request's token counts.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import replace
+
+from engine.embedding_config import CheckpointPooling
+from engine.request import Request, RequestOutput
+from jobs.base import RowError, is_embeddings_row
+from jobs.spec import JobSpec
+
+
+class EmbedJob:
+    name = "embed"
+    result_columns = ("embedding", "input_index")
+
+    def __init__(self, spec: JobSpec, tokenizer, checkpoint: CheckpointPooling | None = None):
+        self.params = spec.embed.params(checkpoint)     # ValueError: the checkpoint's pooling isn't ours
+        self.tokenizer = tokenizer
+
+    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+        params, more = self.params, None
+        if isinstance(data.get("params"), dict):
+            if not is_embeddings_row(data):
+                raise RowError("an OpenAI chat or completions line in an embed job: --kind embed serves "
+                               "/v1/embeddings lines only")
+            dims = data["params"].get("dimensions")
+            if dims is not None:
+                try:
+                    params = replace(params, dimensions=dims)
+                except (TypeError, ValueError) as e:
+                    raise RowError(f"bad dimensions: {e}") from None
+            texts = data.get("input")
+            if isinstance(texts, list) and len(texts) > 1:      # each text as given, the first included
+                prompt_ids, *more = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        return Request(row_id, prompt_ids, embed=params, more_inputs=more)
+
+    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+        if out.error is not None or not out.embeddings:
+            return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
+        rows = [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "embedding": array("f", v)}
+                for v in out.embeddings]
+        if len(rows) > 1 or isinstance(data.get("input"), list):
+            for i, row in enumerate(rows):
+                row["input_index"] = i
+                if i:
+                    row.update(prompt_tokens=0, cached_tokens=0)
+        return rows
