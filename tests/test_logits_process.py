@@ -93,7 +93,8 @@ def test_greedy_generation_matches_transformers(async_scheduling):
     eos = 2
     batch = prompts(3, lengths=(7, 12, 5, 9, 15))
     params = [
-        SamplingParams(max_tokens=12, repetition_penalty=1.5),
+        # the bias alone repeats 17 twelve times (the tiny model's logits are ~0.3); the penalty stops it
+        SamplingParams(max_tokens=12, repetition_penalty=3.0, logit_bias=((17, 0.5),)),
         SamplingParams(max_tokens=12, presence_penalty=1.5, frequency_penalty=0.8),
         SamplingParams(max_tokens=12, logit_bias=((17, 4.0), (40, -3.0))),
         # eos is made likely, and must wait for 10 tokens
@@ -107,4 +108,5 @@ def test_greedy_generation_matches_transformers(async_scheduling):
     outs = engine.generate([Request(f"r{i}", pr, p) for i, (pr, p) in enumerate(zip(batch, params))])
     for out, pr, p in zip(outs, batch, params):
         assert out.token_ids == _reference_greedy(hf, pr, p, eos), out.id
+    assert outs[0].token_ids.count(17) == 1
     assert len(outs[3].token_ids) == 11 and outs[3].token_ids[-1] == eos and outs[3].finish_reason == "stop"
