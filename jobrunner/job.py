@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
@@ -66,7 +66,7 @@ class Job:
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
         from jobs import PromptBuilder, make_job
-        spec = cfg.job_spec()
+        spec = replace(cfg.job_spec(), context=getattr(self.engine, "max_model_len", None))   # for truncation
         self.job = make_job(spec, self.engine.tokenizer)
         self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
         self.reserved = reserved_columns(self.job.result_columns)

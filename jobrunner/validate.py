@@ -1,6 +1,8 @@
 """`jobrunner validate`: check everything a job needs and count its tokens, without running the model."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jobrunner import checks
 from jobrunner.config import JobConfig, JobConfigError
 
@@ -32,7 +34,8 @@ def validate_job(cfg: JobConfig) -> dict:
         bundle = load_model_bundle(model)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
-    tok, spec = bundle.tokenizer, cfg.job_spec()
+    tok = bundle.tokenizer
+    spec = replace(cfg.job_spec(), context=bundle.config.max_position_embeddings)    # truncation as submit does
     builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok)
     t = _Tally()
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
