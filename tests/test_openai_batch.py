@@ -7,7 +7,7 @@ import os
 import polars as pl
 import pytest
 import torch
-from openai.types import Completion
+from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
 from jobrunner.config import JobConfig, JobConfigError
@@ -101,6 +101,7 @@ def test_every_line_parses_with_the_openai_types_and_matches_transformers(engine
         assert out[cid]["response"] is None
     assert "'tools'" in out["tools"]["error"]["message"] and "image_url" in out["image"]["error"]["message"]
     assert "response_format" in out["schema"]["error"]["message"]
+    assert all(BatchError.model_validate(x["error"]).message for x in out.values() if x["error"])
     bodies = {cid: x["response"]["body"] for cid, x in out.items() if x["response"]}
     chat = {cid: ChatCompletion.model_validate(b) for cid, b in bodies.items() if cid != "completion"}
     completion = Completion.model_validate(bodies["completion"])
@@ -179,3 +180,12 @@ def test_truncate_prompt(engine, tmp_path, mode):
 def test_bad_options_stop_before_any_work(kw, words):
     with pytest.raises(JobConfigError, match=words):
         JobConfig("x.jsonl", **kw).validate()
+
+
+def test_generation_options_reach_the_sampling_parameters():
+    p = JobConfig("x.jsonl", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=3,
+                  top_logprobs=2).sampling_params()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.logprobs) == \
+        (0.5, -0.5, 1.2, 3, 2)
+    assert JobConfig("x.jsonl", logprobs=True).sampling_params().logprobs == 0
+    assert JobConfig("x.jsonl").sampling_params().logprobs is None
