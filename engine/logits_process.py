@@ -96,7 +96,7 @@ class LogitsAdjust:
         if self.bias is not None:
             x.index_put_(self.bias_at, self.bias, accumulate=True)
         if self.masked_at is not None:
-            x.index_put_(self.masked_at, torch.tensor(float("-inf"), device=x.device))
+            x.index_put_(self.masked_at, torch.full((), float("-inf"), device=x.device))   # a fill: no host copy
         if self.penalized is not None:
             x.index_copy_(0, self.penalized, self._penalize(x.index_select(0, self.penalized)))
         return x
