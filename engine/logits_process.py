@@ -6,8 +6,9 @@ presence penalties, for a whole step's sampled rows at once, on the device.
 
 The order is vLLM's: logit_bias and the min_tokens mask, then the penalties, then (in the
 sampler) temperature and the filters. The penalties read each row's token history as one
-padded matrix of ids (`ids`, [P, L]; padding is the extra column `vocab`, dropped after the
-scatter), so counting is one scatter over the batch, never a loop over the vocabulary:
+padded matrix of ids (`ids`, [P, L]; padding is `vocab`, an extra buffer column nothing reads):
+counting is one scatter over the batch, and only the history's logits are read and written;
+never a loop over the vocabulary:
 
     repetition (HF's RepetitionPenaltyLogitsProcessor): tokens of prompt + completion,
         x = x / p where x > 0, x * p where x < 0
@@ -98,16 +99,21 @@ class LogitsAdjust:
         if self.masked_at is not None:
             x.index_put_(self.masked_at, torch.full((), float("-inf"), device=x.device))   # a fill: no host copy
         if self.penalized is not None:
-            x.index_copy_(0, self.penalized, self._penalize(x.index_select(0, self.penalized)))
+            self._penalize(x)
         return x
 
-    def _penalize(self, x: torch.Tensor) -> torch.Tensor:
-        """[P, vocab] logits of the penalized rows -> penalized."""
-        rows, vocab = x.shape
-        wide = lambda: torch.zeros(rows, vocab + 1, dtype=x.dtype, device=x.device)
-        counts = wide().scatter_add_(1, self.ids, self.generated.to(x.dtype))[:, :vocab]
-        seen = wide().scatter_(1, self.ids, 1.0)[:, :vocab] > 0      # in the history at all
-        scaled = torch.where(x > 0, x / self.repetition, x * self.repetition)
-        x = torch.where(seen, scaled, x)
-        return x - self.frequency * counts - self.presence * (counts > 0).to(x.dtype)
-
+    def _penalize(self, x: torch.Tensor) -> None:
+        """Penalizes the rows' history tokens in place. Only those logits change, so only they are read
+        and written: two [P, vocab + 1] buffers (counts, presence) are the only full-width passes. A padding
+        entry stands for token vocab - 1 and gets that token's own value (itself if it isn't in the history),
+        so every write to one logit writes the same value."""
+        rows, vocab = self.ids.shape[0], x.shape[-1]
+        buf = torch.zeros(2, rows, vocab + 1, dtype=x.dtype, device=x.device)
+        buf[0].scatter_add_(1, self.ids, self.generated.to(x.dtype))      # count in the completion
+        buf[1].scatter_(1, self.ids, 1.0)                                   # in prompt or completion
+        tokens = self.ids.clamp(max=vocab - 1)
+        counts, seen = buf[0].gather(1, tokens), buf[1].gather(1, tokens) > 0
+        at = (self.penalized[:, None], tokens)
+        g = x[at]                                                           # [P, L]
+        g = torch.where(seen, torch.where(g > 0, g / self.repetition, g * self.repetition), g)
+        x[at] = g - self.frequency * counts - self.presence * (counts > 0).to(x.dtype)
