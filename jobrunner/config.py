@@ -168,6 +168,9 @@ class JobConfig:
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
+        for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
+            if d[k] == getattr(_DEFAULTS, k):
+                del d[k]
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
 
@@ -251,6 +254,12 @@ class JobConfig:
                                                                         self.truncate_prompt != "none")):
             if on and self.kind != "generate":
                 bad(f"{name} applies to --kind generate only")
+
+
+_DEFAULTS = JobConfig("")
+# Options added after outputs were written with the fingerprint that lacks them (issue 17).
+_ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
+                "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt")
 
 
 def _either(choices: tuple[str, ...]) -> str:

@@ -189,3 +189,9 @@ def test_generation_options_reach_the_sampling_parameters():
         (0.5, -0.5, 1.2, 3, 2)
     assert JobConfig("x.jsonl", logprobs=True).sampling_params().logprobs == 0
     assert JobConfig("x.jsonl").sampling_params().logprobs is None
+
+
+def test_new_options_at_their_defaults_leave_the_fingerprint_as_it_was():
+    from jobrunner.config import _ADDED_LATER
+    assert not set(_ADDED_LATER) & set(JobConfig("x.jsonl").fingerprint_fields())
+    assert JobConfig("x.jsonl", truncate_prompt="left").fingerprint_fields()["truncate_prompt"] == "left"
