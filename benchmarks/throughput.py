@@ -179,7 +179,8 @@ def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
     from engine.request import EmbedParams, Request, SamplingParams
 
     embed = EmbedParams(args.embed) if args.embed else None
-    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), embed=embed)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
+    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True, **penalties), embed=embed)
             for i, (ids, o) in enumerate(work)]
     sync()
     start = time.perf_counter()
@@ -428,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, help="default: the engine's (2048 on CPU, 8192 on a GPU)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--penalties", action="store_true",
+                    help="every request with presence, frequency and repetition penalties (logits processing)")
     ap.add_argument("--sync-scheduling", action="store_true",
                     help="wait for each step before scheduling the next (no async scheduling)")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps (torch.profiler table)")

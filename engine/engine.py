@@ -59,7 +59,7 @@ class Engine:
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens)
         self.runner = ModelRunner(self.rt.model, self.rt.num_blocks, config.block_size, self.rt.kv_dtype,
-                                  self.rt.device)
+                                  self.rt.device, self.rt.eos_token_ids)
         self.max_model_len = min(self.rt.model_config.max_position_embeddings,
                                  self.rt.num_blocks * config.block_size)
         self.graph_capture_s = 0.0

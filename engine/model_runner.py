@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.logits_process import LogitsAdjust
 from engine.models.base import CausalLM
 from engine.pooling import Pooler, split
 from engine.request import TokenLogprob
@@ -104,8 +105,10 @@ class _StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = eos_token_ids          # masked while a row is short of its min_tokens
         self.device = torch.device(device)
         self.block_size = block_size
         cfg = model.config
@@ -167,9 +170,10 @@ class ModelRunner:
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, self.kv_caches, meta)
         t2 = time.perf_counter()
+        previous = self._last_tokens, self._last_rows     # penalties read placeholders' ids from these
         self._last_tokens, self._last_rows = None, {}
         if x.sample_rows:
-            self._sample(hidden, x.sample_rows, step)
+            self._sample(hidden, x.sample_rows, step, previous)
         if x.score_rows:
             self._score(hidden, x.score_rows, step)
         if x.pool_rows:
@@ -244,12 +248,12 @@ class ModelRunner:
                 x.pool_rows.append((base, chunk))
         return x
 
-    def _sample(self, hidden, sample_rows, step: LaunchedStep) -> None:
+    def _sample(self, hidden, sample_rows, step: LaunchedStep, previous) -> None:
         idx = to_device([r for r, _ in sample_rows], hidden.device, np.int64)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         seqs = [chunk.seq for _, chunk in sample_rows]
-        if all(s.samples_one_token and not s.sampling.temperature > 0
-               and s.sampling.logprobs is None for s in seqs):      # all greedy, one token each: the hot path
+        if all(s.samples_one_token and not s.sampling.temperature > 0 and s.sampling.logprobs is None
+               and not s.sampling.adjusts_logits for s in seqs):    # all greedy, one token each: the hot path
             step.sampled = DeviceSample(logits.argmax(dim=-1), [], [])
             step.sample_owners = [s.seq_id for s in seqs]
         else:
@@ -265,7 +269,9 @@ class ModelRunner:
                     rows.append(SampleRow(i, seq.sampling, u))
                     step.sample_owners.append(seq.seq_id)
             if rows:
-                step.sampled = sample_on_device(logits, rows)
+                adjust = LogitsAdjust.build([r.params for r in rows], [seqs[r.logits_row] for r in rows],
+                                            self.eos_token_ids, logits.shape[-1], logits.device, previous)
+                step.sampled = sample_on_device(logits, rows, adjust)
             if cand_rows:
                 r, t = (to_device(v, logits.device, np.int64) for v in (cand_rows, cand_tokens))
                 step.candidate_lp = logits[r, t] - torch.logsumexp(logits, dim=-1)[r]

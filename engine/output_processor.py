@@ -194,7 +194,8 @@ class OutputProcessor:
         self.scheduler.finish(seq, reason)
         text, ids = self.stop_checker.final_text(seq)
         state.completions[seq.sample_index] = Completion(
-            seq.sample_index, ids, text, reason, seq.logprobs if seq.sampling.logprobs is not None else None)
+            seq.sample_index, ids, text, reason, seq.logprobs if seq.sampling.logprobs is not None else None,
+            seq.num_reasoning_tokens if seq.sampling.reasoning_markers is not None else None)
         if seq.logprobs_from:                   # prompt logprobs
             state.prompt_logprobs = list(seq.token_logprobs)
         self._untrack(seq, state)
@@ -251,6 +252,8 @@ class OutputProcessor:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             return f"prompt has token ids outside the vocabulary (0..{vocab - 1})"
+        if any(not 0 <= t < vocab for t, _ in req.sampling.logit_bias):
+            return f"logit_bias has token ids outside the vocabulary (0..{vocab - 1})"
         too_long = req.context_error(self.model_config.max_position_embeddings)
         if too_long:
             return too_long

@@ -18,6 +18,14 @@ class SamplingParams:
     logprobs: int | None = None         # None: off; k: chosen token's logprob plus top-k alternatives
     prompt_logprobs: bool = False       # logprob of every prompt token after the first
     n: int = 1                          # samples per prompt, sharing the prompt's KV
+    # logits processing before sampling (engine/logits_process.py); the defaults change nothing
+    presence_penalty: float = 0.0       # OpenAI: minus this from every token already in the completion
+    frequency_penalty: float = 0.0      # OpenAI: minus this times the token's count in the completion
+    repetition_penalty: float = 1.0     # CTRL/HF: logits of tokens in prompt or completion / p (if > 0) or * p
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), as OpenAI's logit_bias
+    min_tokens: int = 0                 # end of sequence, stop token ids and stop strings wait for this many
+    # reasoning models: the token ids that open and close the reasoning (engine.sequence: reasoning_end)
+    reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -32,6 +40,20 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.n < 1:
             raise ValueError("n must be >= 1")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are processed before sampling (engine/logits_process.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 POOLINGS = ("last", "mean", "cls")     # which hidden states an embedding is made of
@@ -95,6 +117,7 @@ class Completion:
     text: str
     finish_reason: str                  # stop | length | error
     logprobs: list[TokenLogprob] | None = None
+    reasoning_tokens: int | None = None  # reasoning markers set: completion tokens up to the reasoning's end
 
 
 @dataclass

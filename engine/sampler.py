@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.logits_process import LogitsAdjust
 from engine.request import SamplingParams, TokenLogprob
 from kernels import to_device
 
@@ -58,27 +59,33 @@ class DeviceSample:
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow], adjust: LogitsAdjust | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, vocab] float32. Returns the chosen token and, when asked, its logprob per row."""
     if not rows:
         return [], []
-    drawn = sample_on_device(logits, rows)
+    drawn = sample_on_device(logits, rows, adjust)
     return drawn.finish([t.cpu() for t in drawn.tensors()])
 
 
-def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
-    """logits: [N, vocab] float32 -> one token per row, enqueued on the device without a host sync."""
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow], adjust: LogitsAdjust | None = None) -> DeviceSample:
+    """logits: [N, vocab] float32 -> one token per row, enqueued on the device without a host sync.
+    adjust: the rows' logits processing (penalties, logit_bias, min_tokens), by row of `rows`; the
+    tokens are drawn from the processed logits, the logprobs reported are the model's own."""
     dev = logits.device
     order = [r.logits_row for r in rows]
     if order == list(range(logits.shape[0])):
         x = logits                                   # the common case: no copy of [N, vocab]
     else:
         x = logits.index_select(0, to_device(order, dev, np.int64))
-    tokens = x.argmax(dim=-1)
+    # ---- logits processing: one step, apart from the filters below (engine/logits_process.py)
+    processed = adjust.apply(x) if adjust is not None else x
+    # ----
+    tokens = processed.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if sampled:
         idx = to_device(sampled, dev, np.int64)
-        tokens.index_copy_(0, idx, sample_filtered(x.index_select(0, idx), [rows[i] for i in sampled]))
+        tokens.index_copy_(0, idx, sample_filtered(processed.index_select(0, idx), [rows[i] for i in sampled]))
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     drawn = DeviceSample(tokens, wanted, [rows[i].params.logprobs for i in wanted])
     if wanted:

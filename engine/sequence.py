@@ -74,13 +74,21 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # scored tokens' logprobs, from logprobs_from
+    # Reasoning models (sampling.reasoning_markers set): where the answer starts, as a token count
+    # (prompt included); None while the sequence is reasoning. See `reasoning_end_in_prompt`.
+    reasoning_end: int | None = None
+
+    def __post_init__(self):
+        if self.sampling.reasoning_markers is not None and self.reasoning_end is None:
+            self.reasoning_end = reasoning_end_in_prompt(self.token_ids[:self.num_prompt_tokens],
+                                                         *self.sampling.reasoning_markers)
 
     # --- children -----------------------------------------------------------------------------
 
     def fork(self, sample_index: int) -> Sequence:
         """Sample `sample_index` of an n > 1 request: the parent's tokens so far, its own draws from then on."""
         return Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        sample_index=sample_index, seed=self.seed)
+                        sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end)
 
     def candidate_child(self, candidate: list[int], index: int) -> Sequence:
         """A SCORE sequence for the rest of candidate `index` (its first token is scored already)."""
@@ -165,11 +173,30 @@ class Sequence:
 
     def append_token(self, token: int) -> bool:
         """Adds a sampled token; True when it replaced the placeholder (then its block may become hashable)."""
-        if self.awaiting_token:
+        resolved = self.awaiting_token
+        if resolved:
             self.token_ids[-1] = token
-            return True
-        self.token_ids.append(token)
-        return False
+        else:
+            self.token_ids.append(token)
+        if self.reasoning_end is None and self.sampling.reasoning_markers is not None:
+            end = self.sampling.reasoning_markers[1]
+            if self.token_ids[-len(end):] == list(end) and self.num_completion_tokens >= len(end):
+                self.reasoning_end = self.num_tokens
+        return resolved
+
+    @property
+    def in_reasoning(self) -> bool:
+        """A reasoning model's sequence before its answer: a constraint on the answer applies from
+        position `reasoning_end` on (the hook for constrained decoding)."""
+        return self.sampling.reasoning_markers is not None and self.reasoning_end is None
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """Completion tokens before the answer (the end marker included); all of them while reasoning."""
+        if self.sampling.reasoning_markers is None:
+            return 0
+        end = self.num_tokens if self.reasoning_end is None else self.reasoning_end
+        return max(end - self.num_prompt_tokens, 0)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -182,3 +209,20 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
+
+
+def reasoning_end_in_prompt(prompt: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> int | None:
+    """Where the answer starts if the prompt already closed the reasoning (its last marker is `end`, as
+    Qwen3's template writes `<think>\n\n</think>` with enable_thinking off): the prompt's length; else
+    None: generation starts inside the reasoning, whether the model opens it itself (Qwen3) or the
+    template did (DeepSeek-R1, whose answers may lack the opening tag). vLLM's rule for both."""
+    last_end, last_start = _last_at(prompt, end), _last_at(prompt, start)
+    return len(prompt) if last_end is not None and (last_start is None or last_start < last_end) else None
+
+
+def _last_at(tokens: list[int], marker: tuple[int, ...]) -> int | None:
+    m = list(marker)
+    for i in range(len(tokens) - len(m), -1, -1):
+        if tokens[i] == m[0] and tokens[i:i + len(m)] == m:
+            return i
+    return None

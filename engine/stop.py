@@ -18,6 +18,8 @@ class StopChecker:
     def check(self, seq: Sequence, max_model_len: int) -> str | None:
         """Finish reason after the token just appended, or None to go on."""
         p, last = seq.sampling, seq.token_ids[-1]
+        if seq.num_completion_tokens < p.min_tokens and not _at_length(seq, max_model_len):
+            return None     # too short to stop (its end-of-sequence tokens were masked, engine/logits_process.py)
         if (last in self.eos and not p.ignore_eos) or last in p.stop_token_ids:
             return "stop"
         if p.stop and self._stop_in_tail(seq):

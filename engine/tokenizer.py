@@ -59,6 +59,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
 class Tokenizer:
     """Text <-> token ids, chat template rendering and the special ids generation needs."""
 
@@ -101,6 +106,16 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.inner.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character,
+        which its decoded text would turn into U+FFFD); else its decoded text's UTF-8."""
+        spelling = self.inner.id_to_token(token_id)
+        if spelling is None:
+            return b""
+        if type(self.inner.decoder).__name__ == "ByteLevel" and set(spelling) <= _byte_decoder().keys():
+            return bytes(_byte_decoder()[c] for c in spelling)
+        return self.inner.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     # -- chat template --------------------------------------------------------------
 

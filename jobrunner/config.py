@@ -3,6 +3,7 @@ over these defaults) and validated before any work starts."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import types
 import typing
@@ -12,8 +13,11 @@ from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.request import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
 from jobrunner.models import DEFAULT_MODEL
+from jobrunner.openai_request import MAX_TOP_LOGPROBS
 from jobs import KINDS
+from jobs.reasoning import REASONING_PARSERS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
+from jobs.truncation import TRUNCATE_MODES
 
 # The choices of the options that take one; the command line's click.Choice lists are these same tuples
 # (KINDS: the job kinds by name, jobs.KINDS; QUANTIZATIONS, KV_CACHE_DTYPES: engine.config; MATCH_MODES,
@@ -53,6 +57,16 @@ class JobConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: bool = False                  # a `logprobs` column: each generated token's logprob
+    top_logprobs: int = 0                   # and its k most likely alternatives (implies logprobs)
+    # reasoning models and long prompts
+    chat_template_kwargs: str | None = None     # a JSON object of extra chat template variables
+    reasoning_parser: str | None = None         # a name of jobs.reasoning.REASONING_PARSERS
+    truncate_prompt: str = "none"               # none | left | right (jobs.truncation)
     # job kinds
     kind: str = "generate"
     labels: tuple[str, ...] = ()
@@ -119,21 +133,39 @@ class JobConfig:
         """What generate samples with (an OpenAI batch row's body overrides it: jobs.base.sampling_params)."""
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=tuple(self.stop),
-                              ignore_eos=self.ignore_eos, n=self.n)
+                              ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens,
+                              logprobs=self.top_logprobs if self.logprobs or self.top_logprobs else None)
 
     def job_spec(self) -> JobSpec:
         """The job kind's instructions; call after validate()."""
         return JobSpec(
             kind=self.kind,
             prompt=PromptSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
-                              system=self.system, chat=self.chat),
+                              system=self.system, chat=self.chat,
+                              chat_template_kwargs=tuple(self.template_kwargs().items())),
             sampling=self.sampling_params(),
             evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
             classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
                                   normalize=self.normalize) if self.kind == "classify" else None,
             score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None,
             embed=EmbedSpec(pooling=self.pooling, normalize=self.normalize_embeddings,
-                            dimensions=self.dimensions) if self.kind == "embed" else None)
+                            dimensions=self.dimensions) if self.kind == "embed" else None,
+            reasoning_parser=self.reasoning_parser, truncate_prompt=self.truncate_prompt)
+
+    def template_kwargs(self) -> dict:
+        """--chat-template-kwargs as a dict; JobConfigError when it is not a JSON object."""
+        if not self.chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except ValueError as e:
+            raise JobConfigError(f"--chat-template-kwargs is not valid JSON ({e}); "
+                                 'write an object, e.g. \'{"enable_thinking": false}\'') from None
+        if not isinstance(value, dict):
+            raise JobConfigError('--chat-template-kwargs must be a JSON object, e.g. \'{"enable_thinking": false}\'')
+        return value
 
     @property
     def output_url(self) -> str:
@@ -152,6 +184,9 @@ class JobConfig:
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
+        for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
+            if d[k] == getattr(_DEFAULTS, k):
+                del d[k]
         d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
 
@@ -175,6 +210,7 @@ class JobConfig:
             bad("--n must be >= 1")
         if self.n > 1 and self.temperature == 0:
             bad(f"--n {self.n} with --temperature 0 gives {self.n} identical samples; set --temperature > 0")
+        self._validate_generation(bad)
         if self.part_rows < 1:
             bad("--part-rows must be >= 1")
         if not self.flush_seconds > 0:
@@ -230,6 +266,32 @@ class JobConfig:
                 bad("--n and --reference-column apply to generate and classify, not to embed")
         elif self.pooling is not None or self.normalize_embeddings is not None or self.dimensions is not None:
             bad("--pooling, --normalize-embeddings and --dimensions need --kind embed")
+
+    def _validate_generation(self, bad) -> None:
+        """The logits processing, logprobs, reasoning and truncation options."""
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            bad("--presence-penalty and --frequency-penalty must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            bad("--repetition-penalty must be > 0 (1 is off)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad("--min-tokens must be in [0, --max-tokens]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        self.template_kwargs()
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            bad(f"--reasoning-parser must be {_either(tuple(REASONING_PARSERS))}, not {self.reasoning_parser!r}")
+        if self.truncate_prompt not in TRUNCATE_MODES:
+            bad(f"--truncate-prompt must be {_either(TRUNCATE_MODES)}, not {self.truncate_prompt!r}")
+        for name, on in (("--reasoning-parser", self.reasoning_parser), ("--truncate-prompt",
+                                                                        self.truncate_prompt != "none")):
+            if on and self.kind != "generate":
+                bad(f"{name} applies to --kind generate only")
+
+
+_DEFAULTS = JobConfig("")
+# Options added after outputs were written with the fingerprint that lacks them (issue 17).
+_ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
+                "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt")
 
 
 def _either(choices: tuple[str, ...]) -> str:
@@ -302,6 +364,8 @@ def field_value(key: str, value):
     with the command line's conversions: a string `stop` is one stop string, a string `labels` is
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
     want = _field_types()[key]
+    if key == "chat_template_kwargs" and isinstance(value, dict):
+        return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):
         try:
             return parse_size(value)

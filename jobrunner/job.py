@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
@@ -77,7 +77,7 @@ class Job:
         self.engine = engine or checks.load_engine(cfg)
         checks.check_dimensions(cfg, self.engine.rt.model_config)
         from jobs import PromptBuilder, make_job
-        spec = cfg.job_spec()
+        spec = replace(cfg.job_spec(), context=getattr(self.engine, "max_model_len", None))   # for truncation
         try:
             self.job = make_job(spec, self.engine.tokenizer, self.engine.rt.pooling)
         except ValueError as e:         # embed: a checkpoint pooling we don't reproduce

@@ -6,13 +6,16 @@ Input: a JSONL file, one request a line:
      "body": {"model": "...", "messages": [...], "max_tokens": 5, ...}}
 
 parse_record turns one into a row's data {"messages", "params", "model"} (plus "prompt" for
-/v1/completions); params are the body's other keys (sampling options).  The dataset reader
+/v1/completions); params are the body's other keys as our sampling options
+(jobrunner.openai_request: a key that would change the output and isn't supported fails the row).  The dataset reader
 (jobrunner.dataset) reads the lines, and turns custom_id into the row's id.
 
 Output: results.openai.jsonl in the output directory, one line per custom_id:
 
     {"id": "batch_req_...", "custom_id": "req-1", "error": null,
      "response": {"status_code": 200, "request_id": "req_...", "body": <a chat.completion>}}
+
+(a text_completion for /v1/completions rows: jobrunner.openai_response builds the body).
 
 The samples of one custom_id become the choices of one line; a custom_id whose every sample
 failed gets response=null and error={code, message}.  Ids in a line are derived from a sha256 of
@@ -27,8 +30,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from jobrunner import openai_embeddings, storage
+from jobrunner.openai_request import body_params, completion_prompt, text_messages
+from jobrunner.openai_response import response_body
 from jobrunner.output import iter_result_parts, read_manifest
-from jobrunner.output.values import is_int, norm_row, to_json
+from jobrunner.output.values import norm_row, to_json
 
 __all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_OUTPUT", "is_openai_record", "parse_record",
            "write_openai_batch_output"]
@@ -71,9 +76,16 @@ def parse_record(rec: Any) -> tuple[Any, dict | None, str | None]:
         return cid, None, "OpenAI batch body without messages (or prompt)"
     if messages is not None and not isinstance(messages, list):
         return cid, None, "OpenAI batch body: messages must be a list"
-    params = {k: v for k, v in body.items() if k not in ("messages", "prompt", "model")}
+    chat = messages is not None
+    params, error = body_params(body, chat)
+    if chat and error is None:
+        messages, error = text_messages(messages)
+    elif error is None:
+        prompt, error = completion_prompt(prompt)
+    if error is not None:
+        return cid, None, error
     data = {"messages": messages, "params": params, "model": body.get("model")}
-    if prompt is not None:
+    if not chat:
         data["prompt"] = prompt
     return cid, data, None
 
@@ -94,17 +106,7 @@ def _openai_record(rows: list[dict[str, Any]], model: str, created: int) -> dict
         return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "error": None,
                 "response": {"status_code": 200, "request_id": f"req_{digest[:24]}",
                              "body": openai_embeddings.embeddings_body(ok, model)}}
-    choices = [{"index": r["sample_index"] if is_int(r.get("sample_index")) else i,
-                "message": {"role": "assistant", "content": r.get("output")},
-                "logprobs": None, "finish_reason": r.get("finish_reason")}
-               for i, r in enumerate(ok)]
-    prompt = int(ok[0].get("prompt_tokens") or 0)
-    completion = sum(int(r.get("completion_tokens") or 0) for r in ok)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-             "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": int(ok[0].get("cached_tokens") or 0)}}
-    body = {"id": f"chatcmpl-{digest[:24]}", "object": "chat.completion", "created": created,
-            "model": model, "choices": choices, "usage": usage}
+    body = response_body(ok, model, created, digest)
     return {"id": f"batch_req_{digest[:24]}", "custom_id": cid,
             "response": {"status_code": 200, "request_id": f"req_{digest[:24]}", "body": body},
             "error": None}

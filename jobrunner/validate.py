@@ -1,6 +1,8 @@
 """`jobrunner validate`: check everything a job needs and count its tokens, without running the model."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jobrunner import checks
 from jobrunner.config import JobConfig, JobConfigError
 
@@ -33,7 +35,8 @@ def validate_job(cfg: JobConfig) -> dict:
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)
-    tok, spec = bundle.tokenizer, cfg.job_spec()
+    tok = bundle.tokenizer
+    spec = replace(cfg.job_spec(), context=bundle.config.max_position_embeddings)    # truncation as submit does
     try:
         builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok, bundle.pooling)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce

@@ -73,8 +73,11 @@ class PromptBuilder:
             return (f"{self.system}\n\n{text}" if self.system else text), True
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise RowError("messages need a chat template, and this model has none")
+        kwargs = dict(self.spec.chat_template_kwargs)
+        if isinstance(data.get("params"), dict):          # an OpenAI batch row's own chat_template_kwargs win
+            kwargs.update(data["params"].get("chat_template_kwargs") or {})
         try:
-            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True), False
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs), False
         except Exception as e:  # a template's raise_exception, or a message it rejects
             raise RowError(f"chat template failed: {e}") from None
 
@@ -102,8 +105,11 @@ def _check_messages(value: Any) -> list[dict]:
     return value
 
 
-# The sampling parameters an OpenAI batch row's body may set (max_completion_tokens is max_tokens).
-ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "n")
+# The sampling parameters an OpenAI batch row's body may set, by their SamplingParams names
+# (jobrunner.openai_request turns the body's names and shapes into these).
+ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "n",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                     "logprobs")
 
 
 def sampling_params(base: SamplingParams, overrides: dict | None = None) -> SamplingParams:
@@ -113,7 +119,11 @@ def sampling_params(base: SamplingParams, overrides: dict | None = None) -> Samp
         if key == "max_completion_tokens":
             key = "max_tokens"
         if key in ROW_SAMPLING_KEYS and value is not None:
-            p[key] = tuple([value] if isinstance(value, str) else value) if key == "stop" else value
+            if key == "stop":
+                value = tuple([value] if isinstance(value, str) else value)
+            elif key == "logit_bias":
+                value = tuple((int(t), float(b)) for t, b in value)
+            p[key] = value
     if not p:
         return base
     try:

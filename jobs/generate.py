@@ -1,32 +1,54 @@
 """generate: free-text completion of each row's prompt."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.request import Request, RequestOutput
 from jobs.base import sampling_params
+from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
+from jobs.reasoning import reasoning_markers, split_reasoning
 from jobs.spec import JobSpec
+from jobs.truncation import truncate_prompt
 
 
 class GenerateJob:
     name = "generate"
-    result_columns = ("sample_index", "correct")
+    result_columns = ("sample_index", "correct", "logprobs", "reasoning", "reasoning_tokens", "truncated_tokens")
 
     def __init__(self, spec: JobSpec, tokenizer):
+        self.spec = spec
         self.sampling = spec.sampling
+        if spec.reasoning_parser:
+            self.sampling = replace(self.sampling, reasoning_markers=reasoning_markers(spec.reasoning_parser, tokenizer))
         self.evaluation = spec.evaluation
         self.accuracy = Accuracy(spec.evaluation.match) if spec.evaluation.enabled else None
+        self.speller = TokenSpeller(tokenizer)
+        self._truncated: dict[str, int] = {}       # row id -> prompt tokens dropped, until its columns are made
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        return Request(row_id, prompt_ids, sampling_params(self.sampling, data.get("params")))
+        sampling = sampling_params(self.sampling, data.get("params"))
+        ids, dropped = truncate_prompt(prompt_ids, self.spec.truncate_prompt, self.spec.context, sampling.max_tokens)
+        if dropped:
+            self._truncated[row_id] = dropped
+        return Request(row_id, ids, sampling)
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         """One dict per sample (n > 1 gives n rows with sample_index)."""
         rows = []
+        truncated = self._truncated.pop(out.id, 0)
         for c in out.completions:
             row = {"output": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
-            if self.sampling.n > 1:
+            if self.sampling.n > 1 or len(out.completions) > 1:
                 row["sample_index"] = c.index
+            if c.logprobs is not None:
+                row["logprobs"] = self.speller.entries(c.logprobs)
+            if self.spec.reasoning_parser:
+                reasoning, row["output"] = split_reasoning(self.spec.reasoning_parser, c.text, c.reasoning_tokens or 0)
+                row.update(reasoning=reasoning, reasoning_tokens=c.reasoning_tokens or 0)
+            if self.spec.truncate_prompt != "none":
+                row["truncated_tokens"] = truncated
             if self.accuracy is not None and out.error is None:
-                row["correct"] = self.accuracy.add(c.text, data.get(self.evaluation.reference_column))
+                row["correct"] = self.accuracy.add(row["output"], data.get(self.evaluation.reference_column))
             rows.append(row)
         return rows

@@ -20,6 +20,7 @@ class PromptSpec:
     messages_column: str | None = None      # a row's chat messages list; always through the chat template
     system: str | None = None               # as given: the template's escapes (\n ...) still in it
     chat: bool | None = None                # None: by kind (jobs.base.uses_chat)
+    chat_template_kwargs: tuple[tuple[str, object], ...] = ()   # extra template variables (enable_thinking)
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,6 @@ class JobSpec:
     classify: ClassifySpec | None = None
     score: ScoreSpec | None = None
     embed: EmbedSpec | None = None
+    reasoning_parser: str | None = None     # generate: a name of jobs.reasoning.REASONING_PARSERS
+    truncate_prompt: str = "none"           # generate: one of jobs.truncation.TRUNCATE_MODES
+    context: int | None = None              # the engine's context in tokens, set once it is up (truncation)

@@ -525,7 +525,8 @@ def test_openai_batch_output(mem):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "out 0"}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                             "prompt_tokens_details": {"cached_tokens": 2}}
+                             "prompt_tokens_details": {"cached_tokens": 2},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     assert [c["message"]["content"] for c in lines[1]["response"]["body"]["choices"]] == ["a", "b"]
     assert lines[1]["response"]["body"]["usage"]["completion_tokens"] == 6
     assert lines[2]["response"] is None and lines[2]["error"]["message"] == "prompt too long"

@@ -12,6 +12,9 @@ Invariants:
                     embedding: fixed_size_list<float32>[N] (kind "float32[N]"), N pinned by the first
                     vector seen; polars reads it as an Array column. A first part without any vector
                     pins it as json; a vector of another size goes to extra_json.
+                    logprobs: list<struct<token, logprob, bytes: list<int64>, top_logprobs: list<struct<
+                              token, logprob, bytes>>>> (jobs.logprobs; OpenAI's shape)
+                    reasoning: string; reasoning_tokens, truncated_tokens: int64
     extra columns   pinned by the first part ever written (read back from it afterwards):
                     all values str -> string; all bool -> bool; all int -> int64;
                     int/float -> float64; anything else (nested, mixed, all-null,
@@ -46,14 +49,19 @@ EXTRA_JSON = "extra_json"
 LABEL_PROBS = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float64())]))
 LABEL_LOGPROBS = pa.list_(pa.struct([("label", pa.string()), ("logprob", pa.float64())]))
 _LABEL_LISTS = {"label_probs": "prob", "label_logprobs": "logprob"}   # kind -> its struct's number field
+_TOKEN = [("token", pa.string()), ("logprob", pa.float64()), ("bytes", pa.list_(pa.int64()))]
+TOKEN_LOGPROBS = pa.list_(pa.struct([*_TOKEN, ("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))   # jobs.logprobs
 _ARROW = {"string": pa.string(), "json": pa.string(), "int": pa.int64(), "float": pa.float64(),
-          "bool": pa.bool_(), "label_probs": LABEL_PROBS, "label_logprobs": LABEL_LOGPROBS}
+          "bool": pa.bool_(), "label_probs": LABEL_PROBS, "label_logprobs": LABEL_LOGPROBS,
+          "token_logprobs": TOKEN_LOGPROBS}
 FIXED_COLUMNS: dict[str, str] = {
     "id": "string", "output": "string", "finish_reason": "string",
     "prompt_tokens": "int", "cached_tokens": "int", "completion_tokens": "int",
     "queue_s": "float", "prefill_s": "float", "decode_s": "float", "error": "string"}
 KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs",
-                                 "label_logprobs": "label_logprobs", "sample_index": "int"}
+                                 "label_logprobs": "label_logprobs", "sample_index": "int",
+                                 "logprobs": "token_logprobs", "reasoning": "string", "reasoning_tokens": "int",
+                                 "truncated_tokens": "int"}
 _INT64 = (-(2**63), 2**63 - 1)
 VECTOR_COLUMNS = ("embedding",)         # columns of float vectors: kind float32[N] by their first value
 _VECTOR = re.compile(r"^float32\[([1-9][0-9]*)\]$")
@@ -177,7 +185,17 @@ def _fit(kind: str, v: Any) -> Any:
     if size is not None:
         ok = isinstance(v, (array, list, tuple, np.ndarray)) and len(v) == size and all(map(is_float, v))
         return v if ok else _MISS
+    if kind == "token_logprobs":
+        return v if _is_token_logprobs(v) else _MISS
     raise AssertionError(kind)
+
+
+def _is_token_logprobs(v: Any) -> bool:
+    """jobs.logprobs' entries: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    keys = {"token", "logprob", "bytes"}
+    return isinstance(v, list) and all(
+        isinstance(e, Mapping) and set(e) == keys | {"top_logprobs"} and isinstance(e["top_logprobs"], list)
+        and all(isinstance(t, Mapping) and set(t) == keys for t in e["top_logprobs"]) for e in v)
 
 
 def _infer_kind(name: str, values: list[Any]) -> str:
