@@ -85,7 +85,9 @@ OPTION_GROUPS: dict[str, list] = {
     ],
     "Model and engine": [
         click.option("-m", "--model", default=D.model, show_default=True,
-                     help="Known model name, local HF directory, .gguf file, fsspec URL, or dummy:<config>."),
+                     help="Known model name, Hugging Face Hub name (org/name[@revision]; HF_TOKEN, "
+                          "HF_HUB_OFFLINE and the HF cache apply), local HF directory, .gguf file, fsspec URL, "
+                          "or dummy:<config>."),
         click.option("--device", default=D.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
         click.option("--quantization", type=click.Choice(QUANTIZATIONS),

@@ -73,6 +73,9 @@ class Job:
         self._input_names: dict[tuple, dict[str, str]] = {}
         manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
                     "dataset_format": self.fmt}
+        from jobrunner.models import model_record
+        if (hub := model_record(cfg.model, self.engine.config.model)) is not None:
+            manifest["hub"] = hub       # repo, revision asked, commit resolved
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
         self.writer = checks.open_writer(cfg, manifest, ResultWriter, part_prefix=prefix)
 
