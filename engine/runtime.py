@@ -5,12 +5,13 @@ Values found at start-up live here, not in the frozen EngineConfig.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
+from engine.generation_config import GenerationDefaults
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
@@ -38,6 +39,7 @@ class EngineRuntime:
     source: str
     max_num_seqs: int                   # the config's, or BATCH_LIMITS for the device
     max_num_batched_tokens: int
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # the checkpoint's sampling defaults
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,7 +105,7 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
     return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
                          weight_bytes, time.perf_counter() - t0, bundle.source,
-                         seqs, tokens)
+                         seqs, tokens, getattr(bundle, "generation", None) or GenerationDefaults())
 
 
 def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:

@@ -32,7 +32,7 @@ def validate_job(cfg: JobConfig) -> dict:
         bundle = load_model_bundle(model)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
-    tok, spec = bundle.tokenizer, cfg.job_spec()
+    tok, spec = bundle.tokenizer, cfg.job_spec(bundle.generation.sampling)
     builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok)
     t = _Tally()
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
@@ -52,6 +52,9 @@ def validate_job(cfg: JobConfig) -> dict:
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
     }
+    if cfg.kind == "generate":
+        report["sampling"] = ", ".join(f"{k} {v['value']} ({v['source']})"
+                                       for k, v in cfg.sampling_sources(bundle.generation.sampling).items())
     if cfg.device_hourly_cost is not None:
         report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
     for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
