@@ -72,7 +72,8 @@ class Job:
         self.reserved = reserved_columns(self.job.result_columns)
         self._input_names: dict[tuple, dict[str, str]] = {}
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
-        self.writer = checks.open_writer(cfg, self._manifest(), ResultWriter, part_prefix=prefix)
+        self.manifest = self._manifest()
+        self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, part_prefix=prefix)
 
     def _manifest(self) -> dict:
         """What the output's manifest says about the job: its configuration, the model (a Hub model's
