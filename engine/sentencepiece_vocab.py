@@ -1,6 +1,7 @@
 """SentencePiece vocabularies stored in GGUF files (`tokenizer.ggml.model == "llama"`: Llama 2,
-Mistral, and other SentencePiece-BPE models), rebuilt as a `tokenizers` BPE the way
-transformers' GGUF converter builds them (its LlamaTokenizer over merges recovered from scores):
+Mistral, Gemma, Phi-3 and other SentencePiece-BPE models), rebuilt as a `tokenizers` BPE the way
+transformers' GGUF converter builds them (its LlamaTokenizer over merges recovered from scores,
+with each family's spacing: STYLES):
 
   * the file has pieces and scores, no merges: a merge (l, r) exists for every piece l + r whose
     halves are pieces too, ranked by the merged piece's score (higher merges first);
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 SPACE = "\u2581"
 
@@ -38,13 +39,33 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
     return [(left, right) for left, right, _ in merges]
 
 
-def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], unk_token: str | None) -> tokenizers.Tokenizer:
-    """A byte-fallback BPE tokenizer over the vocabulary (special tokens are the caller's to add)."""
+# How a family spaces its text (transformers picks these by GGUF architecture, as we do):
+#   llama: Metaspace, a "▁" prepended to the text, stripped again on decode (Llama 2, Mistral);
+#   gemma: spaces become "▁" and nothing is prepended; the file spells whitespace-only pieces with
+#          real spaces, and its scores do not follow its merge order (its piece order does);
+#   phi3:  a normalizer prepends "▁" to every text, even one that starts with a space.
+STYLES = {"llama": "llama", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+
+
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], unk_token: str | None,
+                      style: str = "llama") -> tokenizers.Tokenizer:
+    """A byte-fallback BPE tokenizer over the vocabulary (special tokens are the caller's to add);
+    style: one of STYLES' values."""
+    if style == "gemma":
+        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-i for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, scores), unk_token=unk_token,
                      fuse_unk=True, byte_fallback=True, dropout=None)
     tok = tokenizers.Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if style == "gemma":
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.decoder = decoders.Sequence(decode)
+        return tok
+    if style == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(decode + [decoders.Strip(content=" ", left=1)])
     return tok

@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from engine.errors import ModelError
-from engine.sentencepiece_vocab import sentencepiece_bpe
+from engine.sentencepiece_vocab import STYLES as SENTENCEPIECE_STYLES, sentencepiece_bpe
 
 if TYPE_CHECKING:
     from engine.gguf import GGUFFile
@@ -40,9 +40,6 @@ _GGUF_SPLITS = {
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
-# GGUF architectures whose SentencePiece vocabulary uses Llama's spacing (Metaspace, a prefix space);
-# Gemma and Phi-3 space theirs differently (transformers has a builder for each).
-_SENTENCEPIECE_ARCHITECTURES = ("llama",)
 
 _BYTES_FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -252,12 +249,12 @@ def _gguf_vocabulary(gguf_file: "GGUFFile", unk_token: str | None):
         alphabet = set(bytes_to_unicode().values())
         tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
         return tok, lambda t: set(t) <= alphabet
-    if kind == "llama":     # SentencePiece: Llama 2, Mistral
-        if gguf_file.arch not in _SENTENCEPIECE_ARCHITECTURES:
+    if kind == "llama":     # SentencePiece: Llama 2, Mistral, Gemma, Phi-3
+        if gguf_file.arch not in SENTENCEPIECE_STYLES:
             raise ModelError(f"{gguf_file.path}: a SentencePiece vocabulary for GGUF architecture "
-                             f"{gguf_file.arch!r} is not supported (only {', '.join(_SENTENCEPIECE_ARCHITECTURES)})")
+                             f"{gguf_file.arch!r} is not supported (only {', '.join(SENTENCEPIECE_STYLES)})")
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        return sentencepiece_bpe(tokens, scores, unk_token), lambda t: True
+        return sentencepiece_bpe(tokens, scores, unk_token, SENTENCEPIECE_STYLES[gguf_file.arch]), lambda t: True
     raise ModelError(f"{gguf_file.path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE "
                      "'gpt2' and SentencePiece 'llama' are); load the model from an HF directory instead")
 

@@ -18,12 +18,14 @@ _TEXT = [
 _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE, _NORMAL = 2, 3, 4, 5, 6, 1
 
 
-def train(vocab_size: int = 420):
+def train(vocab_size: int = 420, prefix_space: bool = True):
+    """prefix_space False: as Gemma's model is trained (no dummy prefix, whitespace-only pieces)."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_TEXT * 20), model_writer=model, vocab_size=vocab_size, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<think>"],
-        split_digits=True, minloglevel=2, num_threads=1,
+        split_digits=True, minloglevel=2, num_threads=1, add_dummy_prefix=prefix_space,
+        allow_whitespace_only_pieces=not prefix_space,
         normalization_rule_name="identity", remove_extra_whitespaces=False)    # as Llama 2's model is trained
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
@@ -36,27 +38,32 @@ def _piece_type(sp, i: int) -> int:
     return _USER_DEFINED if sp.id_to_piece(i) == "<think>" else _NORMAL
 
 
-def write_sentencepiece_gguf(path, sp, add_bos: bool | None = True) -> None:
-    """A llama-architecture GGUF with only metadata: the hyperparameters transformers needs to pick
-    a tokenizer class, and the SentencePiece vocabulary."""
+def write_sentencepiece_gguf(path, sp, add_bos: bool | None = True, arch: str = "llama") -> None:
+    """A GGUF with only metadata: the hyperparameters transformers needs to pick a tokenizer class,
+    and the SentencePiece vocabulary (Gemma's whitespace-only pieces spelled with spaces, as its
+    files have them)."""
     import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     for add, value in ((w.add_block_count, 1), (w.add_context_length, 256), (w.add_embedding_length, 64),
                        (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2)):
         add(value)
     w.add_layer_norm_rms_eps(1e-6)
-    add_sentencepiece_vocab(w, sp, add_bos)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    add_sentencepiece_vocab(w, sp, add_bos, spaces=arch.startswith("gemma"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
 
 
-def add_sentencepiece_vocab(w, sp, add_bos: bool | None = True) -> None:
-    """The SentencePiece vocabulary as llama.cpp's converter writes it; add_bos None: unsaid."""
+def add_sentencepiece_vocab(w, sp, add_bos: bool | None = True, spaces: bool = False) -> None:
+    """The SentencePiece vocabulary as llama.cpp's converter writes it; add_bos None: unsaid;
+    spaces: whitespace-only pieces spelled with spaces."""
     w.add_tokenizer_model("llama")
     n = sp.get_piece_size()
-    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+    w.add_token_list([" " * len(p) if spaces and not p.strip("\u2581") else p for p in pieces])
     w.add_token_scores([sp.get_score(i) for i in range(n)])
     w.add_token_types([_piece_type(sp, i) for i in range(n)])
     w.add_unk_token_id(sp.unk_id())

@@ -33,9 +33,14 @@ def sentencepiece_gguf(tmp_path_factory):
     return path, sp
 
 
-def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf):
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
+def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf, tmp_path, arch):
+    """Each family's spacing (engine.sentencepiece_vocab.STYLES), on 300 strings."""
     transformers = pytest.importorskip("transformers")
-    path, _ = sentencepiece_gguf
+    path, sp = sentencepiece_gguf
+    if arch != "llama":
+        path = tmp_path / f"{arch}.gguf"
+        write_sentencepiece_gguf(path, train(prefix_space=False) if arch == "gemma2" else sp, arch=arch)
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = Tokenizer.from_gguf(str(path))
     strings = _strings()
