@@ -73,6 +73,7 @@ class Job:
         self._input_names: dict[tuple, dict[str, str]] = {}
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
         self.manifest = self._manifest()
+        checks.check_same_commit(cfg, self.manifest)
         self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, part_prefix=prefix)
 
     def _manifest(self) -> dict:

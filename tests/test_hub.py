@@ -105,3 +105,20 @@ def test_submit_a_hub_name_offline(offline_cache, tiny_hf_model_dir, tmp_path):
     got = dict(pl.from_arrow(read_results(str(tmp_path / "out"))).select("id", "output").iter_rows())
     want = generate(rows, model=str(src), chat=False, max_tokens=8, kv_cache_memory="4MB", reuse_engine=False)
     assert got == dict(want.select("id", "output").iter_rows())
+
+
+def test_resume_refuses_a_moved_branch(offline_cache, tiny_hf_model_dir, tmp_path):
+    """The fingerprint has the name, not the commit: a resumed job checks the commit itself."""
+    import jobrunner
+    from jobrunner.config import JobConfigError
+    src = tiny_hf_model_dir("qwen2")
+    populate_hf_cache(offline_cache, "tiny-org/moving", src, COMMIT)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"id": "a", "prompt": "hello"}\n')
+    run = dict(model="tiny-org/moving", chat=False, max_tokens=2, kv_cache_memory="4MB")
+    assert jobrunner.submit(str(data), str(tmp_path / "out"), **run).exit_code == 0
+    assert jobrunner.submit(str(data), str(tmp_path / "out"), **run).exit_code == 0      # same commit: resumes
+    populate_hf_cache(offline_cache, "tiny-org/moving", src, OTHER)                      # main moves on
+    with pytest.raises(JobConfigError, match=f"at commit {COMMIT}, but tiny-org/moving is now commit {OTHER}"):
+        jobrunner.submit(str(data), str(tmp_path / "out"), **run)
+    assert jobrunner.submit(str(data), str(tmp_path / "out"), overwrite=True, **run).exit_code == 0
