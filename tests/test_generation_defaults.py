@@ -69,6 +69,11 @@ def test_a_job_samples_with_the_checkpoint_defaults(tiny_hf_model_dir, tmp_path)
     assert sampling["top_k"] == {"value": 4, "source": "job"}
     assert sampling["min_p"] == {"value": 0.0, "source": "default"}
 
+    from jobrunner.validate import validate_job
+    report = validate_job(JobConfig(str(data), model=model, top_k=4, chat=False))
+    assert report["sampling"] == ("temperature 1.3 (generation_config.json), top_p 0.9 (generation_config.json), "
+                                  "top_k 4 (job), min_p 0.0 (default)")
+
 
 def test_every_eos_id_of_the_generation_config_stops(tiny_hf_model_dir, tmp_path):
     from engine.config import EngineConfig
