@@ -19,7 +19,7 @@ import json
 import os
 import posixpath
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,6 +28,7 @@ import torch
 from engine.config import cache_root
 from engine.embedding_config import CheckpointPooling, read_checkpoint_pooling
 from engine.errors import ModelError
+from engine.generation_config import GenerationDefaults
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
@@ -57,6 +58,8 @@ class ModelBundle:
     raw_weights: Callable[[], Iterator] | None = None
     # a local HF directory's sentence-transformers pooling (engine.embedding_config), or None
     pooling: CheckpointPooling | None = None
+    # generation_config.json's sampling defaults (HF directories; none for GGUF)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
@@ -143,9 +146,10 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
         raise ModelError(f"{root}: model.safetensors.index.json names tensors no shard has: {missing[:5]}")
 
     tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
+    generation = GenerationDefaults.from_config(_read_json(root / "generation_config.json"))
     return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
                        tokenizer=tokenizer, weights=_safetensors_weights(files), source=source,
-                       weight_format="safetensors", pooling=read_checkpoint_pooling(root))
+                       weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation)
 
 
 def _safetensors_weights(files: list[Path]) -> Callable[[], WeightIterator]:
@@ -208,7 +212,7 @@ DUMMY_CONFIGS: dict[str, dict] = {
 
 def _load_dummy(spec: str) -> ModelBundle:
     """Config only. Tokenizer: tokenizer.json beside the config if any, else bytes_fallback."""
-    tokenizer = None
+    tokenizer, generation = None, GenerationDefaults()
     if spec in DUMMY_CONFIGS:
         hf_config = dict(DUMMY_CONFIGS[spec])
     else:
@@ -225,11 +229,16 @@ def _load_dummy(spec: str) -> ModelBundle:
         folder = posixpath.dirname(path)
         if fs.exists(posixpath.join(folder, "tokenizer.json")):
             tokenizer = Tokenizer.from_hf_dir(fs, folder)
+        if fs.exists(gen_path := posixpath.join(folder, "generation_config.json")):
+            try:
+                generation = GenerationDefaults.from_config(json.loads(fs.cat_file(gen_path)))
+            except ValueError as e:
+                raise ModelError(f"{gen_path}: invalid JSON ({e})") from e
     config = _model_config(hf_config, f"dummy:{spec}")
     if tokenizer is None:
         tokenizer = Tokenizer.bytes_fallback(config.vocab_size)
     return ModelBundle(config=config, hf_config=hf_config, tokenizer=tokenizer, weights=lambda: iter(()),
-                       source=f"dummy:{spec}", weight_format="dummy")
+                       source=f"dummy:{spec}", weight_format="dummy", generation=generation)
 
 
 # -- helpers ---------------------------------------------------------------------

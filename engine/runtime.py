@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from torch import nn
 from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
 from engine.embedding_config import CheckpointPooling
+from engine.generation_config import GenerationDefaults
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
@@ -42,6 +43,7 @@ class EngineRuntime:
     max_num_seqs: int                   # the config's, or BATCH_LIMITS for the device
     max_num_batched_tokens: int
     pooling: CheckpointPooling | None = None    # what the checkpoint says embeddings are (engine.embedding_config)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # the checkpoint's sampling defaults
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,7 +109,8 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
     return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
                          weight_bytes, time.perf_counter() - t0, bundle.source,
-                         seqs, tokens, getattr(bundle, "pooling", None))
+                         seqs, tokens, pooling=getattr(bundle, "pooling", None),
+                         generation=getattr(bundle, "generation", None) or GenerationDefaults())
 
 
 def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:

@@ -1,8 +1,9 @@
 """Tokenizer and chat template: a `tokenizers.Tokenizer` plus the bits transformers adds.
 
 Sources: an HF directory (tokenizer.json + tokenizer_config.json + generation_config.json),
-a GGUF file's metadata (byte-level BPE rebuilt from tokens and merges, the way
-transformers' GGUF tokenizer converter does), or a byte-level fallback for dummy models.
+a GGUF file's metadata (byte-level BPE rebuilt from tokens and merges, or a SentencePiece
+vocabulary from pieces and scores (engine/sentencepiece_vocab.py), the way transformers' GGUF
+tokenizer converter does), or a byte-level fallback for dummy models.
 Chat templates render like transformers' `apply_chat_template(..., tokenize=False)`:
 same jinja sandbox, options and helpers, same special-token variables.
 """
@@ -18,6 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from engine.errors import ModelError
+from engine.sentencepiece_vocab import STYLES as SENTENCEPIECE_STYLES, sentencepiece_bpe
 
 if TYPE_CHECKING:
     from engine.gguf import GGUFFile
@@ -197,31 +199,26 @@ class Tokenizer:
             from engine.gguf import GGUFFile
             gguf_file = GGUFFile(gguf_file)
         meta = gguf_file.metadata
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelError(f"{gguf_file.path}: GGUF tokenizer model {kind!r} is not supported "
-                             "(only byte-level BPE, 'gpt2'); load the model from an HF directory instead")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
-
         keys = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
         ids = {k: meta.get(f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
         ids = {k: i if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
         special = {k: tokens[i] if i is not None else None for k, i in ids.items()}
-        # Control tokens (and the named special ones) match whole in text and are skipped on decode;
-        # a control token outside the byte alphabet is a llama.cpp mislabel, left as is (as transformers does).
-        alphabet = set(bytes_to_unicode().values())
-        control = [t for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL and set(t) <= alphabet]
+        tok, spelled = _gguf_vocabulary(gguf_file, special["unk_token"])
+        # Control tokens (and the named special ones) match whole in text and are skipped on decode.
+        control = [t for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL and spelled(t)]
         control += [t for t in special.values() if t is not None and t not in control]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        user = [t for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED and set(t) <= alphabet]
+        user = [t for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED and spelled(t)]
         if user:
             tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
-        # BOS/EOS added around a plain encode(add_special_tokens=True), as the file asks
+        # BOS/EOS added around a plain encode(add_special_tokens=True), as the file asks; a SentencePiece
+        # file that does not say gets BOS, as llama.cpp and transformers give it.
         single, used = ["$A:0"], []
-        if meta.get("tokenizer.ggml.add_bos_token") and ids["bos_token"] is not None:
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        if add_bos and ids["bos_token"] is not None:
             single.insert(0, f"{special['bos_token']}:0")
             used.append((special["bos_token"], ids["bos_token"]))
         if meta.get("tokenizer.ggml.add_eos_token") and ids["eos_token"] is not None:
@@ -255,6 +252,26 @@ class Tokenizer:
 def _token_content(value: Any) -> str | None:
     # tokenizer_config.json spells a special token as "<s>" or {"content": "<s>", ...}
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _gguf_vocabulary(gguf_file: "GGUFFile", unk_token: str | None):
+    """The GGUF vocabulary's tokenizer without its special tokens, and which tokens may be added
+    whole (a byte-level control token outside the byte alphabet is a llama.cpp mislabel, left as
+    is, as transformers does)."""
+    meta = gguf_file.metadata
+    kind, tokens = meta.get("tokenizer.ggml.model"), meta["tokenizer.ggml.tokens"]
+    if kind == "gpt2":
+        alphabet = set(bytes_to_unicode().values())
+        tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
+        return tok, lambda t: set(t) <= alphabet
+    if kind == "llama":     # SentencePiece: Llama 2, Mistral, Gemma, Phi-3
+        if gguf_file.arch not in SENTENCEPIECE_STYLES:
+            raise ModelError(f"{gguf_file.path}: a SentencePiece vocabulary for GGUF architecture "
+                             f"{gguf_file.arch!r} is not supported (only {', '.join(SENTENCEPIECE_STYLES)})")
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        return sentencepiece_bpe(tokens, scores, unk_token, SENTENCEPIECE_STYLES[gguf_file.arch]), lambda t: True
+    raise ModelError(f"{gguf_file.path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE "
+                     "'gpt2' and SentencePiece 'llama' are); load the model from an HF directory instead")
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> tokenizers.Tokenizer:

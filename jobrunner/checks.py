@@ -103,6 +103,23 @@ def check_dimensions(cfg: JobConfig, model_config) -> None:
                              f"{model_config.hidden_size}; give at most that")
 
 
+def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
+    """A job resumed on a Hub name whose branch moved since its first run would mix two models'
+    outputs: refuse it, naming the commit to pin (the fingerprint has the name, not the commit)."""
+    from jobrunner.output import OutputError, read_manifest
+    if cfg.overwrite or "hub" not in manifest:
+        return
+    try:
+        before = ((read_manifest(cfg.output_url) or {}).get("hub") or {}).get("commit")
+    except OutputError:
+        return      # open_writer says what is wrong with the output
+    now, repo = manifest["hub"]["commit"], manifest["hub"]["repo"]
+    if before and before != now:
+        raise JobConfigError(f"{cfg.output_url} was written by {repo} at commit {before}, but {cfg.model} is now "
+                             f"commit {now}; resuming would mix two models' outputs. Start over with --overwrite, "
+                             f"or keep the old model with -m {repo}@{before} and another --output")
+
+
 def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part"):
     from jobrunner.output import OutputError
     try:

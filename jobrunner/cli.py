@@ -258,7 +258,7 @@ def _print_all(s: dict, output: str) -> None:
 @main.group(invoke_without_command=True)
 @click.pass_context
 def models(ctx):
-    """List known model names and what is cached; `models pull NAME` fetches one."""
+    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub)."""
     if ctx.invoked_subcommand is None:
         from jobrunner.models import known_models
         for m in known_models():
@@ -269,7 +269,7 @@ def models(ctx):
 @models.command()
 @click.argument("name")
 def pull(name):
-    """Fetch a known model into the cache."""
+    """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache."""
     from engine.errors import ModelError
     from jobrunner.models import pull as pull_model
     try:

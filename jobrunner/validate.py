@@ -36,7 +36,8 @@ def validate_job(cfg: JobConfig) -> dict:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)
     tok = bundle.tokenizer
-    spec = replace(cfg.job_spec(), context=bundle.config.max_position_embeddings)    # truncation as submit does
+    # unset sampling options: the checkpoint's; the context: truncation as submit does
+    spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
     try:
         builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok, bundle.pooling)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
@@ -59,6 +60,9 @@ def validate_job(cfg: JobConfig) -> dict:
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
     }
+    if cfg.kind == "generate":
+        report["sampling"] = ", ".join(f"{k} {v['value']} ({v['source']})"
+                                       for k, v in cfg.sampling_sources(bundle.generation.sampling).items())
     if cfg.device_hourly_cost is not None:
         report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
     for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:

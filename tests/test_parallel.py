@@ -65,6 +65,7 @@ def _check_same(setup, output: str) -> None:
     assert len({v[0] for v in got.values()}) > 5        # the outputs differ from row to row
     manifest = json.loads(open(os.path.join(output, "_manifest.json")).read())
     assert manifest["complete"] is True and manifest["model_source"].startswith("dummy:")
+    assert manifest["sampling"]["temperature"] == {"value": 0.0, "source": "default"}     # the workers' manifest
 
 
 @pytest.mark.parametrize("workers", [2, 3])

@@ -184,8 +184,7 @@ class Coordinator:
 
         cfg = self.cfg
         if complete:
-            m = {"config": cfg.fingerprint_fields(), **{k: manifest[k] for k in ("model_source", "dataset_format")
-                                                        if k in manifest}}
+            m = {"config": cfg.fingerprint_fields(), **{k: v for k, v in manifest.items() if k != "error"}}
             # the workers wrote the parts: a listing, not a scan of every part, marks the job complete
             mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
             if cfg.output_format == "openai-batch":

@@ -4,7 +4,8 @@
     loaded/<rank>         worker         engine loaded: {"device"}, or {"error": config error}
     round/<r>             coordinator    {"op": "run", "slots": {rank: slot}} or {"op": "stop", "exit_code"}
     r<r>/ready/<rank>     worker         its writer is open, so it has read the done ids:
-                                         {"model_source", "dataset_format"}, or {"error": config error}
+                                         its manifest bar the config ({"model_source", "dataset_format",
+                                         "hub", "sampling", ...}), or {"error": config error}
     r<r>/go               coordinator    {}: every member is ready; start claiming units
     r<r>/next_unit        workers        the work queue, a counter: add(key, 1) - 1 is the next ticket
     r<r>/progress/<rank>  worker         {"rows", "skipped", "failed", "tokens", "total"} so far, for the
@@ -74,10 +75,9 @@ def get_loaded(store, rank: int) -> dict | None:
     return _get(store, f"loaded/{rank}")
 
 
-def set_ready(store, r: int, rank: int, model_source: str | None = None, dataset_format: str | None = None,
-              error: str | None = None) -> None:
+def set_ready(store, r: int, rank: int, manifest: dict | None = None, error: str | None = None) -> None:
     _set(store, f"r{r}/ready/{rank}", {"error": error} if error is not None else
-         {"model_source": model_source, "dataset_format": dataset_format})
+         {k: v for k, v in (manifest or {}).items() if k != "config"})
 
 
 def get_ready(store, r: int, rank: int) -> dict | None:

@@ -104,7 +104,7 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
     except JobConfigError as e:
         protocol.set_ready(store, r, rank, error=str(e))
         raise Stop(EXIT_CONFIG) from None
-    protocol.set_ready(store, r, rank, model_source=engine.rt.source, dataset_format=job.fmt)
+    protocol.set_ready(store, r, rank, manifest=job.manifest)
     protocol.wait_go(store, r, stop)
     t0 = time.time()
     payload = {"rank": rank, "slot": slot, "round": r, "device": str(engine.rt.device), "error": None}
