@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models import registry
+from engine.models.moe_config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    moe: MoEConfig | None = None    # mixture-of-experts switches (engine/models/moe_config.py); None: dense
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -64,6 +66,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=window,
+            moe=MoEConfig.from_hf(cfg, spec.renormalize_topk),
         )
 
     @property

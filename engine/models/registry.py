@@ -19,6 +19,7 @@ class Architecture:
     attention_bias: bool = False    # bias on the q, k and v projections when config.json has no "attention_bias"
     qk_norm: bool = False           # RMSNorm over each head of q and k (config.json has no key for it)
     sliding_window: bool = False    # when config.json has no "use_sliding_window"
+    renormalize_topk: bool = False  # MoE: top-k routing weights sum to 1 when config.json has no "norm_topk_prob"
 
 
 ARCHITECTURES: dict[str, Architecture] = {                     # config.json architectures[0] ->
@@ -26,6 +27,9 @@ ARCHITECTURES: dict[str, Architecture] = {                     # config.json arc
     "MistralForCausalLM": Architecture("llama", sliding_window=True),
     "Qwen2ForCausalLM": Architecture("qwen2", attention_bias=True),
     "Qwen3ForCausalLM": Architecture("qwen3", qk_norm=True),
+    "MixtralForCausalLM": Architecture("mixtral", sliding_window=True, renormalize_topk=True),
+    "Qwen2MoeForCausalLM": Architecture("qwen2_moe", attention_bias=True),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True),
 }
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"                      # for a config.json without "architectures"
 
