@@ -114,3 +114,39 @@ def test_cli_greedy_matches_transformers(moe_model, tmp_path):
         ids = tok(text)["input_ids"]
         ref_tokens, _ = hf_greedy(hf, ids, 32)
         assert got[str(i)] == tok.decode(ref_tokens, skip_special_tokens=True), text
+
+
+def test_int8_experts_keep_the_output_close(moe_model):
+    """--quantization int8: the stacked experts become int8 with per-channel scales, the router stays
+    float; the chosen tokens' logprobs stay close to the float model's."""
+    _, path = moe_model
+    batch = prompts(3, lengths=(12, 20))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    ref = _engine(path).generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
+    engine = _engine(path, quantization="int8")
+    moe = next(layer.mlp for layer in engine.rt.model.layers if hasattr(layer.mlp, "experts"))
+    assert moe.experts.w13.dtype == torch.int8 and moe.experts.w2_scale.dtype == torch.float32
+    assert moe.gate.weight.dtype == torch.float32
+    outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
+    first = [(o.completions[0].logprobs[0].logprob, r.completions[0].logprobs[0].logprob) for o, r in zip(outs, ref)]
+    assert all(abs(a - b) < 0.05 for a, b in first), first
+
+
+def test_fp8_experts_and_unsupported_schemes(moe_model):
+    """fp8 experts (a CUDA scheme for the whole model; the experts' transform and the torch path run
+    here) stay within fp8's precision of the float block; int4 and w8a8 refuse MoE models."""
+    from engine.config import ConfigError
+    from engine.quant import quantize_model
+    from engine.quant.experts import quantize_experts
+
+    _, path = moe_model
+    model = build_model(load_model_bundle(str(path)), torch.device("cpu"), torch.float32)
+    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
+    x = torch.randn(9, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    ref = moe(x)
+    quantize_experts(moe.experts, "fp8")
+    assert moe.experts.w13.dtype == torch.float8_e4m3fn
+    assert (moe(x) - ref).norm() / ref.norm() < 0.05
+    for scheme in ("int4", "w8a8"):
+        with pytest.raises(ConfigError, match="mixture-of-experts models support int8 and fp8 only"):
+            quantize_model(model, scheme)

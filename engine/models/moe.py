@@ -41,7 +41,8 @@ class Experts(nn.Module):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))    # [E, 2I, H]: gate rows, up rows
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))         # [E, H, I]
-        self.w13_scale = self.w2_scale = None                                   # [E, 2I], [E, H] when quantized
+        self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized
+        self.register_buffer("w2_scale", None)                                  # [E, H] when quantized
 
     def forward(self, x, topk_weights, topk_ids):
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale)
