@@ -36,6 +36,7 @@ def _sm90_cases():
     from kernels import triton_attention as tatt
     from kernels import triton_kv_cache as tkv
     from kernels import triton_norm as tnorm
+    from kernels import triton_moe as tmoe
     from kernels import triton_rotary as trot
     bf = "*bf16"
     cases = [
@@ -66,6 +67,16 @@ def _sm90_cases():
             cfg = tatt.prefill_config(D, group, torch.bfloat16, 4096)
             cases.append((f"prefill {model} {tag}", tatt._prefill_kernel, attn,
                           *_split_opts(dict(cfg, BLOCK_SIZE=16, KV_INT8=int8))))
+    moe = dict(a_ptr=bf, b_ptr=bf, scale_ptr="*fp32", w_ptr="*fp32", c_ptr=bf, sorted_ptr="*i32",
+               block_expert_ptr="*i32")
+    for weights, b in (("bf16", bf), ("fp8", "*fp8e4nv")):
+        for block_m in (16, 64):
+            for gated in (True, False):
+                cases.append((f"fused_moe {'gate_up+silu' if gated else 'down'} {weights} M{block_m}",
+                              tmoe._moe_gemm_kernel, dict(moe, b_ptr=b),
+                              dict(A_DIV=8 if gated else 1, GATED=gated, HAS_SCALE=weights == "fp8",
+                                   MUL_WEIGHT=not gated, IEEE=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64),
+                              dict(num_warps=4)))
     return cases
 
 
@@ -284,7 +295,34 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -
     _time_store_kv(add, s)
     _time_decode(add, s, quick, tiny)
     _time_prefill(rows, s, quick, tiny)
+    _time_moe(add, s, tiny)
     return rows
+
+
+def _time_moe(add, s: _Shapes, tiny: bool) -> None:
+    """fused_moe at Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of 768, top 8): decode
+    batches and a prefill step, bfloat16 and fp8 weights. GB/s counts the experts the batch touches."""
+    from kernels.moe import fused_moe_ref, route_topk
+    from kernels.triton_moe import fused_moe_triton
+    dev, dt = s.dev, s.dt
+    H, I, E, k = (64, 32, 8, 2) if tiny else (2048, 768, 128, 8)
+    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5
+    w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+    variants = [("bf16", (w13, w2, None, None), 2)]            # (name, weights and scales, bytes per weight)
+    if torch.device(dev).type == "cuda":
+        s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
+        q13 = (w13.float() / s13[..., None]).to(torch.float8_e4m3fn)
+        q2 = (w2.float() / s2[..., None]).to(torch.float8_e4m3fn)
+        variants.append(("fp8", (q13, q2, s13, s2), 1))
+    for T in ((3, 40) if tiny else (64, 512, 4096)):
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        weights, ids = route_topk(torch.randn(T, E, device=dev), k, True)
+        touched = ids.unique().numel() * 3 * H * I               # weights of the experts this batch uses
+        for name, (a, b, sa, sb), nbytes in variants:
+            args = (x, a, b, weights, ids, sa, sb)
+            ref = (lambda args=args: fused_moe_ref(*args)) if T <= 512 else None
+            add(f"fused_moe {name}", f"T={T} E={E} k={k} H={H} I={I}", lambda args=args: fused_moe_triton(*args),
+                ref, touched * nbytes + 2 * T * H * 2)
 
 
 def _print_timings(rows) -> None:

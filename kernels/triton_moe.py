@@ -55,14 +55,14 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)                                                  # [BM, BK]
         b_mask = n_ok[None, :] & k_ok[:, None]
-        b = tl.load(b_base + rn.to(tl.int64)[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0).to(adt)
+        b = tl.load(b_base + rn.to(tl.int64)[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0.0).to(adt)
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         if GATED:
             u = tl.load(b_base + (rn + N).to(tl.int64)[None, :] * stride_bn + kk[:, None], mask=b_mask,
-                        other=0).to(adt)
+                        other=0.0).to(adt)
             if IEEE:
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
