@@ -74,7 +74,7 @@ def _sm90_cases():
             for gated in (True, False):
                 cases.append((f"fused_moe {'gate_up+silu' if gated else 'down'} {weights} M{block_m}",
                               tmoe._moe_gemm_kernel, dict(moe, b_ptr=b),
-                              dict(A_DIV=8 if gated else 1, GATED=gated, HAS_SCALE=weights == "fp8",
+                              dict(stride_bn=1, A_DIV=8 if gated else 1, GATED=gated, HAS_SCALE=weights == "fp8",
                                    MUL_WEIGHT=not gated, IEEE=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64),
                               dict(num_warps=4)))
     return cases
@@ -306,13 +306,13 @@ def _time_moe(add, s: _Shapes, tiny: bool) -> None:
     from kernels.triton_moe import fused_moe_triton
     dev, dt = s.dev, s.dt
     H, I, E, k = (64, 32, 8, 2) if tiny else (2048, 768, 128, 8)
-    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5
-    w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=dt) * H ** -0.5         # input-major (kernels/moe.py)
+    w2 = torch.randn(E, I, H, device=dev, dtype=dt) * I ** -0.5
     variants = [("bf16", (w13, w2, None, None), 2)]            # (name, weights and scales, bytes per weight)
     if torch.device(dev).type == "cuda":
-        s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
-        q13 = (w13.float() / s13[..., None]).to(torch.float8_e4m3fn)
-        q2 = (w2.float() / s2[..., None]).to(torch.float8_e4m3fn)
+        s13, s2 = w13.float().abs().amax(1) / 448, w2.float().abs().amax(1) / 448     # [E, N]
+        q13 = (w13.float() / s13[:, None]).to(torch.float8_e4m3fn)
+        q2 = (w2.float() / s2[:, None]).to(torch.float8_e4m3fn)
         variants.append(("fp8", (q13, q2, s13, s2), 1))
     for T in ((3, 40) if tiny else (64, 512, 4096)):
         x = torch.randn(T, H, device=dev, dtype=dt)

@@ -110,8 +110,8 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     """Allocates the model without initializing it, then fills it from the weights, one tensor at a time."""
     cfg = bundle.config
     with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = model_class(cfg.architecture)(cfg).to(dtype)
+    model = model.to_empty(device=device)     # allocated in dtype at once: no float32 copy of a 30B model
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()

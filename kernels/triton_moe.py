@@ -1,8 +1,8 @@
 """Triton fused MoE: two grouped GEMMs over the slots sorted by expert (layouts: kernels/moe.py).
 
     align_to_blocks:  slots -> runs per expert, padded to BLOCK_M; block b -> its expert
-    GEMM 1 (GATED):   h[s] = silu(x[s // k] @ W1_e^T) * (x[s // k] @ W3_e^T)    [T*k, I]
-    GEMM 2:           o[s] = topk_weight[s] * (h[s] @ W2_e^T)                    [T*k, H]
+    GEMM 1 (GATED):   h[s] = silu(x[s // k] @ W1_e) * (x[s // k] @ W3_e)    [T*k, I]   (w13[e] = [W1_e | W3_e])
+    GEMM 2:           o[s] = topk_weight[s] * (h[s] @ W2_e)                  [T*k, H]
     y = o.view(T, k, H).sum(1)
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of one expert's run: the block's rows share
@@ -12,7 +12,8 @@ and writes silu(gate) * up directly: the [T*k, 2I] product never reaches memory 
 no separate activation launch (decode steps are bandwidth bound, so that write and read
 were a fifth of the layer's traffic). Quantized weights (int8 or float8, per output channel)
 are converted to x.dtype in registers and the scale is applied to the float32 accumulator:
-sum_k x[k] * q[n, k] * s[n] = s[n] * sum_k x[k] * q[n, k]. Float32 inputs use IEEE products.
+sum_k x[k] * q[k, n] * s[n] = s[n] * sum_k x[k] * q[k, n]. Weight tiles are [BLOCK_K, BLOCK_N]
+rows of the input-major weights, contiguous along N. Float32 inputs use IEEE products.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from kernels.triton_utils import check, check_float, check_same_device, launch
 def _moe_gemm_kernel(
     a_ptr, b_ptr, scale_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr,
     num_slots, N, K,
-    stride_am, stride_be, stride_bn, stride_se, stride_cm,
+    stride_am, stride_be, stride_bk, stride_bn, stride_se, stride_cm,
     A_DIV: tl.constexpr,          # a row = slot // A_DIV (k for GEMM 1, whose a is x; 1 for GEMM 2)
-    GATED: tl.constexpr,          # b holds [gate | up] rows: out column n = silu(gate n) * up n (N = I)
+    GATED: tl.constexpr,          # b holds [gate | up] columns: out column n = silu(gate n) * up n (N = I)
     HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -55,14 +56,14 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)                                                  # [BM, BK]
         b_mask = n_ok[None, :] & k_ok[:, None]
-        b = tl.load(b_base + rn.to(tl.int64)[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0.0).to(adt)
+        b_rows = b_base + kk.to(tl.int64)[:, None] * stride_bk                   # [BK, 1]
+        b = tl.load(b_rows + rn[None, :] * stride_bn, mask=b_mask, other=0.0).to(adt)
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         if GATED:
-            u = tl.load(b_base + (rn + N).to(tl.int64)[None, :] * stride_bn + kk[:, None], mask=b_mask,
-                        other=0.0).to(adt)
+            u = tl.load(b_rows + (rn + N)[None, :] * stride_bn, mask=b_mask, other=0.0).to(adt)
             if IEEE:
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
@@ -88,9 +89,9 @@ def _block_m(slots: int, num_experts: int) -> int:
 def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
     check_float("x", x)
     check(x.dim() == 2 and x.stride(1) == 1, f"x: expected [T, H] with contiguous rows, got {tuple(x.shape)}")
-    e, two_i, h = w13.shape
-    check(two_i % 2 == 0 and h == x.shape[1], f"w13: expected [E, 2I, {x.shape[1]}], got {tuple(w13.shape)}")
-    check(tuple(w2.shape) == (e, h, two_i // 2), f"w2: expected {(e, h, two_i // 2)}, got {tuple(w2.shape)}")
+    e, h, two_i = w13.shape
+    check(two_i % 2 == 0 and h == x.shape[1], f"w13: expected [E, {x.shape[1]}, 2I], got {tuple(w13.shape)}")
+    check(tuple(w2.shape) == (e, two_i // 2, h), f"w2: expected {(e, two_i // 2, h)}, got {tuple(w2.shape)}")
     check(w13.is_contiguous() and w2.is_contiguous(), "w13, w2: must be contiguous")
     check(topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
           f"topk_ids, topk_weights: expected [T, k], got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
@@ -110,7 +111,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     """[T, H] -> [T, H] in x.dtype (see the module doc)."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     t, k = topk_ids.shape
-    num_experts, two_i, h = w13.shape
+    num_experts, h, two_i = w13.shape
     inter = two_i // 2
     slots = t * k
     if t == 0:
@@ -128,12 +129,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     blocks = block_expert.numel()
     launch(_moe_gemm_kernel, (blocks, triton.cdiv(inter, block_n)), x.device,
            x, w13, scales13, weights, hidden, sorted_slots, block_expert,
-           slots, inter, h, x.stride(0), w13.stride(0), w13.stride(1), scales13.stride(0), hidden.stride(0),
+           slots, inter, h, x.stride(0), *w13.stride(), scales13.stride(0), hidden.stride(0),
            A_DIV=k, GATED=True, HAS_SCALE=has_scale, MUL_WEIGHT=False, IEEE=ieee,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     launch(_moe_gemm_kernel, (blocks, triton.cdiv(h, block_n)), x.device,
            hidden, w2, scales2, weights, out, sorted_slots, block_expert,
-           slots, h, inter, hidden.stride(0), w2.stride(0), w2.stride(1), scales2.stride(0), out.stride(0),
+           slots, h, inter, hidden.stride(0), *w2.stride(), scales2.stride(0), out.stride(0),
            A_DIV=1, GATED=False, HAS_SCALE=has_scale, MUL_WEIGHT=True, IEEE=ieee,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out.view(t, k, h).sum(dim=1)

@@ -26,8 +26,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=1e-2,
 def _problem(t, e, k, h, inter, dtype, device, seed=0, only_experts=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g)
-    w13 = torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5
-    w2 = torch.randn(e, h, inter, generator=g) * inter ** -0.5
+    w13 = torch.randn(e, h, 2 * inter, generator=g) * h ** -0.5           # input-major, as kernels/moe.py
+    w2 = torch.randn(e, inter, h, generator=g) * inter ** -0.5
     logits = torch.randn(t, e, generator=g)
     if only_experts is not None:           # the other experts get no token
         logits[:, [i for i in range(e) if i not in only_experts]] = -1e4
@@ -67,8 +67,8 @@ def test_fused_moe_quantized_weights(device, dtype, qdtype):
     qmax = 127 if qdtype == torch.int8 else 448.0
 
     def quantize(w):
-        scale = w.abs().amax(-1) / qmax                                      # [E, N]
-        q = w / scale[..., None]
+        scale = w.abs().amax(1) / qmax                                       # [E, N]
+        q = w / scale[:, None]
         return (q.round() if qdtype == torch.int8 else q).to(qdtype), scale
 
     (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
@@ -93,6 +93,6 @@ def test_dispatch_takes_the_reference_on_cpu():
 def test_launcher_checks_shapes():
     x, w13, w2, weights, ids = _problem(3, 4, 2, 16, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="w2: expected"):
-        fused_moe_triton(x, w13, w2[:, :, :4].contiguous(), weights, ids)
+        fused_moe_triton(x, w13, w2[:, :4].contiguous(), weights, ids)
     with pytest.raises(ValueError, match="float weights must be x.dtype"):
         fused_moe_triton(x.half(), w13, w2, weights, ids)

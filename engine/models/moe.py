@@ -10,9 +10,9 @@ with the config's intermediate_size).
 Checkpoints hold one tensor per expert and projection; load_weights copies each into its slice
 of the stacked parameters as it arrives (one tensor at a time: memory stays bounded):
 
-    <layer>.<moe>.experts.<e>.<gate>.weight  [I, H]  ->  mlp.experts.w13[e, :I]
-    <layer>.<moe>.experts.<e>.<up>.weight    [I, H]  ->  mlp.experts.w13[e, I:]
-    <layer>.<moe>.experts.<e>.<down>.weight  [H, I]  ->  mlp.experts.w2[e]
+    <layer>.<moe>.experts.<e>.<gate>.weight  [I, H]  ->  mlp.experts.w13[e, :, :I]  (transposed)
+    <layer>.<moe>.experts.<e>.<up>.weight    [I, H]  ->  mlp.experts.w13[e, :, I:]  (transposed)
+    <layer>.<moe>.experts.<e>.<down>.weight  [H, I]  ->  mlp.experts.w2[e]          (transposed)
     <layer>.<moe>.gate.weight                [E, H]  ->  mlp.gate.weight
 
 with (moe; gate, up, down) = (block_sparse_moe; w1, w3, w2) for Mixtral, (mlp; gate_proj, up_proj,
@@ -39,8 +39,9 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))    # [E, 2I, H]: gate rows, up rows
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))         # [E, H, I]
+        # input-major, the transpose of nn.Linear's weight (kernels/moe.py says why)
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))    # [E, H, 2I]: gate, up columns
+        self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))         # [E, I, H]
         self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized
         self.register_buffer("w2_scale", None)                                  # [E, H] when quantized
 
@@ -110,9 +111,9 @@ class MoECausalLM(CausalLM):
                 target, shard = self.EXPERT_NAMES[piece]
                 param = getattr(self.layers[layer].mlp.experts, target).data[expert]
                 if target == "w13":
-                    param = param[shard * inter:(shard + 1) * inter]
+                    param = param[:, shard * inter:(shard + 1) * inter]
                 with torch.no_grad():
-                    param.copy_(tensor)
+                    param.copy_(tensor.T)
                 filled.add(f"layers.{layer}.mlp.experts.{target}#{expert}.{shard}")
             elif shared:
                 param = self.layers[int(shared[1])].mlp.shared_expert.gate_up_proj.weight

@@ -30,11 +30,12 @@ def quantize_experts(experts, scheme: str) -> None:
     quantize = formats.quantize_int8 if scheme == "int8" else formats.quantize_fp8
     qdtype = torch.int8 if scheme == "int8" else torch.float8_e4m3fn
     out = []
-    for w in (experts.w13, experts.w2):                 # [E, N, K]
+    for w in (experts.w13, experts.w2):                 # [E, K, N], input-major
         q = torch.empty(w.shape, dtype=qdtype, device=w.device)
-        scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+        scales = torch.empty((w.shape[0], w.shape[2]), dtype=torch.float32, device=w.device)
         for e in range(w.shape[0]):
-            q[e], s = quantize(w[e])
+            qe, s = quantize(w[e].T.contiguous())       # [N, K] and [N, 1], as for a linear's weight
+            q[e] = qe.T
             scales[e] = s[:, 0]
         out += [q, scales]
     experts.set_quantized(*out)
