@@ -285,17 +285,21 @@ def _time_prefill(rows: list, s: _Shapes, quick: bool, tiny: bool) -> None:
         print(f"  {'prefill':28s} {shape:34s} {t_ms * 1e3:9.1f} us  {flops / t_ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
-def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -> list[tuple]:
+GROUPS = ("pointwise", "store_kv", "decode", "prefill", "fused_moe")
+
+
+def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False, only: str | None = None) -> list[tuple]:
     """Time each kernel and its reference. tiny=True: toy shapes (a smoke test of this
-    script; on CPU tensors the kernels run in the interpreter)."""
+    script; on CPU tensors the kernels run in the interpreter). only: one of GROUPS."""
     s = _timing_shapes(quick, device, tiny)
     rows = []
     add = _row_adder(rows, quick)
-    _time_pointwise(add, s)
-    _time_store_kv(add, s)
-    _time_decode(add, s, quick, tiny)
-    _time_prefill(rows, s, quick, tiny)
-    _time_moe(add, s, tiny)
+    groups = {"pointwise": lambda: _time_pointwise(add, s), "store_kv": lambda: _time_store_kv(add, s),
+              "decode": lambda: _time_decode(add, s, quick, tiny),
+              "prefill": lambda: _time_prefill(rows, s, quick, tiny), "fused_moe": lambda: _time_moe(add, s, tiny)}
+    for name in GROUPS:
+        if only in (None, name):
+            groups[name]()
     return rows
 
 
@@ -337,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report resources (no GPU)")
     ap.add_argument("--check", action="store_true", help="with --compile-only: exit 1 if a 16-bit kernel spills")
+    ap.add_argument("--only", choices=GROUPS, help="time one group of kernels")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes (a smoke run)")
     args = ap.parse_args(argv)
     try:
         import triton  # noqa: F401
@@ -355,8 +361,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device; the timings need a GPU (try --compile-only for the sm_90 report)")
         return 0
-    print(f"kernel_bench on {torch.cuda.get_device_name()} (bfloat16, Llama-3.1-8B shapes)")
-    _print_timings(run_timings(args.quick))
+    print(f"kernel_bench on {torch.cuda.get_device_name()} (bfloat16, Llama-3.1-8B shapes; MoE: Qwen3-30B-A3B's)")
+    _print_timings(run_timings(args.quick, tiny=args.tiny, only=args.only))
     return 0
 
 

@@ -20,8 +20,8 @@ index_select and loops over the experts that have tokens; the Triton kernel
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
 from kernels.triton_utils import use_triton
 
 
@@ -45,26 +45,27 @@ def expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: to
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path (see the module doc): [T, H] -> [T, H] in x.dtype. Rounds like HF's experts:
-    each projection's output in x.dtype, the routing weight cast to x.dtype before the product."""
+    """The torch path (see the module doc): [T, H] -> [T, H] in x.dtype. Rounds and sums like HF's
+    experts: each projection's output in x.dtype, the routing weight cast to x.dtype before the
+    product, a token's k results added in ascending expert order (the sorted order)."""
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
+    num_experts, _, two_i = w13.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)                       # slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    xs = x.index_select(0, order // k)                             # [T*k, H], expert runs in order
+    tokens = order // k
+    xs = x.index_select(0, tokens)                                 # [T*k, H], expert runs in order
     out = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            h = xs[rows] @ expert_weight(w13, w13_scale, e, x.dtype)
-            out[rows] = silu_and_mul_ref(h) @ expert_weight(w2, w2_scale, e, x.dtype)
+            h = torch.mm(xs[rows], expert_weight(w13, w13_scale, e, x.dtype))          # [n, 2I]
+            act = F.silu(h[:, :two_i // 2]).mul_(h[:, two_i // 2:])                     # silu_and_mul_ref
+            torch.mm(act, expert_weight(w2, w2_scale, e, x.dtype), out=out[rows])
             start += n
-    out *= topk_weights.reshape(-1)[order].to(x.dtype)[:, None]
-    y = torch.empty_like(out)
-    y[order] = out                                                 # back to (token, choice) order
-    return y.view(t, k, -1).sum(dim=1)
+    out.mul_(topk_weights.reshape(-1)[order].to(x.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_model_bundle
 from engine.model_runner import ModelRunner
+from engine.models import model_class
 from engine.request import Request, SamplingParams
 from engine.runtime import build_model, build_runtime
 from tests.tiny import hf_greedy, prompts
@@ -150,3 +151,19 @@ def test_fp8_experts_and_unsupported_schemes(moe_model):
     for scheme in ("int4", "w8a8"):
         with pytest.raises(ConfigError, match="mixture-of-experts models support int8 and fp8 only"):
             quantize_model(model, scheme)
+
+
+def test_dummy_qwen3_30b_a3b_counts_3b_active_of_30b():
+    """The benchmark model: Qwen3-30B-A3B's published sizes, 30.5B parameters of which a token uses 3.3B."""
+    from benchmarks.throughput import model_arith
+
+    cfg = load_model_bundle("dummy:qwen3-30b-a3b").config
+    assert cfg.moe.num_experts == 128 and cfg.moe.top_k == 8 and cfg.moe.renormalize
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg)
+    stored = sum(p.numel() for p in model.parameters())
+    a = model_arith(cfg, 1, 1)
+    assert stored == a["stored_layer_params"] + a["head_params"] + a["embedding_params"] + sum(
+        p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert round(stored / 1e9, 1) == 30.5
+    assert 3.3e9 < a["layer_params"] + a["head_params"] + a["embedding_params"] < 3.4e9
