@@ -6,6 +6,9 @@
     llama.py      Llama 2/3, Mistral, SmolLM2: the pre-norm decoder layer
     qwen2.py      Qwen2: Llama's layer with q/k/v biases
     qwen3.py      Qwen3: Llama's layer with q/k norms
+    moe.py        mixture of experts: router, stacked experts (kernels.fused_moe), the shared expert; MoECausalLM
+                  loads per-expert checkpoint tensors into the stacks (switches: moe_config.py)
+    mixtral.py, qwen2_moe.py, qwen3_moe.py: MoECausalLM with each family's checkpoint names
 
 Importing this package does not import torch; `model_class` imports the family's module.
 """
