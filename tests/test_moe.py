@@ -8,6 +8,7 @@ mlp_only_layers and decoder_sparse_step leave two dense.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -167,3 +168,15 @@ def test_dummy_qwen3_30b_a3b_counts_3b_active_of_30b():
         p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert round(stored / 1e9, 1) == 30.5
     assert 3.3e9 < a["layer_params"] + a["head_params"] + a["embedding_params"] < 3.4e9
+
+
+def test_cli_refuses_int4_for_moe_with_exit_2(tmp_path):
+    from jobrunner.cli import main
+
+    ds = tmp_path / "rows.jsonl"
+    ds.write_text(json.dumps({"id": "a", "prompt": "hi"}))
+    tiny = Path(__file__).parent.parent / "benchmarks" / "configs" / "tiny-qwen3-moe.json"
+    r = CliRunner().invoke(main, ["submit", str(ds), "-m", f"dummy:{tiny}", "--quantization", "int4",
+                                  "--max-tokens", "2", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2
+    assert "mixture-of-experts models support int8 and fp8 only" in r.output
