@@ -108,6 +108,9 @@ class MoECausalLM(CausalLM):
             shared = re.fullmatch(r"layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight", name)
             if m:
                 layer, expert, piece = int(m[1]), int(m[2]), m[3]
+                if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoE) \
+                        or expert >= self.config.moe.num_experts:
+                    raise KeyError(f"unexpected weight {name!r} (layer {layer} has no expert {expert})")
                 target, shard = self.EXPERT_NAMES[piece]
                 param = getattr(self.layers[layer].mlp.experts, target).data[expert]
                 if target == "w13":
