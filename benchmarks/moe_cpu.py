@@ -58,8 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
+                    "thread barriers out of the figures")
     args = ap.parse_args(argv)
     import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         models = {}
         for name, cfg in (("dense", DENSE), ("moe", MOE)):
