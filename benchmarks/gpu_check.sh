@@ -2,7 +2,9 @@
 # The GPU machine's check, in one go and in under 8 minutes: the GPU tests, engine throughput on
 # dummy-weight Llama-3.1-8B (1000 prompts 256/256, then 1000 prompts 1024/512 and 1000 with
 # lengths uniform in 100..1024, each bounded by a time limit; 256/256 again without async
-# scheduling), and transformers batched generate on a subset as the peer. Installs nothing and
+# scheduling), the mixture of experts dummy:qwen3-30b-a3b (the fused-MoE kernel timed at its
+# shapes, then 256/256 in bf16 with a profile of two decode steps, and in fp8), and transformers
+# batched generate on a subset as the peer. Installs nothing and
 # needs no network (torch, triton, transformers, pytest are on that machine; polars and gguf are
 # not, and nothing here imports them). Each part's failure is reported; none stops the others.
 #
@@ -30,21 +32,24 @@ MODE=${GPU_CHECK_MODE:-full}
 [ -n "${GPU_CHECK_SMALL:-}" ] && MODE=small
 case $MODE in
   small)
-    MODEL=dummy:smollm2-135m; A="--num-prompts 8 --input-len 32 --output-len 8"
+    MODEL=dummy:smollm2-135m; MOE_MODEL=dummy:benchmarks/configs/tiny-qwen3-moe.json; L_MOE=150; TL_MOE=30
+    A="--num-prompts 8 --input-len 32 --output-len 8"
     B="--num-prompts 8 --input-len 16:64 --output-len 4:8"; HF="--num-prompts 4 --input-len 32 --output-len 8"
     U="--num-prompts 8 --input-len 10:40 --output-len 4:8"; TL_U=30
     L_TEST=300; L_A=150; TL_A=60; L_B=150; TL_B=60; L_E=150; TL_E=60; L_HF=150; TL_HF=60; PROF="--profile-steps 2" ;;
   quick)
-    MODEL=dummy:llama-3.1-8b; A="--num-prompts 300 --input-len 256 --output-len 256"
+    MODEL=dummy:llama-3.1-8b; MOE_MODEL=dummy:qwen3-30b-a3b; L_MOE=120; TL_MOE=15
+    A="--num-prompts 300 --input-len 256 --output-len 256"
     B="--num-prompts 300 --input-len 1024 --output-len 512"; HF=""
     U="--num-prompts 300 --input-len 100:1024 --output-len 100:1024"; TL_U=10
     L_TEST=100; L_A=70; TL_A=20; L_B=70; TL_B=10; L_E=40; TL_E=10
     PROF="--profile-steps 3 --profile-after 60" ;;
   *)
-    MODEL=dummy:llama-3.1-8b; A="--num-prompts 1000 --input-len 256 --output-len 256"
+    MODEL=dummy:llama-3.1-8b; MOE_MODEL=dummy:qwen3-30b-a3b; L_MOE=150; TL_MOE=25
+    A="--num-prompts 1000 --input-len 256 --output-len 256"
     B="--num-prompts 1000 --input-len 1024 --output-len 512"; HF="--num-prompts 64 --input-len 256 --output-len 256"
     U="--num-prompts 1000 --input-len 100:1024 --output-len 100:1024"; TL_U=40
-    L_TEST=120; L_A=110; TL_A=60; L_B=170; TL_B=80; L_E=80; TL_E=40; L_HF=70; TL_HF=30; PROF=""
+    L_TEST=120; L_A=110; TL_A=60; L_B=140; TL_B=60; L_E=60; TL_E=25; L_HF=70; TL_HF=30; PROF=""
     # two 8192-token prefill steps under torch.profiler: how prefill's time splits between matmuls,
     # attention and the rest (its MFU was ~60%); costs the timed run well under a second
     PROF_B="--profile-steps 2 --profile-after 10" ;;
@@ -106,6 +111,13 @@ else
 fi
 
 part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
+# Mixture of experts (one log: the device tool brings back 8 files): the fused-MoE kernel at Qwen3-30B-A3B's
+# shapes (time and GB/s of the experts a batch touches), then 256/256 in bf16 with a profile of two decode
+# steps (the MoE kernels' share of a step), then in fp8 where the GPU has it (compute capability >= 8.9)
+FP8_OK=$("$PY" -c "import torch; print(int(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))" 2>/dev/null)
+part moe-256-256 "$L_MOE" sh -c "\"$PY\" -m benchmarks.kernel_bench --only fused_moe $( [ "$MODE" = small ] && echo --tiny ) &&
+  \"$PY\" -m benchmarks.throughput -m \"$MOE_MODEL\" $A --time-limit $TL_MOE --profile-steps 2 --profile-after 50 &&
+  if [ \"$FP8_OK\" = 1 ]; then \"$PY\" -m benchmarks.throughput -m \"$MOE_MODEL\" $A --quantization fp8 --time-limit $TL_MOE; fi"
 # 1024/512, then (same log: the device tool brings back 8 files) lengths uniform in 100..1024
 part throughput-1024-512 "$L_B" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $B --time-limit $TL_B $PROF_B &&
   \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $U --time-limit $TL_U"
@@ -121,15 +133,15 @@ part sync-256-256-and-embed-512 $(( L_E + 80 )) sh -c "\"$PY\" -m benchmarks.thr
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
 if [ "$MODE" = full ]; then
-  # fp8 weights against TensorRT-LLM's published fp8 figures (issue 21): 256/256, 128/128 and 1000/1000
-  # in one log (the device tool brings back 8 files)
+  # quantized, in one log (the device tool brings back 8 files): fp8 weights against TensorRT-LLM's
+  # published fp8 figures (issue 21) at 256/256, 128/128 and 1000/1000; an int8 KV cache against bf16 KV
+  # (with a profile of two decode steps)
   F="--num-prompts 1000 --max-num-seqs 1024 --max-batched-tokens 8192 --quantization fp8"
-  part fp8 110 sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 256 --output-len 256 --time-limit 20 &&
-    \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 128 --output-len 128 --time-limit 15 &&
-    \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 1000 --output-len 1000 --time-limit 30"
-  # quantized KV caches against bf16 KV: int8 (with a profile of two decode steps)
-  part kv-int8-256-256 60 "$PY" -m benchmarks.throughput -m "$MODEL" $A --kv-cache-dtype int8 --time-limit 20 \
-    --profile-steps 2 --profile-after 100
+  part quant 150 sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 256 --output-len 256 --time-limit 20;
+    \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 128 --output-len 128 --time-limit 15;
+    \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $F --input-len 1000 --output-len 1000 --time-limit 30;
+    \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --kv-cache-dtype int8 --time-limit 20 \
+    --profile-steps 2 --profile-after 100"
 fi
 
 note "total $(( $(date +%s) - T0 ))s; $( [ $FAILED = 0 ] && echo 'all parts ok' || echo 'SOME PARTS FAILED: see the logs' ) in $DIR"

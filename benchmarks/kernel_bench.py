@@ -36,6 +36,7 @@ def _sm90_cases():
     from kernels import triton_attention as tatt
     from kernels import triton_kv_cache as tkv
     from kernels import triton_norm as tnorm
+    from kernels import triton_moe as tmoe
     from kernels import triton_rotary as trot
     bf = "*bf16"
     cases = [
@@ -72,6 +73,16 @@ def _sm90_cases():
             cfg = tatt.prefill_config(D, group, torch.bfloat16, 4096)
             cases.append((f"prefill {model} {tag}", tatt._prefill_kernel, attn,
                           *_split_opts(dict(cfg, BLOCK_SIZE=16, KV_INT8=int8, SOFTCAP=softcap))))
+    moe = dict(a_ptr=bf, b_ptr=bf, scale_ptr="*fp32", w_ptr="*fp32", c_ptr=bf, sorted_ptr="*i32",
+               block_expert_ptr="*i32")
+    for weights, b in (("bf16", bf), ("fp8", "*fp8e4nv")):
+        for block_m in (16, 64):
+            for gated in (True, False):
+                cases.append((f"fused_moe {'gate_up+silu' if gated else 'down'} {weights} M{block_m}",
+                              tmoe._moe_gemm_kernel, dict(moe, b_ptr=b),
+                              dict(stride_bn=1, A_DIV=8 if gated else 1, GATED=gated, HAS_SCALE=weights == "fp8",
+                                   MUL_WEIGHT=not gated, IEEE=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64),
+                              dict(num_warps=4)))
     return cases
 
 
@@ -284,17 +295,48 @@ def _time_prefill(rows: list, s: _Shapes, quick: bool, tiny: bool) -> None:
         print(f"  {'prefill':28s} {shape:34s} {t_ms * 1e3:9.1f} us  {flops / t_ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
-def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False) -> list[tuple]:
+GROUPS = ("pointwise", "store_kv", "decode", "prefill", "fused_moe")
+
+
+def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False, only: str | None = None) -> list[tuple]:
     """Time each kernel and its reference. tiny=True: toy shapes (a smoke test of this
-    script; on CPU tensors the kernels run in the interpreter)."""
+    script; on CPU tensors the kernels run in the interpreter). only: one of GROUPS."""
     s = _timing_shapes(quick, device, tiny)
     rows = []
     add = _row_adder(rows, quick)
-    _time_pointwise(add, s)
-    _time_store_kv(add, s)
-    _time_decode(add, s, quick, tiny)
-    _time_prefill(rows, s, quick, tiny)
+    groups = {"pointwise": lambda: _time_pointwise(add, s), "store_kv": lambda: _time_store_kv(add, s),
+              "decode": lambda: _time_decode(add, s, quick, tiny),
+              "prefill": lambda: _time_prefill(rows, s, quick, tiny), "fused_moe": lambda: _time_moe(add, s, tiny)}
+    for name in GROUPS:
+        if only in (None, name):
+            groups[name]()
     return rows
+
+
+def _time_moe(add, s: _Shapes, tiny: bool) -> None:
+    """fused_moe at Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of 768, top 8): decode
+    batches and a prefill step, bfloat16 and fp8 weights. GB/s counts the experts the batch touches."""
+    from kernels.moe import fused_moe_ref, route_topk
+    from kernels.triton_moe import fused_moe_triton
+    dev, dt = s.dev, s.dt
+    H, I, E, k = (64, 32, 8, 2) if tiny else (2048, 768, 128, 8)
+    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=dt) * H ** -0.5         # input-major (kernels/moe.py)
+    w2 = torch.randn(E, I, H, device=dev, dtype=dt) * I ** -0.5
+    variants = [("bf16", (w13, w2, None, None), 2)]            # (name, weights and scales, bytes per weight)
+    if torch.device(dev).type == "cuda":
+        s13, s2 = w13.float().abs().amax(1) / 448, w2.float().abs().amax(1) / 448     # [E, N]
+        q13 = (w13.float() / s13[:, None]).to(torch.float8_e4m3fn)
+        q2 = (w2.float() / s2[:, None]).to(torch.float8_e4m3fn)
+        variants.append(("fp8", (q13, q2, s13, s2), 1))
+    for T in ((3, 40) if tiny else (64, 512, 4096)):
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        weights, ids = route_topk(torch.randn(T, E, device=dev), k, True)
+        touched = ids.unique().numel() * 3 * H * I               # weights of the experts this batch uses
+        for name, (a, b, sa, sb), nbytes in variants:
+            args = (x, a, b, weights, ids, sa, sb)
+            ref = (lambda args=args: fused_moe_ref(*args)) if T <= 512 else None
+            add(f"fused_moe {name}", f"T={T} E={E} k={k} H={H} I={I}", lambda args=args: fused_moe_triton(*args),
+                ref, touched * nbytes + 2 * T * H * 2)
 
 
 def _print_timings(rows) -> None:
@@ -309,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report resources (no GPU)")
     ap.add_argument("--check", action="store_true", help="with --compile-only: exit 1 if a 16-bit kernel spills")
+    ap.add_argument("--only", choices=GROUPS, help="time one group of kernels")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes (a smoke run)")
     args = ap.parse_args(argv)
     try:
         import triton  # noqa: F401
@@ -327,8 +371,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device; the timings need a GPU (try --compile-only for the sm_90 report)")
         return 0
-    print(f"kernel_bench on {torch.cuda.get_device_name()} (bfloat16, Llama-3.1-8B shapes)")
-    _print_timings(run_timings(args.quick))
+    print(f"kernel_bench on {torch.cuda.get_device_name()} (bfloat16, Llama-3.1-8B shapes; MoE: Qwen3-30B-A3B's)")
+    _print_timings(run_timings(args.quick, tiny=args.tiny, only=args.only))
     return 0
 
 

@@ -80,16 +80,31 @@ def random_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, i
 # ------------------------------------------------------------------------------ model arithmetic
 
 def model_arith(cfg, weight_itemsize: float, kv_itemsize: float) -> dict:
-    """Parameter counts and bytes from a ModelConfig (independent of module swaps)."""
+    """Parameter counts and bytes from a ModelConfig (independent of module swaps). Mixture of
+    experts: layer_params counts what a token uses (router, its top k experts, a shared expert);
+    stored_layer_params every expert, which a step streams once its batch touches them all."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-    layers = cfg.num_layers * per_layer
+    attn = h * (q + 2 * kv) + q * h
+    mlp = [_mlp_params(cfg, i) for i in range(cfg.num_layers)]
+    layers = cfg.num_layers * attn + sum(active for active, _ in mlp)
+    stored = cfg.num_layers * attn + sum(total for _, total in mlp)
     head = h * cfg.vocab_size
-    return {"layer_params": layers, "head_params": head, "matmul_params": layers + head,
-            "embedding_params": h * cfg.vocab_size,
-            "streamed_weight_bytes": (layers + head) * weight_itemsize,
+    return {"layer_params": layers, "stored_layer_params": stored, "head_params": head,
+            "matmul_params": layers + head, "embedding_params": h * cfg.vocab_size,
+            "streamed_weight_bytes": (stored + head) * weight_itemsize,
             "kv_bytes_per_token": 2 * cfg.num_layers * kv * kv_itemsize,
             "attn_flops_per_context_token": 4 * cfg.num_layers * q}
+
+
+def _mlp_params(cfg, layer: int) -> tuple[int, int]:
+    """(parameters a token uses, parameters stored) of layer's feed-forward block."""
+    h, moe = cfg.hidden_size, getattr(cfg, "moe", None)
+    if moe is None or not moe.is_sparse(layer):
+        return 3 * h * cfg.intermediate_size, 3 * h * cfg.intermediate_size
+    shared = 3 * h * moe.shared_intermediate_size + (h if moe.shared_intermediate_size else 0)
+    common = h * moe.num_experts + shared                       # router and shared expert
+    expert = 3 * h * moe.intermediate_size
+    return common + moe.top_k * expert, common + moe.num_experts * expert
 
 
 def context_sums(work: list[tuple[list[int], int]]) -> tuple[int, int, int]:
@@ -208,7 +223,7 @@ def _our_figures(args, engine, work, finished: int, elapsed: float) -> dict:
     done_prompt = c.prompt_tokens_computed + c.prompt_tokens_cached
     # bytes a weight takes, averaged over the model as loaded (quantized or not)
     unit = model_arith(rt.model_config, 1, 1)
-    unique = unit["layer_params"] + unit["embedding_params"] + (
+    unique = unit["stored_layer_params"] + unit["embedding_params"] + (
         0 if rt.model_config.tie_word_embeddings else unit["head_params"])
     arith = model_arith(rt.model_config, rt.weight_bytes / unique, rt.kv_dtype.itemsize)
     peak_tf, peak_bw = peaks(args, rt.device)
@@ -414,7 +429,7 @@ def summary_line(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="dummy:smollm2-135m",
-                    help="dummy:smollm2-135m, dummy:llama-3.1-8b, dummy:<config.json> (or any model jobrunner loads)")
+                    help="dummy:smollm2-135m, dummy:llama-3.1-8b, dummy:qwen3-30b-a3b, dummy:<config.json> (or any model jobrunner loads)")
     ap.add_argument("--engine", choices=("ours", "transformers"), default="ours")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=parse_len, default=(128, 128), help="N or LO:HI (uniform)")

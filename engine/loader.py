@@ -200,6 +200,14 @@ DUMMY_CONFIGS: dict[str, dict] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     },
+    "qwen3-30b-a3b": {     # 30.5B parameters, 3.3B active: 48 layers of 128 experts, 8 per token
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models import registry
+from engine.models.moe_config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ModelConfig:
     attention_multiplier: float | None = None   # Granite: the attention scale itself
     residual_multiplier: float = 1.0            # Granite: each block's output is scaled before the add
     logits_scaling: float = 1.0                 # Granite: logits are divided by it
+    moe: MoEConfig | None = None                # mixture-of-experts switches (engine/models/moe_config.py); None: dense
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -100,6 +102,7 @@ class ModelConfig:
             attention_multiplier=cfg.get("attention_multiplier"),
             residual_multiplier=cfg.get("residual_multiplier", 1.0),
             logits_scaling=cfg.get("logits_scaling", 1.0),
+            moe=MoEConfig.from_hf(cfg, spec.renormalize_topk),
         )
 
     def is_sliding(self, layer: int) -> bool:

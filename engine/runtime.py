@@ -118,7 +118,7 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     cfg = bundle.config
     with _uninitialized():
         model = model_class(cfg.architecture)(cfg)
-    _materialize(model, device, dtype)
+    _materialize(model, device, dtype)       # allocated in dtype at once: no float32 copy of a 30B model
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()

@@ -11,6 +11,9 @@
     phi3.py       Phi-3, Phi-4-mini: Llama's layer; fused checkpoint projections, LongRoPE, partial rotary
     olmo2.py      OLMo 2: post-norm blocks, q/k norms over the whole projections
     granite.py    Granite: Llama's layer with embedding, attention, residual and logits multipliers
+    moe.py        mixture of experts: router, stacked experts (kernels.fused_moe), the shared expert; MoECausalLM
+                  loads per-expert checkpoint tensors into the stacks (switches: moe_config.py)
+    mixtral.py, qwen2_moe.py, qwen3_moe.py: MoECausalLM with each family's checkpoint names
 
 Importing this package does not import torch; `model_class` imports the family's module.
 """

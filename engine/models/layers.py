@@ -104,12 +104,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is cfg.hidden_act."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is cfg.hidden_act.
+    intermediate_size: the config's unless given (a MoE's shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
 
     def forward(self, x):

@@ -21,6 +21,7 @@ class Architecture:
     sliding_window: bool = False    # when config.json has no "use_sliding_window"
     sliding_window_pattern: int = 0 # every n-th layer global, the others sliding, when config.json has no layer_types
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    renormalize_topk: bool = False  # MoE: top-k routing weights sum to 1 when config.json has no "norm_topk_prob"
 
 
 ARCHITECTURES: dict[str, Architecture] = {                     # config.json architectures[0] ->
@@ -34,6 +35,9 @@ ARCHITECTURES: dict[str, Architecture] = {                     # config.json arc
     "Phi3ForCausalLM": Architecture("phi3", sliding_window=True),             # Phi-3, Phi-3.5, Phi-4-mini
     "Olmo2ForCausalLM": Architecture("olmo2"),
     "GraniteForCausalLM": Architecture("granite"),
+    "MixtralForCausalLM": Architecture("mixtral", sliding_window=True, renormalize_topk=True),
+    "Qwen2MoeForCausalLM": Architecture("qwen2_moe", attention_bias=True),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True),
 }
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"                      # for a config.json without "architectures"
 

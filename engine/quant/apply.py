@@ -8,6 +8,10 @@ What each scheme quantizes (decoder linears = qkv_proj, o_proj, gate_up_proj, do
     w8a8    W8A8Linear, after SmoothQuant        int8 per row; lm_head W8A8Linear
     fp8     Fp8Linear                            left in the model dtype
 
+Mixture-of-experts blocks: the stacked experts are int8 or fp8 per output channel of each
+expert, weight-only (engine/quant/experts.py), under int8 and fp8; a shared expert is a decoder
+linear like the others; the router stays in the model dtype. int4 and w8a8 refuse MoE models.
+
 The embedding and lm_head are int8 even under int4: SmolLM2-135M's tied 49152 x 576
 embedding is a fifth of its weights, so 0.2x of float32 is out of reach with a float
 embedding, and 4-bit logits cost more quality than 8-bit ones (llama.cpp keeps its output
@@ -27,6 +31,7 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.quant import formats, smooth
+from engine.quant.experts import check_expert_scheme, quantize_experts
 from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
 from kernels import int_mm_exact
 
@@ -95,6 +100,8 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     check_quantization(scheme, device, dtype)
+    if any(hasattr(layer.mlp, "experts") for layer in model.layers):
+        check_expert_scheme(name)
     raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") else {}  # GGUF maps onto these only
     if name == "w8a8":
         backend, qmax = w8a8_backend(device)
@@ -125,11 +132,13 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
         return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=rowwise)
 
     for i, layer in enumerate(model.layers):
-        for parent_name, attr in _LINEARS:
-            parent = getattr(layer, parent_name)
+        for parent_name, attr in _decoder_linears(layer):
+            parent = layer.get_submodule(parent_name)
             lin = getattr(parent, attr)
             setattr(parent, attr, make(f"layers.{i}.{parent_name}.{attr}", lin))
             del lin
+        if hasattr(layer.mlp, "experts"):       # a MoE block: its router stays in the model dtype
+            quantize_experts(layer.mlp.experts, name)
 
     if quantize_lm_head is None:
         quantize_lm_head = name != "fp8"
@@ -139,6 +148,16 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
                                      backend=backend if name == "w8a8" else None)
     model.quantization = scheme
     return model
+
+
+def _decoder_linears(layer):
+    """(parent module path, attribute) of a layer's linears: _LINEARS, or in a MoE block its shared expert's."""
+    for parent, attr in _LINEARS:
+        if parent == "mlp" and hasattr(layer.mlp, "experts"):
+            if layer.mlp.shared_expert is not None:
+                yield "mlp.shared_expert", attr
+        else:
+            yield parent, attr
 
 
 def _quantize_embedding_and_head(model, name, raw, device, dtype, qmax, backend) -> None:

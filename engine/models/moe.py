@@ -1,0 +1,137 @@
+"""The mixture-of-experts feed-forward block and the CausalLM around it (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    x [T, H] -> gate (router) -> softmax top-k -> fused_moe over the experts' stacked weights
+             (+ sigmoid(shared_expert_gate(x)) * shared_expert(x), Qwen2-MoE)
+
+The decoder layer is Llama's; only its `mlp` differs, and only on the sparse layers
+(MoEConfig.is_sparse: Qwen's decoder_sparse_step and mlp_only_layers keep some layers dense,
+with the config's intermediate_size).
+
+Checkpoints hold one tensor per expert and projection; load_weights copies each into its slice
+of the stacked parameters as it arrives (one tensor at a time: memory stays bounded):
+
+    <layer>.<moe>.experts.<e>.<gate>.weight  [I, H]  ->  mlp.experts.w13[e, :, :I]  (transposed)
+    <layer>.<moe>.experts.<e>.<up>.weight    [I, H]  ->  mlp.experts.w13[e, :, I:]  (transposed)
+    <layer>.<moe>.experts.<e>.<down>.weight  [H, I]  ->  mlp.experts.w2[e]          (transposed)
+    <layer>.<moe>.gate.weight                [E, H]  ->  mlp.gate.weight
+
+with (moe; gate, up, down) = (block_sparse_moe; w1, w3, w2) for Mixtral, (mlp; gate_proj, up_proj,
+down_proj) for Qwen. A family module sets EXPERT_NAMES and MOE_PREFIX.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.layers import GatedMLP
+from engine.models.llama import LlamaDecoderLayer
+from kernels import fused_moe, route_topk
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked. Float: parameters in the model dtype. Quantized
+    (engine/quant: int8 or float8 per output channel): buffers of that dtype plus float32 scales."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        # input-major, the transpose of nn.Linear's weight (kernels/moe.py says why)
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))    # [E, H, 2I]: gate, up columns
+        self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))         # [E, I, H]
+        self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized
+        self.register_buffer("w2_scale", None)                                  # [E, H] when quantized
+
+    def forward(self, x, topk_weights, topk_ids):
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale)
+
+    def set_quantized(self, w13, w13_scale, w2, w2_scale) -> None:
+        """Swaps the float parameters for quantized buffers (engine/quant/apply.py)."""
+        del self.w13, self.w2
+        for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+            self.register_buffer(name, t)
+
+
+class SparseMoE(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) the sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(cfg, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        """x: [T, H] -> [T, H]."""
+        topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        y = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class MoECausalLM(CausalLM):
+    """Llama's decoder layers with SparseMoE as the mlp of the sparse layers."""
+    layer_class = LlamaDecoderLayer
+    MOE_PREFIX = "mlp"                                              # the block's name in the checkpoint
+    EXPERT_NAMES = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        for i, layer in enumerate(self.layers):
+            if cfg.moe.is_sparse(i):
+                layer.mlp = SparseMoE(cfg)
+        names = "|".join(map(re.escape, self.EXPERT_NAMES))
+        self._expert_name = re.compile(rf"layers\.(\d+)\.mlp\.experts\.(\d+)\.({names})\.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Per-expert tensors go into the stacked experts, the shared expert's gate/up into its fused
+        gate_up_proj; the rest as for a dense model (CausalLM.load_weights)."""
+        stacked: set[str] = set()
+        filled = super().load_weights(self._stack_experts(weights, stacked))
+        return filled | stacked
+
+    def _stack_experts(self, weights, filled: set[str]):
+        """Yields the tensors that are not expert slices; copies those in, adding their names to filled."""
+        inter = self.config.moe.intermediate_size
+        for name, tensor in weights:
+            name = name.removeprefix("model.").replace(f".{self.MOE_PREFIX}.", ".mlp.", 1)
+            m = self._expert_name.fullmatch(name)
+            shared = re.fullmatch(r"layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight", name)
+            if m:
+                layer, expert, piece = int(m[1]), int(m[2]), m[3]
+                if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoE) \
+                        or expert >= self.config.moe.num_experts:
+                    raise KeyError(f"unexpected weight {name!r} (layer {layer} has no expert {expert})")
+                target, shard = self.EXPERT_NAMES[piece]
+                param = getattr(self.layers[layer].mlp.experts, target).data[expert]
+                if target == "w13":
+                    param = param[:, shard * inter:(shard + 1) * inter]
+                with torch.no_grad():
+                    param.copy_(tensor.T)
+                filled.add(f"layers.{layer}.mlp.experts.{target}#{expert}.{shard}")
+            elif shared:
+                param = self.layers[int(shared[1])].mlp.shared_expert.gate_up_proj.weight
+                shard = 0 if shared[2] == "gate" else 1
+                rows = param.shape[0] // 2
+                with torch.no_grad():
+                    param.data[shard * rows:(shard + 1) * rows].copy_(tensor)
+                filled.add(f"layers.{shared[1]}.mlp.shared_expert.gate_up_proj.weight#{shard}")
+            else:
+                yield name, tensor
+
+    def expected_weight_names(self) -> set[str]:
+        names = {n for n in super().expected_weight_names() if ".mlp.experts." not in n}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                for e in range(self.config.moe.num_experts):
+                    names.update(f"layers.{i}.mlp.experts.{t}#{e}.{s}" for t, s in self.EXPERT_NAMES.values())
+        return names
