@@ -34,6 +34,22 @@ class SamplingParams:
             raise ValueError("n must be >= 1")
 
 
+CONSTRAINT_KINDS = ("json_schema", "json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a generated text must match (engine/constraints.py compiles it). `spec` by kind:
+    json_schema: the schema as JSON text; json: unused (any JSON object); regex: the pattern;
+    choice: a JSON list of the allowed strings; grammar: Lark or GBNF-style EBNF text."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
+
+
 @dataclass
 class Request:
     """One prompt. `candidates`: token lists to score after the prompt (classification);
@@ -44,6 +60,7 @@ class Request:
     candidates: list[list[int]] | None = None
     score_from: int | None = None       # score mode: logprobs of prompt tokens [score_from:], nothing generated
     prompt: str | None = None           # the text, kept for the output only
+    constraint: Constraint | None = None    # generated text must match it (structured output)
 
     @property
     def tokens_needed(self) -> int:
@@ -72,6 +89,7 @@ class Completion:
     text: str
     finish_reason: str                  # stop | length | error
     logprobs: list[TokenLogprob] | None = None
+    constrained: bool = False           # generated under a constraint (length: the text is incomplete)
 
 
 @dataclass

@@ -70,6 +70,8 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # scored tokens' logprobs, from logprobs_from
+    matcher: object | None = None  # constrained: its grammar matcher (engine/constraints.py), fed every sampled
+                                   # token; it outlives preemption, since the sequence keeps its tokens
 
     # --- children -----------------------------------------------------------------------------
 
