@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.request import SamplingParams
+from jobrunner.constraint_options import job_constraint, validate_constraint_options
 from jobrunner.models import DEFAULT_MODEL
 from jobs import KINDS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
@@ -59,6 +60,14 @@ class JobConfig:
     reference_column: str | None = None
     match: str = "normalized"               # exact | normalized | contains
     score_column: str | None = None
+    # structured output (generate): at most one of these five, or a schema per row
+    json_schema: str | None = None          # a JSON schema: its text, or a file (path or fsspec URL)
+    json: bool = False                      # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] = ()            # the output is exactly one of these
+    grammar: str | None = None              # a Lark or GBNF-style EBNF grammar file
+    schema_column: str | None = None        # a JSON schema per row (an OpenAI row's response_format wins)
+    grammar_timeout: float = 30.0           # seconds a constraint may take to compile
     # engine
     device: str = "auto"
     dtype: str = "auto"
@@ -99,7 +108,7 @@ class JobConfig:
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
-            async_scheduling=self.async_scheduling, seed=self.seed or 0)
+            async_scheduling=self.async_scheduling, seed=self.seed or 0, grammar_timeout_s=self.grammar_timeout)
 
     def sampling_params(self) -> SamplingParams:
         """What generate samples with (an OpenAI batch row's body overrides it: jobs.base.sampling_params)."""
@@ -117,7 +126,8 @@ class JobConfig:
             evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
             classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
                                   normalize=self.normalize) if self.kind == "classify" else None,
-            score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None)
+            score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None,
+            constraint=job_constraint(self), schema_column=self.schema_column)
 
     @property
     def output_url(self) -> str:
@@ -134,9 +144,9 @@ class JobConfig:
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
-                "fail_on_empty", "flush_seconds"}
+                "fail_on_empty", "flush_seconds", "grammar_timeout"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
-        d["stop"], d["labels"] = list(self.stop), list(self.labels)
+        d["stop"], d["labels"], d["choice"] = list(self.stop), list(self.labels), list(self.choice)
         return d
 
     def validate(self) -> None:
@@ -194,6 +204,7 @@ class JobConfig:
             bad(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        validate_constraint_options(self)
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
         check_device(self.device)
@@ -275,7 +286,7 @@ def field_value(key: str, value):
         except JobConfigError as e:
             raise JobConfigError(f"{key}: {e}") from None
     if want is tuple and isinstance(value, str):
-        return split_labels(value) if key == "labels" else (value,)
+        return split_labels(value) if key in ("labels", "choice") else (value,)
     if want is tuple and isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
         return tuple(value)
     if want is float and isinstance(value, int) and not isinstance(value, bool):

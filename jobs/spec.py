@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import SamplingParams
+from engine.request import Constraint, SamplingParams
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs
@@ -57,3 +57,5 @@ class JobSpec:
     evaluation: EvalSpec = EvalSpec()
     classify: ClassifySpec | None = None
     score: ScoreSpec | None = None
+    constraint: Constraint | None = None    # generate: what every output must match (jobs/constraint.py)
+    schema_column: str | None = None        # generate: a JSON schema per row, in this column
