@@ -73,7 +73,7 @@ part() {
     *) status="FAILED rc=$rc"; FAILED=1 ;;
   esac
   local key
-  key=$(grep -E "^(jobrunner|transformers) .* requests in |[0-9]+ (passed|failed|skipped|deselected)|no tests ran|^GPU:" "$DIR/$name.log" \
+  key=$(grep -E "^(jobrunner|transformers) .* requests in |[0-9]+ (passed|failed|skipped|deselected)|no tests ran|^GPU:|per token: constrained" "$DIR/$name.log" \
         | tail -n 2 | tr '\n' ' ')
   [ -z "$key" ] && key=$(tail -n 1 "$DIR/$name.log")
   note "$name: $status (${secs}s) $key"
@@ -113,6 +113,16 @@ part throughput-1024-512 "$L_B" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MO
 part sync-256-256 "$L_E" "$PY" -m benchmarks.throughput -m "$MODEL" $A --sync-scheduling --time-limit "$TL_E"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
+# Structured output: 256 rows under an extraction JSON schema against the same lengths unconstrained
+# (target: ratio <= 1.05). llguidance is not on the GPU machine: carry its wheel as
+# benchmarks/wheels/llguidance-*.whl (3 MB, no dependencies); it is unpacked into a temp dir here.
+LLG_PATH=""
+if ! "$PY" -c "import llguidance" 2>/dev/null && ls benchmarks/wheels/llguidance-*.whl >/dev/null 2>&1; then
+  LLG_PATH=$(mktemp -d) && "$PY" -m zipfile -e benchmarks/wheels/llguidance-*.whl "$LLG_PATH"
+fi
+S_ROWS=256; [ "$MODE" = small ] && S_ROWS=8
+part structured-$S_ROWS "$L_E" env PYTHONPATH="$LLG_PATH${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m benchmarks.structured \
+  -m "$MODEL" --num-prompts "$S_ROWS" --max-tokens 128
 if [ "$MODE" = full ]; then   # quantized: fp8 weights; an int8 KV cache (with a profile of two decode steps)
   part fp8-256-256 60 "$PY" -m benchmarks.throughput -m "$MODEL" $A --quantization fp8 --time-limit 20
   part kv-int8-256-256 60 "$PY" -m benchmarks.throughput -m "$MODEL" $A --kv-cache-dtype int8 --time-limit 20 \

@@ -38,7 +38,7 @@ def tiny(tiny_hf_model_dir):
 
 @pytest.fixture
 def prompts(tmp_path):
-    return jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": f"row {i} says"} for i in range(6)])
+    return jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": f"row {i} says"} for i in range(4)])
 
 
 def test_choice_option_and_toml(tmp_path, tiny, prompts):
@@ -57,7 +57,7 @@ def test_choice_option_and_toml(tmp_path, tiny, prompts):
 def test_json_schema_file_and_incomplete_count(tmp_path, tiny, prompts):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(SCHEMA))
-    r, rows = submit(tmp_path, prompts, *tiny, "--json-schema", str(schema), "--max-tokens", "40")
+    r, rows = submit(tmp_path, prompts, *tiny, "--json-schema", str(schema), "--max-tokens", "24")
     assert r.exit_code == 0, r.output
     stopped = [row for row in rows if row["finish_reason"] == "stop"]
     assert stopped
@@ -66,7 +66,8 @@ def test_json_schema_file_and_incomplete_count(tmp_path, tiny, prompts):
     r, rows = submit(tmp_path, prompts, *tiny, "--json-schema", json.dumps(SCHEMA), "--max-tokens", "2", out="cut")
     assert r.exit_code == 0 and all(row["constrained_incomplete"] for row in rows)
     stats = json.loads((tmp_path / "cut" / "_stats.json").read_text())
-    assert stats["constrained_incomplete"] == 6
+    assert stats["constrained_incomplete"] == 4
+    assert "4 constrained outputs cut by --max-tokens" in r.output
 
 
 def test_schema_column_bad_rows_are_errors(tmp_path, tiny):
@@ -75,7 +76,7 @@ def test_schema_column_bad_rows_are_errors(tmp_path, tiny):
         {"id": "a", "prompt": "x", "schema": good}, {"id": "b", "prompt": "y", "schema": "{broken"},
         {"id": "c", "prompt": "z", "schema": json.dumps({"type": "nonsense"})}, {"id": "d", "prompt": "w"},
         {"id": "e", "prompt": "v", "schema": good}])
-    r, rows = submit(tmp_path, ds, *tiny, "--schema-column", "schema", "--max-tokens", "40")
+    r, rows = submit(tmp_path, ds, *tiny, "--schema-column", "schema", "--max-tokens", "4")
     assert r.exit_code == 0, r.output
     by_id = {row["id"]: row for row in rows}
     assert set(by_id) == {"a", "b", "c", "d", "e"}
@@ -148,29 +149,38 @@ def test_openai_response_format(tmp_path, tiny):
 
 @pytest.mark.slow
 @pytest.mark.default_model
-def test_every_constraint_kind_on_the_default_model(default_gguf_path, tmp_path):
-    """Chat prompts that invite each kind; every row that stops is valid."""
-    people = ["Ada Lovelace, 36, mathematician in London", "Alan Turing, 41, computer scientist in Manchester",
-              "Grace Hopper, 85, admiral in New York", "Linus Torvalds, 54, engineer in Portland"]
-    ds = jsonl(tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"Extract name, age and city as JSON: {p}"}
-                                      for i, p in enumerate(people)])
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+def test_every_constraint_kind_on_the_default_model(default_gguf_path):
+    """Chat prompts that invite each kind, one engine; every row that stops is valid, and most stop."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import Constraint, Request, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(default_gguf_path), kv_cache_memory=64 * 2**20))
+    tok = engine.tokenizer
+    people = ["Ada Lovelace, 36, London", "Alan Turing, 41, Manchester"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                                "age": {"type": "integer"}, "city": {"type": "string",
-                                                                                    "maxLength": 30}},
+                                                                                    "maxLength": 20}},
               "required": ["name", "age", "city"], "additionalProperties": False}
-    grammar = tmp_path / "g.ebnf"
-    grammar.write_text('root ::= "{" [a-zA-Z ]+ "}"\n')
-    kinds = {"schema": (["--json-schema", json.dumps(schema)], lambda t: jsonschema.validate(json.loads(t), schema)),
-             "json": (["--json"], lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
-             "regex": (["--regex", r"[A-Z][a-z]+ is [0-9]{1,3}"],
-                       lambda t: re.fullmatch(r"[A-Z][a-z]+ is [0-9]{1,3}", t) or pytest.fail(t)),
-             "choice": (["--choice", "London,Manchester,New York,Portland"],
-                        lambda t: t in ("London", "Manchester", "New York", "Portland") or pytest.fail(t)),
-             "grammar": (["--grammar", str(grammar)], lambda t: re.fullmatch(r"\{[a-zA-Z ]+\}", t) or pytest.fail(t))}
-    for name, (args, valid) in kinds.items():
-        r, rows = submit(tmp_path, ds, "-m", str(default_gguf_path), "--max-tokens", "48", *args, out=name)
-        assert r.exit_code == 0, r.output
-        stopped = [row["output"] for row in rows if row["finish_reason"] == "stop"]
-        assert stopped, (name, rows)
+    cities = ["London", "Manchester", "Paris"]
+    kinds = {
+        Constraint("json_schema", json.dumps(schema)): lambda t: jsonschema.validate(json.loads(t), schema),
+        Constraint("json"): lambda t: isinstance(json.loads(t), dict) or pytest.fail(t),
+        Constraint("regex", r"[A-Z][a-z]+ is [0-9]{1,3}"):
+            lambda t: re.fullmatch(r"[A-Z][a-z]+ is [0-9]{1,3}", t) or pytest.fail(t),
+        Constraint("choice", json.dumps(cities)): lambda t: t in cities or pytest.fail(t),
+        Constraint("grammar", 'root ::= "{" [a-zA-Z ]+ "}"'): lambda t: re.fullmatch(r"\{[a-zA-Z ]+\}", t) or pytest.fail(t),
+    }
+    reqs = []
+    for k, c in enumerate(kinds):
+        for i, p in enumerate(people):
+            text = tok.apply_chat_template([{"role": "user", "content": f"Extract name, age and city: {p}"}])
+            reqs.append(Request(f"{k}-{i}", tok.encode(text), SamplingParams(max_tokens=40), constraint=c))
+    outs = engine.generate(reqs)
+    for k, valid in enumerate(kinds.values()):
+        mine = [o for o in outs if o.id.startswith(f"{k}-")]
+        assert all(o.error is None for o in mine)
+        stopped = [o.text for o in mine if o.finish_reason == "stop"]
+        assert stopped, [o.text for o in mine]
         for text in stopped:
             valid(text)
