@@ -21,7 +21,6 @@ import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from threading import Lock
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,9 +145,6 @@ class Grammars:
         if rows:
             llg_torch.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def advance(matcher: "llguidance.LLMatcher", token: int) -> bool:
