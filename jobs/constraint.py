@@ -1,7 +1,7 @@
-"""A row's structured-output constraint: the job's (--json-schema, --json, --regex, --choice,
---grammar), a JSON schema from the row's --schema-column, or an OpenAI batch body's
-`response_format`, in that order of precedence from last to first. Plain data; the engine
-compiles it (engine/constraints.py) and a schema that does not compile makes the row an error."""
+"""A row's structured-output constraint: an OpenAI batch body's `response_format`, else the JSON
+schema in the row's --schema-column, else the job's (--json-schema, --json, --regex, --choice,
+--grammar). Plain data; the engine compiles it (engine/constraints.py), and a schema that does
+not compile makes the row an error."""
 from __future__ import annotations
 
 import json
