@@ -56,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv-cache-memory", type=int, help="bytes (default: the engine's)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     args = ap.parse_args(argv)
 
-    engine = Engine(EngineConfig(model=resolve_model(args.model), device=args.device))
+    engine = Engine(EngineConfig(model=resolve_model(args.model), device=args.device,
+                                 kv_cache_memory=args.kv_cache_memory))
     sync = torch.cuda.synchronize if engine.rt.device.type == "cuda" else (lambda: None)
     schema = Constraint("json_schema", json.dumps(EXTRACTION_SCHEMAS["person"]))
     ids = prompts(engine.tokenizer, args.num_prompts)
