@@ -78,7 +78,7 @@ part() {
     *) status="FAILED rc=$rc"; FAILED=1 ;;
   esac
   local key
-  key=$(grep -E "^(jobrunner|transformers) .* requests in |[0-9]+ (passed|failed|skipped|deselected)|no tests ran|^GPU:" "$DIR/$name.log" \
+  key=$(grep -E "^(jobrunner|transformers) .* requests in |[0-9]+ (passed|failed|skipped|deselected)|no tests ran|^GPU:|per token: constrained" "$DIR/$name.log" \
         | tail -n 3 | tr '\n' ' ')
   [ -z "$key" ] && key=$(tail -n 1 "$DIR/$name.log")
   note "$name: $status (${secs}s) $key"
@@ -121,15 +121,23 @@ part moe-256-256 "$L_MOE" sh -c "\"$PY\" -m benchmarks.kernel_bench --only fused
 # 1024/512, then (same log: the device tool brings back 8 files) lengths uniform in 100..1024
 part throughput-1024-512 "$L_B" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $B --time-limit $TL_B $PROF_B &&
   \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $U --time-limit $TL_U"
-# A/B of async scheduling (every other run uses it): the same 256/256 run waiting for each step; then
-# (same log: the device tool brings back 8 files) embeddings, 1000 prompts of 512 tokens pooled by their
-# last token, beside the prefill rate of the same prompts (--output-len 1): issue 23 wants the
-# embedding tokens/s within 10% of it
-E512="--num-prompts 1000 --input-len 512 --max-num-seqs 1024 --max-batched-tokens 8192"; TL_EMB=15
-[ "$MODE" = small ] && E512="--num-prompts 8 --input-len 64" && TL_EMB=60
-part sync-256-256-and-embed-512 $(( L_E + 80 )) sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --sync-scheduling --time-limit $TL_E &&
-  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --output-len 1 --time-limit $TL_EMB &&
-  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --embed last --time-limit $TL_EMB"
+# One log for three A/B runs (the device tool brings back 8 files):
+#  * async scheduling (every other run uses it): the same 256/256 run waiting for each step;
+#  * embeddings (issue 23): 1000 prompts of 512 tokens pooled by their last token, beside the prefill
+#    rate of the same prompts (--output-len 1): the embedding tokens/s should be within 10% of it;
+#  * structured output (issue 17): rows under an extraction JSON schema against the same lengths
+#    unconstrained (target ratio <= 1.05). llguidance is not on the GPU machine: carry its wheel as
+#    benchmarks/wheels/llguidance-*.whl (3 MB, no dependencies); it is unpacked into a temp dir here.
+E512="--num-prompts 1000 --input-len 512 --max-num-seqs 1024 --max-batched-tokens 8192"; TL_EMB=15; S_ROWS=256
+[ "$MODE" = small ] && E512="--num-prompts 8 --input-len 64" && TL_EMB=60 && S_ROWS=8
+LLG_PATH=""
+if ! "$PY" -c "import llguidance" 2>/dev/null && ls benchmarks/wheels/llguidance-*.whl >/dev/null 2>&1; then
+  LLG_PATH=$(mktemp -d) && "$PY" -m zipfile -e benchmarks/wheels/llguidance-*.whl "$LLG_PATH"
+fi
+part sync-embed-structured $(( L_E + 160 )) sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --sync-scheduling --time-limit $TL_E;
+  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --output-len 1 --time-limit $TL_EMB;
+  \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $E512 --embed last --time-limit $TL_EMB;
+  PYTHONPATH=\"$LLG_PATH${PYTHONPATH:+:$PYTHONPATH}\" \"$PY\" -m benchmarks.structured -m \"$MODEL\" --num-prompts $S_ROWS --max-tokens 128"
 [ -n "$HF" ] && part transformers-256-256 "$L_HF" "$PY" -m benchmarks.throughput --engine transformers -m "$MODEL" $HF \
   --hf-batch 64 --time-limit "$TL_HF"
 if [ "$MODE" = full ]; then

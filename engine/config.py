@@ -29,6 +29,7 @@ class EngineConfig:
     async_scheduling: bool = True       # schedule step k+1 while step k runs (engine/engine.py)
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
     seed: int = 0
+    grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/constraints.py)
 
 
 class ConfigError(ValueError):

@@ -15,6 +15,10 @@ before k-1's samples are known: each sequence sampling in k-1 holds a placeholde
 at k-1 has computed one token in k for nothing; its output is dropped. A sample that ends
 a sequence by length, forks it (n > 1) or branches it (candidates) gets no placeholder:
 that sequence sits out step k instead.
+
+Structured output (engine/constraints.py): a step with constrained rows launches its forward and
+logits, and samples only once the host has filled the grammar bitmask, which needs every earlier
+token: with async scheduling, after step k-1 is processed while step k's forward runs.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.constraints import Grammars
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
@@ -49,6 +54,7 @@ class EngineCounters:
     sample_s: float = 0.0
     wait_s: float = 0.0
     process_s: float = 0.0
+    mask_s: float = 0.0               # filling grammar bitmasks on the host (structured output)
 
 
 class Engine:
@@ -67,8 +73,10 @@ class Engine:
             self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
         self.stop_checker = StopChecker(self.tokenizer, self.rt.eos_token_ids)
         self.counters = EngineCounters()
+        self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
+                                 config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
-                                       self.max_model_len, config.seed, self.counters)
+                                       self.max_model_len, config.seed, self.counters, self.grammars)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
         _quiet_gc()
@@ -113,6 +121,8 @@ class Engine:
         if sched.chunks:
             self._in_flight.append((sched, launched))
         waited = self._complete_oldest() if self._oldest_is_due(sched) else 0.0
+        if self._in_flight and self._in_flight[-1][1].awaits_mask:
+            self._sample_masked(self._in_flight[-1][1])
         if self._left_in_flight(sched):
             self._expect_tokens(sched)
         self.counters.schedule_s += scheduled - start
@@ -136,6 +146,8 @@ class Engine:
     def _complete_oldest(self) -> float:
         """Waits for the oldest launched step and processes its results; returns the seconds waited."""
         sched, launched = self._in_flight.popleft()
+        if launched.awaits_mask:                 # without async scheduling: the step just launched
+            self._sample_masked(launched)
         out = self.runner.collect(launched)
         self.outputs.process(sched, out)
         c = self.counters
@@ -144,6 +156,16 @@ class Engine:
         c.sample_s += out.sample_s
         c.wait_s += out.wait_s
         return out.wait_s
+
+    def _sample_masked(self, launched: LaunchedStep) -> None:
+        """Fills the grammar bitmask of a launched step's rows (every earlier step is processed, so each
+        matcher has seen its sequence's tokens) and lets the runner sample. Rows that stopped since
+        their launch get no mask: their token is dropped."""
+        t0 = time.perf_counter()
+        _, seqs = launched.masked
+        mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED else None for s in seqs])
+        self.counters.mask_s += time.perf_counter() - t0
+        self.runner.sample_masked(launched, mask)
 
     def _expect_tokens(self, sched: SchedulerOutput) -> None:
         """A placeholder for each sequence sampling in the step in flight that goes on after its

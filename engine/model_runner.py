@@ -2,6 +2,7 @@
 computes logits only where a token is sampled or scored, and samples.
 
     step = runner.launch(SchedulerOutput)    # enqueued on the device, no host sync
+    runner.sample_masked(step, bitmask)      # only when step.awaits_mask: constrained rows sample later
     out = runner.collect(step)               # waits; -> RunnerOutput
 
 Between the two the host is free to schedule and launch the next step: steps run in
@@ -24,7 +25,7 @@ from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SeqKind
-from kernels import AttentionMetadata, to_device
+from kernels import AttentionMetadata, apply_token_bitmask, to_device
 
 LOGITS_ROWS_PER_PASS = 256   # bounds the [rows, vocab] logits tensor when scoring long texts
 
@@ -67,6 +68,11 @@ class LaunchedStep:
     pooled: torch.Tensor | None = None                                      # [sum of sizes] float32 (engine/pooling.py)
     pooled_owners: list[tuple[int, int]] = field(default_factory=list)      # (seq_id, size)
     fetch: HostCopy | None = None
+    masked: tuple | None = None       # (logits [rows, vocab], their sequences) waiting for a grammar bitmask
+
+    @property
+    def awaits_mask(self) -> bool:
+        return self.masked is not None
 
 
 class HostCopy:
@@ -178,10 +184,27 @@ class ModelRunner:
             self._score(hidden, x.score_rows, step)
         if x.pool_rows:
             step.pooled, step.pooled_owners = self.pooler.pool(hidden, x.pool_rows)
-        wanted = [t for t in (step.candidate_lp, step.score_lp, step.pooled) if t is not None]
-        step.fetch = HostCopy([*(step.sampled.tensors() if step.sampled else []), *wanted])
+        if not step.awaits_mask:
+            self._fetch(step)
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return step
+
+    @torch.inference_mode()
+    def sample_masked(self, step: LaunchedStep, bitmask: torch.Tensor) -> None:
+        """Samples a step whose batch holds constrained rows, once the host has their grammar bitmask:
+        [rows of step.masked's logits, words] int32 (all ones for unconstrained rows)."""
+        t0 = time.perf_counter()
+        logits, seqs, previous = step.masked
+        step.masked = None
+        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+        self._draw(logits, seqs, step, previous)
+        self._fetch(step)
+        step.out.sample_s += time.perf_counter() - t0
+
+    def _fetch(self, step: LaunchedStep) -> None:
+        """Starts copying what the host needs of a launched step (collect waits for it)."""
+        wanted = [t for t in (step.candidate_lp, step.score_lp, step.pooled) if t is not None]
+        step.fetch = HostCopy([*(step.sampled.tensors() if step.sampled else []), *wanted])
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Waits for a launched step and returns its results on the host."""
@@ -252,6 +275,13 @@ class ModelRunner:
         idx = to_device([r for r, _ in sample_rows], hidden.device, np.int64)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         seqs = [chunk.seq for _, chunk in sample_rows]
+        if any(s.matcher is not None for s in seqs):
+            step.masked = (logits, seqs, previous)  # the grammar's mask comes once the previous step's tokens are known
+            return
+        self._draw(logits, seqs, step, previous)
+
+    def _draw(self, logits, seqs, step: LaunchedStep, previous) -> None:
+        """One row of logits per sequence -> its draws (or its candidates' first logprobs), on the device."""
         if all(s.samples_one_token and not s.sampling.temperature > 0 and s.sampling.logprobs is None
                and not s.sampling.adjusts_logits for s in seqs):    # all greedy, one token each: the hot path
             step.sampled = DeviceSample(logits.argmax(dim=-1), [], [])

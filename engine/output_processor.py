@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.constraints import ConstraintError, Grammars, advance
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import RunnerOutput
 from engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -55,12 +56,13 @@ class _RequestState:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, stop_checker: StopChecker, model_config,
-                 max_model_len: int, seed: int, counters: EngineCounters):
+                 max_model_len: int, seed: int, counters: EngineCounters, grammars: Grammars | None = None):
         self.scheduler, self.kv, self.stop_checker = scheduler, kv, stop_checker
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.seed = seed
         self.counters = counters
+        self.grammars = grammars
         self._states: dict[str, _RequestState] = {}       # by request id, until its output is taken
         self._seq_state: dict[int, _RequestState] = {}    # by seq_id, while the sequence lives
         self._finished: list[RequestOutput] = []
@@ -94,6 +96,11 @@ class OutputProcessor:
         if req.embed is not None:
             return self._add_embedding(req, state)
         seq = self._first_sequence(req, state)
+        if seq is not None and req.constraint is not None:
+            try:
+                seq.matcher = self.grammars.compile(req.constraint).deep_copy()
+            except (ConstraintError, ValueError) as e:
+                return self._fail(state, str(e))
         if seq is None:
             state.completions[0] = Completion(0, [], "", "length")
             return self._finish_request(state)
@@ -186,16 +193,25 @@ class OutputProcessor:
         if logprob is not None:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
-        reason = self.stop_checker.check(seq, self.max_model_len)
+        reason = self._grammar_end(seq, token) or self.stop_checker.check(seq, self.max_model_len)
         if reason:
             self._finish_generating(seq, state, reason)
+
+    @staticmethod
+    def _grammar_end(seq: Sequence, token: int) -> str | None:
+        """A constrained sequence ends where its grammar does (EOS only where the grammar accepts:
+        the bitmask allows nothing else)."""
+        if seq.matcher is None or not advance(seq.matcher, token):
+            return None
+        return "error" if seq.matcher.is_error() else "stop"
 
     def _finish_generating(self, seq: Sequence, state: _RequestState, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         text, ids = self.stop_checker.final_text(seq)
         state.completions[seq.sample_index] = Completion(
             seq.sample_index, ids, text, reason, seq.logprobs if seq.sampling.logprobs is not None else None,
-            seq.num_reasoning_tokens if seq.sampling.reasoning_markers is not None else None)
+            seq.num_reasoning_tokens if seq.sampling.reasoning_markers is not None else None,
+            constrained=seq.matcher is not None)
         if seq.logprobs_from:                   # prompt logprobs
             state.prompt_logprobs = list(seq.token_logprobs)
         self._untrack(seq, state)
@@ -220,6 +236,8 @@ class OutputProcessor:
     def _fork_samples(self, parent: Sequence, state: _RequestState, tokens, logprobs) -> None:
         for k, (tok, lp) in enumerate(zip(tokens, logprobs), start=1):
             child = parent.fork(parent.sample_index + k)
+            if parent.matcher is not None:     # the parent has not taken its own draw yet
+                child.matcher = parent.matcher.deep_copy()
             self._spawn(parent, child, state)
             self._append(child, state, tok, lp)
 
@@ -262,6 +280,8 @@ class OutputProcessor:
         if blocks > self.kv.num_blocks:
             return (f"prompt of {longest} tokens needs {blocks} KV blocks but the cache has {self.kv.num_blocks}; "
                     f"raise --kv-cache-memory")
+        if req.constraint is not None and (req.candidates is not None or req.score_from is not None):
+            return "a constraint applies to generated text only (not to classify or score)"
         if req.candidates is not None and (not req.candidates or any(not c for c in req.candidates)):
             return "every candidate must have at least one token"
         if req.score_from is not None and not 1 <= req.score_from < len(ids):

@@ -75,6 +75,22 @@ class EmbedParams:
             raise ValueError("dimensions must be >= 1")
 
 
+CONSTRAINT_KINDS = ("json_schema", "json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a generated text must match (engine/constraints.py compiles it). `spec` by kind:
+    json_schema: the schema as JSON text; json: unused (any JSON object); regex: the pattern;
+    choice: a JSON list of the allowed strings; grammar: Lark or GBNF-style EBNF text."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
+
+
 @dataclass
 class Request:
     """One prompt. `candidates`: token lists to score after the prompt (classification);
@@ -87,6 +103,7 @@ class Request:
     prompt: str | None = None           # the text, kept for the output only
     embed: EmbedParams | None = None    # embedding mode: one forward over the prompt, its pooled hidden state
     more_inputs: list[list[int]] | None = None   # embedding mode: further texts, one vector each after the prompt's
+    constraint: Constraint | None = None    # generated text must match it (structured output)
 
     @property
     def tokens_needed(self) -> int:
@@ -118,6 +135,7 @@ class Completion:
     finish_reason: str                  # stop | length | error
     logprobs: list[TokenLogprob] | None = None
     reasoning_tokens: int | None = None  # reasoning markers set: completion tokens up to the reasoning's end
+    constrained: bool = False           # generated under a constraint (length: the text is incomplete)
 
 
 @dataclass

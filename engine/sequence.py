@@ -74,6 +74,8 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # scored tokens' logprobs, from logprobs_from
+    matcher: object | None = None  # constrained: its grammar matcher (engine/constraints.py), fed every sampled
+                                   # token; it outlives preemption, since the sequence keeps its tokens
     # Reasoning models (sampling.reasoning_markers set): where the answer starts, as a token count
     # (prompt included); None while the sequence is reasoning. See `reasoning_end_in_prompt`.
     reasoning_end: int | None = None

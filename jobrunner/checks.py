@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.constraint_options import check_job_constraint as check_constraint  # noqa: F401 (a check)
 
 log = logging.getLogger("jobrunner")
 
@@ -21,7 +22,8 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     if fmt == "openai-batch":
         return fmt, columns
     wanted = {"--messages-column": cfg.messages_column, "--labels-column": cfg.labels_column,
-              "--reference-column": cfg.reference_column, "--score-column": cfg.score_column}
+              "--reference-column": cfg.reference_column, "--score-column": cfg.score_column,
+              "--schema-column": cfg.schema_column}
     if not cfg.template and not cfg.messages_column:
         wanted["--prompt-column"] = cfg.prompt_column
     for option, column in wanted.items():

@@ -165,6 +165,9 @@ def summary_lines(s: dict, output: str) -> list[str]:
         failed = s.get("rows_failed") or 0
         note = " (their errors are in the `error` column)" if failed else ""
         lines.append(("rows", f"{s['rows']:,}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
+    if s.get("constrained_incomplete"):
+        lines.append(("incomplete", f"{s['constrained_incomplete']:,} constrained outputs cut by --max-tokens "
+                                    f"before their grammar ended (finish_reason length)"))
     if "prompt_tokens" in s:
         lines.append(("tokens", f"{s['prompt_tokens']:,} prompt, {s.get('completion_tokens', 0):,} completion"))
         hits = f"{s.get('cache_hit_rate') or 0:.1%} of prompt tokens from the prefix cache"

@@ -99,6 +99,18 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--dimensions", type=int,
                      help="embed: keep the first N values (Matryoshka models), then normalize."),
     ],
+    "Structured output": [
+        click.option("--json-schema", help="Every output is JSON valid under this schema: the schema's JSON text, "
+                                           "or a file (path or URL)."),
+        click.option("--json", is_flag=True, default=False, help="Every output is a JSON object."),
+        click.option("--regex", help="Every output fully matches this regular expression."),
+        click.option("--choice", help="Every output is exactly one of these comma-separated strings (generated; "
+                                      "--kind classify scores labels instead)."),
+        click.option("--grammar", help="Every output follows this grammar file (Lark, or GBNF-style EBNF)."),
+        click.option("--schema-column", help="Column holding each row's JSON schema (text or object)."),
+        click.option("--grammar-timeout", type=float, default=D.grammar_timeout, show_default=True,
+                     help="Seconds a constraint may take to compile; a row's that takes longer is an error row."),
+    ],
     "Output": [
         click.option("-o", "--output", help="Output directory URL (default: the dataset's path + .results, "
                                             "e.g. x.csv -> x.csv.results). Rows come in completion order, "

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.request import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
+from jobrunner.constraint_options import job_constraint, validate_constraint_options
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai_request import MAX_TOP_LOGPROBS
 from jobs import KINDS
@@ -82,6 +83,14 @@ class JobConfig:
     pooling: str | None = None              # embed: last | mean | cls; None: the checkpoint's, else last
     normalize_embeddings: bool | None = None    # embed: L2-normalize; None: the checkpoint's, else yes
     dimensions: int | None = None           # embed: keep the first N values (Matryoshka), then normalize
+    # structured output (generate): at most one of these five, or a schema per row
+    json_schema: str | None = None          # a JSON schema: its text, or a file (path or fsspec URL)
+    json: bool = False                      # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] = ()            # the output is exactly one of these
+    grammar: str | None = None              # a Lark or GBNF-style EBNF grammar file
+    schema_column: str | None = None        # a JSON schema per row (an OpenAI row's response_format wins)
+    grammar_timeout: float = 30.0           # seconds a constraint may take to compile
     # engine
     device: str = "auto"
     dtype: str = "auto"
@@ -127,7 +136,8 @@ class JobConfig:
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
-            async_scheduling=self.async_scheduling, seed=self.seed or 0, num_threads=self.cpu_threads())
+            async_scheduling=self.async_scheduling, seed=self.seed or 0, num_threads=self.cpu_threads(),
+            grammar_timeout_s=self.grammar_timeout)
 
     def cpu_threads(self) -> int:
         from jobrunner.threads import free_cores
@@ -175,7 +185,8 @@ class JobConfig:
             score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None,
             embed=EmbedSpec(pooling=self.pooling, normalize=self.normalize_embeddings,
                             dimensions=self.dimensions) if self.kind == "embed" else None,
-            reasoning_parser=self.reasoning_parser, truncate_prompt=self.truncate_prompt)
+            reasoning_parser=self.reasoning_parser, truncate_prompt=self.truncate_prompt,
+            constraint=job_constraint(self), schema_column=self.schema_column)
 
     def template_kwargs(self) -> dict:
         """--chat-template-kwargs as a dict; JobConfigError when it is not a JSON object."""
@@ -205,12 +216,12 @@ class JobConfig:
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
-                "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode"}
+                "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout"}
         d = {k: v for k, v in asdict(self).items() if k not in skip}
+        d["stop"], d["labels"], d["choice"] = list(self.stop), list(self.labels), list(self.choice)
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
-            if d[k] == getattr(_DEFAULTS, k):
+            if d[k] == _DEFAULT_FINGERPRINT[k]:
                 del d[k]
-        d["stop"], d["labels"] = list(self.stop), list(self.labels)
         return d
 
     def validate(self) -> None:
@@ -272,6 +283,7 @@ class JobConfig:
             bad(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        validate_constraint_options(self)
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
         if self.cache_mode not in CACHE_MODES:
@@ -311,10 +323,12 @@ class JobConfig:
                 bad(f"{name} applies to --kind generate only")
 
 
-_DEFAULTS = JobConfig("")
-# Options added after outputs were written with the fingerprint that lacks them (issue 17).
+# Options added after outputs were written with the fingerprint that lacks them (issues 17 and 23).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
-                "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt")
+                "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
+                "json_schema", "json", "regex", "choice", "grammar", "schema_column",
+                "pooling", "normalize_embeddings", "dimensions")                                   # issue 23
+_DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(JobConfig("")).items()}
 
 
 def _either(choices: tuple[str, ...]) -> str:
@@ -395,7 +409,7 @@ def field_value(key: str, value):
         except JobConfigError as e:
             raise JobConfigError(f"{key}: {e}") from None
     if want is tuple and isinstance(value, str):
-        return split_labels(value) if key == "labels" else (value,)
+        return split_labels(value) if key in ("labels", "choice") else (value,)
     if want is tuple and isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
         return tuple(value)
     if want is float and isinstance(value, int) and not isinstance(value, bool):

@@ -72,6 +72,7 @@ class Job:
         cfg.validate()
         self.fmt, self.columns = checks.check_dataset(cfg)
         self.template = checks.check_template(cfg, self.columns)
+        checks.check_constraint(cfg)
         self.cache = _open_cache(cfg)
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.constraint import RESPONSE_FORMATS
+
 # Taken as they are (our names are OpenAI's, or vLLM's extras).
 SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
@@ -66,7 +68,7 @@ def _reshape(key: str, value: Any, body: dict, chat: bool, params: dict) -> str 
             return "chat_template_kwargs must be an object, e.g. {\"enable_thinking\": false}"
         params[key] = value
     elif key == "response_format":
-        return response_format_error(value)
+        return _response_format(value, params)
     return None
 
 
@@ -96,12 +98,15 @@ def _logit_bias(value: Any, params: dict) -> str | None:
     return None
 
 
-def response_format_error(value: Any) -> str | None:
-    """The hook for structured outputs: until constrained decoding honours response_format,
-    anything but {"type": "text"} fails its row rather than running unconstrained."""
-    if isinstance(value, dict) and value.get("type") == "text":
-        return None
-    return "response_format other than {\"type\": \"text\"} is not supported yet (constrained decoding)"
+def _response_format(value: Any, params: dict) -> str | None:
+    """json_object and json_schema go on to the row's constraint (jobs/constraint.py, which checks the
+    schema); text changes nothing."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        return f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}"
+    if kind != "text":
+        params["response_format"] = value
+    return None
 
 
 def text_messages(messages: list) -> tuple[list | None, str | None]:

@@ -22,6 +22,7 @@ from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_v
 RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours") + PREFIX_SUMS + REUSE_SUMS
 # The last run's: its hardware, whether it was interrupted, and for a data-parallel run its workers.
 LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel")
+CONSTRAINED_INCOMPLETE = "constrained_incomplete"     # generate's column and the summary's count
 _ROW_COLUMNS = ("error", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",
                 "queue_s", "prefill_s", "decode_s")
 
@@ -95,15 +96,21 @@ def part_figures(output_url: str, config: Mapping) -> dict:
     wanted = list(_ROW_COLUMNS)
     if metrics is not None:
         wanted += [c for c in metrics.columns if c != "reference"]
-    if metrics is not None or samples:      # values that did not fit the pinned schema
+    constrained = kind == "generate"
+    if constrained:
+        wanted.append(CONSTRAINED_INCOMPLETE)
+    if metrics is not None or samples or constrained:      # values that did not fit the pinned schema
         wanted.append(EXTRA_JSON)
 
     def reference(names):           # the reference column's name in a part (None: not there)
         return stored_name(ref, result_columns, names) if ref else None
 
     stats = JobStats()
+    incomplete = []                 # per constrained sample: cut by max_tokens before its grammar ended
     for table in iter_result_parts(output_url, lambda names: wanted + [reference(names)]):
         _add_rows(stats, table, samples)
+        if constrained:
+            incomplete += [v for v in stored_values(table, CONSTRAINED_INCOMPLETE) if v is not None]
         if metrics is not None:
             cols = {c: stored_values(table, c) for c in metrics.columns if c != "reference"}
             if "reference" in metrics.columns:
@@ -111,6 +118,8 @@ def part_figures(output_url: str, config: Mapping) -> dict:
                 cols["reference"] = stored_values(table, name) if name else [None] * table.num_rows
             metrics.add_columns(cols)
     s = stats.row_figures()
+    if incomplete:
+        s[CONSTRAINED_INCOMPLETE] = sum(map(bool, incomplete))
     if metrics is not None:
         s["metrics"] = metrics.summary()
     return s

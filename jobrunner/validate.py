@@ -29,6 +29,7 @@ def validate_job(cfg: JobConfig) -> dict:
     cfg.validate()
     fmt, columns = checks.check_dataset(cfg)
     template = checks.check_template(cfg, columns)
+    checks.check_constraint(cfg)
     model = cfg.engine_config().model       # a known model name is pulled here, on first use
     try:
         bundle = load_model_bundle(model)

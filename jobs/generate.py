@@ -5,6 +5,7 @@ from dataclasses import replace
 
 from engine.request import Request, RequestOutput
 from jobs.base import sampling_params
+from jobs.constraint import row_constraint
 from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
 from jobs.reasoning import reasoning_markers, split_reasoning
@@ -14,13 +15,15 @@ from jobs.truncation import truncate_prompt
 
 class GenerateJob:
     name = "generate"
-    result_columns = ("sample_index", "correct", "logprobs", "reasoning", "reasoning_tokens", "truncated_tokens")
+    result_columns = ("sample_index", "correct", "logprobs", "reasoning", "reasoning_tokens", "truncated_tokens",
+                      "constrained_incomplete")
 
     def __init__(self, spec: JobSpec, tokenizer):
         self.spec = spec
         self.sampling = spec.sampling
         if spec.reasoning_parser:
             self.sampling = replace(self.sampling, reasoning_markers=reasoning_markers(spec.reasoning_parser, tokenizer))
+        self.constraint, self.schema_column = spec.constraint, spec.schema_column
         self.evaluation = spec.evaluation
         self.accuracy = Accuracy(spec.evaluation.match) if spec.evaluation.enabled else None
         self.speller = TokenSpeller(tokenizer)
@@ -31,7 +34,7 @@ class GenerateJob:
         ids, dropped = truncate_prompt(prompt_ids, self.spec.truncate_prompt, self.spec.context, sampling.max_tokens)
         if dropped:
             self._truncated[row_id] = dropped
-        return Request(row_id, ids, sampling)
+        return Request(row_id, ids, sampling, constraint=row_constraint(self.constraint, self.schema_column, data))
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         """One dict per sample (n > 1 gives n rows with sample_index)."""
@@ -48,6 +51,8 @@ class GenerateJob:
                 row.update(reasoning=reasoning, reasoning_tokens=c.reasoning_tokens or 0)
             if self.spec.truncate_prompt != "none":
                 row["truncated_tokens"] = truncated
+            if c.constrained:               # cut by max_tokens before its grammar ended
+                row["constrained_incomplete"] = c.finish_reason == "length"
             if self.accuracy is not None and out.error is None:
                 row["correct"] = self.accuracy.add(row["output"], data.get(self.evaluation.reference_column))
             rows.append(row)

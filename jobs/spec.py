@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.embedding_config import CheckpointPooling
-from engine.request import POOLINGS, EmbedParams, SamplingParams
+from engine.request import POOLINGS, Constraint, EmbedParams, SamplingParams
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs
@@ -82,3 +82,5 @@ class JobSpec:
     reasoning_parser: str | None = None     # generate: a name of jobs.reasoning.REASONING_PARSERS
     truncate_prompt: str = "none"           # generate: one of jobs.truncation.TRUNCATE_MODES
     context: int | None = None              # the engine's context in tokens, set once it is up (truncation)
+    constraint: Constraint | None = None    # generate: what every output must match (jobs/constraint.py)
+    schema_column: str | None = None        # generate: a JSON schema per row, in this column

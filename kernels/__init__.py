@@ -14,6 +14,7 @@ from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequanti
                                   int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
                                   w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
 from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
+from kernels.token_mask import apply_token_bitmask
 
 __all__ = [
     # attention over the paged KV cache (float or int8 cache)
@@ -27,6 +28,8 @@ __all__ = [
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert
     "fused_moe", "fused_moe_ref", "route_topk",
+    # structured output: a grammar's token bitmask on the logits
+    "apply_token_bitmask",
     # host -> device
     "to_device",
 ]

@@ -60,7 +60,7 @@ def _prompt_ids(engine, messages, **kwargs):
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
     ("modalities", ["text", "audio"]), ("reasoning_effort", "high"), ("stream", True),
-    ("response_format", {"type": "json_object"}), ("web_search_options", {"search_context_size": "low"}),
+    ("response_format", {"type": "xml"}), ("web_search_options", {"search_context_size": "low"}),
     ("no_such_parameter", 1), ("logprobs", 3),
 ])
 def test_a_parameter_that_would_change_the_output_fails_the_row_naming_it(key, value):
@@ -75,6 +75,9 @@ def test_parameters_that_change_nothing_are_accepted_and_text_parts_joined():
     params, error = body_params(body, chat=True)
     assert error is None
     assert params == {"max_tokens": 4, "logit_bias": [[17, 3.0]], "logprobs": 2, "stop": ["x"]}
+    json_object = {"type": "json_object"}             # honoured: the row's constraint (jobs/constraint.py)
+    assert body_params({"messages": USER, "response_format": json_object}, chat=True)[0] == \
+        {"response_format": json_object}
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert text_messages(parts) == ([{"role": "user", "content": "a\nb"}], None)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

@@ -1,0 +1,154 @@
+"""Structured output through llguidance: constraints compiled to matchers, and a step's token bitmask.
+
+    grammars = Grammars(tokenizer, eos_token_ids, vocab_size, timeout_s)
+    template = grammars.compile(constraint)      # once per distinct constraint (cached); ConstraintError
+    seq.matcher = template.deep_copy()           # each constrained sequence holds its own
+    bitmask = grammars.fill(matchers)            # [rows, words] int32, the whole batch in one call
+    advance(seq.matcher, token) -> stopped?      # after each sampled token
+
+Why llguidance (benchmarks/grammar_libs.py has the figures): no dependencies (xgrammar requires
+torch, transformers, triton and pydantic at run time), schemas compile in about a millisecond
+(xgrammar: 10-100 ms, more on a large vocabulary), Lark grammars and regexes natively, and
+matchers copy (n > 1 forks).
+
+The matcher's EOS is every id in the model's eos_token_ids: EOS is allowed exactly where the
+grammar accepts. Tokens past the tokenizer's vocabulary (a model's padded rows) are never allowed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from threading import Lock
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.request import Constraint
+
+if TYPE_CHECKING:
+    import llguidance
+
+# llguidance is imported on first use: an engine that serves no constraint never needs it
+# (the GPU machine's image lacks it unless carried).
+
+DEFAULT_TIMEOUT_S = 30.0
+# JSON as models usually write it on one line ({"a": 1, "b": [2, 3]}), without free whitespace:
+# a flexible-whitespace grammar lets a model pad with blanks until max_tokens. A schema may
+# override these in its "x-guidance" key.
+JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled (bad schema, regex or grammar; or the timeout)."""
+
+
+def grammar_text(c: Constraint) -> str:
+    """The constraint as an llguidance grammar; raises ConstraintError when its spec is not even
+    well-formed (a schema that is not JSON, choices that are not a list of strings)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+    if c.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.spec)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError("a JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    if c.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(c.spec)
+    if c.kind == "choice":
+        try:
+            choices = json.loads(c.spec)
+        except json.JSONDecodeError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(isinstance(x, str) and x for x in choices):
+            raise ConstraintError("choice needs a list of non-empty strings")
+        # a Lark alternation of string literals; JSON string escapes are Lark's
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in choices))
+    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(c.spec))   # Lark, or GBNF-style EBNF
+
+
+def check_constraint(c: Constraint) -> str | None:
+    """Why the constraint cannot compile (no tokenizer needed), or None. For checks before a job runs."""
+    import llguidance
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar_text(c))
+    except (ConstraintError, ValueError) as e:
+        return str(e)
+    return error or None
+
+
+def constraint_key(c: Constraint) -> str:
+    return hashlib.blake2b(f"{c.kind}\0{c.spec}".encode(), digest_size=16).hexdigest()
+
+
+class Grammars:
+    """The tokenizer as llguidance sees it, a cache of compiled constraints (template matchers,
+    keyed by the constraint's hash) and the pool that compiles them."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 2):
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._source, self._eos = tokenizer, list(eos_token_ids)
+        self._llg_tokenizer = self._executor = None             # built on the first constraint
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self._cache: dict[str, Future] = {}
+        self._lock = Lock()
+
+    def compile(self, c: Constraint) -> "llguidance.LLMatcher":
+        """The constraint's template matcher (copy it per sequence). Compiles in the pool, once per
+        distinct constraint; raises ConstraintError on a bad constraint or after timeout_s."""
+        key = constraint_key(c)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._build, c)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise ConstraintError(f"{c.kind} constraint did not compile within {self.timeout_s:g} s "
+                                  f"(--grammar-timeout)") from None
+
+    def _tokenizer(self) -> "llguidance.LLTokenizer":
+        with self._lock:
+            if self._llg_tokenizer is None:
+                import llguidance
+                if self._source is None:
+                    raise ConstraintError("constraints need the model's tokenizer; this model has none")
+                self._llg_tokenizer = llguidance.LLTokenizer(self._source.inner.to_str(), n_vocab=self.vocab_size,
+                                                             eos_token=self._eos)
+                self._executor = llguidance.LLExecutor()
+            return self._llg_tokenizer
+
+    def _build(self, c: Constraint) -> "llguidance.LLMatcher":
+        import llguidance
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(c), log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"{c.kind} constraint: {matcher.get_error()}")
+        return matcher
+
+    def fill(self, matchers: list["llguidance.LLMatcher | None"]) -> torch.Tensor:
+        """[rows, words] int32 bitmask on the host, one row per matcher (None: every token allowed),
+        filled by llguidance's threads for the whole batch at once."""
+        import llguidance.torch as llg_torch
+        mask = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        free = [i for i, m in enumerate(matchers) if m is None]
+        if free:
+            mask[free] = -1
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if rows:
+            llg_torch.fill_next_token_bitmask_par(self._executor, rows, mask)
+        return mask
+
+
+def advance(matcher: "llguidance.LLMatcher", token: int) -> bool:
+    """Feeds the matcher a sampled token; True when the grammar has ended (nothing but EOS may follow,
+    or EOS was just taken)."""
+    matcher.consume_token(token)
+    return matcher.is_stopped()
