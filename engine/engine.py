@@ -162,7 +162,7 @@ class Engine:
         matcher has seen its sequence's tokens) and lets the runner sample. Rows that stopped since
         their launch get no mask: their token is dropped."""
         t0 = time.perf_counter()
-        _, seqs = launched.masked
+        _, seqs, _ = launched.masked
         mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED else None for s in seqs])
         self.counters.mask_s += time.perf_counter() - t0
         self.runner.sample_masked(launched, mask)
