@@ -95,13 +95,13 @@ def test_a_job_with_input_output_and_cache_on_s3(s3, engine):
 def test_kill_9_on_s3_then_resume_every_row_once_and_served_from_the_cache_after(s3, engine):
     fs, options = s3
     model = engine.config.model
-    rows = [{"id": f"k{i:03d}", "prompt": p} for i, p in enumerate(prompts(40))]
+    rows = [{"id": f"k{i:03d}", "prompt": p} for i, p in enumerate(prompts(400))]   # outlasts the first flush
     ds = _put_jsonl(fs, f"{BUCKET}/kill/data.jsonl", rows)
     out, cache = f"s3://{BUCKET}/kill/out", f"s3://{BUCKET}/kill/cache"
     env = {**os.environ, "FSSPEC_S3": json.dumps(options), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-m", model, "-o", out, "--cache", cache,
            "--device", "cpu", "--max-tokens", "8", "--ignore-eos", "--max-num-seqs", "2", "--part-rows", "10000",
-           "--flush-seconds", "0.5"]
+           "--flush-seconds", "0.3"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None and not _parts(fs, f"{BUCKET}/kill/out"):
