@@ -1,6 +1,6 @@
 """Quantization report: quality, memory and speed of each scheme against the unquantized model.
 
-    python -m benchmarks.quant_report                     # default model, CPU: none int8 int4 w8a8 w8a8-fbgemm fp8
+    python -m benchmarks.quant_report                     # default model, CPU: none int8 int4 w8a8 w8a8-fbgemm fp8 bf16
     python -m benchmarks.quant_report --schemes none,w8a8 --prompts 8 --max-tokens 16    # quick look
     python -m benchmarks.quant_report --model dummy:llama-3.1-8b --device cuda           # GPU (quality columns
                                                                                           # meaningless: random weights)
@@ -18,7 +18,9 @@ Per scheme:
 
 "w8a8-fbgemm" is w8a8 through torch.ao's dynamic quantized linear (fbgemm; activations
 quantized per batch, 7-bit), measured for comparison; plain "w8a8" takes the exact per-token
-path (torch._int_mm) where this CPU has one. Writes a Markdown table to stdout and to --out.
+path (torch._int_mm) where this CPU has one. "bf16" is no quantization with bfloat16 compute (AMX
+or AVX512_BF16 CPUs make it several times faster than float32). Writes a Markdown table to stdout
+and to --out.
 """
 from __future__ import annotations
 
@@ -96,7 +98,9 @@ class Row:
 VARIANTS = {  # label -> (EngineConfig.quantization, extra quantize_model kwargs or None)
     "none": ("none", None), "int8": ("int8", None), "int4": ("int4", None), "int4-g128": ("int4-g128", None),
     "w8a8": ("w8a8", None), "w8a8-fbgemm": ("w8a8", dict(w8a8_backend_name="fbgemm")), "fp8": ("fp8", None),
+    "bf16": ("none", None),
 }
+DTYPES = {"bf16": "bfloat16"}    # label -> compute dtype, where not the device's default
 
 
 def build_engine(label: str, args, bundle):
@@ -107,6 +111,7 @@ def build_engine(label: str, args, bundle):
 
     scheme, extra = VARIANTS[label]
     cfg = EngineConfig(model=args.model, device=args.device, quantization=scheme if extra is None else "none",
+                       dtype=DTYPES.get(label, "auto"),
                        kv_cache_memory=args.kv_cache_mb << 20, num_threads=args.threads or None)
     t = time.perf_counter()
     rt = build_runtime(cfg, bundle)
@@ -294,7 +299,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--schemes", default="none,int8,int4,w8a8,w8a8-fbgemm,fp8",
+    p.add_argument("--schemes", default="none,int8,int4,w8a8,w8a8-fbgemm,fp8,bf16",
                    help=f"comma-separated, from {', '.join(VARIANTS)}; the first should be none")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
