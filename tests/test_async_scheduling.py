@@ -9,7 +9,7 @@ import pytest
 from engine.request import Request, SamplingParams
 from engine.sequence import PLACEHOLDER
 from tests.kernel_cases import cuda_only
-from tests.tiny import engine_for, hf_model, prompts
+from tests.tiny import engine_for, forbid_launch_syncs, hf_model, prompts
 
 TWELVE_BLOCKS = 2 * 2 * 2 * 16 * 16 * 4 * 12     # KV bytes of 12 blocks of the tiny llama: preemption
 
@@ -163,16 +163,7 @@ def test_on_cuda_launch_never_waits_for_the_device(cuda_graphs):
     ref = engine_for(model, async_scheduling=False, **kw).generate(_requests(stop_at))
     engine = engine_for(model, **kw)
     engine.generate(_requests(stop_at))               # compiles every kernel first
-    launch = engine.runner.launch
-
-    def strict_launch(sched):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.runner.launch = strict_launch
+    forbid_launch_syncs(engine)
     outs = engine.generate(_requests(stop_at))
     assert [_summary(o) for o in outs] == [_summary(o) for o in ref]
 

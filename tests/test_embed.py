@@ -21,7 +21,7 @@ from jobrunner.config import JobConfigError
 from jobrunner.output import read_results
 from jobs.spec import EmbedSpec
 from tests.kernel_cases import cuda_only
-from tests.tiny import engine_for, hf_model, prompts
+from tests.tiny import engine_for, forbid_launch_syncs, hf_model, prompts
 
 COMBOS = [(pooling, normalize, dims) for pooling in ("last", "mean", "cls")
           for normalize, dims in ((False, None), (True, None), (True, 24), (False, 24))]
@@ -99,15 +99,7 @@ def test_on_cuda_embeddings_match_transformers_and_launch_never_waits():
     requests = lambda tag: [Request(f"{tag}-{pooling}-{i}", ids, embed=EmbedParams(pooling, True, 24))
                             for pooling in ("last", "mean", "cls") for i, ids in enumerate(texts)]
     engine.generate(requests("warm"))                  # compiles every kernel first
-    launch = engine.runner.launch
-
-    def strict_launch(sched):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    engine.runner.launch = strict_launch
+    forbid_launch_syncs(engine)
     outs = engine.generate(requests("strict"))
     for k, out in enumerate(outs):
         pooling, ids = ("last", "mean", "cls")[k // len(texts)], texts[k % len(texts)]

@@ -64,3 +64,17 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
 def prompts(seed: int, lengths=(5, 17, 33, 2, 48, 16)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def forbid_launch_syncs(engine: Engine) -> None:
+    """From now on a host sync inside the engine's launch raises (CUDA sync-debug mode, launch only):
+    what async scheduling promises."""
+    launch = engine.runner.launch
+
+    def strict_launch(sched):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.runner.launch = strict_launch
