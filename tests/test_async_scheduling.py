@@ -155,8 +155,6 @@ def test_on_cuda_launch_never_waits_for_the_device(cuda_graphs):
     """The point of async scheduling: launch() enqueues work without a host sync (a blocking copy,
     .item(), .tolist() would wait for the step in flight). torch's sync debug mode turns any such
     call into an error. Outputs equal the synchronous engine's (float32)."""
-    import torch
-
     model = hf_model("llama")
     kw = dict(device="cuda", dtype="float32", kv_cache_memory=64 * 2**20, max_num_seqs=16, cuda_graphs=cuda_graphs)
     stop_at = _stop_tokens(model)
