@@ -160,10 +160,12 @@ class Engine:
     def _sample_masked(self, launched: LaunchedStep) -> None:
         """Fills the grammar bitmask of a launched step's rows (every earlier step is processed, so each
         matcher has seen its sequence's tokens) and lets the runner sample. Rows that stopped since
-        their launch get no mask: their token is dropped."""
+        their launch get no mask: their token is dropped; nor do rows still reasoning (the
+        constraint is on the answer)."""
         t0 = time.perf_counter()
         _, seqs, _ = launched.masked
-        mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED else None for s in seqs])
+        mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED and s.constrained_from(s.num_tokens)
+                                   else None for s in seqs])
         self.counters.mask_s += time.perf_counter() - t0
         self.runner.sample_masked(launched, mask)
 

@@ -200,8 +200,9 @@ class OutputProcessor:
     @staticmethod
     def _grammar_end(seq: Sequence, token: int) -> str | None:
         """A constrained sequence ends where its grammar does (EOS only where the grammar accepts:
-        the bitmask allows nothing else)."""
-        if seq.matcher is None or not advance(seq.matcher, token):
+        the bitmask allows nothing else). A reasoning model's constraint is on its answer: the
+        reasoning and its closing marker are not fed to the matcher."""
+        if seq.matcher is None or not seq.constrained_from(seq.num_tokens - 1) or not advance(seq.matcher, token):
             return None
         return "error" if seq.matcher.is_error() else "stop"
 

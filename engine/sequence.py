@@ -186,6 +186,13 @@ class Sequence:
                 self.reasoning_end = self.num_tokens
         return resolved
 
+    def constrained_from(self, position: int) -> bool:
+        """Whether the token at `position` is under the sequence's constraint: not while reasoning,
+        nor the reasoning's closing marker (the answer starts at reasoning_end)."""
+        if self.sampling.reasoning_markers is None:
+            return True
+        return self.reasoning_end is not None and position >= self.reasoning_end
+
     @property
     def in_reasoning(self) -> bool:
         """A reasoning model's sequence before its answer: a constraint on the answer applies from

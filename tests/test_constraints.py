@@ -189,3 +189,20 @@ def test_mask_equals_brute_force_matcher(constraint):
         if token is not None:
             assert matcher.consume_token(token)
     assert matcher.is_accepting()
+
+
+def test_a_reasoning_models_constraint_applies_to_the_answer_only(model):
+    """The reasoning is free and its closing marker ends it: here the marker is a digit the answer's
+    regex forbids, pushed by logit_bias. It is sampled first (unconstrained while reasoning), then
+    the answer is letters only (the mask beats the bias)."""
+    engine = engine_with_tokenizer(model)
+    tok = engine.tokenizer
+    (close,) = tok.encode("7")
+    params = SamplingParams(max_tokens=10, logit_bias=((close, 100.0),), reasoning_markers=((EOS + 1000,), (close,)))
+    outs = engine.generate([Request(str(i), ids, params, constraint=Constraint("regex", "[a-z]+"))
+                            for i, ids in enumerate(prompts(9, lengths=(5, 12, 20)))])
+    for out in outs:
+        (c,) = out.completions
+        assert c.token_ids[0] == close and c.reasoning_tokens == 1
+        answer = tok.decode(c.token_ids[1:])
+        assert re.fullmatch("[a-z]+", answer) if c.finish_reason == "stop" else re.fullmatch("[a-z]*", answer), answer
