@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
-                              POOLINGS, QUANTIZATIONS, JobConfig)
+                              JOB_QUANTIZATIONS, POOLINGS, JobConfig)
 from jobs.reasoning import REASONING_PARSERS
 from jobs.truncation import TRUNCATE_MODES
 
@@ -134,9 +134,10 @@ OPTION_GROUPS: dict[str, list] = {
                           "or dummy:<config>."),
         click.option("--device", default=D.device, show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
-        click.option("--quantization", type=click.Choice(QUANTIZATIONS),
+        click.option("--quantization", type=click.Choice(JOB_QUANTIZATIONS),
                      default=D.quantization, show_default=True,
-                     help="Weight quantization (w8a8: the CPU speed mode; fp8: sm_89+ GPUs)."),
+                     help="Weight quantization (w8a8: a CPU speed mode; fp8: sm_89+ GPUs; auto: the fastest mode "
+                          "within 2% perplexity of float for this machine, e.g. bfloat16 on AMX CPUs)."),
         click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=D.kv_cache_dtype,
                      show_default=True, help="KV cache storage; int8 and fp8 store it in 8 bits, so more rows fit."),
         click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "

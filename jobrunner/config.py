@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import types
 import typing
@@ -21,15 +22,18 @@ from jobs.reasoning import REASONING_PARSERS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 from jobs.truncation import TRUNCATE_MODES
 
+log = logging.getLogger("jobrunner")
+
 # The choices of the options that take one; the command line's click.Choice lists are these same tuples
 # (KINDS: the job kinds by name, jobs.KINDS; QUANTIZATIONS, KV_CACHE_DTYPES: engine.config; MATCH_MODES,
 # NORMALIZE_MODES: jobs.spec; POOLINGS: engine.request).
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
+JOB_QUANTIZATIONS = QUANTIZATIONS + ("auto",)   # auto: jobrunner.precision picks one (and the dtype)
 # Sampling options that, left unset, take the model's generation_config.json value (engine.generation_config).
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 __all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS",
-           "POOLINGS", "QUANTIZATIONS",
+           "JOB_QUANTIZATIONS", "POOLINGS", "QUANTIZATIONS",
            "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
            "split_labels"]
 
@@ -131,8 +135,13 @@ class JobConfig:
             model = resolve_model(self.model)
         except ModelError as e:
             raise JobConfigError(str(e)) from None
+        dtype, quantization = self.dtype, self.quantization
+        if quantization == "auto":
+            from jobrunner.precision import auto_precision
+            dtype, quantization, why = auto_precision(self.device, self.dtype)
+            log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
         return EngineConfig(
-            model=model, dtype=self.dtype, device=self.device, quantization=self.quantization,
+            model=model, dtype=dtype, device=self.device, quantization=quantization,
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
@@ -279,8 +288,8 @@ class JobConfig:
             bad("--block-size, --max-num-seqs and --max-batched-tokens must be >= 1")
         if self.output_format not in OUTPUT_FORMATS:
             bad(f"--output-format must be {_either(OUTPUT_FORMATS)}")
-        if self.quantization not in QUANTIZATIONS:
-            bad(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization not in JOB_QUANTIZATIONS:
+            bad(f"--quantization must be one of {', '.join(JOB_QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         validate_constraint_options(self)

@@ -182,7 +182,7 @@ class Job:
         cfg, engine = self.cfg, self.engine
         return self.stats.summary(
             device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
-            quantization=cfg.quantization, prefix=self.prefix,
+            quantization=engine.config.quantization, prefix=self.prefix,      # as resolved (auto)
             engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
             device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)
 
@@ -366,7 +366,8 @@ class Job:
         cfg, model = self.cfg, None
         if self.cache is not None:
             from jobrunner.cache import job_model_key
-            model = job_model_key(self.engine.config.model, self.engine.rt, cfg.quantization, cfg.kv_cache_dtype)
+            model = job_model_key(self.engine.config.model, self.engine.rt, self.engine.config.quantization,
+                                  cfg.kv_cache_dtype)
         return Reuse(self.stats, cfg.kind, dedup=cfg.dedup, window_rows=WINDOW_ROWS, store=self.cache,
                      mode=cfg.cache_mode, model=model)
 

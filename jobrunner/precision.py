@@ -1,0 +1,50 @@
+"""`--quantization auto`: the fastest numeric mode whose quality stays within 2% perplexity of float.
+
+Measured on the default model (benchmarks/RESULTS.md, issue 20; `python -m benchmarks.quant_report`):
+bfloat16 compute costs +0.2% perplexity and, on CPUs with AMX or AVX512_BF16, runs a job 2.1-2.2x
+faster than float32; w8a8 costs +1.2% and runs about 2x faster on CPUs with VNNI (int8 dot
+products); elsewhere float32 is the fastest exact choice. On a GPU the model's own dtype
+(bfloat16) already is the fast path: nothing more is chosen. The default stays exact (float32 on
+CPU): auto is asked for, never assumed.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def on_gpu(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def auto_precision(device: str, dtype: str) -> tuple[str, str, str]:
+    """(dtype, quantization, why) for `--quantization auto`; a dtype the user chose is kept."""
+    if on_gpu(device):
+        return dtype, "none", "GPU: the model's 16-bit dtype"
+    if dtype != "auto":
+        return dtype, "none", f"--dtype {dtype} chosen"
+    flags = cpu_flags()
+    if any(f in flags for f in BF16_FLAGS):
+        return "bfloat16", "none", "CPU with AMX/AVX512_BF16: bfloat16 compute"
+    if any(f in flags for f in VNNI_FLAGS):
+        return "auto", "w8a8", "CPU with VNNI: int8 weights and activations"
+    return "auto", "none", "CPU without bf16 or int8 dot products: float32"
