@@ -418,7 +418,11 @@ def field_value(key: str, value):
         except JobConfigError as e:
             raise JobConfigError(f"{key}: {e}") from None
     if want is tuple and isinstance(value, str):
-        return split_labels(value) if key in ("labels", "choice") else (value,)
+        if key not in ("labels", "choice"):
+            return (value,)
+        if not (items := split_labels(value)):     # given, yet nothing in it: never run as if not given
+            raise JobConfigError(f"{key}: {value!r} holds no value; give comma-separated values, e.g. a,b,c")
+        return items
     if want is tuple and isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
         return tuple(value)
     if want is float and isinstance(value, int) and not isinstance(value, bool):

@@ -49,6 +49,7 @@ BAD_TOML = [
     ('max_tokens = "sixty"', "max_tokens", "an integer"),  # was a traceback
     ('temperature = "hot"', "temperature", "a number"),    # was a traceback
     ("labels = 5", "labels", "a string or a list of strings"),   # was a traceback
+    ('choice = " , "', "choice", "holds no value"),       # was run unconstrained
     ("stop = 5", "stop", "a string or a list of strings"),
     ('stop = ["a", 1]', "stop", "a string or a list of strings"),
     ("max_tokens = true", "max_tokens", "an integer"),
