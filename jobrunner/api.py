@@ -18,6 +18,7 @@ import tomllib
 import uuid
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
 from jobrunner.cache import ENV_URL
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
@@ -225,7 +226,7 @@ def _arrow_table(rows):
 def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
     """cfg's job in this process, on the cached engine when it has the same EngineConfig."""
     from jobrunner.job import Job
-    key = cfg.engine_config()
+    key = replace(cfg.engine_config(), num_threads=None)   # threads follow the machine's load; results do not
     engine = _engine_cache.get(key) if reuse_engine else None
     if engine is not None and cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
         raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")

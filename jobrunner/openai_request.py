@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.constraint import RESPONSE_FORMATS
+from jobs.base import RowError
+from jobs.constraint import response_format_constraint
 
 # Taken as they are (our names are OpenAI's, or vLLM's extras).
 SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
@@ -99,13 +100,13 @@ def _logit_bias(value: Any, params: dict) -> str | None:
 
 
 def _response_format(value: Any, params: dict) -> str | None:
-    """json_object and json_schema go on to the row's constraint (jobs/constraint.py, which checks the
-    schema); text changes nothing."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in RESPONSE_FORMATS:
-        return f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}"
-    if kind != "text":
-        params["response_format"] = value
+    """Checked as the row's constraint will read it (jobs/constraint.py); json_object and json_schema
+    go on to it, text changes nothing."""
+    try:
+        if response_format_constraint(value) is not None:
+            params["response_format"] = value
+    except RowError as e:
+        return str(e)
     return None
 
 

@@ -23,16 +23,15 @@ def validate_job(cfg: JobConfig) -> dict:
     from engine.errors import ModelError
     from engine.loader import load_model_bundle
     from jobrunner.dataset import read_rows
-    from jobrunner.models import describe
+    from jobrunner.models import describe, resolve_model
     from jobs import PromptBuilder, make_job
 
     cfg.validate()
     fmt, columns = checks.check_dataset(cfg)
     template = checks.check_template(cfg, columns)
     checks.check_constraint(cfg)
-    model = cfg.engine_config().model       # a known model name is pulled here, on first use
     try:
-        bundle = load_model_bundle(model)
+        bundle = load_model_bundle(resolve_model(cfg.model))   # a known model name is pulled here, on first use
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)

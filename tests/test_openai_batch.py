@@ -160,6 +160,7 @@ def test_chat_template_kwargs_reach_the_template(engine):
 def test_truncate_prompt(engine, tmp_path, mode):
     long = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)     # ~400 tokens; context 256
     lines = [_line("long", url="/v1/completions", prompt=long, max_tokens=4),
+             _line("long-copy", url="/v1/completions", prompt=long, max_tokens=4),    # computed once (dedup)
              _line("short", url="/v1/completions", prompt="Hello", max_tokens=4)]
     out, df = _run(engine, tmp_path, lines, truncate_prompt=mode)
     n = len(engine.tokenizer.encode(long))
@@ -169,6 +170,8 @@ def test_truncate_prompt(engine, tmp_path, mode):
         return
     assert long_row["error"][0] is None and long_row["prompt_tokens"][0] == 256 - 4
     assert long_row["truncated_tokens"][0] == n - (256 - 4)
+    copy = df.filter(pl.col("id") == "long-copy")
+    assert copy["reused"][0] and copy["truncated_tokens"][0] == n - (256 - 4)     # the copy's own count
     assert df.filter(pl.col("id") == "short")["truncated_tokens"][0] == 0
 
 
