@@ -19,6 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from engine.errors import ModelError
+from engine.sentencepiece_vocab import SPACE as _SP_SPACE
 from engine.sentencepiece_vocab import STYLES as SENTENCEPIECE_STYLES, sentencepiece_bpe
 
 if TYPE_CHECKING:
@@ -110,13 +111,19 @@ class Tokenizer:
         return self.inner.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character,
-        which its decoded text would turn into U+FFFD); else its decoded text's UTF-8."""
+        """The bytes one token stands for: a byte-level BPE token or a SentencePiece byte-fallback
+        token (<0xE2>) may hold part of a UTF-8 character, which its decoded text would turn into
+        U+FFFD; a SentencePiece "▁" is a space that decoding one token alone strips. Else the token's
+        decoded text's UTF-8."""
         spelling = self.inner.id_to_token(token_id)
         if spelling is None:
             return b""
         if type(self.inner.decoder).__name__ == "ByteLevel" and set(spelling) <= _byte_decoder().keys():
             return bytes(_byte_decoder()[c] for c in spelling)
+        if len(spelling) == 6 and spelling.startswith("<0x") and spelling.endswith(">"):
+            return bytes([int(spelling[3:5], 16)])
+        if _SP_SPACE in spelling:
+            return spelling.replace(_SP_SPACE, " ").encode("utf-8")
         return self.inner.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     # -- chat template --------------------------------------------------------------

@@ -74,3 +74,13 @@ def test_add_bos_follows_the_file(sentencepiece_gguf, tmp_path):
         write_sentencepiece_gguf(p, sp, add_bos=add_bos)
         ids = Tokenizer.from_gguf(str(p)).encode("hi", add_special_tokens=True)
         assert (ids[0] == sp.bos_id()) == (first is not None)
+
+
+def test_token_bytes_of_sentencepiece_pieces(sentencepiece_gguf):
+    """What the logprobs column spells: a byte-fallback piece is its byte, "▁" a space (decoding one
+    token alone would give U+FFFD and strip the space)."""
+    ours = Tokenizer.from_gguf(str(sentencepiece_gguf[0]))
+    byte = ours.token_to_id("<0xE2>")
+    assert byte is not None and ours.token_bytes(byte) == b"\xe2"
+    spaced = next(t for t in (ours.id_to_token(i) for i in range(ours.vocab_size)) if t.startswith("▁") and len(t) > 1)
+    assert ours.token_bytes(ours.token_to_id(spaced)) == (" " + spaced[1:]).encode()

@@ -10,7 +10,6 @@ costs a few reads. A Hugging Face cache snapshot (.../snapshots/<commit>/) adds 
 from __future__ import annotations
 
 import hashlib
-import json
 import posixpath
 import re
 
@@ -76,8 +75,3 @@ def _header(f, path: str, size: int) -> bytes:
         if n <= min(size - 8, 256 * 2**20):
             return first + f.read(n)
     return first + f.read(GGUF_HEADER_BYTES - 8)
-
-
-def describe(identity: dict) -> str:
-    """A short text for logs."""
-    return json.dumps(identity, sort_keys=True)[:200]

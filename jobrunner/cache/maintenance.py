@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from jobrunner import storage
 from jobrunner.cache.shards import LAYOUT, SHARD_RE, VALUES_RE, created_ns, values_path
+from jobrunner.stats import utc_iso
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$", re.I)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -32,16 +33,9 @@ def _files(url: str):
     """(bucket dir, name, size) of every file under the cache's layout directory."""
     fs, root = storage.url_fs(url)
     base = storage.join(root, LAYOUT)
-    try:
-        fs.invalidate_cache(base)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        buckets = fs.ls(base, detail=False)
-    except FileNotFoundError:
-        return fs, []
+    buckets = [storage.join(base, name) for name in storage.list_names(fs, base)]
     out = []
-    for b in sorted(buckets):
+    for b in buckets:
         try:
             for e in fs.ls(b, detail=True):
                 out.append((b.rstrip("/"), e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("size") or 0))
@@ -65,7 +59,7 @@ def cache_stats(url: str) -> dict:
     return {"url": url, "shards": len(shards), "entries": entries, "bytes": sum(s for _, _, s in shards),
             "buckets": len({d for d, _, _ in shards}), "unreadable_shards": unreadable,
             "other_files": len(files) - 2 * len(shards),
-            "oldest": _iso(min(times)) if times else None, "newest": _iso(max(times)) if times else None}
+            "oldest": utc_iso(min(times)) if times else None, "newest": utc_iso(max(times)) if times else None}
 
 
 def prune(url: str, older_than_s: float | None = None, max_size: int | None = None, now: float | None = None) -> dict:
@@ -74,14 +68,14 @@ def prune(url: str, older_than_s: float | None = None, max_size: int | None = No
     fs, files = _files(url)
     now = time.time() if now is None else now
     shards = sorted((created_ns(n) / 1e9, f"{d}/{n}", s) for d, n, s in _shards(files))
-    drop = [s for s in shards if older_than_s is not None and now - s[0] > older_than_s]
-    kept = [s for s in shards if s not in drop]
+    # oldest first: what either rule drops is a prefix of shards
+    cut = sum(1 for s in shards if older_than_s is not None and now - s[0] > older_than_s)
     if max_size is not None:
-        size = sum(s[2] for s in kept)
-        while kept and size > max_size:
-            oldest = kept.pop(0)
-            drop.append(oldest)
-            size -= oldest[2]
+        size = sum(s[2] for s in shards[cut:])
+        while cut < len(shards) and size > max_size:
+            size -= shards[cut][2]
+            cut += 1
+    drop = shards[:cut]
     indexed = {values_path(f"{d}/{n}") for d, n, _ in files if SHARD_RE.match(n)}
     leftovers = [f"{d}/{n}" for d, n, _ in files
                  if n.startswith("_tmp-") or (VALUES_RE.match(n) and f"{d}/{n}" not in indexed)]
@@ -92,7 +86,7 @@ def prune(url: str, older_than_s: float | None = None, max_size: int | None = No
         except FileNotFoundError:      # another prune got there first
             pass
     return {"shards_removed": len(drop), "bytes_removed": sum(s[2] for s in drop), "temporaries_removed": len(stale),
-            "shards_left": len(kept), "bytes_left": sum(s[2] for s in kept)}
+            "shards_left": len(shards) - cut, "bytes_left": sum(s[2] for s in shards[cut:])}
 
 
 def _shards(files) -> list[tuple[str, str, int]]:
@@ -109,5 +103,3 @@ def _tmp_age(fs, path: str, now: float) -> float:
         return 0.0
 
 
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

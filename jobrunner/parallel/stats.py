@@ -37,7 +37,8 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
                                                         default=0.0),
              device=",".join(sorted({v["device"] for v in results})) or None, devices=devices,
              device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
-             model_weight_bytes=first.get("model_weight_bytes", 0), quantization=cfg.quantization,
+             model_weight_bytes=first.get("model_weight_bytes", 0),
+             quantization=first.get("quantization", cfg.quantization),      # as the workers resolved it (auto)
              interrupted=any(x.get("interrupted") for _, x in summaries))
     for name in ("queue", "prefill", "decode"):
         points = [(q, v["sketch"][name]["n"] / len(v["sketch"][name]["q"]))
