@@ -137,10 +137,7 @@ class Grammars:
         """[rows, words] int32 bitmask on the host, one row per matcher (None: every token allowed),
         filled by llguidance's threads for the whole batch at once."""
         import llguidance.torch as llg_torch
-        mask = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)
-        free = [i for i, m in enumerate(matchers) if m is None]
-        if free:
-            mask[free] = -1
+        mask = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)     # all ones: every token
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if rows:
             llg_torch.fill_next_token_bitmask_par(self._executor, rows, mask)

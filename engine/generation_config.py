@@ -19,7 +19,8 @@ _RANGES = {
     "min_p": lambda v: 0 <= v <= 1,
 }
 SAMPLING_KEYS = tuple(_RANGES)
-# Keys vLLM also applies that our sampler lacks, with their neutral values: any other value is reported.
+# Keys vLLM also applies as defaults that we take from the job only, with their neutral values: any
+# other value is reported (the user passes it with the option of the same name).
 _NOT_APPLIED = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
@@ -44,5 +45,5 @@ class GenerationDefaults:
                 sampling[key] = int(value) if key == "top_k" else float(value)
         for key, neutral in _NOT_APPLIED.items():
             if gen.get(key) is not None and gen[key] != neutral:
-                ignored[key] = f"{gen[key]!r}: jobrunner's sampler has no {key}"
+                ignored[key] = f"{gen[key]!r}: not applied as a default; pass --{key.replace('_', '-')}"
         return cls(sampling, ignored)

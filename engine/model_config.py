@@ -129,7 +129,10 @@ def _layer_types(cfg: dict, pattern: int) -> tuple[str, ...]:
     """config.json's layer_types, else every `pattern`-th layer global and the others sliding (older
     Gemma configs: Gemma 2 alternates, Gemma 3 says sliding_window_pattern); () when neither."""
     if cfg.get("layer_types"):
-        return tuple(cfg["layer_types"])
+        types = tuple(cfg["layer_types"])
+        if len(types) != cfg["num_hidden_layers"]:
+            raise ValueError(f"layer_types has {len(types)} entries for {cfg['num_hidden_layers']} layers")
+        return types
     pattern = cfg.get("sliding_window_pattern", pattern)
     if not pattern:
         return ()

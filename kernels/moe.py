@@ -20,8 +20,8 @@ index_select and loops over the experts that have tokens; the Triton kernel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activation import silu_and_mul_ref
 from kernels.triton_utils import use_triton
 
 
@@ -49,7 +49,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     experts: each projection's output in x.dtype, the routing weight cast to x.dtype before the
     product, a token's k results added in ascending expert order (the sorted order)."""
     t, k = topk_ids.shape
-    num_experts, _, two_i = w13.shape
+    num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)                       # slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -61,7 +61,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if n:
             rows = slice(start, start + n)
             h = torch.mm(xs[rows], expert_weight(w13, w13_scale, e, x.dtype))          # [n, 2I]
-            act = F.silu(h[:, :two_i // 2]).mul_(h[:, two_i // 2:])                     # silu_and_mul_ref
+            act = silu_and_mul_ref(h)
             torch.mm(act, expert_weight(w2, w2_scale, e, x.dtype), out=out[rows])
             start += n
     out.mul_(topk_weights.reshape(-1)[order].to(x.dtype)[:, None])

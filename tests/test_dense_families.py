@@ -207,3 +207,14 @@ def test_published_config_formats():
     rotary, plain = Rotary(longrope), Rotary(ModelConfig.from_hf({**phi3, "rope_scaling": None}))
     assert rotary.factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096))) and plain.factor == 1.0
     torch.testing.assert_close(rotary.inv_freq, plain.inv_freq / 2)      # the long factors: a 128k context
+
+
+def test_layer_types_of_another_length_than_the_layers_is_a_model_error():
+    """Not an IndexError halfway through the build, nor extra entries silently dropped."""
+    from engine.errors import ModelError
+    from engine.loader import _model_config
+    gemma2 = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(ModelError, match="layer_types has 2 entries for 3 layers"):
+        _model_config(gemma2, "config.json")
