@@ -26,6 +26,9 @@ EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3,
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
 WINDOW_ROWS = 50_000
 WINDOW_TOKENS = 64_000_000
+# Rows held back for one batch lookup in the result cache are not packed yet (Python int lists, ~36
+# bytes a token): long prompts end a batch before its row count does.
+HELD_TOKENS = 4_000_000
 
 
 def _open_cache(cfg: JobConfig):
@@ -232,7 +235,7 @@ class Job:
         from jobs import RowError
 
         cfg, read, show = self.cfg, 0, self.cfg.show_prompt     # show: --show-prompt, until one is logged
-        held = []       # rows waiting for a batch lookup in the result cache (_past_cache)
+        held, held_tokens = [], 0       # rows waiting for a batch lookup in the result cache (_past_cache)
         for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
             if cfg.limit is not None:
                 batch = batch[:max(0, cfg.limit - read)]
@@ -274,9 +277,10 @@ class Job:
                         self._emit_output(row, result, reused=True)
                     continue
                 held.append((row, req))
-            if len(held) >= self.reuse.batch_rows:
+                held_tokens += len(req.prompt_token_ids)
+            if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
                 yield from self._past_cache(held)
-                held = []
+                held, held_tokens = [], 0
             if self.stop_requested:
                 raise _Interrupted
             if cfg.limit is not None and read >= cfg.limit:

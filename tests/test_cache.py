@@ -195,3 +195,23 @@ def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
     assert res.stats["engine"]["generated_tokens"] == 10 * MAX_TOKENS
     again = run_job(engine, ds, str(tmp_path / "again"), cache=cache)
     assert again.stats["rows_from_cache"] == 20 and again.stats["engine"]["generated_tokens"] == 0
+
+
+def test_long_prompts_end_a_lookup_batch_before_its_row_count(engine, tmp_path, monkeypatch):
+    """Rows held for one batch lookup are unpacked token lists: their tokens bound the batch too, and
+    every row is still served (from the cache on the second run)."""
+    import jobrunner.job as J
+    from jobrunner.reuse import Reuse
+    rows = [{"id": f"t{i}", "prompt": p} for i, p in enumerate(prompts(12))]
+    ds = write_jsonl(tmp_path / "d.jsonl", rows)
+    cache = str(tmp_path / "cache")
+    assert run_job(engine, ds, str(tmp_path / "cold"), cache=cache).exit_code == EXIT_OK
+    batches = []
+    real_fetch = Reuse.fetch
+    monkeypatch.setattr(Reuse, "fetch", lambda self, ids: batches.append(len(ids)) or real_fetch(self, ids))
+    monkeypatch.setattr(J, "HELD_TOKENS", 40)
+    warm = run_job(engine, ds, str(tmp_path / "warm"), cache=cache)
+    assert len(batches) > 1 and sum(batches) == 12
+    assert warm.stats["rows_from_cache"] == 12
+    assert _values(outputs(warm.output), sorted(r["id"] for r in rows)) == \
+        _values(outputs(str(tmp_path / "cold")), sorted(r["id"] for r in rows))
