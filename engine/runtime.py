@@ -88,14 +88,16 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
     tokens = tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens
     if seqs < 1 or tokens < 1:
         raise ConfigError(f"max_num_seqs ({seqs}) and max_num_batched_tokens ({tokens}) must be >= 1")
-    if config.quantization != "none":  # quantization: refuse an impossible scheme before loading anything
+    if config.quantization != "none":  # quantization: refuse an impossible scheme before opening anything
         from engine.quant import check_quantization
         check_quantization(config.quantization, device, dtype)
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
-    if bundle is None:
+    if bundle is None:                 # the checkpoint's files and config, no weight read yet
         from engine.loader import load_model_bundle
         bundle = load_model_bundle(config.model)
+    if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
+        check_quantization(config.quantization, device, dtype, moe=True)
     model = build_model(bundle, device, dtype, config.seed)
     if config.quantization != "none":
         from engine.quant import quantize_model

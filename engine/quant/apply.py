@@ -54,9 +54,13 @@ def parse_scheme(scheme: str) -> tuple[str, int | None]:
     return name, size
 
 
-def check_quantization(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
-    """Raises ConfigError (before any loading) when `scheme` cannot run on `device`."""
+def check_quantization(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                       moe: bool = False) -> None:
+    """Raises ConfigError (before any weight is loaded) when `scheme` cannot run on `device`, or on
+    a mixture-of-experts model's experts (`moe`)."""
     name, _ = parse_scheme(scheme)
+    if moe and name != "none":
+        check_expert_scheme(name)
     device = torch.device(device)
     if name == "fp8":
         if device.type != "cuda":
@@ -99,9 +103,7 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
         return model
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
-    check_quantization(scheme, device, dtype)
-    if any(hasattr(layer.mlp, "experts") for layer in model.layers):
-        check_expert_scheme(name)
+    check_quantization(scheme, device, dtype, moe=any(hasattr(layer.mlp, "experts") for layer in model.layers))
     raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") else {}  # GGUF maps onto these only
     if name == "w8a8":
         backend, qmax = w8a8_backend(device)
