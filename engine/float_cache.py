@@ -62,21 +62,19 @@ def read(directory: Path) -> tuple[dict, Tokenizer, Path] | None:
         return None
     tokenizer = Tokenizer(inner, chat_template=extra["chat_template"], special_tokens=extra["special_tokens"],
                           bos_token_id=extra["bos_token_id"], eos_token_ids=extra["eos_token_ids"])
-    return hf_config, tokenizer, directory / _WEIGHTS
+    return hf_config, tokenizer, weights_file(directory)
+
+
+def weights_file(directory: Path) -> Path:
+    return directory / _WEIGHTS
 
 
 def write(directory: Path, hf_config: dict, tokenizer: Tokenizer, weights) -> bool:
     """Writes the conversion, replacing a damaged one (weights: the GGUF's (name, float32 tensor)
-    iterator); False when the model is too large or the cache cannot be written (the job then goes
-    on from the GGUF)."""
+    iterator; the caller keeps to MAX_FLOAT_BYTES); False when the cache cannot be written (the job
+    then goes on from the GGUF)."""
     from safetensors.torch import save_file
-    tensors = {}
-    size = 0
-    for name, t in weights:
-        size += t.numel() * t.element_size()
-        if size > MAX_FLOAT_BYTES:
-            return False
-        tensors[name] = t
+    tensors = dict(weights)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-"))

@@ -175,6 +175,10 @@ class GGUFFile:
             heads = int(self.metadata.get(f"{self.arch}.attention.head_count_kv", heads))
         return _unpermute_rows(rows, heads)
 
+    def float32_bytes(self) -> int:
+        """What iter_tensors' tensors take together, from the shapes alone (nothing dequantized)."""
+        return sum(4 * int(t.n_elements) for name, t in self.tensors.items() if hf_tensor_name(name) is not None)
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) one at a time, dequantized, each a fresh tensor."""
         for name, t in self.tensors.items():

@@ -112,11 +112,12 @@ def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
     if cached is None:
         f = GGUFFile(path)
         hf_config, tokenizer = f.hf_config(), Tokenizer.from_gguf(f)
-        if not float_cache.write(converted, hf_config, tokenizer, f.iter_tensors()) or \
-                (cached := float_cache.read(converted)) is None:
+        if f.float32_bytes() > float_cache.MAX_FLOAT_BYTES or \
+                not float_cache.write(converted, hf_config, tokenizer, f.iter_tensors()):
             return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
                                weights=f.iter_tensors, source=source, weight_format="gguf",
                                raw_weights=f.iter_raw_tensors)
+        cached = hf_config, tokenizer, float_cache.weights_file(converted)
     hf_config, tokenizer, weights_file = cached
     return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
                        weights=_safetensors_weights([weights_file]), source=source, weight_format="gguf",
