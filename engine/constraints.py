@@ -16,7 +16,6 @@ grammar accepts. Tokens past the tokenizer's vocabulary (a model's padded rows) 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -78,18 +77,14 @@ def check_constraint(c: Constraint) -> str | None:
     import llguidance
     try:
         error = llguidance.LLMatcher.validate_grammar(grammar_text(c))
-    except (ConstraintError, ValueError) as e:
+    except ValueError as e:          # ConstraintError is one
         return str(e)
     return error or None
 
 
-def constraint_key(c: Constraint) -> str:
-    return hashlib.blake2b(f"{c.kind}\0{c.spec}".encode(), digest_size=16).hexdigest()
-
-
 class Grammars:
     """The tokenizer as llguidance sees it, a cache of compiled constraints (template matchers,
-    keyed by the constraint's hash) and the pool that compiles them."""
+    keyed by the constraint itself: frozen, hashed by its text) and the pool that compiles them."""
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 2):
@@ -98,17 +93,16 @@ class Grammars:
         self._source, self._eos = tokenizer, list(eos_token_ids)
         self._llg_tokenizer = self._executor = None             # built on the first constraint
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
-        self._cache: dict[str, Future] = {}
+        self._cache: dict[Constraint, Future] = {}
         self._lock = Lock()
 
     def compile(self, c: Constraint) -> "llguidance.LLMatcher":
         """The constraint's template matcher (copy it per sequence). Compiles in the pool, once per
         distinct constraint; raises ConstraintError on a bad constraint or after timeout_s."""
-        key = constraint_key(c)
         with self._lock:
-            future = self._cache.get(key)
+            future = self._cache.get(c)
             if future is None:
-                future = self._cache[key] = self._pool.submit(self._build, c)
+                future = self._cache[c] = self._pool.submit(self._build, c)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.constraints import ConstraintError, Grammars, advance
+from engine.constraints import Grammars, advance
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import RunnerOutput
 from engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -99,7 +99,7 @@ class OutputProcessor:
         if seq is not None and req.constraint is not None:
             try:
                 seq.matcher = self.grammars.compile(req.constraint).deep_copy()
-            except (ConstraintError, ValueError) as e:
+            except ValueError as e:         # a ConstraintError, or the library's own
                 return self._fail(state, str(e))
         if seq is None:
             state.completions[0] = Completion(0, [], "", "length")

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+# sampling options that, left unset, take the model's generation_config.json value
+from engine.generation_config import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS
 from engine.request import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
 from jobrunner.constraint_options import job_constraint, validate_constraint_options
@@ -30,8 +32,6 @@ log = logging.getLogger("jobrunner")
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
 JOB_QUANTIZATIONS = QUANTIZATIONS + ("auto",)   # auto: jobrunner.precision picks one (and the dtype)
-# Sampling options that, left unset, take the model's generation_config.json value (engine.generation_config).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 __all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", "NORMALIZE_MODES", "OUTPUT_FORMATS",
            "JOB_QUANTIZATIONS", "POOLINGS", "QUANTIZATIONS",
            "JobConfig", "JobConfigError", "check_device", "config_fields", "field_value", "parse_size",
