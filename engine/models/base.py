@@ -75,7 +75,8 @@ class CausalLM(nn.Module):
     # --- weights -------------------------------------------------------------------------
 
     def _shard_sizes(self) -> dict[str, list[int]]:
-        """Our fused parameter -> the rows of each HF tensor in it, in shard order."""
+        """Our fused parameter -> the rows of each HF tensor in it, in shard order. gate_up_proj's
+        halves are read off the parameter itself (an MoE's shared expert has its own size)."""
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
@@ -100,9 +101,9 @@ class CausalLM(nn.Module):
             for piece, (fused, shard) in self.FUSED_SHARDS.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
-                    sizes = shard_sizes[fused]
-                    offset = sum(sizes[:shard])
                     param = params[target]
+                    sizes = [param.shape[0] // 2] * 2 if fused == "gate_up_proj" else shard_sizes[fused]
+                    offset = sum(sizes[:shard])
                     with torch.no_grad():
                         param.data[offset:offset + sizes[shard]].copy_(tensor)
                     filled.add(f"{target}#{shard}")

@@ -93,8 +93,8 @@ class MoECausalLM(CausalLM):
         self._expert_name = re.compile(rf"layers\.(\d+)\.mlp\.experts\.(\d+)\.({names})\.weight")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Per-expert tensors go into the stacked experts, the shared expert's gate/up into its fused
-        gate_up_proj; the rest as for a dense model (CausalLM.load_weights)."""
+        """Per-expert tensors go into the stacked experts; the rest, the shared expert's too, as for a
+        dense model (CausalLM.load_weights)."""
         stacked: set[str] = set()
         filled = super().load_weights(self._stack_experts(weights, stacked))
         return filled | stacked
@@ -105,7 +105,6 @@ class MoECausalLM(CausalLM):
         for name, tensor in weights:
             name = name.removeprefix("model.").replace(f".{self.MOE_PREFIX}.", ".mlp.", 1)
             m = self._expert_name.fullmatch(name)
-            shared = re.fullmatch(r"layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight", name)
             if m:
                 layer, expert, piece = int(m[1]), int(m[2]), m[3]
                 if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoE) \
@@ -118,13 +117,6 @@ class MoECausalLM(CausalLM):
                 with torch.no_grad():
                     param.copy_(tensor.T)
                 filled.add(f"layers.{layer}.mlp.experts.{target}#{expert}.{shard}")
-            elif shared:
-                param = self.layers[int(shared[1])].mlp.shared_expert.gate_up_proj.weight
-                shard = 0 if shared[2] == "gate" else 1
-                rows = param.shape[0] // 2
-                with torch.no_grad():
-                    param.data[shard * rows:(shard + 1) * rows].copy_(tensor)
-                filled.add(f"layers.{shared[1]}.mlp.shared_expert.gate_up_proj.weight#{shard}")
             else:
                 yield name, tensor
 
