@@ -59,12 +59,11 @@ class DeviceSample:
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], adjust: LogitsAdjust | None = None
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, vocab] float32. Returns the chosen token and, when asked, its logprob per row."""
     if not rows:
         return [], []
-    drawn = sample_on_device(logits, rows, adjust)
+    drawn = sample_on_device(logits, rows)
     return drawn.finish([t.cpu() for t in drawn.tensors()])
 
 

@@ -189,9 +189,7 @@ class Sequence:
     def constrained_from(self, position: int) -> bool:
         """Whether the token at `position` is under the sequence's constraint: not while reasoning,
         nor the reasoning's closing marker (the answer starts at reasoning_end)."""
-        if self.sampling.reasoning_markers is None:
-            return True
-        return self.reasoning_end is not None and position >= self.reasoning_end
+        return not self.in_reasoning and (self.reasoning_end is None or position >= self.reasoning_end)
 
     @property
     def in_reasoning(self) -> bool:

@@ -21,12 +21,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     Computed on the CPU even inside a meta-device build: meta ops run Python decompositions that
     import torch._dynamo (seconds of start-up)."""
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
-    if _rope_type(scaling) == "longrope":
+    kind = _rope_type(scaling)
+    if kind == "longrope":
         return 1.0 / (torch.tensor(_longrope_factors(scaling), dtype=torch.float32, device="cpu") * base)
     inv_freq = 1.0 / base
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
+    if kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
-    elif scaling and (scaling.get("rope_type") or scaling.get("type")) == "linear":
+    elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif scaling:
         raise ValueError(f"unsupported rope_scaling {scaling}")
