@@ -30,6 +30,7 @@ class EngineConfig:
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/constraints.py)
+    tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)
 
 
 class ConfigError(ValueError):

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.constraints import Grammars
+from engine.errors import EngineFailure
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
+from engine.parallel.channel import StepChannel
 from engine.request import Request, RequestOutput
 from engine.runtime import EngineRuntime, build_runtime
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -64,10 +66,10 @@ class Engine:
         self.tokenizer = self.rt.tokenizer
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens)
+        channel = StepChannel(self.rt.tp, self.rt.device) if self.rt.tp.size > 1 else None
         self.runner = ModelRunner(self.rt.model, self.rt.num_blocks, config.block_size, self.rt.kv_dtype,
-                                  self.rt.device, self.rt.eos_token_ids)
-        self.max_model_len = min(self.rt.model_config.max_position_embeddings,
-                                 self.rt.num_blocks * config.block_size)
+                                  self.rt.device, self.rt.eos_token_ids, channel=channel)
+        self.max_model_len = max_model_len(self.rt, config)
         self.graph_capture_s = 0.0
         if config.cuda_graphs and self.rt.device.type == "cuda":
             self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
@@ -107,9 +109,27 @@ class Engine:
     def add_request(self, req: Request) -> None:
         self.outputs.add(req)
 
+    def close(self) -> None:
+        """Ends the other ranks of a tensor-parallel group (at exit otherwise); a no-op on one device."""
+        if self.rt.followers is not None:
+            self.rt.followers.close(send_end=lambda: self.runner.channel.send(None))
+
     def step(self) -> list[RequestOutput]:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
-        before, with async scheduling; this one, without). Returns the requests that finished."""
+        before, with async scheduling; this one, without). Returns the requests that finished.
+        EngineFailure when a rank of its tensor-parallel group is lost."""
+        if self.rt.followers is None:
+            return self._step()
+        try:
+            return self._step()
+        except RuntimeError as e:
+            lost = self.rt.followers.lost(wait_s=5.0)     # the closed connection may be seen before the exit
+            if lost is None:
+                raise
+            self.rt.followers.close()
+            raise EngineFailure(lost) from e
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -184,6 +204,11 @@ class Engine:
         c.graph_steps += out.graphed
         c.preemptions += len(sched.preempted)
         c.tokens_computed += sched.num_tokens
+
+
+def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:
+    """The longest sequence: the model's positions, or the KV cache's tokens if fewer."""
+    return min(rt.model_config.max_position_embeddings, rt.num_blocks * config.block_size)
 
 
 def _quiet_gc() -> None:

@@ -60,6 +60,18 @@ class ModelBundle:
     pooling: CheckpointPooling | None = None
     # generation_config.json's sampling defaults (HF directories; none for GGUF)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # safetensors-backed bundles: weights(select) reading only the slices select(name, shape) picks
+    sliced_weights: Callable[[Callable], WeightIterator] | None = None
+
+    def shard_weights(self, select) -> WeightIterator:
+        """The weights, each narrowed to what select(name, shape) picks: None for all of it, else
+        (dim, [(start, length), ...]) joined along dim (engine/parallel/shards.py). Safetensors files
+        are read slice by slice, so a rank never holds a whole tensor it keeps a part of."""
+        if self.sliced_weights is not None:
+            yield from self.sliced_weights(select)
+            return
+        for name, tensor in self.weights():
+            yield name, _narrow(tensor, select(name, tuple(tensor.shape)))
 
 
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
@@ -120,8 +132,8 @@ def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
         cached = hf_config, tokenizer, float_cache.weights_file(converted)
     hf_config, tokenizer, weights_file = cached
     return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
-                       weights=_safetensors_weights([weights_file]), source=source, weight_format="gguf",
-                       raw_weights=lambda: GGUFFile(path).iter_raw_tensors())
+                       weights=(weights := _safetensors_weights([weights_file])), source=source, weight_format="gguf",
+                       raw_weights=lambda: GGUFFile(path).iter_raw_tensors(), sliced_weights=weights)
 
 
 # -- HF directories (safetensors) ------------------------------------------------
@@ -149,19 +161,41 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
     generation = GenerationDefaults.from_config(_read_json(root / "generation_config.json"))
     return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
-                       tokenizer=tokenizer, weights=_safetensors_weights(files), source=source,
-                       weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation)
+                       tokenizer=tokenizer, weights=(weights := _safetensors_weights(files)), source=source,
+                       weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation,
+                       sliced_weights=weights)
 
 
-def _safetensors_weights(files: list[Path]) -> Callable[[], WeightIterator]:
-    def weights() -> WeightIterator:
+def _safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:
+    """weights(select=None): every tensor whole, or as select(name, shape) slices it (ModelBundle.shard_weights)."""
+    def weights(select=None) -> WeightIterator:
         from safetensors import safe_open
         for file in files:
             with safe_open(file, framework="pt") as st:
                 for name in st.keys():
-                    if not name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
+                    if name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
+                        continue
+                    if select is None:
                         yield name, st.get_tensor(name)
+                        continue
+                    part = st.get_slice(name)
+                    picked = select(name, tuple(part.get_shape()))
+                    yield name, st.get_tensor(name) if picked is None else _read_ranges(part, picked)
     return weights
+
+
+def _read_ranges(part, picked) -> torch.Tensor:
+    """The rows (dim 0) or columns (dim 1) ranges of a safetensors slice, joined."""
+    dim, ranges = picked
+    pieces = [part[s:s + n] if dim == 0 else part[:, s:s + n] for s, n in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _narrow(tensor: torch.Tensor, picked) -> torch.Tensor:
+    if picked is None:
+        return tensor
+    dim, ranges = picked
+    return torch.cat([tensor.narrow(dim, s, n) for s, n in ranges], dim)
 
 
 def _safetensors_files(root: Path) -> list[Path]:

@@ -8,6 +8,10 @@ computes logits only where a token is sampled or scored, and samples.
 Between the two the host is free to schedule and launch the next step: steps run in
 order on the device's one stream, so a launch may read KV blocks and sampled tokens
 that earlier launches have not yet produced.
+
+Tensor parallelism (engine/parallel): rank 0's runner sends each step's ForwardPlan down its
+channel before running it; the other ranks' runners `follow()` the plans with the same forward
+and the same logits calls (collectives), and sample nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.logits_process import LogitsAdjust
 from engine.models.base import CausalLM
+from engine.parallel.channel import ForwardPlan, StepChannel
 from engine.pooling import Pooler, split
 from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
@@ -110,17 +115,27 @@ class _StepInputs:
     pool_rows: list[tuple] = field(default_factory=list)     # (first token row, chunk) of each EMBED chunk
 
 
+def _logit_passes(x: _StepInputs) -> list[list[int]]:
+    """The token rows whose logits a step computes, pass by pass: the sampled rows in one, then the
+    scored rows LOGITS_ROWS_PER_PASS at a time."""
+    passes = [[r for r, _ in x.sample_rows]] if x.sample_rows else []
+    rows = [r for r, _, _ in x.score_rows]
+    return passes + [rows[lo:lo + LOGITS_ROWS_PER_PASS] for lo in range(0, len(rows), LOGITS_ROWS_PER_PASS)]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), channel: StepChannel | None = None):
         self.model = model
         self.eos_token_ids = eos_token_ids          # masked while a row is short of its min_tokens
         self.device = torch.device(device)
         self.block_size = block_size
+        self.channel = channel                      # a tensor-parallel group's; None on one device
         cfg = model.config
         # One block more than the pool hands out: the padding rows of graph batches write there.
         self.pad_block = num_blocks
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # this rank's KV heads (all of them on one device)
+        shape = (num_blocks + 1, block_size, model.shards.kv_heads, cfg.head_dim)
         # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V; an int8 cache
         # adds float32 scales [num_blocks, block_size, num_kv_heads] (layout in kernels/kv_int8.py)
         zeros = lambda shp, dt: _zeros(shp, dt, self.device)
@@ -145,9 +160,11 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+        """On each rank: its share of the KV heads (at least one)."""
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_token_head
+        heads = max(1, cfg.num_kv_heads // tensor_parallel)
+        return 2 * cfg.num_layers * block_size * heads * per_token_head
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
@@ -155,39 +172,70 @@ class ModelRunner:
         that are placeholders come from the previous launch's samples, on the device."""
         step = LaunchedStep(RunnerOutput(num_tokens=sched.num_tokens))
         out = step.out
-        if sched.block_copies:
-            self._copy_blocks(sched.block_copies)
         if not sched.chunks:
+            if sched.block_copies:
+                self._run_plan(ForwardPlan(block_copies=sched.block_copies), None)
             return step
         t0 = time.perf_counter()
         x = self._flatten(sched.chunks)
-        dev, nd = self.device, sched.num_decodes
+        nd = sched.num_decodes
+        plan = ForwardPlan(x.input_ids, x.positions, x.slots, x.query_lens, x.seq_lens, x.tables, nd,
+                           logit_rows=_logit_passes(x), patch_rows=[r for r, _ in x.placeholder_rows],
+                           graphed=(self.graphs is not None and nd == len(sched.chunks) and not x.score_rows
+                                    and nd <= self.graphs.max_batch),
+                           block_copies=sched.block_copies)
         patch = self._placeholder_ids(x.placeholder_rows)
-        if self.graphs is not None and nd == len(sched.chunks) and not x.score_rows and nd <= self.graphs.max_batch:
-            t1 = time.perf_counter()
-            out.graphed = True
-            hidden = self.graphs.run(x.input_ids, x.positions, x.slots, x.seq_lens, x.tables, patch)
-        else:
-            meta = AttentionMetadata.build(self.block_size, nd, x.query_lens, x.seq_lens, x.slots, x.tables, dev,
-                                           self.sliding_window)
-            ids, pos = (to_device(v, dev, np.int64) for v in (x.input_ids, x.positions))
-            if patch is not None:
-                ids.index_copy_(0, *patch)
-            t1 = time.perf_counter()
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+        out.graphed = plan.graphed
+        t1 = time.perf_counter()
+        hidden = self._run_plan(plan, patch)
         t2 = time.perf_counter()
         previous = self._last_tokens, self._last_rows     # penalties read placeholders' ids from these
         self._last_tokens, self._last_rows = None, {}
+        passes = iter(plan.logit_rows)                    # computed in this order, as the other ranks do
         if x.sample_rows:
-            self._sample(hidden, x.sample_rows, step, previous)
+            self._sample(self._logits(hidden, next(passes)), x.sample_rows, step, previous)
         if x.score_rows:
-            self._score(hidden, x.score_rows, step)
+            self._score(hidden, passes, x.score_rows, step)
         if x.pool_rows:
             step.pooled, step.pooled_owners = self.pooler.pool(hidden, x.pool_rows)
         if not step.awaits_mask:
             self._fetch(step)
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return step
+
+    def _run_plan(self, plan: ForwardPlan, patch) -> torch.Tensor | None:
+        """Block copies, then the forward: [T, hidden] (None without tokens). Rank 0 of a group sends
+        the plan (and the placeholder ids) first."""
+        if self.channel is not None and self.channel.tp.leader:
+            self.channel.send(plan, None if patch is None else patch[1])
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
+        if not plan.input_ids:
+            return None
+        if plan.graphed:
+            return self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.tables, patch)
+        dev = self.device
+        meta = AttentionMetadata.build(self.block_size, plan.num_decodes, plan.query_lens, plan.seq_lens, plan.slots,
+                                       plan.tables, dev, self.sliding_window)
+        ids, pos = (to_device(v, dev, np.int64) for v in (plan.input_ids, plan.positions))
+        if patch is not None:
+            ids.index_copy_(0, *patch)
+        return self.model(ids, pos, self.kv_caches, meta)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self.model.compute_logits(hidden.index_select(0, to_device(rows, hidden.device, np.int64)))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: runs rank 0's plans, forward and logits, until it ends."""
+        while True:
+            plan, patch_ids = self.channel.receive()
+            if plan is None:
+                return
+            patch = None if patch_ids is None else (to_device(plan.patch_rows, self.device, np.int64), patch_ids)
+            hidden = self._run_plan(plan, patch)
+            for rows in plan.logit_rows:
+                self._logits(hidden, rows)
 
     @torch.inference_mode()
     def sample_masked(self, step: LaunchedStep, bitmask: torch.Tensor) -> None:
@@ -271,9 +319,7 @@ class ModelRunner:
                 x.pool_rows.append((base, chunk))
         return x
 
-    def _sample(self, hidden, sample_rows, step: LaunchedStep, previous) -> None:
-        idx = to_device([r for r, _ in sample_rows], hidden.device, np.int64)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+    def _sample(self, logits, sample_rows, step: LaunchedStep, previous) -> None:
         seqs = [chunk.seq for _, chunk in sample_rows]
         if any(s.matcher is not None for s in seqs):
             step.masked = (logits, seqs, previous)  # the grammar's mask comes once the previous step's tokens are known
@@ -310,13 +356,12 @@ class ModelRunner:
             for row, seq_id in enumerate(step.sample_owners):
                 self._last_rows.setdefault(seq_id, row)
 
-    def _score(self, hidden, score_rows, step: LaunchedStep) -> None:
+    def _score(self, hidden, passes, score_rows, step: LaunchedStep) -> None:
+        """passes: the score rows' token rows, LOGITS_ROWS_PER_PASS at a time (_logit_passes)."""
         parts = []
-        for lo in range(0, len(score_rows), LOGITS_ROWS_PER_PASS):
-            part = score_rows[lo:lo + LOGITS_ROWS_PER_PASS]
-            idx, targets = (to_device(v, hidden.device, np.int64)
-                            for v in ([r for r, _, _ in part], [t for _, t, _ in part]))
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+        for lo, rows in zip(range(0, len(score_rows), LOGITS_ROWS_PER_PASS), passes):
+            targets = to_device([t for _, t, _ in score_rows[lo:lo + LOGITS_ROWS_PER_PASS]], hidden.device, np.int64)
+            logits = self._logits(hidden, rows)
             parts.append(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
         step.score_lp = torch.cat(parts)
         step.score_owners = [seq_id for _, _, seq_id in score_rows]

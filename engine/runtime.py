@@ -19,6 +19,9 @@ from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
 from engine.model_runner import ModelRunner
+from engine.parallel.group import SINGLE, TensorParallel, building
+from engine.parallel.launch import Followers
+from engine.parallel.shards import check_split
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them None. On an H200 with an 8B
@@ -44,14 +47,19 @@ class EngineRuntime:
     max_num_batched_tokens: int
     pooling: CheckpointPooling | None = None    # what the checkpoint says embeddings are (engine.embedding_config)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # the checkpoint's sampling defaults
+    tp: TensorParallel = SINGLE                 # this process's rank in its tensor-parallel group
+    followers: Followers | None = None          # rank 0 of a group: the other ranks' processes
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
+    """The device of `name`; tensor-parallel rank r takes the r-th GPU from the one named (or from 0)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA GPU is visible")
     device = torch.device(name)
+    if device.type == "cuda" and (tp_rank or device.index is not None):
+        device = torch.device("cuda", (device.index or 0) + tp_rank)
     if device.type == "cuda" and device.index is not None:
         if device.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
@@ -78,9 +86,11 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     raise ConfigError(f"unknown --kv-cache-dtype {name!r}; choose auto or int8")
 
 
-def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
+def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None = None) -> EngineRuntime:
+    """Device, model and KV cache size. With config.tensor_parallel > 1 the caller is rank 0 (tp None:
+    it starts the other ranks here, once the checkpoint has opened) or one of the others (tp given)."""
     t0 = time.perf_counter()
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, tp.rank if tp else 0)
     dtype = resolve_dtype(config.dtype, device)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     seqs, tokens = BATCH_LIMITS["cuda" if device.type == "cuda" else "cpu"]
@@ -98,21 +108,41 @@ def build_runtime(config: EngineConfig, bundle=None) -> EngineRuntime:
         bundle = load_model_bundle(config.model)
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
-    model = build_model(bundle, device, dtype, config.seed)
+    followers = None
+    if config.tensor_parallel > 1 and tp is None:
+        check_split(bundle.config, config.tensor_parallel)
+        if config.quantization != "none":
+            check_quantization(config.quantization, device, dtype, tensor_parallel=config.tensor_parallel)
+        followers = Followers(config, device)
+        tp = followers.tp
+    tp = tp or SINGLE
+    with building(tp):
+        model = build_model(bundle, device, dtype, config.seed)
     if config.quantization != "none":
         from engine.quant import quantize_model
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
-    per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype)
+    per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype, tp.size)
     budget = config.kv_cache_memory or _default_kv_budget(device, config)
-    num_blocks = budget // per_block
+    num_blocks = _agreed(budget // per_block, tp)
     if num_blocks < 1:
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no KV block of {per_block} bytes; raise it")
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
     return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
                          weight_bytes, time.perf_counter() - t0, bundle.source,
                          seqs, tokens, pooling=getattr(bundle, "pooling", None),
-                         generation=getattr(bundle, "generation", None) or GenerationDefaults())
+                         generation=getattr(bundle, "generation", None) or GenerationDefaults(),
+                         tp=tp, followers=followers)
+
+
+def _agreed(num_blocks: int, tp: TensorParallel) -> int:
+    """The fewest KV blocks any rank has room for: every rank holds the same block ids."""
+    if tp.size == 1:
+        return num_blocks
+    import torch.distributed as dist
+    n = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.host)
+    return int(n.item())
 
 
 def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
@@ -125,9 +155,10 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()
     if bundle.weight_format == "dummy":
-        _random_init(model, seed)
+        _random_init(model, seed + model.tp.rank)   # under tensor parallelism, other weights than one rank's
     else:
-        filled = model.load_weights(bundle.weights())
+        weights = bundle.weights() if model.tp.size == 1 else bundle.shard_weights(model.shards.select)
+        filled = model.load_weights(weights)
         missing = model.expected_weight_names() - filled
         if missing:
             raise ConfigError(f"model {bundle.source} lacks weights: {', '.join(sorted(missing)[:5])}"

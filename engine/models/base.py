@@ -5,6 +5,10 @@
                                                  (/ logits_scaling, then soft-capped, where the family says)
 
 Parameter names are HF's without the "model." prefix, except the fused projections (FUSED_SHARDS).
+
+Under tensor parallelism (engine/parallel) embed_tokens and lm_head hold this rank's rows of the
+vocabulary: an embedding is looked up where its row lives and summed over the ranks; logits are
+gathered from all ranks' rows.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.layers import RMSNorm, Rotary
+from engine.parallel.group import current as current_group
+from engine.parallel.shards import ShardPlan
 from kernels import AttentionMetadata
 
 
@@ -31,10 +37,13 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = current_group()
+        self.shards = ShardPlan(cfg, self.tp)
+        vocab = self.shards.vocab_part if self.tp.size > 1 else cfg.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg)
@@ -57,15 +66,26 @@ class CausalLM(nn.Module):
     def embed(self, input_ids) -> torch.Tensor:
         """[T] -> [T, hidden], times cfg.embedding_multiplier rounded to the model's dtype first (as HF's
         Gemma does: sqrt(3584) is 60 in bfloat16; Granite's multipliers are exact there)."""
-        x = self.embed_tokens(input_ids)
+        x = self._lookup(input_ids)
         m = self.config.embedding_multiplier
         return x if m == 1.0 else x * float(torch.tensor(m, dtype=x.dtype))
 
+    def _lookup(self, input_ids) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shards.vocab_start
+        mine = (local >= 0) & (local < self.shards.vocab_part)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled or scored: [N, hidden] -> [N, vocab] float32
-        (divided by cfg.logits_scaling, then soft-capped by cfg.final_logit_softcapping, when set)."""
+        (divided by cfg.logits_scaling, then soft-capped by cfg.final_logit_softcapping, when set).
+        Tensor-parallel: a collective, so every rank calls it for the same rows."""
         logits = self.lm_head(hidden).float()
         cfg = self.config
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits)[:, :cfg.vocab_size]
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcapping:
@@ -77,9 +97,11 @@ class CausalLM(nn.Module):
     def _shard_sizes(self) -> dict[str, list[int]]:
         """Our fused parameter -> the rows of each HF tensor in it, in shard order. gate_up_proj's
         halves are read off the parameter itself (an MoE's shared expert has its own size)."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        cfg, shards = self.config, self.shards
+        q, kv = shards.heads * cfg.head_dim, shards.kv_heads * cfg.head_dim
+        return {"qkv_proj": [q, kv, kv], "gate_up_proj": [shards.width(cfg.intermediate_size)] * 2}
+
+    _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors in, one at a time; returns the names of parameters filled
@@ -111,8 +133,12 @@ class CausalLM(nn.Module):
             else:
                 if name not in params:
                     raise KeyError(f"unexpected weight {name!r}")
+                target = params[name].data
                 with torch.no_grad():
-                    params[name].data.copy_(tensor)
+                    if name in self._VOCAB_ROWS and tensor.shape[0] < target.shape[0]:
+                        target[tensor.shape[0]:].zero_()       # the last rank's padding rows
+                        target = target[:tensor.shape[0]]
+                    target.copy_(tensor)
                 filled.add(name)
         return filled
 

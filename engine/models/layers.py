@@ -3,6 +3,10 @@
 Tokens of all sequences in a step are flattened into one batch: [num_tokens, hidden]. Projections
 are fused (qkv, gate_up), so a layer does four matmuls; base.CausalLM.load_weights slices HF's
 separate q/k/v and gate/up tensors into them.
+
+Tensor parallelism (engine/parallel): built under a group of several ranks, a layer holds its rank's
+heads and MLP columns (shards.ShardPlan) and sums the ranks' partial outputs after o_proj and
+down_proj (one all-reduce each); with one rank the shapes are the model's and the sums no-ops.
 """
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.parallel.group import current as current_group
+from engine.parallel.shards import ShardPlan
 from kernels import (AttentionMetadata, apply_rotary, attention_factor, gelu_tanh_and_mul, inverse_frequencies,
                      paged_attention, rms_norm, rotary_cos_sin, silu_and_mul, store_kv, store_kv_int8)
 
@@ -64,9 +70,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = current_group()
+        plan = ShardPlan(cfg, self.tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = plan.heads, plan.kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -100,19 +108,22 @@ class Attention(nn.Module):
             k_cache, v_cache = kv_cache
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, **switches)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is cfg.hidden_act.
-    intermediate_size: the config's unless given (a MoE's shared expert has its own)."""
+    intermediate_size: the config's unless given (a MoE's shared expert has its own). reduce=False
+    leaves a tensor-parallel rank's partial sum to the caller (a MoE block sums once for all its parts)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
-        inter = intermediate_size or cfg.intermediate_size
+        self.tp = current_group() if reduce else None
+        inter = ShardPlan(cfg, current_group()).width(intermediate_size or cfg.intermediate_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
 
     def forward(self, x):
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        y = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return y if self.tp is None else self.tp.all_reduce(y)

@@ -30,6 +30,8 @@ from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.layers import GatedMLP
 from engine.models.llama import LlamaDecoderLayer
+from engine.parallel.group import current as current_group
+from engine.parallel.shards import ShardPlan
 from kernels import fused_moe, route_topk
 
 
@@ -56,17 +58,20 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts and (Qwen2-MoE) the sigmoid-gated shared expert."""
+    """Router, routed experts and (Qwen2-MoE) the sigmoid-gated shared expert. Under tensor parallelism
+    each rank holds its share of every expert's columns (engine/parallel/shards.py) and the block's
+    partial sums, routed and shared, are summed over the ranks once, at its end."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
+        self.tp = current_group()
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, ShardPlan(cfg, self.tp).width(moe.intermediate_size))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
-            self.shared_expert = GatedMLP(cfg, moe.shared_intermediate_size)
+            self.shared_expert = GatedMLP(cfg, moe.shared_intermediate_size, reduce=False)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
@@ -75,7 +80,7 @@ class SparseMoE(nn.Module):
         y = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return self.tp.all_reduce(y)
 
 
 class MoECausalLM(CausalLM):
@@ -101,7 +106,6 @@ class MoECausalLM(CausalLM):
 
     def _stack_experts(self, weights, filled: set[str]):
         """Yields the tensors that are not expert slices; copies those in, adding their names to filled."""
-        inter = self.config.moe.intermediate_size
         for name, tensor in weights:
             name = name.removeprefix("model.").replace(f".{self.MOE_PREFIX}.", ".mlp.", 1)
             m = self._expert_name.fullmatch(name)
@@ -113,6 +117,7 @@ class MoECausalLM(CausalLM):
                 target, shard = self.EXPERT_NAMES[piece]
                 param = getattr(self.layers[layer].mlp.experts, target).data[expert]
                 if target == "w13":
+                    inter = param.shape[1] // 2               # this rank's share of the expert's columns
                     param = param[:, shard * inter:(shard + 1) * inter]
                 with torch.no_grad():
                     param.copy_(tensor.T)

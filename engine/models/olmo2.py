@@ -3,9 +3,12 @@
     x -> x + post_attn_norm(attn(x)) -> x + post_ff_norm(mlp(x))       (no norm before a block)
 
 The q/k norms span all heads (weights [Hq * D] and [Hk * D]), before the heads are split and rotated.
+Under tensor parallelism a rank holds some heads: their norm sums the squares over the ranks
+(a KV head kept by several ranks counted once).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
@@ -18,14 +21,24 @@ class Olmo2Attention(Attention):
         super().__init__(cfg, layer_idx)
         self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.full_q, self.full_kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.kv_copies = self.num_kv_heads * self.tp.size // cfg.num_kv_heads     # ranks holding each KV head
 
     def project(self, x):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, _ = self.q_norm(q)
-        k, _ = self.k_norm(k)
+        q = self._norm(q, self.q_norm, self.full_q, 1)
+        k = self._norm(k, self.k_norm, self.full_kv, self.kv_copies)
         return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                 v.view(t, self.num_kv_heads, self.head_dim))
+
+
+    def _norm(self, x, norm: RMSNorm, width: int, copies: int):
+        """RMSNorm over `width` features of which this rank holds x's (each held by `copies` ranks)."""
+        if self.tp.size == 1:
+            return norm(x)[0]
+        squares = self.tp.all_reduce(x.float().square().sum(-1, keepdim=True)) / copies
+        return norm.weight * (x.float() * torch.rsqrt(squares / width + norm.eps)).to(x.dtype)    # as kernels' rms_norm
 
 
 class Olmo2DecoderLayer(nn.Module):

@@ -55,10 +55,13 @@ def parse_scheme(scheme: str) -> tuple[str, int | None]:
 
 
 def check_quantization(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                       moe: bool = False) -> None:
-    """Raises ConfigError (before any weight is loaded) when `scheme` cannot run on `device`, or on
-    a mixture-of-experts model's experts (`moe`)."""
+                       moe: bool = False, tensor_parallel: int = 1) -> None:
+    """Raises ConfigError (before any weight is loaded) when `scheme` cannot run on `device`, on
+    a mixture-of-experts model's experts (`moe`), or split over `tensor_parallel` ranks."""
     name, _ = parse_scheme(scheme)
+    if name == "w8a8" and tensor_parallel > 1:
+        raise ConfigError("--quantization w8a8 calibrates SmoothQuant on the whole model, which one rank of a "
+                          "tensor-parallel group does not hold; use int8, int4 or fp8 with --tensor-parallel")
     if moe and name != "none":
         check_expert_scheme(name)
     device = torch.device(device)
@@ -104,7 +107,8 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     check_quantization(scheme, device, dtype, moe=any(hasattr(layer.mlp, "experts") for layer in model.layers))
-    raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") else {}  # GGUF maps onto these only
+    # GGUF blocks map onto int8 and int4 whole; a tensor-parallel rank quantizes its float shard
+    raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") and model.tp.size == 1 else {}
     if name == "w8a8":
         backend, qmax = w8a8_backend(device)
         if w8a8_backend_name is not None:
