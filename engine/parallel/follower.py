@@ -26,7 +26,7 @@ def main() -> int:
     from engine.engine import max_model_len
     from engine.model_runner import ModelRunner
     from engine.parallel.channel import StepChannel
-    from engine.parallel.launch import join_group
+    from engine.parallel.launch import destroy_group, join_group
     from engine.runtime import build_runtime, resolve_device
 
     config = EngineConfig(**json.loads(os.environ["JOBRUNNER_TP_CONFIG"]))
@@ -47,6 +47,8 @@ def main() -> int:
     except RuntimeError as e:           # rank 0's connection closed: it is gone, and its rows are its to redo
         logging.warning("rank 0 went away (%s)", str(e).splitlines()[0][:200])
         return 1
+    finally:
+        destroy_group()                 # before exit: a group torn down by the interpreter aborts the process
     return 0
 
 

@@ -103,7 +103,7 @@ class Followers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        _destroy_group()
+        destroy_group()
 
     def _watch(self) -> None:
         while not self.closing:
@@ -118,7 +118,7 @@ class Followers:
             time.sleep(0.5)
 
 
-def _destroy_group() -> None:
+def destroy_group() -> None:
     import torch.distributed as dist
     if dist.is_initialized():
         try:
