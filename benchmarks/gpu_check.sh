@@ -110,7 +110,11 @@ else
   note "gpu-tests: SKIPPED (no test file marks gpu tests)"
 fi
 
-part throughput-256-256 "$L_A" "$PY" -m benchmarks.throughput -m "$MODEL" $A --time-limit "$TL_A" $PROF
+# then (same log: the device tool brings back 8 files) tensor parallelism over 2 GPUs where there are 2 (issue 22)
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+part throughput-256-256 "$L_A" sh -c "\"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --time-limit $TL_A $PROF &&
+  if [ \"$GPUS\" -ge 2 ]; then \"$PY\" -m benchmarks.throughput -m \"$MODEL\" $A --time-limit $TL_A --tensor-parallel 2;
+  else echo 'tensor parallel: SKIPPED (one GPU)'; fi"
 # Mixture of experts (one log: the device tool brings back 8 files): the fused-MoE kernel at Qwen3-30B-A3B's
 # shapes (time and GB/s of the experts a batch touches), then 256/256 in bf16 with a profile of two decode
 # steps (the MoE kernels' share of a step), then in fp8 where the GPU has it (compute capability >= 8.9)

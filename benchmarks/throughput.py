@@ -169,7 +169,8 @@ def _engine_config(args):
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_cache, seed=args.seed, num_threads=args.threads,
-                        cuda_graphs=not args.eager, async_scheduling=not args.sync_scheduling)
+                        cuda_graphs=not args.eager, async_scheduling=not args.sync_scheduling,
+                        tensor_parallel=args.tensor_parallel)
 
 
 def _warm_up(engine, args, sync) -> float:
@@ -234,14 +235,20 @@ def _our_figures(args, engine, work, finished: int, elapsed: float) -> dict:
 
 
 def run_ours(args, work) -> dict:
-    import torch
-
     from engine.engine import Engine
 
     cfg = _engine_config(args)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load = time.perf_counter() - t0
+    try:
+        return _run_engine(args, work, cfg, engine, load)
+    finally:
+        engine.close()
+
+
+def _run_engine(args, work, cfg, engine, load) -> dict:
+    import torch
     rt = engine.rt
     sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
     warm_s = _warm_up(engine, args, sync)
@@ -403,6 +410,7 @@ def run_identity(args, argv: list[str] | None) -> dict:
     import torch
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else None
     return dict(gpu=gpu, cpu=platform.processor() or platform.machine(), quantization=args.quantization,
+                tensor_parallel=args.tensor_parallel,
                 kv_cache_dtype=args.kv_cache_dtype, commit=_commit(),
                 command=shlex.join(["python", "-m", "benchmarks.throughput",
                                     *(sys.argv[1:] if argv is None else argv)]))
@@ -415,6 +423,7 @@ def _lengths(lo_hi: list[int]) -> str:
 def summary_line(r: dict) -> str:
     setup = "" if r.get("quantization", "none") == "none" else f" {r['quantization']}"
     setup += "" if r.get("kv_cache_dtype", "auto") == "auto" else f" kv={r['kv_cache_dtype']}"
+    setup += "" if r.get("tensor_parallel", 1) == 1 else f" tp={r['tensor_parallel']}"
     return (f"{r['engine']} {r['model']} {r['gpu'] or r['device']} {r['dtype']}{setup} "
             f"{_lengths(r['input_len'])}/{_lengths(r['output_len'])}: {r['requests_finished']} requests in "
             f"{r['elapsed_s']:.1f}s{' (TRUNCATED by --time-limit)' if r.get('truncated') else ''} | "
@@ -451,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps (torch.profiler table)")
     ap.add_argument("--profile-after", type=int, default=0, help="... starting after this many steps")
     ap.add_argument("--threads", type=int, help="CPU compute threads (default: torch's, one per core)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="devices (processes) one engine spans")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before timing (0: none)")
     ap.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: run all)")
     ap.add_argument("--hf-batch", type=int, default=64, help="transformers: prompts per generate call")
