@@ -31,6 +31,8 @@ class EngineConfig:
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)
+    moe_split: str = "auto"             # tensor parallelism: routed experts split by experts or by columns
+                                        # (auto: by the layer's shape, engine/parallel/shards.py)
 
 
 class ConfigError(ValueError):

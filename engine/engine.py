@@ -112,7 +112,7 @@ class Engine:
     def close(self) -> None:
         """Ends the other ranks of a tensor-parallel group (at exit otherwise); a no-op on one device."""
         if self.rt.followers is not None:
-            self.rt.followers.close(send_end=lambda: self.runner.channel.send(None))
+            self.rt.followers.close()
 
     def step(self) -> list[RequestOutput]:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
@@ -126,7 +126,7 @@ class Engine:
             lost = self.rt.followers.lost(wait_s=5.0)     # the closed connection may be seen before the exit
             if lost is None:
                 raise
-            self.rt.followers.close()
+            self.rt.followers.close(abort=True)
             raise EngineFailure(lost) from e
 
     def _step(self) -> list[RequestOutput]:

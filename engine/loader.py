@@ -65,13 +65,15 @@ class ModelBundle:
 
     def shard_weights(self, select) -> WeightIterator:
         """The weights, each narrowed to what select(name, shape) picks: None for all of it, else
-        (dim, [(start, length), ...]) joined along dim (engine/parallel/shards.py). Safetensors files
+        (dim, [(start, length), ...]) joined along dim, skipped with no ranges (engine/parallel/shards.py). Safetensors files
         are read slice by slice, so a rank never holds a whole tensor it keeps a part of."""
         if self.sliced_weights is not None:
             yield from self.sliced_weights(select)
             return
         for name, tensor in self.weights():
-            yield name, _narrow(tensor, select(name, tuple(tensor.shape)))
+            picked = select(name, tuple(tensor.shape))
+            if picked is None or picked[1]:
+                yield name, _narrow(tensor, picked)
 
 
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
@@ -180,7 +182,10 @@ def _safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:
                         continue
                     part = st.get_slice(name)
                     picked = select(name, tuple(part.get_shape()))
-                    yield name, st.get_tensor(name) if picked is None else _read_ranges(part, picked)
+                    if picked is None:
+                        yield name, st.get_tensor(name)
+                    elif picked[1]:                     # no ranges: another rank's (an expert it holds)
+                        yield name, _read_ranges(part, picked)
     return weights
 
 

@@ -110,7 +110,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         check_quantization(config.quantization, device, dtype, moe=True)
     followers = None
     if config.tensor_parallel > 1 and tp is None:
-        check_split(bundle.config, config.tensor_parallel)
+        check_split(bundle.config, config.tensor_parallel, config.moe_split)
         if config.quantization != "none":
             check_quantization(config.quantization, device, dtype, tensor_parallel=config.tensor_parallel)
         followers = Followers(config, device)

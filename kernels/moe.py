@@ -11,6 +11,9 @@
 
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
+With `foreign` (expert parallelism: this rank holds experts 0..E-1 of its own range), an id E marks
+a slot whose expert lives on another rank: it contributes nothing here, and costs nothing.
+
 Execution is by expert, never by token: the T*k (token, choice) slots are sorted by expert
 (`argsort`, stable), so each expert's tokens are one contiguous run of rows, and each run
 is one matmul per projection. The reference (CPU path) gathers the rows once with
@@ -44,18 +47,20 @@ def expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: to
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, foreign: bool = False) -> torch.Tensor:
     """The torch path (see the module doc): [T, H] -> [T, H] in x.dtype. Rounds and sums like HF's
     experts: each projection's output in x.dtype, the routing weight cast to x.dtype before the
     product, a token's k results added in ascending expert order (the sorted order)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)                       # slots grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    order = torch.argsort(flat, stable=True)                       # slots grouped by expert (foreign ones last)
+    counts = torch.bincount(flat, minlength=num_experts + foreign).tolist()
+    if foreign:
+        order = order[:len(flat) - counts.pop(num_experts)]
     tokens = order // k
     xs = x.index_select(0, tokens)                                 # [T*k, H], expert runs in order
-    out = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
+    out = torch.empty((len(order), w2.shape[2]), dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
@@ -68,12 +73,12 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, foreign=False):
     """Dispatch: the Triton grouped GEMMs on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere."""
     if use_triton(x):
         from kernels.triton_moe import fused_moe_triton
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, foreign)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, foreign)
 
 
 def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

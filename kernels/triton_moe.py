@@ -107,8 +107,9 @@ def _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, H] -> [T, H] in x.dtype (see the module doc)."""
+                     w2_scale: torch.Tensor | None = None, foreign: bool = False) -> torch.Tensor:
+    """[T, H] -> [T, H] in x.dtype (see the module doc; foreign: ids E are other ranks' experts, whose
+    slots' blocks are skipped and whose rows of the output stay zero)."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     t, k = topk_ids.shape
     num_experts, h, two_i = w13.shape
@@ -117,7 +118,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if t == 0:
         return torch.empty_like(x)
     block_m = _block_m(slots, num_experts)
-    sorted_slots, block_expert = align_to_blocks(topk_ids, num_experts, block_m)
+    sorted_slots, block_expert = align_to_blocks(topk_ids, num_experts + foreign, block_m)
+    if foreign:
+        block_expert = torch.where(block_expert < num_experts, block_expert, -1)
     weights = topk_weights.reshape(-1).float().contiguous()
     ieee = x.dtype == torch.float32
     block_n, block_k = (32, 32) if ieee else (64, 64)
@@ -125,7 +128,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     scales13 = w13_scale if has_scale else weights      # (an unused pointer when not quantized)
     scales2 = w2_scale if has_scale else weights
     hidden = torch.empty((slots, inter), dtype=x.dtype, device=x.device)
-    out = torch.empty((slots, h), dtype=x.dtype, device=x.device)
+    out = (torch.zeros if foreign else torch.empty)((slots, h), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
     launch(_moe_gemm_kernel, (blocks, triton.cdiv(inter, block_n)), x.device,
            x, w13, scales13, weights, hidden, sorted_slots, block_expert,

@@ -96,3 +96,19 @@ def test_launcher_checks_shapes():
         fused_moe_triton(x, w13, w2[:, :4].contiguous(), weights, ids)
     with pytest.raises(ValueError, match="float weights must be x.dtype"):
         fused_moe_triton(x.half(), w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_cases(cuda_fp32=False))
+def test_foreign_slots_contribute_nothing(device, dtype):
+    """Expert parallelism: a rank holding experts 4..7 of 8 sees ids 0..3 as foreign (id 4 here); the
+    result is the same as the whole model's with the foreign experts' weights zeroed."""
+    x, w13, w2, weights, ids = _problem(11, 8, 2, 32, 24, dtype, device, seed=3)
+    local = ids - 4
+    local = torch.where((local >= 0) & (local < 4), local, 4)
+    zeroed = w2.clone()
+    zeroed[:4] = 0
+    want = fused_moe_ref(x.float(), w13.float(), zeroed.float(), weights, ids)
+    ref = fused_moe_ref(x.float(), w13[4:].float(), w2[4:].float(), weights, local, foreign=True)
+    torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+    out = fused_moe_triton(x, w13[4:].contiguous(), w2[4:].contiguous(), weights, local, foreign=True)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])

@@ -72,11 +72,12 @@ def _prompts() -> list[list[int]]:
     return [shared + tail for tail in prompts(8, lengths=(1, 9, 20))] + prompts(9, lengths=(17,))
 
 
-def _greedy(path, size: int) -> tuple[list[list[int]], Engine]:
+def _greedy(path, size: int, **options) -> tuple[list[list[int]], Engine]:
     """Each rank's cache holds BLOCKS blocks, as one rank's does: the same schedule, preemptions and all."""
     per_block = ModelRunner.kv_bytes_per_block(load_model_bundle(str(path)).config, ENGINE["block_size"],
                                                torch.float32, size)
-    engine = Engine(EngineConfig(model=str(path), tensor_parallel=size, **ENGINE, kv_cache_memory=BLOCKS * per_block))
+    engine = Engine(EngineConfig(model=str(path), tensor_parallel=size, **ENGINE, kv_cache_memory=BLOCKS * per_block,
+                                 **options))
     try:
         params = SamplingParams(max_tokens=N, ignore_eos=True)
         outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(_prompts())])
@@ -93,6 +94,23 @@ def test_two_ranks_give_one_rank_s_tokens(checkpoints, name):
     assert engine.counters.preemptions > 0 and engine.counters.prompt_tokens_cached > 0
     assert engine.rt.tp.size == 2 and all(p.returncode == 0 for p in engine.rt.followers.procs.values())
     assert two == one, name
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_experts_split_by_columns_give_one_rank_s_tokens(checkpoints, name):
+    """The tiny experts are narrow, so auto (the test above) holds experts whole on each rank; here
+    every rank holds every expert's half."""
+    path = checkpoints(name)
+    one, _ = _greedy(path, 1)
+    two, engine = _greedy(path, 2, moe_split="columns")
+    sparse = [layer.mlp for layer in engine.rt.model.layers if hasattr(layer.mlp, "experts")]
+    assert all(m.experts.w13.shape[0] == 8 and not m.foreign for m in sparse)
+    assert two == one, name
+
+
+def test_auto_holds_narrow_experts_whole(checkpoints):
+    two, engine = _greedy(checkpoints("mixtral"), 2)
+    assert all(layer.mlp.foreign and layer.mlp.experts.w13.shape[0] == 4 for layer in engine.rt.model.layers)
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)
@@ -170,3 +188,21 @@ def _one_process_peak_mb(model: str, options: dict) -> float:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     return float(out.stdout.split()[-1])
+
+
+def test_a_lost_rank_ends_the_engine_with_engine_failure(checkpoints):
+    """Rank 1 killed mid-run: the next step raises EngineFailure naming it, and the other ranks are ended."""
+    import signal
+
+    from engine.errors import EngineFailure
+
+    engine = Engine(EngineConfig(model=str(checkpoints("llama")), tensor_parallel=2, num_threads=1))
+    for i, ids in enumerate(_prompts()):
+        engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=200, ignore_eos=True)))
+    (follower,) = engine.rt.followers.procs.values()
+    with pytest.raises(EngineFailure, match=f"rank 1 \\(process {follower.pid}\\) exited with code -9"):
+        for step in range(1000):
+            engine.step()
+            if step == 3:
+                os.kill(follower.pid, signal.SIGKILL)
+    assert follower.poll() == -signal.SIGKILL

@@ -47,8 +47,8 @@ class Experts(nn.Module):
         self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized
         self.register_buffer("w2_scale", None)                                  # [E, H] when quantized
 
-    def forward(self, x, topk_weights, topk_ids):
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale)
+    def forward(self, x, topk_weights, topk_ids, foreign: bool = False):
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, foreign)
 
     def set_quantized(self, w13, w13_scale, w2, w2_scale) -> None:
         """Swaps the float parameters for quantized buffers (engine/quant/apply.py)."""
@@ -59,8 +59,9 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router, routed experts and (Qwen2-MoE) the sigmoid-gated shared expert. Under tensor parallelism
-    each rank holds its share of every expert's columns (engine/parallel/shards.py) and the block's
-    partial sums, routed and shared, are summed over the ranks once, at its end."""
+    each rank holds its share of every expert's columns, or some experts whole (engine/parallel/shards.py:
+    then a slot routed to another rank's expert is foreign here), and the block's partial sums,
+    routed and shared, are summed over the ranks once, at its end."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,7 +69,9 @@ class SparseMoE(nn.Module):
         self.tp = current_group()
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, ShardPlan(cfg, self.tp).width(moe.intermediate_size))
+        plan = ShardPlan(cfg, self.tp)
+        (self.first_expert, num_local), self.foreign = plan.experts, plan.experts_whole
+        self.experts = Experts(num_local, cfg.hidden_size, plan.expert_width())
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg, moe.shared_intermediate_size, reduce=False)
@@ -77,7 +80,11 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         """x: [T, H] -> [T, H]."""
         topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-        y = self.experts(x, topk_weights, topk_ids)
+        if self.foreign:                      # other ranks' experts -> id num_local (kernels.fused_moe)
+            num_local = self.experts.w13.shape[0]
+            topk_ids = topk_ids - self.first_expert
+            topk_ids = torch.where((topk_ids >= 0) & (topk_ids < num_local), topk_ids, num_local)
+        y = self.experts(x, topk_weights, topk_ids, self.foreign)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(y)
@@ -115,7 +122,8 @@ class MoECausalLM(CausalLM):
                         or expert >= self.config.moe.num_experts:
                     raise KeyError(f"unexpected weight {name!r} (layer {layer} has no expert {expert})")
                 target, shard = self.EXPERT_NAMES[piece]
-                param = getattr(self.layers[layer].mlp.experts, target).data[expert]
+                moe = self.layers[layer].mlp
+                param = getattr(moe.experts, target).data[expert - moe.first_expert]     # this rank's stack
                 if target == "w13":
                     inter = param.shape[1] // 2               # this rank's share of the expert's columns
                     param = param[:, shard * inter:(shard + 1) * inter]
@@ -129,6 +137,7 @@ class MoECausalLM(CausalLM):
         names = {n for n in super().expected_weight_names() if ".mlp.experts." not in n}
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
-                for e in range(self.config.moe.num_experts):
+                first, count = self.shards.experts
+                for e in range(first, first + count):
                     names.update(f"layers.{i}.mlp.experts.{t}#{e}.{s}" for t, s in self.EXPERT_NAMES.values())
         return names

@@ -30,9 +30,9 @@ def main() -> int:
     from engine.runtime import build_runtime, resolve_device
 
     config = EngineConfig(**json.loads(os.environ["JOBRUNNER_TP_CONFIG"]))
-    rank, size = int(os.environ["JOBRUNNER_TP_RANK"]), int(os.environ["JOBRUNNER_TP_SIZE"])
+    rank = int(os.environ["JOBRUNNER_TP_RANK"])
     device = resolve_device(config.device, rank)
-    tp = join_group(rank, size, int(os.environ["JOBRUNNER_TP_PORT"]), device)
+    tp = join_group(config, rank, int(os.environ["JOBRUNNER_TP_PORT"]), device)
     try:
         rt = build_runtime(config, tp=tp)
     except (ModelError, ConfigError) as e:

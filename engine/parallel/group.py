@@ -22,6 +22,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None       # torch.distributed ProcessGroup for device tensors; None with one rank
     host: Any = None        # gloo ProcessGroup for host objects (channel.py)
+    moe_split: str = "auto"  # how routed experts are split: auto | experts | columns (shards.ShardPlan)
 
     @property
     def leader(self) -> bool:

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 
 from engine.config import EngineConfig
+from engine.parallel.channel import StepChannel
 from engine.parallel.group import TensorParallel
 
 log = logging.getLogger("jobrunner")
@@ -39,20 +40,21 @@ HOST_TIMEOUT = timedelta(days=30)
 DEVICE_TIMEOUT = timedelta(minutes=30)
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+def join_group(config: EngineConfig, rank: int, port: int, device: torch.device) -> TensorParallel:
     """Rank `rank` > 0 joins the group whose rank 0 (Followers) hosts the store on local `port`."""
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(minutes=5))
-    return _init(store, rank, size, device)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel, False, timeout=timedelta(minutes=5))
+    return _init(store, rank, config, device)
 
 
-def _init(store, rank: int, size: int, device: torch.device) -> TensorParallel:
+def _init(store, rank: int, config: EngineConfig, device: torch.device) -> TensorParallel:
     import torch.distributed as dist
     backend = "nccl" if device.type == "cuda" else "gloo"
+    size = config.tensor_parallel
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=HOST_TIMEOUT,
                             **({"device_id": device} if device.type == "cuda" else {}))
     host = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT) if backend == "nccl" else dist.group.WORLD
-    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, host=host)
+    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, host=host, moe_split=config.moe_split)
 
 
 class Followers:
@@ -62,8 +64,7 @@ class Followers:
         import torch.distributed as dist
         size = config.tensor_parallel
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(minutes=5), wait_for_workers=False)
-        env = dict(os.environ, JOBRUNNER_TP_CONFIG=json.dumps(asdict(config)), JOBRUNNER_TP_SIZE=str(size),
-                   JOBRUNNER_TP_PORT=str(self.store.port), JOBRUNNER_TP_LEADER_PID=str(os.getpid()))
+        env = dict(os.environ, JOBRUNNER_TP_CONFIG=json.dumps(asdict(config)), JOBRUNNER_TP_PORT=str(self.store.port), JOBRUNNER_TP_LEADER_PID=str(os.getpid()))
         if config.num_threads:
             env.update(OMP_NUM_THREADS=str(config.num_threads))
         self.procs = {r: subprocess.Popen(FOLLOWER_COMMAND, env=dict(env, JOBRUNNER_TP_RANK=str(r)))
@@ -71,7 +72,7 @@ class Followers:
         log.info("tensor parallel: %d ranks; ranks 1-%d are processes %s", size, size - 1,
                  ", ".join(str(p.pid) for p in self.procs.values()))
         self.closing = False
-        self.tp = _init(self.store, 0, size, device)
+        self.tp = _init(self.store, 0, config, device)
         threading.Thread(target=self._watch, name="jobrunner-tp-watch", daemon=True).start()
         atexit.register(self.close)
 
@@ -86,14 +87,19 @@ class Followers:
                 return None
             time.sleep(0.1)
 
-    def close(self, send_end=None) -> None:
-        """Ends the other ranks: `send_end()` tells them (a clean end), else they see the group close."""
+    def close(self, abort: bool = False) -> None:
+        """Ends the other ranks: tells them (StepChannel's end) and waits for them; `abort` (a rank is
+        lost, the group is broken): kills those left."""
         if self.closing:
             return
         self.closing = True
-        if send_end is not None and all(p.poll() is None for p in self.procs.values()):
+        if abort:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+        elif all(p.poll() is None for p in self.procs.values()):
             try:
-                send_end()
+                StepChannel(self.tp, torch.device("cpu")).send(None)
             except RuntimeError:      # a rank went at the same moment: it is ending anyway
                 pass
         deadline = time.time() + 30

@@ -7,15 +7,24 @@
 
 KV heads split like the query heads when there are at least as many as ranks; with fewer, each
 rank holds the one KV head its query heads read (rank r: head r // (size / num_kv_heads)), so a
-KV head is kept by size / num_kv_heads ranks. Each routed expert is split like a dense MLP (its
-intermediate columns): every rank keeps every expert's share, the grouped GEMM stays as it is and
-the work stays even however the router picks. The vocabulary is cut into equal parts of
+KV head is kept by size / num_kv_heads ranks. The vocabulary is cut into equal parts of
 ceil(vocab / size) rows; the last part's padding rows stay zero and their logits are dropped.
 
-A rank reads only its slices: `select(name, shape)` tells the loader what to read of an HF tensor.
+Routed experts split one of two ways (`moe_split`, auto by the layer's shape):
+  columns   each expert like a dense MLP: every rank holds every expert's share of its intermediate
+            columns; the work stays even however the router picks. Auto's choice while each share
+            keeps at least EXPERT_MIN_COLUMNS columns (a GEMM narrower than that wastes its tiles).
+  experts   rank r holds experts [r * E / size, (r + 1) * E / size) whole; a token's slots routed
+            elsewhere cost nothing here (kernels.fused_moe's foreign ids). Auto's choice for narrow
+            experts (Qwen3-30B-A3B's 768 columns over 8 ranks would be 96 each), when E divides.
+Either way the block's partial sums meet in one all-reduce.
+
+A rank reads only its slices: `select(name, shape)` tells the loader what to read of an HF tensor
+(SKIP: none of it, another rank's expert).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.config import ConfigError
@@ -24,14 +33,31 @@ from engine.parallel.group import TensorParallel
 
 # select(): the whole tensor, nothing of it, or (dim, [(start, length), ...]) joined along dim in order
 WHOLE = None
+SKIP = (0, [])
 Ranges = tuple[int, list[tuple[int, int]]]
+MOE_SPLITS = ("auto", "experts", "columns")
+EXPERT_MIN_COLUMNS = 128
+_EXPERT = re.compile(r".*\.experts\.(\d+)\.\w+\.weight")
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 _ROW = ("o_proj", "down_proj", "w2")
 
 
-def check_split(cfg: ModelConfig, size: int) -> None:
+def experts_whole(cfg: ModelConfig, size: int, moe_split: str = "auto") -> bool:
+    """Whether routed experts are split by experts (else by columns) over `size` ranks."""
+    if moe_split not in MOE_SPLITS:
+        raise ConfigError(f"moe_split {moe_split!r}: choose one of {', '.join(MOE_SPLITS)}")
+    if cfg.moe is None or size == 1 or moe_split == "columns":
+        return False
+    if moe_split == "experts":
+        return True
+    inter = cfg.moe.intermediate_size
+    return cfg.moe.num_experts % size == 0 and (inter % size != 0 or inter // size < EXPERT_MIN_COLUMNS)
+
+
+def check_split(cfg: ModelConfig, size: int, moe_split: str = "auto") -> None:
     """ConfigError unless the model's heads and MLP widths split evenly over `size` ranks."""
+    whole = experts_whole(cfg, size, moe_split)
     if size == 1:
         return
     problems = []
@@ -42,8 +68,9 @@ def check_split(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{kv} KV heads")
     widths = {"intermediate size": cfg.intermediate_size}
     if cfg.moe is not None:
-        widths.update({"expert intermediate size": cfg.moe.intermediate_size,
-                       "shared expert intermediate size": cfg.moe.shared_intermediate_size})
+        widths["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
+        widths["experts" if whole else "expert intermediate size"] = \
+            cfg.moe.num_experts if whole else cfg.moe.intermediate_size
     problems += [f"{name} {w}" for name, w in widths.items() if w % size]
     if problems:
         raise ConfigError(f"--tensor-parallel {size}: {cfg.architecture} has {', '.join(problems)}, which do not "
@@ -81,6 +108,21 @@ class ShardPlan:
         """A column- or row-parallel width n on this rank."""
         return n // self.tp.size
 
+    @property
+    def experts_whole(self) -> bool:
+        return experts_whole(self.cfg, self.tp.size, self.tp.moe_split)
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """(first, count) of the routed experts this rank holds (all, when split by columns)."""
+        e = self.cfg.moe.num_experts
+        return self.tp.part(e) if self.experts_whole else (0, e)
+
+    def expert_width(self) -> int:
+        """Intermediate columns of each routed expert this rank holds."""
+        inter = self.cfg.moe.intermediate_size
+        return inter if self.experts_whole else self.width(inter)
+
     # --- the checkpoint's tensors ---------------------------------------------------------
 
     def select(self, name: str, shape: tuple[int, ...]) -> Ranges | None:
@@ -88,6 +130,9 @@ class ShardPlan:
         if self.tp.size == 1:
             return WHOLE
         cfg, d = self.cfg, self.cfg.head_dim
+        if self.experts_whole and (m := _EXPERT.fullmatch(name)):
+            first, count = self.experts
+            return WHOLE if first <= int(m[1]) < first + count else SKIP
         parts = name.split(".")
         piece = parts[-2] if len(parts) > 1 else name
         q_rows = (self.tp.rank * self.heads * d, self.heads * d)
