@@ -161,7 +161,7 @@ class Job:
 
     def _lost(self, failure: Exception, counters_before: dict) -> JobResult:
         """The engine failed mid-job (EngineFailure): the rows written so far stay, the job ends with
-        EXIT_FAILED. A data-parallel worker re-raises, so that its process ends and its coordinator
+        EXIT_FAILED and the result's `error` says why (the CLI prints it). A data-parallel worker re-raises, so that its process ends and its coordinator
         hands the rows it had not written to the workers left."""
         if self.world > 1:
             raise failure
@@ -169,9 +169,9 @@ class Job:
         run = self._run_record(counters_before, interrupted=False)     # as for lost data-parallel workers
         summary = job_summary(self.cfg.output_url, self.cfg.fingerprint_fields(), run)
         self.writer.write_stats(summary)
-        message = (f"{failure}; {self.stats.rows} rows of this run were written and are kept: "
-                   "run the same command again to resume")
-        log.error("%s", message)
+        rows = self.stats.rows
+        message = (f"{failure}; the {rows} row{'s' if rows != 1 else ''} this run finished "
+                   f"{'are' if rows != 1 else 'is'} written and kept: run the same command again to resume")
         return JobResult(EXIT_FAILED, summary, self.cfg.output_url, error=message)
 
     def _run_units(self) -> bool:
