@@ -23,7 +23,7 @@ from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import check_gpus, cuda_count, preflight
+from jobrunner.parallel.world import check_gpus, cuda_count, gpu_groups, preflight
 from jobrunner.threads import free_cores
 
 log = logging.getLogger("jobrunner")
@@ -47,12 +47,8 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
         raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
     if on_gpu:
         check_gpus(cfg, n)
-    # each worker's engine takes tensor_parallel GPUs: worker k the k-th run of them, as CUDA_VISIBLE_DEVICES
-    # lists them (the user's list honoured); its engine's ranks are that list's cuda:0, cuda:1, ...
     tp = cfg.tensor_parallel
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
-        [str(i) for i in range(gpus)]
-    groups = [",".join(visible[k * tp:(k + 1) * tp]) for k in range(n)]
+    groups = gpu_groups(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus, n, tp)
     # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
     # free // n // tp == free // (n * tp) threads for each of the n * tp processes
     threads = cfg.threads or max(1, free_cores() // n)

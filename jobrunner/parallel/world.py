@@ -47,6 +47,13 @@ def data_parallel_size(cfg: JobConfig) -> int:
     return max(1, cuda_count(cfg.device) // cfg.tensor_parallel)
 
 
+def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[str]:
+    """Each worker's CUDA_VISIBLE_DEVICES: worker k the k-th run of `tp` GPUs of the user's list (`visible`,
+    else 0..count-1); its engine's ranks are then that list's cuda:0, cuda:1, ..."""
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()] or [str(i) for i in range(count)]
+    return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(workers)]
+
+
 def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
     """JobConfigError unless `workers` engines of --tensor-parallel GPUs each fit the visible GPUs (from
     cuda:N's N with --device cuda:N). Nothing to check on CPU."""
