@@ -12,6 +12,7 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import tomllib
@@ -22,7 +23,7 @@ from dataclasses import replace
 
 from jobrunner.cache import ENV_URL
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
-from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, JobResult
+from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
 
 __all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "build_config",
            "clear_engine_cache", "generate", "read_toml", "run", "submit"]
@@ -82,7 +83,8 @@ def build_config(dataset: str | None, options: Mapping | None = None, config: st
 def submit(dataset: str, output: str | None = None, *, config: str | None = None, **options) -> JobResult:
     """Run a job over `dataset` (any fsspec URL) to completion, as `jobrunner submit` does, and return
     its JobResult: exit_code (the CLI's: 0 done, 3 over max_error_rate, 130 interrupted, 1 lost
-    data-parallel workers), stats (the summary, as in _stats.json) and output (its URL).
+    data-parallel workers or a lost tensor-parallel rank; `error` says which), stats (the summary, as
+    in _stats.json) and output (its URL).
 
     output: the output directory (default: the dataset's path + .results). config: a TOML job file.
     Raises JobConfigError for a configuration or input that can't run (the CLI's exit 2; nothing
@@ -95,13 +97,25 @@ def run(cfg: JobConfig) -> JobResult:
     runs under torchrun). Errors as `submit`'s."""
     from jobrunner.job import Job
     from jobrunner.parallel import run_parallel, wants_parallel
-    job = None
-    with _errors():
-        if not wants_parallel(cfg):     # else one worker per device, or a rank under torchrun: jobrunner.parallel
-            job = Job(cfg)
+    if wants_parallel(cfg):     # one worker per engine, or a rank under torchrun: jobrunner.parallel
+        with _errors(running=True):
+            return run_parallel(cfg)
+    job = Job(cfg)
+    try:
+        with _errors():
             job.prepare()
-    with _errors(running=True):
-        return job.run() if job is not None else run_parallel(cfg)
+        with _errors(running=True):
+            return job.run()
+    finally:
+        _close_engine(job)
+
+
+def _close_engine(job) -> None:
+    """End the engine a job loaded: with --tensor-parallel its other ranks are processes, told to stop
+    here (left to the engine's atexit hook they would first wait for a plan that never comes)."""
+    engine = getattr(job, "engine", None)
+    if engine is not None:
+        engine.close()
 
 
 @contextmanager
@@ -135,7 +149,10 @@ _engine_cache: dict = {}
 
 
 def clear_engine_cache() -> None:
-    """Drop the engine `generate` keeps (its model and KV cache), freeing their memory."""
+    """Drop the engine `generate` keeps (its model and KV cache, and its tensor-parallel ranks'
+    processes), freeing their memory."""
+    for engine in _engine_cache.values():
+        engine.close()
     _engine_cache.clear()
     import gc
     gc.collect()
@@ -172,6 +189,8 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
         result = _run_here(cfg, reuse_engine)
         if result.exit_code == EXIT_INTERRUPTED:
             raise KeyboardInterrupt
+        if result.exit_code == EXIT_FAILED:     # a tensor-parallel rank was lost
+            raise JobFailedError(result.error or "the engine failed", result)
         if result.exit_code == EXIT_CONFIG:     # no rows, with fail_on_empty
             raise JobConfigError("no rows to run; failing, as fail_on_empty asks")
         if result.exit_code != EXIT_OK:
@@ -233,19 +252,23 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
     if engine is None and _engine_cache:
         clear_engine_cache()        # before loading another: one engine at a time
     job = Job(cfg)
-    with _errors():
-        job.prepare(engine=engine)
     ok = False
     try:
+        with _errors():
+            job.prepare(engine=engine)
         with _errors(running=True):
             result = job.run()
-        ok = result.exit_code != EXIT_INTERRUPTED
+        ok = result.exit_code not in (EXIT_INTERRUPTED, EXIT_FAILED)
     finally:
         # an interrupted (or failed) run leaves requests in the engine: never reuse that one
         if reuse_engine and ok and not job.engine.has_unfinished():
             _engine_cache[key] = job.engine
+            if job.engine.rt.followers is not None:     # end its ranks at exit, before the engine's own hook
+                atexit.unregister(clear_engine_cache)   # (which would wait for them): hooks run last-in first
+                atexit.register(clear_engine_cache)
         else:
             _engine_cache.pop(key, None)
+            _close_engine(job)
     return result
 
 

@@ -83,6 +83,8 @@ def load_engine(cfg: JobConfig):
     from engine.engine import Engine
     from engine.errors import ModelError
     from jobrunner.models import describe
+    from jobrunner.parallel.world import check_gpus
+    check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
     config = cfg.engine_config()                # a known model name is pulled here, on first use
     try:
         engine = Engine(config)
@@ -91,9 +93,11 @@ def load_engine(cfg: JobConfig):
     rt = engine.rt
     rt.source = describe(cfg.model, rt.source)     # logs and the manifest name a known model and its file
     threads = f", {config.num_threads} threads" if rt.device.type == "cpu" else ""
-    log.info("model %s on %s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device, threads,
-             str(rt.dtype).removeprefix("torch."), rt.num_blocks, cfg.block_size, rt.load_s)
+    split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""
+    log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device, split,
+             threads, str(rt.dtype).removeprefix("torch."), rt.num_blocks, cfg.block_size, rt.load_s)
     if cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
+        engine.close()
         raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
     return engine
 

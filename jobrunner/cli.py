@@ -69,7 +69,8 @@ def submit(ctx, dataset, **params):
     """Run a job to completion in the foreground.
 
     \b
-    Exit codes: 0 done; 2 bad configuration or unreadable input (nothing run);
+    Exit codes: 0 done; 1 workers or a tensor-parallel rank lost (the rows written are kept: run
+    the same command again to resume); 2 bad configuration or unreadable input (nothing run);
     3 finished with more failed rows than --max-error-rate; 4 output storage failed;
     130 interrupted (run the same command again to resume).
 
@@ -95,6 +96,8 @@ def submit(ctx, dataset, **params):
         click.echo(err=True)    # past the ^C on the terminal
         _interrupted()
     _print_summary(result.stats, result.output)
+    if result.error:        # after the summary, so that it is the last line a person (or a cron mail) reads
+        click.echo(f"error: {result.error}", err=True)
     sys.exit(result.exit_code)
 
 

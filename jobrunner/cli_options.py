@@ -155,8 +155,9 @@ OPTION_GROUPS: dict[str, list] = {
                      help="On a GPU, replay captured CUDA graphs for decode steps."),
         click.option("--async-scheduling/--no-async-scheduling", default=D.async_scheduling, show_default=True,
                      help="Schedule and prepare each step while the one before runs on the device."),
-        click.option("--threads", type=int, help="CPU compute threads (default: the cores no other process is "
-                                                 "busy on at start; a thread waiting for a busy core stalls all)."),
+        click.option("--threads", type=int, help="CPU compute threads of an engine, shared by its --tensor-parallel "
+                                                 "processes (default: the cores no other process is busy on at "
+                                                 "start; a thread waiting for a busy core stalls all)."),
     ],
     "Reuse": [
         click.option("--dedup/--no-dedup", default=D.dedup, show_default=True,
@@ -168,7 +169,12 @@ OPTION_GROUPS: dict[str, list] = {
                      help="read-only: never store; write-only: never serve; refresh: recompute and replace."),
     ],
     "Parallel": [
-        click.option("--data-parallel", type=int, help="Worker processes (default: visible GPUs; 1 on CPU)."),
+        click.option("--data-parallel", type=int,
+                     help="Worker processes, each with its own engine (default: visible GPUs // "
+                          "--tensor-parallel; 1 on CPU)."),
+        click.option("--tensor-parallel", type=int, default=D.tensor_parallel, show_default=True,
+                     help="Devices one engine spans, its model split across them (for a model larger than one "
+                          "GPU); its processes share --threads on CPU. With --data-parallel M: M x N devices."),
     ],
 }
 

@@ -110,6 +110,7 @@ class JobConfig:
     async_scheduling: bool = True           # schedule the next step while the current one runs
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     data_parallel: int | None = None
+    tensor_parallel: int = 1                # devices (processes) one engine spans; its ranks share --threads
     # output
     part_rows: int = 10_000
     flush_seconds: float = 60.0             # a part is written at least this often: what a kill can lose
@@ -139,6 +140,8 @@ class JobConfig:
         if quantization == "auto":
             from jobrunner.precision import auto_precision
             dtype, quantization, why = auto_precision(self.device, self.dtype)
+            if quantization == "w8a8" and self.tensor_parallel > 1:    # not splittable: the exact float path
+                quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
             log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
         return EngineConfig(
             model=model, dtype=dtype, device=self.device, quantization=quantization,
@@ -146,11 +149,13 @@ class JobConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
             async_scheduling=self.async_scheduling, seed=self.seed or 0, num_threads=self.cpu_threads(),
-            grammar_timeout_s=self.grammar_timeout)
+            grammar_timeout_s=self.grammar_timeout, tensor_parallel=self.tensor_parallel)
 
     def cpu_threads(self) -> int:
+        """Threads of each process of the engine: --threads (else the free cores) shared by its
+        --tensor-parallel ranks, at least one each (two busy threads on one core stall each other)."""
         from jobrunner.threads import free_cores
-        return self.threads or free_cores()
+        return max(1, (self.threads or free_cores()) // self.tensor_parallel)
 
     def sampling_sources(self, model_defaults: Mapping | None = None) -> dict[str, dict]:
         """Each checkpoint-tunable sampling option's value and where it came from: the job (command
@@ -222,7 +227,10 @@ class JobConfig:
 
     def fingerprint_fields(self) -> dict:
         """What decides the rows' outputs: a different value refuses to resume into the same output."""
+        # tensor_parallel, like data_parallel and the batch limits, changes where and in what order sums are
+        # taken (a float's last bits), not what the job asks for: a job may resume on another split
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
+                "tensor_parallel",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout"}
@@ -295,6 +303,13 @@ class JobConfig:
         validate_constraint_options(self)
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            bad(f"--tensor-parallel must be an integer >= 1 (the devices one engine spans), "
+                f"not {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and self.quantization.split(":")[0] == "w8a8":
+            bad(f"--quantization w8a8 calibrates on the whole model, which no rank of --tensor-parallel "
+                f"{self.tensor_parallel} holds; use int8, int4 or fp8 (GPU), or --tensor-parallel 1")
         if self.cache_mode not in CACHE_MODES:
             bad(f"--cache-mode must be {_either(CACHE_MODES)}, not {self.cache_mode!r}")
         check_device(self.device)

@@ -10,6 +10,7 @@ import signal
 from array import array
 from dataclasses import dataclass, replace
 
+from engine.errors import EngineFailure
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.idset import IdSet
@@ -21,6 +22,7 @@ from jobrunner.stats import JobStats
 log = logging.getLogger("jobrunner")
 
 EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+EXIT_FAILED = 1     # workers, or a rank of a tensor-parallel engine, lost: the job could not finish; rerun to resume
 # A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
 # (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
@@ -45,6 +47,7 @@ class JobResult:
     exit_code: int
     stats: dict
     output: str
+    error: str | None = None        # why the job could not finish (exit 1), in one line
 
 
 class _Interrupted(Exception):
@@ -128,12 +131,17 @@ class Job:
         self.progress = self.progress_factory(total=self._total_rows())
         self.reuse = self._reuse()
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
+        lost = None
         try:
             interrupted = self._run_units()
+        except EngineFailure as e:          # a tensor-parallel rank died: the engine is gone, its rows with it
+            lost, interrupted = e, False
         finally:
             self.reuse.close()
-        self.writer.flush()
+        self.writer.flush()                 # the rows that did finish are kept: a rerun skips them
         self.progress.close()
+        if lost is not None:
+            return self._lost(lost, counters_before)
         run = self._run_record(counters_before, interrupted)
         if self.world > 1:      # a data-parallel worker: its coordinator sums the runs and marks the job complete
             if not interrupted:
@@ -150,6 +158,21 @@ class Job:
             from jobrunner.openai_batch import write_openai_batch_output
             write_openai_batch_output(cfg.output_url)
         return JobResult(self._exit_code(), summary, cfg.output_url)
+
+    def _lost(self, failure: Exception, counters_before: dict) -> JobResult:
+        """The engine failed mid-job (EngineFailure): the rows written so far stay, the job ends with
+        EXIT_FAILED and the result's `error` says why (the CLI prints it). A data-parallel worker re-raises, so that its process ends and its coordinator
+        hands the rows it had not written to the workers left."""
+        if self.world > 1:
+            raise failure
+        from jobrunner.summary import job_summary
+        run = self._run_record(counters_before, interrupted=False)     # as for lost data-parallel workers
+        summary = job_summary(self.cfg.output_url, self.cfg.fingerprint_fields(), run)
+        self.writer.write_stats(summary)
+        rows = self.stats.rows
+        message = (f"{failure}; the {rows} row{'s' if rows != 1 else ''} this run finished "
+                   f"{'are' if rows != 1 else 'is'} written and kept: run the same command again to resume")
+        return JobResult(EXIT_FAILED, summary, self.cfg.output_url, error=message)
 
     def _run_units(self) -> bool:
         """Submit the units this worker claims and step the engine until all are done; True if interrupted."""
@@ -184,7 +207,7 @@ class Job:
         """This run's own figures (time, throughput, engine counters, cost)."""
         cfg, engine = self.cfg, self.engine
         return self.stats.summary(
-            device=str(engine.rt.device), model_weight_bytes=engine.rt.weight_bytes,
+            device=str(engine.rt.device), devices=cfg.tensor_parallel, model_weight_bytes=engine.rt.weight_bytes,
             quantization=engine.config.quantization, prefix=self.prefix,      # as resolved (auto)
             engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
             device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)

@@ -35,6 +35,8 @@ def validate_job(cfg: JobConfig) -> dict:
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)
+    from jobrunner.model_split import fit_report
+    split = fit_report(cfg, bundle.config)      # JobConfigError when --tensor-parallel does not divide the model
     tok = bundle.tokenizer
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
@@ -59,6 +61,7 @@ def validate_job(cfg: JobConfig) -> dict:
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
+        **split,
     }
     if cfg.kind == "generate":
         report["sampling"] = ", ".join(f"{k} {v['value']} ({v['source']})"

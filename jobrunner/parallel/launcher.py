@@ -1,7 +1,8 @@
 """The single-node launcher (`--data-parallel N`) and the worker processes it starts.
 
 The launcher hosts a TCPStore, starts N workers (WORKER_COMMAND: `python -m jobrunner.parallel`,
-one GPU or cores // N threads each) and coordinates. It sees a worker die at once (its process
+one GPU or cores // N threads each; with --tensor-parallel T, T GPUs each, or cores // (N * T) threads
+for each of their engines' processes) and coordinates. It sees a worker die at once (its process
 ends), and hands the rows that worker had not written to another round of the workers left.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import cuda_count, preflight
+from jobrunner.parallel.world import check_gpus, cuda_count, gpu_groups, preflight
 from jobrunner.threads import free_cores
 
 log = logging.getLogger("jobrunner")
@@ -44,16 +45,19 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
                              "(or CUDA_VISIBLE_DEVICES) to spread the job over several")
     if cfg.device == "cuda" and not on_gpu:
         raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
-    if on_gpu and n > gpus:
-        raise JobConfigError(f"--data-parallel {n} but only {gpus} GPUs are visible (one worker per GPU)")
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
-        [str(i) for i in range(gpus)]
+    if on_gpu:
+        check_gpus(cfg, n)
+    tp = cfg.tensor_parallel
+    groups = gpu_groups(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus, n, tp)
+    # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
+    # free // n // tp == free // (n * tp) threads for each of the n * tp processes
     threads = cfg.threads or max(1, free_cores() // n)
     server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     store = protocol.namespace(server)
-    procs = _start_workers(cfg, n, server.port, visible if on_gpu else None, threads)
-    log.info("data parallel: %d workers on %s", n, f"GPUs {','.join(visible[:n])}" if on_gpu
-             else f"CPU, {threads} threads each")
+    procs = _start_workers(cfg, n, server.port, groups if on_gpu else None, threads)
+    engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
+    log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
+             else f"CPU, {max(1, threads // tp)} threads a process")
     coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True)
 
     def on_signal(signum, frame):
@@ -78,7 +82,8 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
 
 def _start_workers(cfg: JobConfig, n: int, port: int, gpus: list[str] | None,
                    threads: int) -> dict[int, subprocess.Popen]:
-    """One process per rank: a GPU each from `gpus`, or (gpus None) `threads` CPU threads each."""
+    """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
+    tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
     worker_cfg = json.dumps(asdict(cfg))
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
@@ -88,7 +93,8 @@ def _start_workers(cfg: JobConfig, n: int, port: int, gpus: list[str] | None,
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         else:
-            env.update(OMP_NUM_THREADS=str(threads), RAYON_NUM_THREADS=str(threads), JOBRUNNER_THREADS=str(threads))
+            per_process = str(max(1, threads // cfg.tensor_parallel))
+            env.update(OMP_NUM_THREADS=per_process, RAYON_NUM_THREADS=per_process, JOBRUNNER_THREADS=str(threads))
         # A session of its own: a Ctrl-C on the terminal reaches the launcher only, which forwards one SIGTERM.
         procs[rank] = subprocess.Popen(WORKER_COMMAND, env=env, start_new_session=True)
     return procs

@@ -27,9 +27,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from jobrunner.job import EXIT_INTERRUPTED, EXIT_OK
-
-EXIT_FAILED = 1                 # workers died and the job could not finish; run again to resume
+from jobrunner.job import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK  # noqa: F401 (EXIT_FAILED: imported from here)
 STORE_TIMEOUT = timedelta(hours=2)
 
 

@@ -35,7 +35,8 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
     s.update(wall_s=max(wall_s, 1e-9), model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries),
                                                         default=0.0),
-             device=",".join(sorted({v["device"] for v in results})) or None, devices=devices,
+             device=",".join(sorted({v["device"] for v in results})) or None,
+             devices=devices * cfg.tensor_parallel,         # each worker's engine spans tensor_parallel devices
              device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
              model_weight_bytes=first.get("model_weight_bytes", 0),
              quantization=first.get("quantization", cfg.quantization),      # as the workers resolved it (auto)

@@ -3,6 +3,10 @@
 torchrun's store (rank 0's, or its agent's) carries the protocol. No process watches the others, so
 each rank beats its heart into the store, and a rank whose heart stops counts as lost: the job ends
 (exit 1) with what was written kept, and torchrun's --max-restarts, or the next run, resumes it.
+
+With --tensor-parallel T each rank's engine starts its own T-1 follower processes on its node (GPUs
+L*T .. L*T+T-1 for local rank L): start `torchrun --nproc-per-node GPUS/T`. A rank whose follower dies
+leaves without a result, and the job ends with exit 1 like for any lost rank.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import cuda_count, preflight
+from jobrunner.parallel.world import check_gpus, cuda_count, preflight
 from jobrunner.threads import available_cores
 
 log = logging.getLogger("jobrunner")
@@ -32,9 +36,13 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     on_gpu = cuda_count(cfg.device) > 0 and cfg.device != "cpu"
     threads = None
     if on_gpu:
-        cfg = replace(cfg, device=f"cuda:{env['local_rank']}")
-    else:
-        threads = cfg.threads or max(1, available_cores() // env["local_world"])   # the other local ranks are ours
+        # each rank's engine spans tensor_parallel GPUs of its own node: local rank L has cuda:L*T and its
+        # engine's followers the next T-1 (engine.parallel.launch), so a tensor-parallel group never spans
+        # nodes; `torchrun --nproc-per-node GPUS/T`
+        check_gpus(cfg, env["local_world"])
+        cfg = replace(cfg, device=f"cuda:{env['local_rank'] * cfg.tensor_parallel}")
+    else:   # the other local ranks are ours; this rank's share is its engine's, split among its processes
+        threads = cfg.threads or max(1, available_cores() // env["local_world"])
     preflight(cfg)
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -12,8 +12,9 @@ import signal
 import time
 from dataclasses import replace
 
+from engine.errors import EngineFailure
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_STORAGE, Job
+from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE, Job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
 from jobrunner.planner import spread_units
@@ -55,6 +56,14 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
             _run_round(cfg, engine, store, r, rank, rnd.slots[rank], world, stop, members=len(rnd.slots))
     except Stop as e:
         return e.args[0]
+    except EngineFailure as e:
+        # A rank of this worker's tensor-parallel engine died. The rows it finished are written (Job.run
+        # flushed them); this worker leaves without a result, as a dead one would, so that the coordinator
+        # counts it lost and (launcher mode) hands the rows it had not written to the workers left.
+        log.error("worker %d stops: %s", rank, e)
+        return EXIT_FAILED
+    finally:
+        engine.close()          # its tensor-parallel ranks, if any
 
 
 class _WorkerJob(Job):

@@ -38,12 +38,41 @@ def cuda_count(device: str) -> int:
 
 
 def data_parallel_size(cfg: JobConfig) -> int:
-    """--data-parallel, or by default the number of visible GPUs (1 on CPU or with --device cuda:N)."""
+    """--data-parallel, or by default as many engines of --tensor-parallel GPUs as the visible GPUs hold
+    (1 on CPU or with --device cuda:N)."""
     if cfg.data_parallel is not None:
         return cfg.data_parallel
     if cfg.device.startswith("cuda:") or cfg.device == "cpu":
         return 1
-    return max(1, cuda_count(cfg.device))
+    return max(1, cuda_count(cfg.device) // cfg.tensor_parallel)
+
+
+def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[str]:
+    """Each worker's CUDA_VISIBLE_DEVICES: worker k the k-th run of `tp` GPUs of the user's list (`visible`,
+    else 0..count-1); its engine's ranks are then that list's cuda:0, cuda:1, ..."""
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()] or [str(i) for i in range(count)]
+    return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(workers)]
+
+
+def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
+    """JobConfigError unless `workers` engines of --tensor-parallel GPUs each fit the visible GPUs (from
+    cuda:N's N with --device cuda:N). Nothing to check on CPU."""
+    gpus = cuda_count(cfg.device)
+    if gpus == 0 or cfg.device == "cpu":
+        return
+    base = int(cfg.device.split(":")[1]) if cfg.device.startswith("cuda:") else 0
+    need, tp = workers * cfg.tensor_parallel, cfg.tensor_parallel
+    if base + need <= gpus:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{gpus} GPU{'s' if gpus > 1 else ''} visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+    if workers > 1 and tp == 1:
+        raise JobConfigError(f"--data-parallel {workers} but there are {seen} (one worker per GPU)")
+    if workers > 1:
+        raise JobConfigError(f"--data-parallel {workers} x --tensor-parallel {tp} needs {need} GPUs, but there "
+                             f"are {seen}; lower --data-parallel (the default is {max(1, gpus // tp)})")
+    where = f" from {cfg.device}" if base else ""
+    raise JobConfigError(f"--tensor-parallel {tp}{where} needs {base + tp} GPUs, but there are {seen}")
 
 
 def preflight(cfg: JobConfig) -> None:
