@@ -3,7 +3,7 @@ fits: each rank's heads, KV heads, MLP columns, vocabulary rows and experts, its
 model's config (no weight is read), and the memory of the devices it would run on.
 
 The shapes come from the engine's own ShardPlan and check_split (engine/parallel/shards.py), so the
-report says what the engine will build. The bytes are an estimate: decoder linears, experts,
+report says what the engine will build (experts: whole or by columns, as moe_split auto picks). The bytes are an estimate: decoder linears, experts,
 embedding and lm_head at the precision chosen; norms, biases and quantization scales are left out
 (a percent or two).
 """
@@ -47,8 +47,11 @@ def split_lines(model_config, size: int) -> dict[str, str]:
         lines["MLP columns per rank"] = f"{plan.width(mc.intermediate_size)} of {mc.intermediate_size}"
     if mc.moe is not None:
         moe = mc.moe
-        experts = (f"all {moe.num_experts} on every rank, each split by columns: "
-                   f"{plan.width(moe.intermediate_size)} of {moe.intermediate_size}")
+        first, count = plan.experts
+        experts = (f"{count} of {moe.num_experts} whole (rank r: {count} x r to {count} x r + {count - 1})"
+                   if plan.experts_whole else
+                   f"all {moe.num_experts} on every rank, each split by columns: "
+                   f"{plan.expert_width()} of {moe.intermediate_size}")
         if moe.shared_intermediate_size:
             experts += (f"; shared expert {plan.width(moe.shared_intermediate_size)} of "
                         f"{moe.shared_intermediate_size}")
@@ -72,7 +75,7 @@ def weight_bytes_per_rank(model_config, size: int, float_bytes: int, quantizatio
         linears += attention
         if mc.moe is not None and mc.moe.is_sparse(layer):
             moe = mc.moe
-            linears += moe.num_experts * 3 * h * plan.width(moe.intermediate_size)
+            linears += plan.experts[1] * 3 * h * plan.expert_width()
             linears += 3 * h * plan.width(moe.shared_intermediate_size)
             router += h * moe.num_experts           # replicated, in the float dtype
         else:

@@ -146,6 +146,16 @@ def test_validate_splits_experts_by_columns(setup):
     assert per_rank and 13 < float(per_rank.group(1)) < 15        # ~57 GiB of bfloat16 weights over 4 ranks
 
 
+def test_validate_holds_narrow_experts_whole(setup):
+    """Over 8 ranks each expert would keep 96 of its 768 columns: auto holds 16 experts whole a rank."""
+    r = CliRunner().invoke(main, ["validate", setup["data"], "-m", "dummy:qwen3-30b-a3b", "--device", "cpu",
+                                  "--no-chat", "--tensor-parallel", "8", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"experts per rank\s+16 of 128 whole", r.output)
+    per_rank = re.search(r"weights per rank\s+about ([\d.]+) GiB", r.output)
+    assert per_rank and 6.5 < float(per_rank.group(1)) < 7.5      # ~57 GiB over 8 ranks
+
+
 def test_option_checks_exit_2_before_any_work(setup, tmp_path):
     out = tmp_path / "never"
 
