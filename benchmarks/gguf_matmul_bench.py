@@ -37,6 +37,44 @@ SHAPES = {  # name -> (N, K): the default model's fused layers (30 of each) and 
 }
 
 
+class Q4xQ8Linear(torch.nn.Module):
+    """Benchmark-only (no --quantization scheme: slower than every existing mode on the CPUs measured):
+    a linear whose GGUF blocks, as stored, multiply int8 activations per block of 32
+    (kernels.gguf_matmul.gguf_int8_matmul, exact; llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 numerics).
+    q is the nibbles unpacked to int8 (twice the packed bytes), which torch._int_mm needs."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("q", q)        # [N, K] int8
+        self.register_buffer("d", d)        # [N, K // 32] float32
+        self.register_buffer("m", m)        # [N, K // 32] float32
+        self.bias = bias
+
+    def forward(self, x):
+        from kernels.gguf_matmul import gguf_int8_matmul
+        return gguf_int8_matmul(x, self.q, self.d, self.m, self.bias)
+
+
+def swap_to_q4xq8(model: torch.nn.Module) -> int:
+    """Replaces every group-32 Int4Linear / Int8Linear of a model quantized with `int4` from a GGUF file
+    (Q4_0/Q4_1 layers and the Q8_0 lm_head, as stored) by a Q4xQ8Linear; returns how many."""
+    from engine.quant.modules import Int4Linear, Int8Linear
+    from kernels.gguf_matmul import gguf_weight_from_int4, gguf_weight_from_int8
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int4Linear) and child.group_size == 32:
+                qdm = gguf_weight_from_int4(child.packed, child.scales, child.zeros, child.in_features)
+            elif isinstance(child, Int8Linear) and child.group_size == 32:
+                qdm = gguf_weight_from_int8(child.qweight, child.scales)
+            else:
+                continue
+            setattr(parent, name, Q4xQ8Linear(*qdm, child.bias))
+            swapped += 1
+    return swapped
+
+
 def _bench(fn, budget_s: float = 0.3) -> float:
     fn()
     t = time.perf_counter()
