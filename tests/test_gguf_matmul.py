@@ -131,3 +131,18 @@ def test_tiny_gguf_model_runs_on_its_blocks_times_int8_activations(tiny_gguf_pat
     got = engine.generate([Request(str(i), p, params) for i, p in enumerate(prompts)])
     want = float_engine.generate([Request(str(i), p, params) for i, p in enumerate(prompts)])
     assert sum(a.token_ids == b.token_ids for a, b in zip(got, want)) >= 4
+
+
+def test_benchmark_runs_every_candidate_against_float(tmp_path):
+    """benchmarks/gguf_matmul_bench.py on one small layer: the candidates run and land near float32
+    (int8 activations: within 3%; exact-weight paths: float rounding)."""
+    from benchmarks import gguf_matmul_bench as bench
+    out = tmp_path / "bench.md"
+    bench.main(["--shapes", "o", "--m", "3", "--budget", "0.001", "--out", str(out),
+                "--only", "w8a8-fbgemm,int4,int4pack,q4xq8-int_mm,q4xq8-fbgemm"])
+    text = out.read_text()
+    for label in ("f32", "w8a8-fbgemm", "int4", "int4pack", "q4xq8-int_mm", "q4xq8-fbgemm"):
+        assert f" {label} " in text.splitlines()[2]
+    errors = dict(item.strip().rsplit(" ", 1) for item in text.rsplit("f32:", 1)[1].replace(
+        "Largest relative error against", "").split(","))
+    assert all(float(e) < 0.03 for e in errors.values()), errors
