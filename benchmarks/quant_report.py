@@ -19,7 +19,9 @@ Per scheme:
 "w8a8-fbgemm" is w8a8 through torch.ao's dynamic quantized linear (fbgemm; activations
 quantized per batch, 7-bit), measured for comparison; plain "w8a8" takes the exact per-token
 path (torch._int_mm) where this CPU has one. "bf16" is no quantization with bfloat16 compute (AMX
-or AVX512_BF16 CPUs make it several times faster than float32). Writes a Markdown table to stdout
+or AVX512_BF16 CPUs make it several times faster than float32). "q4xq8" (benchmark-only, no --quantization
+scheme) keeps the GGUF blocks as stored and multiplies them with int8 activations per block of 32, as
+llama.cpp does (kernels/gguf_matmul.py; issue 20 item 3). Writes a Markdown table to stdout
 and to --out.
 """
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks.gguf_matmul_bench import swap_to_q4xq8
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "quant.md"
 
@@ -98,8 +102,10 @@ class Row:
 VARIANTS = {  # label -> (EngineConfig.quantization, extra quantize_model kwargs or None)
     "none": ("none", None), "int8": ("int8", None), "int4": ("int4", None), "int4-g128": ("int4-g128", None),
     "w8a8": ("w8a8", None), "w8a8-fbgemm": ("w8a8", dict(w8a8_backend_name="fbgemm")), "fp8": ("fp8", None),
-    "bf16": ("none", None),
+    "bf16": ("none", None), "q4xq8": ("int4", None),
 }
+# label -> what is done to the quantized model after it is built (benchmark-only paths)
+POST = {"q4xq8": swap_to_q4xq8}
 DTYPES = {"bf16": "bfloat16"}    # label -> compute dtype, where not the device's default
 
 
@@ -115,8 +121,11 @@ def build_engine(label: str, args, bundle):
                        kv_cache_memory=args.kv_cache_mb << 20, num_threads=args.threads or None)
     t = time.perf_counter()
     rt = build_runtime(cfg, bundle)
+    if label in POST:
+        POST[label](rt.model)
     if extra is not None:
         quantize_model(rt.model, scheme, bundle, **extra)
+    if extra is not None or label in POST:
         rt.weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(rt.model))
     return Engine(cfg, runtime=rt), time.perf_counter() - t
 
@@ -173,6 +182,9 @@ def run(args) -> list[Row]:
             row.note = f"{b}, weights +-{qmax}, activations per token"
         elif label == "w8a8-fbgemm":
             row.note = "fbgemm, activations per batch (7-bit)"
+        elif label == "q4xq8":
+            row.note = ("GGUF blocks as stored (nibbles unpacked to int8) x int8 activations per block of 32: "
+                        "llama.cpp's Q4_1 x Q8_1, one torch._int_mm per block (benchmarks/gguf_matmul_bench.py)")
         elif label.startswith("int4"):
             row.note = "GGUF Q4_x layers as stored" if label == "int4" and bundle.weight_format == "gguf" else ""
         try:
