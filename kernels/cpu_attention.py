@@ -56,10 +56,6 @@ class DecodeMask:
     full_idx: torch.Tensor       # [B, 1, 1, NB] int32: the wholly visible blocks first
     cuts: tuple                  # 4 x [B] int32: the block lo cuts (-1: none), lo % BS, the block hi cuts
                                  #   (-1: none), hi % BS; what the mask_mod reads (1-D: see build())
-    blk_pos: torch.Tensor        # [NB] int64: logical block index of each physical block in the step, else -1
-    lo: torch.Tensor             # [B] int64: first visible position (sliding window), else 0
-    hi: torch.Tensor             # [B] int64: seq_len, one past the last visible position
-    tables: torch.Tensor         # [B, W] int64 block tables (blk_pos, lo, hi, tables: eager flex only)
 
     @classmethod
     def build(cls, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int,
@@ -73,7 +69,7 @@ class DecodeMask:
         j = torch.arange(W)
         used = j[None, :] < nblk[:, None]                                        # [B, W]
         tab = tables.long()
-        blk_pos = torch.full((num_blocks,), -1, dtype=torch.int64)
+        blk_pos = torch.full((num_blocks,), -1, dtype=torch.int64)              # physical -> logical block
         blk_pos[tab[used]] = j.expand(B, W)[used]
         if not bool((blk_pos[tab[used]] == j.expand(B, W)[used]).all()):
             return None
@@ -94,13 +90,14 @@ class DecodeMask:
         cuts = (torch.where(cut_lo, first_blk, -1), lo % bs, torch.where(cut_hi, last_blk, -1), hi % bs)
 
         def wide(x):                                                             # [B, k] -> [B, 1, 1, NB]
-            out = torch.zeros(B, 1, 1, num_blocks, dtype=torch.int32)
+            # FlexAttention wants NB columns, the kernel reads the first num: the rest is left unwritten
+            # (a zero fill costs ~1 ms a step on a quiet machine, 20 under load: the fill is threaded)
+            out = torch.empty(B, 1, 1, num_blocks, dtype=torch.int32)
             k = min(x.shape[1], num_blocks)
             out[:, 0, 0, :k] = x[:, :k]
             return out
         i32 = lambda x: x.to(torch.int32)
-        return cls(i32(part_num).view(B, 1, 1), wide(part), i32(full_num).view(B, 1, 1), wide(full), tuple(map(i32, cuts)),
-                   blk_pos, lo, hi, tab)
+        return cls(i32(part_num).view(B, 1, 1), wide(part), i32(full_num).view(B, 1, 1), wide(full), tuple(map(i32, cuts)))
 
     def inputs(self) -> list[torch.Tensor]:
         """What the package takes after q, k_cache and v_cache."""
@@ -120,18 +117,21 @@ def _cut_mask(block_size, cuts, listed=None):
     return mask_mod
 
 
-def _listed(block_size, m: DecodeMask):
-    """(b, physical block) -> whether b's block lists hold it: in b's table, inside [lo_b, hi_b)'s blocks."""
-    def listed(b, blk):
-        p = m.blk_pos[blk]
-        mine = m.tables[b, p.clamp(min=0, max=m.tables.shape[1] - 1)] == blk
-        return (p >= 0) & mine & (p >= m.lo[b] // block_size) & (p * block_size < m.hi[b])
-    return listed
+def listed_blocks(part_num, part_idx, full_num, full_idx):
+    """(b, physical block) -> whether b's block lists hold it, as a mask_mod term for eager flex (which
+    evaluates the mask on every slot and ignores the lists): eager then computes what the kernel does."""
+    B, nb = part_idx.shape[0], part_idx.shape[-1]
+    held = torch.zeros(B, nb + 1, dtype=torch.bool)
+    j = torch.arange(nb)
+    for num, idx in ((part_num, part_idx), (full_num, full_idx)):
+        blocks = torch.where(j[None, :] < num.view(B, 1), idx.view(B, nb).long(), nb)   # unused -> column nb
+        held.scatter_(1, blocks, True)
+    return lambda b, blk: held[b, blk]
 
 
 def decode_flex(q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, *cuts, softcap=None, listed=None):
     """q: [B, Hk, G, D] already multiplied by the layer's scale; k/v_cache: [NB, BS, Hk, D]; then a
-    DecodeMask's inputs(); softcap: None or a [1] float32 tensor; listed: eager only (_cut_mask).
+    DecodeMask's inputs(); softcap: None or the model's soft-cap (a float, compiled in); listed: eager only (_cut_mask).
     -> [B, Hk, G, D]. Run eagerly (tests), or traced and compiled by build()."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     nb, bs, hk, d = k_cache.shape
@@ -142,21 +142,20 @@ def decode_flex(q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, *cu
     k = k_cache.view(1, nb * bs, hk, d).transpose(1, 2)                              # [1, Hk, NB*BS, D], in place
     v = v_cache.view(1, nb * bs, hk, d).transpose(1, 2)
     score_mod = None
-    if softcap is not None:
+    if softcap:
         def score_mod(s, b, h, q_idx, kv_idx):
-            return torch.tanh(s / softcap[0]) * softcap[0]
+            return torch.tanh(s / softcap) * softcap
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
 
 
 class _Decode(torch.nn.Module):
-    def __init__(self, softcap: bool):
+    def __init__(self, softcap: float):
         super().__init__()
         self.softcap = softcap
 
-    def forward(self, q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, lo_blk, lo_off, hi_blk, hi_off,
-                *softcap):
+    def forward(self, q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, lo_blk, lo_off, hi_blk, hi_off):
         return decode_flex(q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, lo_blk, lo_off, hi_blk,
-                           hi_off, softcap=softcap[0] if self.softcap else None)
+                           hi_off, softcap=self.softcap)
 
 
 # ------------------------------------------------------------------------- packages: key, build, load
@@ -168,14 +167,14 @@ class Key:
     group: int
     head_dim: int
     block_size: int
-    softcap: bool
+    softcap: float        # 0.0: none (a model has one soft-cap value: it is compiled in)
 
     def path(self) -> Path:
         env = os.environ.get("JOBRUNNER_CACHE")
         root = Path(env) if env else Path.home() / ".cache" / "jobrunner"
         cpu = torch.backends.cpu.get_cpu_capability()
         name = (f"decode-{self.dtype}-hk{self.kv_heads}-g{self.group}-d{self.head_dim}-bs{self.block_size}"
-                f"{'-softcap' if self.softcap else ''}.pt2")
+                f"{f'-softcap{self.softcap:g}' if self.softcap else ''}.pt2")
         return root / "kernels" / f"torch-{torch.__version__}-{cpu}" / name
 
 
@@ -193,9 +192,6 @@ def build(key: Key, path: Path) -> None:
             torch.zeros(B, 1, 1, NB, **i32)] + [torch.zeros(B, **i32) for _ in range(4)]
     b, nb = Dim("b", min=1, max=1 << 16), Dim("nb", min=2, max=1 << 24)
     shapes = [{0: b}, {0: nb}, {0: nb}, {0: b}, {0: b, 3: nb}, {0: b}, {0: b, 3: nb}] + [{0: b}] * 4
-    if key.softcap:
-        args.append(torch.ones(1))
-        shapes.append(None)
     program = export(_Decode(key.softcap), tuple(args), dynamic_shapes=tuple(shapes))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
@@ -265,7 +261,7 @@ class _Kernels:
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         args = [sys.executable, "-m", "kernels.cpu_attention", "build", key.dtype, str(key.kv_heads),
-                str(key.group), str(key.head_dim), str(key.block_size)] + (["--softcap"] if key.softcap else [])
+                str(key.group), str(key.head_dim), str(key.block_size), "--softcap", str(key.softcap)]
         with open(path.with_suffix(".log"), "w") as log:
             child = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                      start_new_session=True, preexec_fn=lambda: os.nice(19))
@@ -296,7 +292,7 @@ def mode() -> str:
 
 def key_for(q, k_cache, softcap) -> Key:
     hq, (nb, bs, hk, d) = q.shape[1], k_cache.shape
-    return Key(str(q.dtype).removeprefix("torch."), hk, hq // hk, d, bs, softcap is not None)
+    return Key(str(q.dtype).removeprefix("torch."), hk, hq // hk, d, bs, float(softcap or 0.0))
 
 
 def decode_attention_cpu(q, k_cache, v_cache, mask: DecodeMask, scale: float, softcap: float | None,
@@ -305,10 +301,7 @@ def decode_attention_cpu(q, k_cache, v_cache, mask: DecodeMask, scale: float, so
     B, hq, d = q.shape
     hk = k_cache.shape[2]
     qs = (q * scale).view(B, hk, hq // hk, d)                                         # contiguous, prescaled
-    args = [qs, k_cache, v_cache, *mask.inputs()]
-    if softcap is not None:
-        args.append(torch.tensor([softcap], dtype=torch.float32))
-    return runner(args).view(B, hq, d)
+    return runner([qs, k_cache, v_cache, *mask.inputs()]).view(B, hq, d)
 
 
 def main(argv=None) -> int:
@@ -319,7 +312,7 @@ def main(argv=None) -> int:
     b.add_argument("dtype", choices=["float32", "bfloat16", "float16"])
     for name in ("kv_heads", "group", "head_dim", "block_size"):
         b.add_argument(name, type=int)
-    b.add_argument("--softcap", action="store_true")
+    b.add_argument("--softcap", type=float, default=0.0, help="the model's attention soft-cap (0: none)")
     a = p.parse_args(argv)
     key = Key(a.dtype, a.kv_heads, a.group, a.head_dim, a.block_size, a.softcap)
     t0 = time.perf_counter()

@@ -40,15 +40,12 @@ def make_step(seqs, num_decodes, Hq, Hk, D, BS, dtype, gen, window=None, spare=3
     return q, k, v, meta
 
 
-def eager_runner_for(mask, block_size):
-    """A package's runner for this step's mask, evaluated eagerly (the function build() traces), with the
-    per-slot block membership eager flex needs."""
-    def run(args):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return ca.decode_flex(*args[:11], softcap=args[11] if len(args) > 11 else None,
-                                  listed=ca._listed(block_size, mask))
-    return run
+def eager_runner(args, softcap=None):
+    """A package's runner, evaluated eagerly: the function build() traces, plus the block lists as a mask
+    term (eager flex ignores them), so it computes what the compiled kernel computes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ca.decode_flex(*args, softcap=softcap, listed=ca.listed_blocks(*args[3:7]))
 
 
 @pytest.fixture
@@ -77,7 +74,7 @@ def test_decode_matches_reference(dtype, shape, window, softcap, gen):
     Hq, Hk, D, BS, lens = shape
     q, k, v, meta = make_step([(1, L) for L in lens], len(lens), Hq, Hk, D, BS, dtype, gen, window)
     mask = meta.decode_mask(k.shape[0], window)
-    out = ca.decode_attention_cpu(q, k, v, mask, 0.3, softcap, eager_runner_for(mask, BS))
+    out = ca.decode_attention_cpu(q, k, v, mask, 0.3, softcap, lambda a: eager_runner(a, softcap))
     ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.3, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
 
@@ -119,7 +116,7 @@ def test_dispatch_mixed_step(monkeypatch, int8, gen):
     seqs = [(1, 21), (1, 90), (7, 7), (12, 35)]
     q, k, v, meta = make_step(seqs, 2, 6, 3, 32, 16, torch.float32, gen, window=30)
     key = ca.key_for(q, k, None)
-    monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner_for(meta.decode_mask(k.shape[0], 30), 16))
+    monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner)
     if int8:
         (kq, ks), (vq, vs) = quantize_int8_ref(k), quantize_int8_ref(v)
         out = paged_attention(q, kq, vq, meta, 0.2, ks, vs)
@@ -154,7 +151,7 @@ def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
 
     monkeypatch.setattr(ca.subprocess, "Popen", FakePopen)
     kernels = ca._Kernels()
-    key = ca.Key("float32", 1, 2, 8, 4, False)
+    key = ca.Key("float32", 1, 2, 8, 4, 0.0)
     kernels.note_gather(key, ca.BUILD_AFTER_S / 2)
     assert not started
     kernels.note_gather(key, ca.BUILD_AFTER_S)
@@ -179,7 +176,7 @@ def test_mode_rejects_unknown(monkeypatch):
 def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
     """The AOTInductor package (built here: about a minute) over varying batch, pool size and window."""
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
-    key = ca.Key("float32", 2, 3, 40, 8, softcap is not None)
+    key = ca.Key("float32", 2, 3, 40, 8, softcap or 0.0)
     ca.build(key, key.path())
     runner = ca._load(key.path())
     for lens, window, spare in [([1], None, 1), ([5, 70, 8, 16, 33], None, 9), ([44, 3, 200], 19, 40)]:
@@ -188,3 +185,48 @@ def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
         out = ca.decode_attention_cpu(q, k, v, meta.decode_mask(k.shape[0], window), 0.25, softcap, runner)
         ref = paged_attention_ref(q, k, v, meta, 0.25, softcap=softcap)
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_tiny_model_greedy_same_on_both_paths(monkeypatch):
+    """A tiny random Llama (GQA 2) stepped through prefill chunks, mixed steps and decodes: the same greedy
+    tokens with decodes gathered and with decodes through the in-place kernel (eagerly)."""
+    from engine.model_config import ModelConfig
+    from engine.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+                      attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    BS, NB = 4, 16
+    prompts = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
+    tables = [[3, 9, 1, 12], [0, 5, 14, 6]]
+    plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(1, 1)]]
+
+    def run(mode: str) -> list[list[int]]:
+        monkeypatch.setenv("JOBRUNNER_CPU_DECODE", mode)
+        caches = [(torch.zeros(NB, BS, 2, 16), torch.zeros(NB, BS, 2, 16)) for _ in range(cfg.num_layers)]
+        monkeypatch.setitem(ca.KERNELS.runners, ca.key_for(torch.zeros(1, 4, 16), caches[0][0], None), eager_runner)
+        toks, done = [list(p) for p in prompts], [0, 0]
+        for step in plan:
+            ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
+            for s, n in sorted(step, key=lambda x: x[1] != 1):                 # decodes first
+                lo = done[s]
+                ids += toks[s][lo:lo + n]
+                pos += list(range(lo, lo + n))
+                slots += [tables[s][p // BS] * BS + p % BS for p in range(lo, lo + n)]
+                qlens.append(n)
+                slens.append(lo + n)
+                tabs.append(tables[s])
+            meta = AttentionMetadata.build(BS, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu")
+            with torch.inference_mode():
+                logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
+            row = -1
+            for s, n in sorted(step, key=lambda x: x[1] != 1):
+                row += n
+                done[s] += n
+                if done[s] == len(toks[s]):
+                    toks[s].append(int(logits[row].argmax()))
+        return toks
+
+    assert run("auto") == run("gather")
