@@ -138,6 +138,7 @@ def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
     """auto: the gather path's decode seconds are counted; past BUILD_AFTER_S one child (nice 19) builds."""
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
     monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "auto")
+    monkeypatch.delenv("JOBRUNNER_CPU_DECODE_BUILD_AFTER")
     started = []
 
     class FakePopen:
