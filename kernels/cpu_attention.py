@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 BUILD_AFTER_S = 3.0          # seconds of gather-path decode attention before the package is built
                              # ($JOBRUNNER_CPU_DECODE_BUILD_AFTER overrides; inf: never, as the tests set)
@@ -99,7 +98,8 @@ class DecodeMask:
             out[:, 0, 0, :k] = x[:, :k]
             return out
         i32 = lambda x: x.to(torch.int32)
-        return cls(i32(part_num).view(B, 1, 1), wide(part), i32(full_num).view(B, 1, 1), wide(full), tuple(map(i32, cuts)))
+        return cls(i32(part_num).view(B, 1, 1), wide(part), i32(full_num).view(B, 1, 1), wide(full),
+                   tuple(map(i32, cuts)))
 
     def inputs(self) -> list[torch.Tensor]:
         """What the package takes after q, k_cache and v_cache."""
