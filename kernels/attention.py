@@ -15,6 +15,7 @@ sliding_attention) or all of them; `softcap` bounds the scaled scores to softcap
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ class AttentionMetadata:
     _decode: tuple | None = None
     _prefill: tuple | None = None
     _window_masks: dict | None = None  # (part, window) -> mask, made on first use by a sliding layer
+    _decode_masks: dict | None = None  # (pool blocks, window) -> kernels.cpu_attention.DecodeMask or None
 
     @classmethod
     def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
@@ -86,6 +88,19 @@ class AttentionMetadata:
             windowed[:, 0, :, 0] |= ~q_valid                                          # padding rows: never NaN
             self._window_masks[key] = windowed
         return self._window_masks[key]
+
+    def decode_mask(self, num_blocks: int, window: int | None):
+        """The decode rows' block mask for the in-place CPU kernel (kernels/cpu_attention.py), made on first
+        use and shared by every layer; None when the kernel can't address this step's blocks."""
+        from kernels.cpu_attention import DecodeMask
+        if self._decode_masks is None:
+            self._decode_masks = {}
+        key = (num_blocks, window)
+        if key not in self._decode_masks:
+            nd = self.num_decodes
+            self._decode_masks[key] = DecodeMask.build(self.block_tables[:nd], self.seq_lens_t[:nd], self.block_size,
+                                                       num_blocks, window)
+        return self._decode_masks[key]
 
     def _gather(self, lo: int, hi: int, dev):
         """Whole blocks are gathered (contiguous 16-slot runs: ~4x faster than slot by slot on CPU);
@@ -136,15 +151,53 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     nd = meta.num_decodes
     window = meta.sliding_window if sliding else None
     if meta._decode is not None:
-        blocks = meta._decode[0]
-        k, v = _blocks(k_cache, k_scale, blocks, nd, q.dtype), _blocks(v_cache, v_scale, blocks, nd, q.dtype)
-        out[:nd] = _sdpa(q[:nd, None], k, v, meta.mask("decode", window), scale, softcap)[:, 0]
+        out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     if meta._prefill is not None:
-        blocks, _, q_index, q_valid, _ = meta._prefill
-        n = q_index.shape[0]
-        qp = q[nd:][q_index]                                                         # [B, qmax, Hq, D]
-        k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)
-        out[nd:] = _sdpa(qp, k, v, meta.mask("prefill", window), scale, softcap)[q_valid]
+        out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+    return out
+
+
+def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
+    """The decode rows q: [nd, Hq, D]: their blocks gathered, padded to the longest, one query row each."""
+    nd, blocks = q.shape[0], meta._decode[0]
+    k, v = _blocks(k_cache, k_scale, blocks, nd, q.dtype), _blocks(v_cache, v_scale, blocks, nd, q.dtype)
+    return _sdpa(q[:, None], k, v, meta.mask("decode", window), scale, softcap)[:, 0]
+
+
+def _prefill_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
+    """The prefill rows q: [T - nd, Hq, D] as a padded batch of chunks over their gathered blocks."""
+    blocks, _, q_index, q_valid, _ = meta._prefill
+    n = q_index.shape[0]
+    qp = q[q_index]                                                                  # [B, qmax, Hq, D]
+    k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)
+    return _sdpa(qp, k, v, meta.mask("prefill", window), scale, softcap)[q_valid]
+
+
+def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, sliding: bool = True,
+                        softcap: float | None = None) -> torch.Tensor:
+    """The torch path for a float cache: decode rows through kernels/cpu_attention.py (blocks read in place)
+    once its package is loaded, else gathered (_decode_ref); prefill rows always gathered (_prefill_ref)."""
+    from kernels import cpu_attention as ca
+    mode = ca.mode()
+    nd = meta.num_decodes
+    if mode == "gather" or not nd:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)
+    if meta._decode is None and meta._prefill is None:
+        meta.prepare()
+    window = meta.sliding_window if sliding else None
+    key = ca.key_for(q, k_cache, softcap)
+    runner = ca.KERNELS.runner(key, mode)
+    mask = meta.decode_mask(k_cache.shape[0], window) if runner is not None else None
+    out = torch.empty_like(q)
+    if mask is not None:
+        out[:nd] = ca.decode_attention_cpu(q[:nd], k_cache, v_cache, mask, scale, softcap, runner)
+    else:
+        t0 = time.perf_counter()
+        out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, None, None, window, softcap)
+        if mode == "auto":
+            ca.KERNELS.note_gather(key, time.perf_counter() - t0)
+    if meta._prefill is not None:
+        out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
     return out
 
 
@@ -193,4 +246,4 @@ def paged_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None
         from kernels.kv_int8 import paged_attention_int8_ref
         return paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale,
                                         sliding=sliding, softcap=softcap)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)

@@ -1,0 +1,233 @@
+"""The in-place CPU decode attention (kernels/cpu_attention.py) against the gather reference.
+
+Fast tests run the kernel's function eagerly (FlexAttention's math path over tiny pools) and check the
+block mask's lists on their own, since eager flex evaluates the mask everywhere and would not notice a
+wrong block list; the compiled package (a minute to build) is checked by the `slow` test.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from kernels import cpu_attention as ca
+from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
+
+# Output against the float32 reference computed from the same inputs
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_step(seqs, num_decodes, Hq, Hk, D, BS, dtype, gen, window=None, spare=3, share=False):
+    """seqs: [(query_len, seq_len)], decodes first; a shuffled pool with `spare` blocks nobody uses.
+    share: every sequence's first block is the same physical block (a shared prefix)."""
+    need = [(L + BS - 1) // BS for _, L in seqs]
+    nb = sum(need) + spare
+    free = torch.randperm(nb, generator=gen).tolist()
+    common = free.pop()
+    tables, slots = [], []
+    for (ql, L), n in zip(seqs, need):
+        table = [common] + [free.pop() for _ in range(n - 1)] if share else [free.pop() for _ in range(n)]
+        tables.append(table)
+        slots += [table[p // BS] * BS + p % BS for p in range(L - ql, L)]
+    meta = AttentionMetadata.build(BS, num_decodes, [q for q, _ in seqs], [L for _, L in seqs], slots, tables,
+                                   "cpu", window)
+    T = sum(q for q, _ in seqs)
+    q = torch.randn(T, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
+    v = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
+    return q, k, v, meta
+
+
+def eager_runner(args, softcap=None):
+    """A package's runner, evaluated eagerly: the function build() traces, plus the block lists as a mask
+    term (eager flex ignores them), so it computes what the compiled kernel computes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ca.decode_flex(*args, softcap=softcap, listed=ca.listed_blocks(*args[3:7]))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(20)
+
+
+SHAPES = [  # Hq, Hk, D, block_size, seq_lens of the decode rows
+    (2, 2, 16, 4, [1, 7, 33]),             # MHA, a length-1 context, tiny blocks
+    (6, 2, 40, 16, [50, 17, 16, 32]),      # GQA 3, head_dim not a power of two, lengths on block edges
+    (9, 3, 64, 16, [130, 3, 64, 1]),       # SmolLM2's heads
+    (5, 1, 24, 8, [9, 8, 23]),             # MQA, odd group
+]
+
+
+CASES = [  # shape, dtype, window, softcap (eager flex costs about a second a case: a sample of the grid)
+    (0, torch.float32, None, None), (1, torch.float32, 11, None), (2, torch.float32, None, 3.0),
+    (3, torch.float32, 5, 7.0), (2, torch.bfloat16, 40, None), (1, torch.bfloat16, None, None),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,window,softcap", [(SHAPES[i], *c) for i, *c in CASES],
+                         ids=["mha", "gqa3-d40-window", "smollm-softcap", "mqa5-window-softcap", "smollm-bf16-window",
+                              "gqa3-d40-bf16"])
+def test_decode_matches_reference(dtype, shape, window, softcap, gen):
+    Hq, Hk, D, BS, lens = shape
+    q, k, v, meta = make_step([(1, L) for L in lens], len(lens), Hq, Hk, D, BS, dtype, gen, window)
+    mask = meta.decode_mask(k.shape[0], window)
+    out = ca.decode_attention_cpu(q, k, v, mask, 0.3, softcap, lambda a: eager_runner(a, softcap))
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.3, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("share", [False, True], ids=["own-blocks", "shared-prefix"])
+def test_block_lists_cover_exactly_the_visible_slots(window, share, gen):
+    """Full blocks: every slot visible; partial blocks: some; no other block of the pool is read."""
+    BS, lens = 8, [1, 8, 9, 23, 40, 17]
+    _, k, _, meta = make_step([(1, L) for L in lens], len(lens), 2, 1, 8, BS, torch.float32, gen, window,
+                              share=share)
+    nb = k.shape[0]
+    m = meta.decode_mask(nb, window)
+    for b, L in enumerate(lens):
+        table = meta.block_tables[b].tolist()
+        lo = max(0, L - window) if window else 0
+        visible = {table[p // BS] * BS + p % BS for p in range(lo, L)}
+        full = m.full_idx[b, 0, 0, :int(m.full_num[b])].tolist()
+        part = m.part_idx[b, 0, 0, :int(m.part_num[b])].tolist()
+        assert len(set(full + part)) == len(full) + len(part)
+        assert all(blk * BS + o in visible for blk in full for o in range(BS))
+        assert all(any(blk * BS + o in visible for o in range(BS)) for blk in part)
+        assert all(any(blk * BS + o in visible for o in range(BS)) is False or blk in full + part
+                   for blk in range(nb))
+        assert all(s // BS in full + part for s in visible)
+
+
+def test_block_at_two_positions_falls_back(gen):
+    """A physical block at two logical positions can't be addressed by the mask: no DecodeMask."""
+    tables = torch.tensor([[3, 1], [1, 2]], dtype=torch.int32)
+    assert ca.DecodeMask.build(tables, torch.tensor([8, 8]), 4, 5, None) is None
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-cache", "int8-cache"])
+def test_dispatch_mixed_step(monkeypatch, int8, gen):
+    """Decodes through the (eager) kernel, prefill chunks gathered; int8 caches stay on the reference."""
+    from kernels.kv_int8 import paged_attention_int8_ref, quantize_int8_ref
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "auto")
+    seqs = [(1, 21), (1, 90), (7, 7), (12, 35)]
+    q, k, v, meta = make_step(seqs, 2, 6, 3, 32, 16, torch.float32, gen, window=30)
+    key = ca.key_for(q, k, None)
+    monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner)
+    if int8:
+        (kq, ks), (vq, vs) = quantize_int8_ref(k), quantize_int8_ref(v)
+        out = paged_attention(q, kq, vq, meta, 0.2, ks, vs)
+        ref = paged_attention_int8_ref(q, kq, vq, ks, vs, meta, 0.2)
+    else:
+        out = paged_attention(q, k, v, meta, 0.2)
+        ref = paged_attention_ref(q, k, v, meta, 0.2)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_gather_mode_never_uses_the_kernel(monkeypatch, gen):
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "gather")
+    q, k, v, meta = make_step([(1, 9)], 1, 2, 1, 8, 4, torch.float32, gen)
+    monkeypatch.setitem(ca.KERNELS.runners, ca.key_for(q, k, None), None)   # would fail if called
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.5), paged_attention_ref(q, k, v, meta, 0.5))
+
+
+def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
+    """auto: the gather path's decode seconds are counted; past BUILD_AFTER_S one child (nice 19) builds."""
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "auto")
+    monkeypatch.delenv("JOBRUNNER_CPU_DECODE_BUILD_AFTER")
+    started = []
+
+    class FakePopen:
+        pid = os.getpid()        # alive: the lock reads as held
+
+        def __init__(self, args, **kw):
+            started.append((args, kw))
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(ca.subprocess, "Popen", FakePopen)
+    kernels = ca._Kernels()
+    key = ca.Key("float32", 1, 2, 8, 4, 0.0)
+    kernels.note_gather(key, ca.BUILD_AFTER_S / 2)
+    assert not started
+    kernels.note_gather(key, ca.BUILD_AFTER_S)
+    kernels.note_gather(key, ca.BUILD_AFTER_S)
+    assert len(started) == 1
+    args, kw = started[0]
+    assert args[1:4] == ["-m", "kernels.cpu_attention", "build"] and kw["start_new_session"]
+    assert kernels.runner(key, "auto") is None            # nothing built yet: the reference serves
+    other = ca._Kernels()                                 # another process sees the lock and doesn't build
+    other.note_gather(key, 2 * ca.BUILD_AFTER_S)
+    assert len(started) == 1
+
+
+def test_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "fast")
+    with pytest.raises(ValueError, match="JOBRUNNER_CPU_DECODE"):
+        ca.mode()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
+def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
+    """The AOTInductor package (built here: about a minute) over varying batch, pool size and window."""
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    key = ca.Key("float32", 2, 3, 40, 8, softcap or 0.0)
+    ca.build(key, key.path())
+    runner = ca._load(key.path())
+    for lens, window, spare in [([1], None, 1), ([5, 70, 8, 16, 33], None, 9), ([44, 3, 200], 19, 40)]:
+        q, k, v, meta = make_step([(1, L) for L in lens], len(lens), 6, 2, 40, 8, torch.float32, gen, window,
+                                  spare=spare, share=True)
+        out = ca.decode_attention_cpu(q, k, v, meta.decode_mask(k.shape[0], window), 0.25, softcap, runner)
+        ref = paged_attention_ref(q, k, v, meta, 0.25, softcap=softcap)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_tiny_model_greedy_same_on_both_paths(monkeypatch):
+    """A tiny random Llama (GQA 2) stepped through prefill chunks, mixed steps and decodes: the same greedy
+    tokens with decodes gathered and with decodes through the in-place kernel (eagerly)."""
+    from engine.model_config import ModelConfig
+    from engine.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+                      attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    BS, NB = 4, 16
+    prompts = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
+    tables = [[3, 9, 1, 12], [0, 5, 14, 6]]
+    plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(1, 1)]]
+
+    def run(mode: str) -> list[list[int]]:
+        monkeypatch.setenv("JOBRUNNER_CPU_DECODE", mode)
+        caches = [(torch.zeros(NB, BS, 2, 16), torch.zeros(NB, BS, 2, 16)) for _ in range(cfg.num_layers)]
+        monkeypatch.setitem(ca.KERNELS.runners, ca.key_for(torch.zeros(1, 4, 16), caches[0][0], None), eager_runner)
+        toks, done = [list(p) for p in prompts], [0, 0]
+        for step in plan:
+            ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
+            for s, n in sorted(step, key=lambda x: x[1] != 1):                 # decodes first
+                lo = done[s]
+                ids += toks[s][lo:lo + n]
+                pos += list(range(lo, lo + n))
+                slots += [tables[s][p // BS] * BS + p % BS for p in range(lo, lo + n)]
+                qlens.append(n)
+                slens.append(lo + n)
+                tabs.append(tables[s])
+            meta = AttentionMetadata.build(BS, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu")
+            with torch.inference_mode():
+                logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
+            row = -1
+            for s, n in sorted(step, key=lambda x: x[1] != 1):
+                row += n
+                done[s] += n
+                if done[s] == len(toks[s]):
+                    toks[s].append(int(logits[row].argmax()))
+        return toks
+
+    assert run("auto") == run("gather")
