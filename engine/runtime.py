@@ -115,7 +115,27 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
             check_quantization(config.quantization, device, dtype, tensor_parallel=config.tensor_parallel)
         followers = Followers(config, device)
         tp = followers.tp
-    tp = tp or SINGLE
+    try:
+        model, num_blocks, weight_bytes = _build_shard(config, bundle, device, dtype, kv_dtype, tp or SINGLE)
+    except BaseException as e:
+        if followers is None:
+            raise
+        followers.close(abort=True)          # the group can't go on without this rank's shard
+        lost = followers.lost()
+        if isinstance(e, RuntimeError) and lost:      # another rank failed: its error is in its log above
+            raise ConfigError(f"{lost} while building its shard of the model; see its error above") from e
+        raise
+    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
+    return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, num_blocks, eos,
+                         weight_bytes, time.perf_counter() - t0, bundle.source,
+                         seqs, tokens, pooling=getattr(bundle, "pooling", None),
+                         generation=getattr(bundle, "generation", None) or GenerationDefaults(),
+                         tp=tp or SINGLE, followers=followers)
+
+
+def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: TensorParallel):
+    """This rank's model (all of it on one device) and the KV blocks every rank has room for:
+    (model, num_blocks, weight bytes)."""
     with building(tp):
         model = build_model(bundle, device, dtype, config.seed)
     if config.quantization != "none":
@@ -127,12 +147,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     num_blocks = _agreed(budget // per_block, tp)
     if num_blocks < 1:
         raise ConfigError(f"--kv-cache-memory {budget} bytes holds no KV block of {per_block} bytes; raise it")
-    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.config.eos_token_ids)
-    return EngineRuntime(model, bundle.config, bundle.tokenizer, device, dtype, kv_dtype, int(num_blocks), eos,
-                         weight_bytes, time.perf_counter() - t0, bundle.source,
-                         seqs, tokens, pooling=getattr(bundle, "pooling", None),
-                         generation=getattr(bundle, "generation", None) or GenerationDefaults(),
-                         tp=tp, followers=followers)
+    return model, int(num_blocks), weight_bytes
 
 
 def _agreed(num_blocks: int, tp: TensorParallel) -> int:

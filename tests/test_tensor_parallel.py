@@ -206,3 +206,25 @@ def test_a_lost_rank_ends_the_engine_with_engine_failure(checkpoints):
             if step == 3:
                 os.kill(follower.pid, signal.SIGKILL)
     assert follower.poll() == -signal.SIGKILL
+
+
+def test_a_shard_that_cannot_be_built_stops_every_rank(checkpoints, tmp_path, monkeypatch):
+    """A checkpoint without one tensor: ConfigError naming it, and no rank left running."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import engine.parallel.launch as launch
+
+    src = checkpoints("llama")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = load_file(str(src / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    started, real = [], launch.Followers.__init__
+    monkeypatch.setattr(launch.Followers, "__init__", lambda self, *a: (real(self, *a), started.append(self))[0])
+    with pytest.raises(ConfigError, match="down_proj"):
+        Engine(EngineConfig(model=str(tmp_path), tensor_parallel=2, num_threads=1))
+    (followers,) = started
+    assert all(p.poll() is not None for p in followers.procs.values())

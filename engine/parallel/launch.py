@@ -51,7 +51,8 @@ def _init(store, rank: int, config: EngineConfig, device: torch.device) -> Tenso
     import torch.distributed as dist
     backend = "nccl" if device.type == "cuda" else "gloo"
     size = config.tensor_parallel
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=HOST_TIMEOUT,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,    # gloo carries the plans too
+                            timeout=DEVICE_TIMEOUT if backend == "nccl" else HOST_TIMEOUT,
                             **({"device_id": device} if device.type == "cuda" else {}))
     host = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT) if backend == "nccl" else dist.group.WORLD
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, host=host, moe_split=config.moe_split)
