@@ -191,43 +191,13 @@ def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
 def test_tiny_model_greedy_same_on_both_paths(monkeypatch):
     """A tiny random Llama (GQA 2) stepped through prefill chunks, mixed steps and decodes: the same greedy
     tokens with decodes gathered and with decodes through the in-place kernel (eagerly)."""
-    from engine.model_config import ModelConfig
-    from engine.models.llama import LlamaForCausalLM
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-                      attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    BS, NB = 4, 16
-    prompts = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
-    tables = [[3, 9, 1, 12], [0, 5, 14, 6]]
+    from tests.tiny import step_tiny_llama
     plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(1, 1)]]
+    key = ca.key_for(torch.zeros(1, 4, 16), torch.zeros(16, 4, 2, 16), None)
 
     def run(mode: str) -> list[list[int]]:
         monkeypatch.setenv("JOBRUNNER_CPU_DECODE", mode)
-        caches = [(torch.zeros(NB, BS, 2, 16), torch.zeros(NB, BS, 2, 16)) for _ in range(cfg.num_layers)]
-        monkeypatch.setitem(ca.KERNELS.runners, ca.key_for(torch.zeros(1, 4, 16), caches[0][0], None), eager_runner)
-        toks, done = [list(p) for p in prompts], [0, 0]
-        for step in plan:
-            ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
-            for s, n in sorted(step, key=lambda x: x[1] != 1):                 # decodes first
-                lo = done[s]
-                ids += toks[s][lo:lo + n]
-                pos += list(range(lo, lo + n))
-                slots += [tables[s][p // BS] * BS + p % BS for p in range(lo, lo + n)]
-                qlens.append(n)
-                slens.append(lo + n)
-                tabs.append(tables[s])
-            meta = AttentionMetadata.build(BS, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu")
-            with torch.inference_mode():
-                logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
-            row = -1
-            for s, n in sorted(step, key=lambda x: x[1] != 1):
-                row += n
-                done[s] += n
-                if done[s] == len(toks[s]):
-                    toks[s].append(int(logits[row].argmax()))
-        return toks
+        monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner)
+        return step_tiny_llama(plan)
 
     assert run("auto") == run("gather")

@@ -416,46 +416,11 @@ def test_kernel_bench_smoke(capsys):
 def test_tiny_model_greedy_matches_reference(monkeypatch):
     """A tiny random Llama, run step by step (prefill chunks, mixed steps, decodes) on the
     reference path and on the Triton path (interpreted on CPU): same greedy tokens."""
-    from engine.models.llama import LlamaForCausalLM
-    from engine.model_config import ModelConfig
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-                      attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    BS, NB = 4, 16
-    prompts = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
-    tables = [[3, 9, 1, 12], [0, 5, 14, 6]]
+    from tests.tiny import step_tiny_llama
+    plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
 
     def run(force: str) -> list[list[int]]:
         monkeypatch.setenv("JOBRUNNER_TRITON", force)
-        caches = [(torch.zeros(NB, BS, 2, 16), torch.zeros(NB, BS, 2, 16)) for _ in range(cfg.num_layers)]
-        toks = [list(p) for p in prompts]
-        done = [0, 0]                                   # computed tokens per sequence
-        # step plan: (seq, query_len) per step, decodes first
-        plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
-        for step in plan:
-            ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
-            for s, n in step:
-                lo = done[s]
-                ids += toks[s][lo:lo + n]
-                pos += list(range(lo, lo + n))
-                slots += [tables[s][p // BS] * BS + p % BS for p in range(lo, lo + n)]
-                qlens.append(n)
-                slens.append(lo + n)
-                tabs.append(tables[s])
-            nd = sum(1 for n in qlens if n == 1)
-            meta = AttentionMetadata.build(BS, nd, qlens, slens, slots, tabs, "cpu")
-            with torch.inference_mode():
-                hidden = model(torch.tensor(ids), torch.tensor(pos), caches, meta)
-                logits = model.compute_logits(hidden)
-            row = -1
-            for s, n in step:
-                row += n
-                done[s] += n
-                if done[s] == len(toks[s]):
-                    toks[s].append(int(logits[row].argmax()))
-        return toks
+        return step_tiny_llama(plan)
 
     assert run("1") == run("0")

@@ -137,23 +137,17 @@ def test_validate_reports_the_split_and_refuses_a_size_that_does_not_divide(setu
     assert "--tensor-parallel 3" in r.output and "do not split evenly" in r.output
 
 
-def test_validate_splits_experts_by_columns(setup):
+@pytest.mark.parametrize("size,experts,gib", [
+    (4, r"all 128 on every rank, each split by columns: 192 of 768", (13, 15)),     # ~57 GiB of bfloat16 over 4
+    (8, r"16 of 128 whole", (6.5, 7.5)),          # 96 of 768 columns each would be narrow: experts held whole
+])
+def test_validate_says_how_experts_split(setup, size, experts, gib):
     r = CliRunner().invoke(main, ["validate", setup["data"], "-m", "dummy:qwen3-30b-a3b", "--device", "cpu",
-                                  "--no-chat", "--tensor-parallel", "4", "--dtype", "bfloat16"])
+                                  "--no-chat", "--tensor-parallel", str(size), "--dtype", "bfloat16"])
     assert r.exit_code == 0, r.output
-    assert re.search(r"experts per rank\s+all 128 on every rank, each split by columns: 192 of 768", r.output)
+    assert re.search(rf"experts per rank\s+{experts}", r.output)
     per_rank = re.search(r"weights per rank\s+about ([\d.]+) GiB", r.output)
-    assert per_rank and 13 < float(per_rank.group(1)) < 15        # ~57 GiB of bfloat16 weights over 4 ranks
-
-
-def test_validate_holds_narrow_experts_whole(setup):
-    """Over 8 ranks each expert would keep 96 of its 768 columns: auto holds 16 experts whole a rank."""
-    r = CliRunner().invoke(main, ["validate", setup["data"], "-m", "dummy:qwen3-30b-a3b", "--device", "cpu",
-                                  "--no-chat", "--tensor-parallel", "8", "--dtype", "bfloat16"])
-    assert r.exit_code == 0, r.output
-    assert re.search(r"experts per rank\s+16 of 128 whole", r.output)
-    per_rank = re.search(r"weights per rank\s+about ([\d.]+) GiB", r.output)
-    assert per_rank and 6.5 < float(per_rank.group(1)) < 7.5      # ~57 GiB over 8 ranks
+    assert per_rank and gib[0] < float(per_rank.group(1)) < gib[1]
 
 
 def test_option_checks_exit_2_before_any_work(setup, tmp_path):

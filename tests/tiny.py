@@ -78,3 +78,44 @@ def forbid_launch_syncs(engine: Engine) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     engine.runner.launch = strict_launch
+
+
+def step_tiny_llama(plan: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """A tiny random Llama (GQA 2, seed 0) run by hand over a paged cache of 16 blocks of 4 slots: two
+    prompts, stepped as `plan` says ((sequence, query tokens) per step; one-token entries are decodes,
+    put first), each sequence taking its greedy token once its prompt and outputs are computed.
+    -> each sequence's tokens. Kernel paths are chosen by the caller (environment)."""
+    from engine.models.llama import LlamaForCausalLM
+    from kernels import AttentionMetadata
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+                      attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    bs, nb = 4, 16
+    toks = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 2, 30, 11]]
+    tables = [[3, 9, 1, 12], [0, 5, 14, 6]]
+    caches = [(torch.zeros(nb, bs, 2, 16), torch.zeros(nb, bs, 2, 16)) for _ in range(cfg.num_layers)]
+    done = [0, 0]                                   # computed tokens per sequence
+    for step in plan:
+        step = sorted(step, key=lambda x: x[1] != 1)                 # decodes first
+        ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
+        for s, n in step:
+            lo = done[s]
+            ids += toks[s][lo:lo + n]
+            pos += list(range(lo, lo + n))
+            slots += [tables[s][p // bs] * bs + p % bs for p in range(lo, lo + n)]
+            qlens.append(n)
+            slens.append(lo + n)
+            tabs.append(tables[s])
+        meta = AttentionMetadata.build(bs, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu")
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
+        row = -1
+        for s, n in step:
+            row += n
+            done[s] += n
+            if done[s] == len(toks[s]):
+                toks[s].append(int(logits[row].argmax()))
+    return toks
