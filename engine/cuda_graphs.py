@@ -69,9 +69,9 @@ class DecodeGraphs:
             seq_lens_t=self.seq_lens[:bs], sliding_window=self.sliding_window)
         if self.capture:
             from kernels import choose_num_splits
-            cfg = self.model.config
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            meta.decode_splits = choose_num_splits(bs, cfg.num_kv_heads, self.max_blocks * self.block_size, sms)
+            meta.decode_splits = choose_num_splits(bs, self.model.shards.kv_heads, self.max_blocks * self.block_size,
+                                                   sms)      # this rank's KV heads
         return meta
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -118,16 +118,20 @@ class Engine:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
         before, with async scheduling; this one, without). Returns the requests that finished.
         EngineFailure when a rank of its tensor-parallel group is lost."""
-        if self.rt.followers is None:
+        followers = self.rt.followers
+        if followers is None:
             return self._step()
+        followers.step_since = time.monotonic()
         try:
             return self._step()
         except RuntimeError as e:
-            lost = self.rt.followers.lost(wait_s=5.0)     # the closed connection may be seen before the exit
+            lost = followers.lost(wait_s=5.0)     # the closed connection may be seen before the exit
             if lost is None:
                 raise
-            self.rt.followers.close(abort=True)
+            followers.close(abort=True)
             raise EngineFailure(lost) from e
+        finally:
+            followers.step_since = None
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()

@@ -133,8 +133,9 @@ def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
                                raw_weights=f.iter_raw_tensors)
         cached = hf_config, tokenizer, float_cache.weights_file(converted)
     hf_config, tokenizer, weights_file = cached
+    weights = _safetensors_weights([weights_file])
     return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
-                       weights=(weights := _safetensors_weights([weights_file])), source=source, weight_format="gguf",
+                       weights=weights, source=source, weight_format="gguf",
                        raw_weights=lambda: GGUFFile(path).iter_raw_tensors(), sliced_weights=weights)
 
 
@@ -162,8 +163,9 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
 
     tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
     generation = GenerationDefaults.from_config(_read_json(root / "generation_config.json"))
+    weights = _safetensors_weights(files)
     return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
-                       tokenizer=tokenizer, weights=(weights := _safetensors_weights(files)), source=source,
+                       tokenizer=tokenizer, weights=weights, source=source,
                        weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation,
                        sliced_weights=weights)
 

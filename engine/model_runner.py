@@ -25,6 +25,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.logits_process import LogitsAdjust
 from engine.models.base import CausalLM
 from engine.parallel.channel import ForwardPlan, StepChannel
+from engine.parallel.group import TensorParallel
+from engine.parallel.shards import ShardPlan
 from engine.pooling import Pooler, split
 from engine.request import TokenLogprob
 from engine.sampler import DeviceSample, SampleRow, draw_uniform, sample_on_device
@@ -163,7 +165,7 @@ class ModelRunner:
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype: torch.dtype, tensor_parallel: int = 1) -> int:
         """On each rank: its share of the KV heads (at least one)."""
         per_token_head = cfg.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
-        heads = max(1, cfg.num_kv_heads // tensor_parallel)
+        heads = ShardPlan(cfg, TensorParallel(size=tensor_parallel)).kv_heads
         return 2 * cfg.num_layers * block_size * heads * per_token_head
 
     @torch.inference_mode()

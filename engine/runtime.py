@@ -5,6 +5,7 @@ Values found at start-up live here, not in the frozen EngineConfig.
 from __future__ import annotations
 
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -120,8 +121,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     except BaseException as e:
         if followers is None:
             raise
-        followers.close(abort=True)          # the group can't go on without this rank's shard
-        lost = followers.lost()
+        lost = followers.lost(wait_s=5.0)   # a rank that failed (its closed connection may come first)
+        followers.close(abort=True)          # the group can't go on without every rank's shard
         if isinstance(e, RuntimeError) and lost:      # another rank failed: its error is in its log above
             raise ConfigError(f"{lost} while building its shard of the model; see its error above") from e
         raise
@@ -170,7 +171,7 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()
     if bundle.weight_format == "dummy":
-        _random_init(model, seed + model.tp.rank)   # under tensor parallelism, other weights than one rank's
+        _random_init(model, seed)
     else:
         weights = bundle.weights() if model.tp.size == 1 else bundle.shard_weights(model.shards.select)
         filled = model.load_weights(weights)
@@ -216,7 +217,9 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 
 def _random_init(model: CausalLM, seed: int) -> None:
-    g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    """Dummy weights, each tensor drawn from its own seed (the seed and its name): a tensor-parallel
+    rank's copies of the replicated tensors (routers, gates) equal the other ranks'."""
+    g = torch.Generator(device=model.embed_tokens.weight.device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -224,7 +227,7 @@ def _random_init(model: CausalLM, seed: int) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.normal_(0.0, 0.02, generator=g)
+                p.normal_(0.0, 0.02, generator=g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())))
 
 
 def _unique_tensors(model):

@@ -252,10 +252,15 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
     if engine is None and _engine_cache:
         clear_engine_cache()        # before loading another: one engine at a time
     job = Job(cfg)
-    ok = False
     try:
         with _errors():
             job.prepare(engine=engine)
+    except BaseException:
+        if engine is None:          # an engine this call loaded (a cached one stays cached)
+            _close_engine(job)
+        raise
+    ok = False
+    try:
         with _errors(running=True):
             result = job.run()
         ok = result.exit_code not in (EXIT_INTERRUPTED, EXIT_FAILED)
@@ -263,9 +268,6 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
         # an interrupted (or failed) run leaves requests in the engine: never reuse that one
         if reuse_engine and ok and not job.engine.has_unfinished():
             _engine_cache[key] = job.engine
-            if job.engine.rt.followers is not None:     # end its ranks at exit, before the engine's own hook
-                atexit.unregister(clear_engine_cache)   # (which would wait for them): hooks run last-in first
-                atexit.register(clear_engine_cache)
         else:
             _engine_cache.pop(key, None)
             _close_engine(job)

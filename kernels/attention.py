@@ -173,6 +173,19 @@ def _prefill_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sof
     return _sdpa(qp, k, v, meta.mask("prefill", window), scale, softcap)[q_valid]
 
 
+def _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key) -> bool:
+    """The decode rows through the in-place package; False (and the package set aside for this process)
+    when it fails: a package from an older build of this code, say. The gather path then serves."""
+    from kernels import cpu_attention as ca
+    nd = mask.part_num.shape[0]
+    try:
+        out[:nd] = ca.decode_attention_cpu(q[:nd], k_cache, v_cache, mask, scale, softcap, runner)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure of a compiled package: fall back, say so once
+        ca.KERNELS.set_aside(key, e)
+        return False
+
+
 def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, sliding: bool = True,
                         softcap: float | None = None) -> torch.Tensor:
     """The torch path for a float cache: decode rows through kernels/cpu_attention.py (blocks read in place)
@@ -189,9 +202,9 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     runner = ca.KERNELS.runner(key, mode)
     mask = meta.decode_mask(k_cache.shape[0], window) if runner is not None else None
     out = torch.empty_like(q)
-    if mask is not None:
-        out[:nd] = ca.decode_attention_cpu(q[:nd], k_cache, v_cache, mask, scale, softcap, runner)
-    else:
+    if mask is not None and not _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key):
+        mask = None
+    if mask is None:
         t0 = time.perf_counter()
         out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, None, None, window, softcap)
         if mode == "auto":

@@ -32,6 +32,8 @@ physical block sits at two logical positions (never, with prefix sharing from po
 from __future__ import annotations
 
 import argparse
+import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -43,6 +45,8 @@ import torch
 
 BUILD_AFTER_S = 3.0          # seconds of gather-path decode attention before the package is built
                              # ($JOBRUNNER_CPU_DECODE_BUILD_AFTER overrides; inf: never, as the tests set)
+PACKAGE_VERSION = 1          # raise when decode_flex or DecodeMask.inputs() change: old packages are not loaded
+log = logging.getLogger("jobrunner")
 
 
 # ----------------------------------------------------------------------------------- the block mask
@@ -174,10 +178,21 @@ class Key:
     def path(self) -> Path:
         env = os.environ.get("JOBRUNNER_CACHE")
         root = Path(env) if env else Path.home() / ".cache" / "jobrunner"
-        cpu = torch.backends.cpu.get_cpu_capability()
-        name = (f"decode-{self.dtype}-hk{self.kv_heads}-g{self.group}-d{self.head_dim}-bs{self.block_size}"
-                f"{f'-softcap{self.softcap:g}' if self.softcap else ''}.pt2")
-        return root / "kernels" / f"torch-{torch.__version__}-{cpu}" / name
+        name = (f"decode-v{PACKAGE_VERSION}-{self.dtype}-hk{self.kv_heads}-g{self.group}-d{self.head_dim}"
+                f"-bs{self.block_size}{f'-softcap{self.softcap:g}' if self.softcap else ''}.pt2")
+        return root / "kernels" / f"torch-{torch.__version__}-{_cpu_tag()}" / name
+
+
+def _cpu_tag() -> str:
+    """The CPU a package was compiled for: inductor compiles for the build machine (-march=native), so a
+    cache shared with another CPU must not hand it this one's package (illegal instructions)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    return f"{torch.backends.cpu.get_cpu_capability()}-{digest}"
 
 
 def build(key: Key, path: Path) -> None:
@@ -243,11 +258,18 @@ class _Kernels:
                 try:
                     self.runners[key] = _load(path)
                 except Exception as e:                       # a package this torch can't load: stay on gather
-                    print(f"kernels.cpu_attention: cannot load {path}: {e}", file=sys.stderr)
+                    log.warning("kernels.cpu_attention: cannot load %s: %s", path, e)
                     self.failed.add(key)
                     return None
                 return self.runners[key]
         return None
+
+    def set_aside(self, key: Key, error: Exception) -> None:
+        """A loaded package failed: not used again in this process."""
+        log.warning("kernels.cpu_attention: the package for %s failed (%s); decode attention gathers instead",
+                    key, error)
+        self.runners.pop(key, None)
+        self.failed.add(key)
 
     def note_gather(self, key: Key, seconds: float) -> None:
         """Counts gather-path decode time; past BUILD_AFTER_S starts the build in a child at nice 19."""
@@ -258,26 +280,45 @@ class _Kernels:
         path = key.path()
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = path.with_suffix(".building")                 # the builder's pid, while it runs
-        if path.exists() or _alive(lock):
+        if path.exists() or not _take(lock):
             self.children[key] = None                        # there, or another process is building it
             return
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         args = [sys.executable, "-m", "kernels.cpu_attention", "build", key.dtype, str(key.kv_heads),
                 str(key.group), str(key.head_dim), str(key.block_size), "--softcap", str(key.softcap)]
-        with open(path.with_suffix(".log"), "w") as log:
-            child = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True, preexec_fn=lambda: os.nice(19))
+        # a session of its own: the build (about a minute) outlives a job that ends first, and stays out of
+        # its signals; it lowers its own priority (nice 19) first thing
+        with open(path.with_suffix(".log"), "w") as out:
+            child = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                     start_new_session=True)
         lock.write_text(str(child.pid))
         self.children[key] = child
-        print(f"kernels.cpu_attention: building the in-place CPU decode attention once (about a minute, at "
-              f"low priority) into {path}", file=sys.stderr)
+        log.info("kernels.cpu_attention: building the in-place CPU decode attention once (about a minute, at "
+                 "low priority) into %s", path)
+
+
+def _take(lock: Path) -> bool:
+    """Creates the build lock, atomically (one builder among the processes sharing the cache); a lock whose
+    builder is gone is taken over. False: another live process holds it."""
+    for _ in range(2):
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            if _alive(lock):
+                return False
+            lock.unlink(missing_ok=True)
+    return False
 
 
 def _alive(lock: Path) -> bool:
-    """Whether the pid written in lock is a running process."""
+    """Whether the pid written in lock is a running process (a lock just created, still empty, counts)."""
     try:
-        os.kill(int(lock.read_text()), 0)
+        text = lock.read_text()
+        if not text:                 # created, its pid not yet written (or a builder that died right there)
+            return time.time() - lock.stat().st_mtime < 60
+        os.kill(int(text), 0)
         return True
     except (OSError, ValueError):
         return False
@@ -318,6 +359,7 @@ def main(argv=None) -> int:
         b.add_argument(name, type=int)
     b.add_argument("--softcap", type=float, default=0.0, help="the model's attention soft-cap (0: none)")
     a = p.parse_args(argv)
+    os.nice(19)                      # idle cycles only: the job that asked for the build goes first
     key = Key(a.dtype, a.kv_heads, a.group, a.head_dim, a.block_size, a.softcap)
     t0 = time.perf_counter()
     try:

@@ -12,7 +12,7 @@
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
 
 With `foreign` (expert parallelism: this rank holds experts 0..E-1 of its own range), an id E marks
-a slot whose expert lives on another rank: it contributes nothing here, and costs nothing.
+a slot whose expert lives on another rank: it contributes nothing here and takes no matmul rows.
 
 Execution is by expert, never by token: the T*k (token, choice) slots are sorted by expert
 (`argsort`, stable), so each expert's tokens are one contiguous run of rows, and each run

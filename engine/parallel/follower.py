@@ -34,15 +34,15 @@ def main() -> int:
     device = resolve_device(config.device, rank)
     tp = join_group(config, rank, int(os.environ["JOBRUNNER_TP_PORT"]), device)
     try:
-        rt = build_runtime(config, tp=tp)
-    except (ModelError, ConfigError) as e:
-        logging.error("%s", e)
-        return 2
-    runner = ModelRunner(rt.model, rt.num_blocks, config.block_size, rt.kv_dtype, rt.device, rt.eos_token_ids,
-                         channel=StepChannel(tp, rt.device))
-    if config.cuda_graphs and rt.device.type == "cuda":      # rank 0 captures the same graphs, collectives and all
-        runner.enable_graphs(rt.max_num_seqs, max_model_len(rt, config))
-    try:
+        try:
+            rt = build_runtime(config, tp=tp)
+        except (ModelError, ConfigError) as e:
+            logging.error("%s", e)
+            return 2
+        runner = ModelRunner(rt.model, rt.num_blocks, config.block_size, rt.kv_dtype, rt.device, rt.eos_token_ids,
+                             channel=StepChannel(tp, rt.device))
+        if config.cuda_graphs and rt.device.type == "cuda":   # rank 0 captures the same graphs, collectives and all
+            runner.enable_graphs(rt.max_num_seqs, max_model_len(rt, config))
         runner.follow()
     except RuntimeError as e:           # rank 0's connection closed: it is gone, and its rows are its to redo
         logging.warning("rank 0 went away (%s)", str(e).splitlines()[0][:200])

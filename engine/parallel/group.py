@@ -29,7 +29,7 @@ class TensorParallel:
         return self.rank == 0
 
     def part(self, n: int) -> tuple[int, int]:
-        """(start, length) of this rank's equal share of n (n divides by the size: ShardPlan checks)."""
+        """(start, length) of this rank's equal share of n (n divides by the size: shards.check_split checks)."""
         step = n // self.size
         return self.rank * step, step
 

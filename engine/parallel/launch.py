@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import asdict
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -33,7 +34,8 @@ log = logging.getLogger("jobrunner")
 
 FOLLOWER_COMMAND = [sys.executable, "-m", "engine.parallel.follower"]
 EXIT_LOST = 1             # the process exit code when a lost rank leaves rank 0 stuck (jobrunner's "workers lost")
-LOST_GRACE_S = 60.0
+LOST_GRACE_S = 60.0       # a step still running this long after a rank died is stuck in a collective
+RENDEZVOUS_TIMEOUT = timedelta(minutes=2)   # the ranks' start-up (imports) before the group forms; no weights yet
 # A rank waits for rank 0's next plan as long as rank 0 idles (an API user may hold an engine for hours):
 # the host group's collectives never time out; a dead peer fails them through its closed connection.
 HOST_TIMEOUT = timedelta(days=30)
@@ -43,7 +45,7 @@ DEVICE_TIMEOUT = timedelta(minutes=30)
 def join_group(config: EngineConfig, rank: int, port: int, device: torch.device) -> TensorParallel:
     """Rank `rank` > 0 joins the group whose rank 0 (Followers) hosts the store on local `port`."""
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel, False, timeout=timedelta(minutes=5))
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel, False, timeout=RENDEZVOUS_TIMEOUT)
     return _init(store, rank, config, device)
 
 
@@ -64,8 +66,10 @@ class Followers:
     def __init__(self, config: EngineConfig, device: torch.device):
         import torch.distributed as dist
         size = config.tensor_parallel
-        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(minutes=5), wait_for_workers=False)
-        env = dict(os.environ, JOBRUNNER_TP_CONFIG=json.dumps(asdict(config)), JOBRUNNER_TP_PORT=str(self.store.port), JOBRUNNER_TP_LEADER_PID=str(os.getpid()))
+        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        root = str(Path(__file__).resolve().parents[2])          # this checkout, installed or not
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, JOBRUNNER_TP_CONFIG=json.dumps(asdict(config)), JOBRUNNER_TP_PORT=str(self.store.port), JOBRUNNER_TP_LEADER_PID=str(os.getpid()))
         if config.num_threads:
             env.update(OMP_NUM_THREADS=str(config.num_threads))
         self.procs = {r: subprocess.Popen(FOLLOWER_COMMAND, env=dict(env, JOBRUNNER_TP_RANK=str(r)))
@@ -73,7 +77,12 @@ class Followers:
         log.info("tensor parallel: %d ranks; ranks 1-%d are processes %s", size, size - 1,
                  ", ".join(str(p.pid) for p in self.procs.values()))
         self.closing = False
-        self.tp = _init(self.store, 0, config, device)
+        self.step_since: float | None = None      # when rank 0's step in progress began (Engine.step sets it)
+        try:
+            self.tp = _init(self.store, 0, config, device)
+        except BaseException:       # a rank died before the group formed (its error is above), or timed out
+            self.close(abort=True)
+            raise
         threading.Thread(target=self._watch, name="jobrunner-tp-watch", daemon=True).start()
         atexit.register(self.close)
 
@@ -94,11 +103,11 @@ class Followers:
         if self.closing:
             return
         self.closing = True
-        if abort:
+        if abort or any(p.poll() is not None for p in self.procs.values()):    # a broken group: no clean end
             for p in self.procs.values():
                 if p.poll() is None:
                     p.kill()
-        elif all(p.poll() is None for p in self.procs.values()):
+        else:
             try:
                 StepChannel(self.tp, torch.device("cpu")).send(None)
             except RuntimeError:      # a rank went at the same moment: it is ending anyway
@@ -113,15 +122,19 @@ class Followers:
         destroy_group()
 
     def _watch(self) -> None:
+        """A lost rank fails rank 0's next collective (Engine.step raises EngineFailure); only a step
+        stuck past LOST_GRACE_S after the loss (a collective that never fails) ends the process."""
+        while not self.closing and not (why := self.lost()):
+            time.sleep(0.5)
+        if self.closing:
+            return
+        log.error("%s; the engine stops", why)
+        lost_at = time.monotonic()
         while not self.closing:
-            why = self.lost()
-            if why:
-                log.error("%s; the engine stops", why)
-                time.sleep(LOST_GRACE_S)
-                if not self.closing:            # rank 0 is stuck in a collective that will not fail
-                    log.error("rank 0 is still waiting for the lost rank after %.0f s: exiting", LOST_GRACE_S)
-                    os._exit(EXIT_LOST)
-                return
+            since = self.step_since
+            if since is not None and time.monotonic() - max(since, lost_at) > LOST_GRACE_S:
+                log.error("rank 0 is still waiting for the lost rank after %.0f s: exiting", LOST_GRACE_S)
+                os._exit(EXIT_LOST)
             time.sleep(0.5)
 
 

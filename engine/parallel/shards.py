@@ -66,7 +66,8 @@ def check_split(cfg: ModelConfig, size: int, moe_split: str = "auto") -> None:
     kv = cfg.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
         problems.append(f"{kv} KV heads")
-    widths = {"intermediate size": cfg.intermediate_size}
+    dense = cfg.moe is None or any(not cfg.moe.is_sparse(i) for i in range(cfg.num_layers))
+    widths = {"intermediate size": cfg.intermediate_size} if dense else {}
     if cfg.moe is not None:
         widths["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
         widths["experts" if whole else "expert intermediate size"] = \
