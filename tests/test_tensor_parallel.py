@@ -29,7 +29,7 @@ from tests.tiny import prompts
 ENGINE = dict(block_size=4, max_num_batched_tokens=7, num_threads=1)
 BLOCKS = 24
 N = 24
-ALL = sorted(FAMILIES) + sorted(MOE_CONFIGS) + ["llama", "qwen2", "qwen3"]
+ALL = sorted(FAMILIES) + sorted(MOE_CONFIGS) + ["llama", "mistral", "qwen2", "qwen3"]
 FOUR_RANKS = ("llama", "olmo2", "phi3", "qwen2_moe")     # KV heads replicated (2 < 4), all-head norms, fused tensors, shared expert
 
 
