@@ -32,7 +32,6 @@ class Olmo2Attention(Attention):
         return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                 v.view(t, self.num_kv_heads, self.head_dim))
 
-
     def _norm(self, x, norm: RMSNorm, width: int, copies: int):
         """RMSNorm over `width` features of which this rank holds x's (each held by `copies` ranks)."""
         if self.tp.size == 1:
