@@ -38,7 +38,9 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor         # [num_seqs] int32
     sliding_window: int | None = None # the window of the layers that slide (paged_attention's `sliding`)
     decode_splits: int | None = None # Triton split-K factor for decodes; None: chosen per step (fix it for CUDA graphs)
-    # Torch path, built once per step by prepare() and shared by all layers:
+    # Torch path, built once per step by prepare() (the decode part on first use: the in-place CPU kernel
+    # needs none of it) and shared by all layers:
+    _prepared: bool = False
     _decode: tuple | None = None
     _prefill: tuple | None = None
     _window_masks: dict | None = None  # (part, window) -> mask, made on first use by a sliding layer
@@ -66,19 +68,24 @@ class AttentionMetadata:
         return meta
 
     def prepare(self) -> None:
-        """Gather indices and masks for the torch path (one padded batch for decodes, one for prefills)."""
-        dev = self.block_tables.device
+        """Gather indices and masks for the torch path: one padded batch for prefills now, one for decodes
+        when decode_part() first asks."""
         nd = self.num_decodes
         self._window_masks = {}
-        if nd:
-            self._decode = self._gather(0, nd, dev)
+        self._prepared = True
         if len(self.query_lens) > nd:
-            self._prefill = self._gather(nd, len(self.query_lens), dev)
+            self._prefill = self._gather(nd, len(self.query_lens), self.block_tables.device)
+
+    def decode_part(self) -> tuple:
+        """The decode rows' gather indices and masks (built on first use, then shared by all layers)."""
+        if self._decode is None:
+            self._decode = self._gather(0, self.num_decodes, self.block_tables.device)
+        return self._decode
 
     def mask(self, part: str, window: int | None) -> torch.Tensor:
         """The causal mask of `part` ("decode" or "prefill"), narrowed to the last `window` keys when
         one is given: [B, 1, qmax, keys], True where a query sees a key."""
-        _, causal, _, q_valid, q_pos = self._decode if part == "decode" else self._prefill
+        _, causal, _, q_valid, q_pos = self.decode_part() if part == "decode" else self._prefill
         if not window:
             return causal
         key = (part, window)
@@ -145,12 +152,12 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
                         softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. With k_scale/v_scale the caches are int8 (kernels/kv_int8.py).
     sliding: this layer keeps to meta.sliding_window (when set); softcap: scores -> softcap * tanh(s / softcap)."""
-    if meta._decode is None and meta._prefill is None:
+    if not meta._prepared:
         meta.prepare()
     out = torch.empty_like(q)
     nd = meta.num_decodes
     window = meta.sliding_window if sliding else None
-    if meta._decode is not None:
+    if nd:
         out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     if meta._prefill is not None:
         out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
@@ -159,7 +166,7 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
 
 def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
     """The decode rows q: [nd, Hq, D]: their blocks gathered, padded to the longest, one query row each."""
-    nd, blocks = q.shape[0], meta._decode[0]
+    nd, blocks = q.shape[0], meta.decode_part()[0]
     k, v = _blocks(k_cache, k_scale, blocks, nd, q.dtype), _blocks(v_cache, v_scale, blocks, nd, q.dtype)
     return _sdpa(q[:, None], k, v, meta.mask("decode", window), scale, softcap)[:, 0]
 
@@ -195,7 +202,7 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     nd = meta.num_decodes
     if mode == "gather" or not nd:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)
-    if meta._decode is None and meta._prefill is None:
+    if not meta._prepared:
         meta.prepare()
     window = meta.sliding_window if sliding else None
     key = ca.key_for(q, k_cache, softcap)
