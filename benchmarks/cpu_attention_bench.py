@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     base = statistics.median(times["gather+sdpa (reference)"])
     print(f"{a.dtype}, {B} sequences of 64..384 tokens (mean {sum(lens) / B:.0f}), pool {NB} blocks, "
           f"{torch.get_num_threads()} threads; package build {build_s:.1f} s, load {load_s * 1e3:.1f} ms")
-    print(f"| candidate | median ms | ratio to gather+sdpa | first call s |\n|---|---|---|---|")
+    print("| candidate | median ms | ratio to gather+sdpa | first call s |\n|---|---|---|---|")
     for n, ts in times.items():
         m = statistics.median(ts)
         print(f"| {n} | {m * 1e3:.2f} | {m / base:.2f} | {first[n]:.2f} |")

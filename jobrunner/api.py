@@ -12,7 +12,6 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import tomllib
@@ -111,8 +110,8 @@ def run(cfg: JobConfig) -> JobResult:
 
 
 def _close_engine(job) -> None:
-    """End the engine a job loaded: with --tensor-parallel its other ranks are processes, told to stop
-    here (left to the engine's atexit hook they would first wait for a plan that never comes)."""
+    """End the engine a job loaded: with --tensor-parallel its other ranks are processes, ended here
+    rather than at the process's exit (an API caller may go on for hours)."""
     engine = getattr(job, "engine", None)
     if engine is not None:
         engine.close()

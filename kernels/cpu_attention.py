@@ -147,11 +147,9 @@ def decode_flex(q, k_cache, v_cache, part_num, part_idx, full_num, full_idx, *cu
                                     compute_q_blocks=False)
     k = k_cache.view(1, nb * bs, hk, d).transpose(1, 2)                              # [1, Hk, NB*BS, D], in place
     v = v_cache.view(1, nb * bs, hk, d).transpose(1, 2)
-    score_mod = None
-    if softcap:
-        def score_mod(s, b, h, q_idx, kv_idx):
-            return torch.tanh(s / softcap) * softcap
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
+    def capped(s, b, h, q_idx, kv_idx):
+        return torch.tanh(s / softcap) * softcap
+    return flex_attention(q, k, v, score_mod=capped if softcap else None, block_mask=mask, scale=1.0)
 
 
 class _Decode(torch.nn.Module):
@@ -335,7 +333,7 @@ def mode() -> str:
 
 
 def key_for(q, k_cache, softcap) -> Key:
-    hq, (nb, bs, hk, d) = q.shape[1], k_cache.shape
+    hq, (_, bs, hk, d) = q.shape[1], k_cache.shape
     return Key(str(q.dtype).removeprefix("torch."), hk, hq // hk, d, bs, float(softcap or 0.0))
 
 
