@@ -278,12 +278,13 @@ def _in_input_order(df, dataset: str, fmt: str, id_column: str):
     import polars as pl
 
     from jobrunner.dataset import read_rows
+    from jobrunner.output.values import id_key
     if df.is_empty():
         return df
     position: dict[str, int] = {}
     for batch in read_rows(dataset, fmt, id_column=id_column):
         for row in batch:
             position.setdefault(row.id, row.index)
-    order = pl.Series("__position", [position.get(i, len(position)) for i in df["id"].to_list()])
+    order = pl.Series("__position", [position.get(id_key(i), len(position)) for i in df["id"].to_list()])
     keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
     return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")

@@ -126,10 +126,16 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
                              f"or keep the old model with -m {repo}@{before} and another --output")
 
 
-def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part"):
+def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", job=None, engine=None):
+    """The job's writer; given the job kind and its engine, with the output schema declared up front
+    (jobrunner.result_schema), so that every part has the kind's columns whatever rows it holds."""
     from jobrunner.output import OutputError
+    schema = None
+    if job is not None:
+        from jobrunner.result_schema import result_schema
+        schema = result_schema(cfg.dataset, cfg.format, cfg.id_column, job, engine.rt.model_config.hidden_size)
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
-                          part_prefix=part_prefix, flush_seconds=cfg.flush_seconds)
+                          part_prefix=part_prefix, flush_seconds=cfg.flush_seconds, schema=schema)
     except OutputError as e:
         raise JobConfigError(str(e)) from None

@@ -97,7 +97,7 @@ class Job:
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
         self.manifest = self._manifest()
         checks.check_same_commit(cfg, self.manifest)
-        self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, part_prefix=prefix)
+        self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, prefix, self.job, self.engine)
 
     def _manifest(self) -> dict:
         """What the output's manifest says about the job: its configuration, the model (a Hub model's
@@ -407,7 +407,7 @@ class Job:
         names = self._input_names.get(keys)
         if names is None:       # JSONL rows may differ in their keys; most share one set
             names = self._input_names[keys] = input_names(keys, self.reserved)
-        base = {"id": row.id}
+        base = {"id": row.id if row.id_value is None else row.id_value}     # the id as the input types it
         base.update((names[k], data[k]) for k in keys)
         return base
 

@@ -19,7 +19,9 @@ from jobs.spec import JobSpec
 
 class ClassifyJob:
     name = "classify"
-    result_columns = ("label", "label_probs", "label_logprobs", "confidence", "correct")
+    # every column it may write, and its kind (jobrunner.output.values): the output schema declares them all
+    result_columns = {"label": "string", "label_probs": "label_probs", "label_logprobs": "label_logprobs",
+                      "confidence": "float", "correct": "bool"}
 
     def __init__(self, spec: JobSpec, tokenizer):
         self.spec = spec.classify

@@ -22,11 +22,17 @@ from jobs.spec import JobSpec
 
 class EmbedJob:
     name = "embed"
-    result_columns = ("embedding", "input_index")
+    # every column it may write, and its kind (jobrunner.output.values; "vector": float32[vector_size])
+    result_columns = {"embedding": "vector", "input_index": "int"}
 
     def __init__(self, spec: JobSpec, tokenizer, checkpoint: CheckpointPooling | None = None):
         self.params = spec.embed.params(checkpoint)     # ValueError: the checkpoint's pooling isn't ours
         self.tokenizer = tokenizer
+
+    def vector_size(self, hidden_size: int) -> int:
+        """The size of the `embedding` column: --dimensions, else the model's hidden size (an OpenAI
+        line's own `dimensions` may differ: such a vector goes to extra_json)."""
+        return self.params.dimensions or hidden_size
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
         params, more = self.params, None

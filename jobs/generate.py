@@ -15,8 +15,9 @@ from jobs.truncation import truncate_prompt
 
 class GenerateJob:
     name = "generate"
-    result_columns = ("sample_index", "correct", "logprobs", "reasoning", "reasoning_tokens", "truncated_tokens",
-                      "constrained_incomplete")
+    # every column it may write, and its kind (jobrunner.output.values): the output schema declares them all
+    result_columns = {"sample_index": "int", "correct": "bool", "logprobs": "token_logprobs", "reasoning": "string",
+                      "reasoning_tokens": "int", "truncated_tokens": "int", "constrained_incomplete": "bool"}
 
     def __init__(self, spec: JobSpec, tokenizer):
         self.spec = spec

@@ -10,7 +10,8 @@ from jobs.spec import JobSpec
 
 class ScoreJob:
     name = "score"
-    result_columns = ("scored_tokens", "logprob", "mean_logprob", "perplexity")
+    # every column it may write, and its kind (jobrunner.output.values): the output schema declares them all
+    result_columns = {"scored_tokens": "int", "logprob": "float", "mean_logprob": "float", "perplexity": "float"}
 
     def __init__(self, spec: JobSpec, tokenizer):
         self.column = spec.score.score_column

@@ -37,9 +37,14 @@ def parquet_file(url: str) -> tuple[IO[bytes], pq.ParquetFile]:
 
 def parquet_columns(url: str) -> list[str]:
     """The file's column names, from its footer."""
+    return list(parquet_schema(url).names)
+
+
+def parquet_schema(url: str) -> pa.Schema:
+    """The file's Arrow schema, from its footer."""
     fh, pf = parquet_file(url)
     try:
-        return list(pf.schema_arrow.names)
+        return pf.schema_arrow
     finally:
         fh.close()
 
@@ -54,8 +59,8 @@ def parquet_rows(url: str) -> int:
 
 
 def read_parquet(url: str, name: str | None, id_column: str | None, columns: Sequence[str] | None,
-                 batch_rows: int) -> Iterator[tuple[str | None, dict | None, str | None]]:
-    """(id or None, data, error or None) per row; errors name the row number in the file."""
+                 batch_rows: int) -> Iterator[tuple[object, dict | None, str | None]]:
+    """(id value or None, data, error or None) per row; errors name the row number in the file."""
     f, pf = parquet_file(url)
     try:
         names = pf.schema_arrow.names

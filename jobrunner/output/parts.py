@@ -9,20 +9,23 @@ Invariants:
   row is never half written).
 - A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
   waited flush_seconds (checked on write() and maybe_flush(), which a job calls after every
-  engine step): a kill loses at most flush_seconds of finished rows.  (The first part also
-  waits for a row without an error, as it pins the schema; error rows are no work to redo.)
+  engine step): a kill loses at most flush_seconds of finished rows.
+- The schema: the one the parts found at open have (a resumed job keeps it, whoever wrote it),
+  else the one the job declared (`schema`, jobrunner.result_schema): every part of a job then has
+  it, whatever rows it holds.  Without either, the first part pins one from its rows
+  (values.infer_kinds), and waits for a row without an error to do so (error rows alone lack the
+  kind's columns; they are no work to redo).
 - A part never replaces another: its number is past every part of this prefix, and it is
   written under a temporary name and renamed (storage.atomic_write).
 - Data-parallel workers sharing a directory: the launcher calls prepare_output
   once (it alone may --overwrite), each worker uses its own part_prefix and
   closes with stats=None; the launcher then calls completion.mark_complete (or write_stats
-  when the job is not complete).  If two workers flush their very first parts at the same
-  moment from data of different types, their pinned schemas can differ and a glob read then
-  fails on that column; let one worker flush first when input types are mixed.
+  when the job is not complete).  Workers declare the same schema, so their parts agree.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import warnings
@@ -38,9 +41,24 @@ from jobrunner.output import layout
 from jobrunner.output.completion import mark_complete, write_stats
 from jobrunner.output.layout import MANIFEST_TMP_RE, PART_RE, PREFIX_RE, OutputError
 from jobrunner.output.manifest import prepare_output, write_manifest
-from jobrunner.output.values import infer_kinds, kinds_of, norm_row, to_table
+from jobrunner.output.values import EXTRA_JSON, arrow_schema, id_key, infer_kinds, kinds_of, norm_row, to_table
 
 __all__ = ["ResultWriter"]
+
+
+def _extras(t: pa.Table) -> list[str | None]:
+    return t.column(EXTRA_JSON).to_pylist() if EXTRA_JSON in t.column_names else [None] * t.num_rows
+
+
+def _key(value: Any, extra: str | None) -> str | None:
+    """A row's key: its id's, or for a null id the "id" its extra_json holds; None if neither."""
+    if value is not None:
+        return id_key(value)
+    try:
+        key = json.loads(extra).get("id") if extra else None
+    except (ValueError, AttributeError):
+        return None
+    return key if isinstance(key, str) else None
 
 
 class ResultWriter:
@@ -52,7 +70,8 @@ class ResultWriter:
     clock = staticmethod(time.monotonic)    # seconds; tests replace it
 
     def __init__(self, output_url: str, manifest: dict, part_rows: int = 10000,
-                 overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0):
+                 overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0,
+                 schema: pa.Schema | None = None):
         if part_rows < 1:
             raise ValueError("part_rows must be >= 1")
         if not flush_seconds > 0:
@@ -70,12 +89,15 @@ class ResultWriter:
         self._buffer: list[dict[str, Any]] = []
         self._oldest: float | None = None      # clock() when the oldest buffered row came; None: buffer empty
         self._ok_buffered = False               # a buffered row has no error (see maybe_flush)
-        self._kinds: dict[str, str] | None = None
+        self._schema: pa.Schema | None = None   # pinned: by the parts found at open, else `schema`
         self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
         self.parts: list[str] = []      # all valid part files at open, plus ours since
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
         self._scan()
+        if self._schema is None and schema is not None:
+            assert kinds_of(schema) is not None, "a declared schema records its kinds (values.arrow_schema)"
+            self._schema = schema
 
     # -- resume
 
@@ -93,25 +115,32 @@ class ResultWriter:
         for name in names:
             if not PART_RE.match(name):
                 continue
-            ids, kinds = self._read_part_ids(name)
+            ids, schema = self._read_part_ids(name)
             if ids is None:
                 self.corrupt.append(self._set_aside(name, names))
                 continue
             self.done_ids.update(ids)
             self.parts.append(name)
-            if self._kinds is None and kinds is not None:
-                self._kinds = kinds
+            if self._schema is None and schema is not None:
+                self._schema = schema
         seqs = [int(m.group(1)) for n in layout.names(self.fs, self.root) if (m := self._own_re.match(n))]
         self._next = max(seqs, default=-1) + 1
 
-    def _read_part_ids(self, name: str) -> tuple[list[str] | None, dict[str, str] | None]:
+    def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None]:
+        """(the part's row keys, its schema if it records its kinds); (None, None) when damaged.
+        A null id's key is in extra_json (a value the id column's type can't hold: values.py)."""
         try:
             with self.fs.open(storage.join(self.root, name), "rb") as f:
                 pf = pq.ParquetFile(f)
-                ids = pf.read(columns=["id"], use_threads=False).column("id")
-                if ids.null_count or len(ids) != pf.metadata.num_rows:
+                schema = pf.schema_arrow
+                cols = ["id"] + ([EXTRA_JSON] if EXTRA_JSON in schema.names else [])
+                t = pf.read(columns=cols, use_threads=False)
+                if t.num_rows != pf.metadata.num_rows:
                     return None, None
-                return [str(x) for x in ids.to_pylist()], kinds_of(pf.schema_arrow)
+                ids = [_key(v, extra) for v, extra in zip(t.column("id").to_pylist(), _extras(t))]
+                if None in ids:
+                    return None, None
+                return ids, (schema if kinds_of(schema) is not None else None)
         except FileNotFoundError:
             return [], None  # moved aside by another writer meanwhile
         except (pa.ArrowException, OSError, KeyError, ValueError, EOFError):
@@ -150,7 +179,7 @@ class ResultWriter:
         The very first part waits for a row without an error: it pins the schema, which error rows
         alone would leave without the job's own columns (and error rows cost no work to redo).
         """
-        if self._oldest is None or (self._kinds is None and not self._ok_buffered):
+        if self._oldest is None or (self._schema is None and not self._ok_buffered):
             return
         if self.clock() - self._oldest >= self.flush_seconds:
             self.flush()
@@ -160,9 +189,9 @@ class ResultWriter:
         if not self._buffer:
             return
         rows = self._buffer
-        if self._kinds is None:
-            self._kinds = self._pinned_by_others() or infer_kinds(rows)
-        table = to_table(rows, self._kinds)
+        if self._schema is None:
+            self._schema = self._pinned_by_others() or arrow_schema(infer_kinds(rows))
+        table = to_table(rows, self._schema)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd", row_group_size=max(len(rows), 1))
         data = sink.getvalue().to_pybytes()
@@ -180,17 +209,17 @@ class ResultWriter:
         self.parts.append(name)
         write_manifest(self.fs, self.root, self.output_url, self.manifest, complete=False)
 
-    def _pinned_by_others(self) -> dict[str, str] | None:
-        """Kinds of a part another writer wrote since we opened (shared directories)."""
+    def _pinned_by_others(self) -> pa.Schema | None:
+        """The schema of a part another writer wrote since we opened (shared directories)."""
         for name in layout.names(self.fs, self.root):
             if PART_RE.match(name):
                 try:
                     with self.fs.open(storage.join(self.root, name), "rb") as f:
-                        kinds = kinds_of(pq.read_schema(f))
+                        schema = pq.read_schema(f)
                 except (pa.ArrowException, OSError, ValueError):
                     continue
-                if kinds:
-                    return kinds
+                if kinds_of(schema):
+                    return schema
         return None
 
     def close(self, stats: dict | None = None) -> None:

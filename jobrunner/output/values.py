@@ -15,7 +15,13 @@ Invariants:
                     logprobs: list<struct<token, logprob, bytes: list<int64>, top_logprobs: list<struct<
                               token, logprob, bytes>>>> (jobs.logprobs; OpenAI's shape)
                     reasoning: string; reasoning_tokens, truncated_tokens: int64
-    extra columns   pinned by the first part ever written (read back from it afterwards):
+    declared        a job declares its schema before any row is written (jobrunner.result_schema):
+                    the id and input columns with their input types, `reused`, and every column its
+                    kind declares; a column of kind "arrow" keeps the field's own Arrow type (a
+                    Parquet input's List, Date, struct...), a value fits it when it round-trips exactly.
+                    The id column may have any kind: a row whose id doesn't fit (a lost id's key
+                    "row-N" in an Int64 id column) has a null id and its key in extra_json's "id".
+    extra columns   without a declared schema: pinned by the first part ever written (read back from it afterwards):
                     all values str -> string; all bool -> bool; all int -> int64;
                     int/float -> float64; anything else (nested, mixed, all-null,
                     bytes, dates) -> "json": a string column of JSON texts.
@@ -41,8 +47,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["EXTRA_JSON", "FIXED_COLUMNS", "KNOWN_COLUMNS", "LABEL_PROBS", "LABEL_LOGPROBS",
-           "to_json", "to_json_pretty", "json_default", "is_int", "is_float", "scrub", "arrow_array",
+__all__ = ["EXTRA_JSON", "FIXED_COLUMNS", "KNOWN_COLUMNS", "LABEL_PROBS", "LABEL_LOGPROBS", "ARROW",
+           "id_key", "to_json", "to_json_pretty", "json_default", "is_int", "is_float", "scrub", "arrow_array",
            "arrow_schema", "kinds_of", "infer_kinds", "norm_row", "to_table"]
 
 EXTRA_JSON = "extra_json"
@@ -62,6 +68,7 @@ KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs"
                                  "label_logprobs": "label_logprobs", "sample_index": "int",
                                  "logprobs": "token_logprobs", "reasoning": "string", "reasoning_tokens": "int",
                                  "truncated_tokens": "int"}
+ARROW = "arrow"                 # a column of the field's own Arrow type (an input column's)
 _INT64 = (-(2**63), 2**63 - 1)
 VECTOR_COLUMNS = ("embedding",)         # columns of float vectors: kind float32[N] by their first value
 _VECTOR = re.compile(r"^float32\[([1-9][0-9]*)\]$")
@@ -82,6 +89,16 @@ def _arrow_type(kind: str) -> pa.DataType | None:
 
 
 # ---------------------------------------------------------------- values
+
+
+def id_key(value: Any) -> str:
+    """A row's key (the str the job, dedup and resume know it by) from its id value (containers as
+    canonical JSON); jobrunner.dataset gives rows the same key."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    return str(value)
 
 
 def json_default(v: Any) -> Any:
@@ -269,9 +286,10 @@ def _vector_array(values: list[Any], size: int) -> pa.Array:
 # ---------------------------------------------------------------- schema
 
 
-def arrow_schema(kinds: dict[str, str]) -> pa.Schema:
-    """A part's schema: the kinds' columns, then extra_json; the kinds in its metadata."""
-    fields = [pa.field(n, _arrow_type(k)) for n, k in kinds.items()]
+def arrow_schema(kinds: dict[str, str], types: Mapping[str, pa.DataType] | None = None) -> pa.Schema:
+    """A part's schema: the kinds' columns, then extra_json; the kinds in its metadata.
+    types: the Arrow type of each column of kind "arrow"."""
+    fields = [pa.field(n, types[n] if k == ARROW else _arrow_type(k)) for n, k in kinds.items()]
     fields.append(pa.field(EXTRA_JSON, pa.string()))
     meta = {"jobrunner.kinds": json.dumps(kinds, ensure_ascii=False), "jobrunner.version": "1"}
     return pa.schema(fields, metadata=meta)
@@ -284,44 +302,83 @@ def kinds_of(schema: pa.Schema) -> dict[str, str] | None:
         kinds = json.loads(raw) if raw else None
     except ValueError:
         return None
-    if not isinstance(kinds, dict) or any(_arrow_type(k) is None for k in kinds.values()):
+    if not isinstance(kinds, dict) or any(
+            not (_arrow_type(k) is not None or (k == ARROW and n in schema.names)) for n, k in kinds.items()):
         return None
-    if any(kinds.get(n) != k for n, k in FIXED_COLUMNS.items()):
+    if any(kinds.get(n) != k for n, k in FIXED_COLUMNS.items() if n != "id") or "id" not in kinds:
         return None
     return kinds
 
 
+def types_of(schema: pa.Schema) -> dict[str, pa.DataType]:
+    """The Arrow type of each column of a schema."""
+    return {f.name: f.type for f in schema}
+
+
 def norm_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A result row with str keys and a str id; TypeError/ValueError for a non-dict or no id."""
+    """A result row with str keys; TypeError/ValueError for a non-dict or no id. The id keeps its value."""
     if not isinstance(row, Mapping):
         raise TypeError(f"result rows must be dicts, got {type(row).__name__}")
-    rid = row.get("id")
-    if rid is None:
+    if row.get("id") is None:
         raise ValueError("result row without an id")
     out: dict[str, Any] = {}
     for k, v in row.items():
         name = k if isinstance(k, str) else str(k)
         out[name if name not in out else repr(k)] = v  # 1 and "1" both kept
-    out["id"] = rid if isinstance(rid, str) else str(rid)
     return out
 
 
-def to_table(rows: list[dict[str, Any]], kinds: dict[str, str]) -> pa.Table:
-    """Rows conformed to the pinned kinds; misfits go to extra_json."""
+def _same(a: Any, b: Any) -> bool:
+    return (type(a) is type(b) and a == b) or to_json(a) == to_json(b)     # NaN too; never True for 1
+
+
+def _exact_array(values: list[Any], t: pa.DataType) -> tuple[pa.Array, dict[int, Any]]:
+    """(values as an array of type t, {row: value that doesn't fit}): a value fits when it comes back
+    as it went in (pyarrow alone would cut 1.5 to 1 in an int64 column, or drop a struct's extra keys)."""
+    try:
+        arr = pa.array(values, type=t)
+        if arr.to_pylist() == values:
+            return arr, {}
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    fitted, misfits = [], {}
+    for i, v in enumerate(values):
+        try:
+            ok = v is None or _same(pa.array([v], type=t).to_pylist()[0], v)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            ok = False
+        fitted.append(v if ok else None)
+        if not ok:
+            misfits[i] = v
+    return pa.array(fitted, type=t), misfits
+
+
+def to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """Rows conformed to the pinned schema (see kinds_of); misfits go to extra_json."""
+    kinds, types = kinds_of(schema), types_of(schema)
     cols: dict[str, list[Any]] = {n: [] for n in kinds}
-    extra: list[str | None] = []
-    for row in rows:
-        over: dict[str, Any] = {}
+    over: list[dict[str, Any]] = [{} for _ in rows]
+    for row, extra in zip(rows, over):
         for n, k in kinds.items():
-            v = _fit(k, row.get(n))
-            if v is _MISS:
-                over[n] = row[n]
-                v = None
+            v = row.get(n)
+            if n == "id" and k == "string" and v is not None and not isinstance(v, str):
+                v = id_key(v)       # a writer not told the id's type: ids as their keys
+            elif k != ARROW:
+                v = _fit(k, v)
+                if v is _MISS:
+                    extra[n], v = row[n], None
             cols[n].append(v)
         for n, v in row.items():
             if n not in kinds:
-                over[n] = v
-        extra.append(to_json(over) if over else None)
-    arrays = [arrow_array(cols[n], k) for n, k in kinds.items()]
-    arrays.append(arrow_array(extra, "string"))
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(kinds))
+                extra[n] = v
+    arrays = []
+    for n, k in kinds.items():
+        if k != ARROW:
+            arrays.append(arrow_array(cols[n], k))
+            continue
+        arr, misfits = _exact_array(cols[n], types[n])
+        for i, v in misfits.items():
+            over[i][n] = v
+        arrays.append(arr)
+    arrays.append(arrow_array([to_json(x) if x else None for x in over], "string"))
+    return pa.Table.from_arrays(arrays, schema=arrow_schema(kinds, types))
