@@ -65,7 +65,9 @@ def test_parquet_memory_and_int_ids(mem):
     rows = all_rows(f"{url}/d.pq")
     assert [r.id for r in rows[:2]] == ["10", "11"]
     # a null id in a dataset with ids: error row whose id can't collide with a real one
-    assert rows[2].data is None and rows[2].id == "row-2"
+    # issue 28 (16): it keeps its other input columns; its id value is its key (no Int64 holds it)
+    assert rows[2].data == {"id": None, "prompt": "c"} and rows[2].id == "row-2" == rows[2].id_value
+    assert [r.id_value for r in rows[:2]] == [10, 11]      # the id as the input types it
     assert "row 3" in rows[2].error and "id" in rows[2].error
     assert count_rows(f"{url}/d.pq") == 3
 
@@ -230,7 +232,8 @@ def test_malformed_jsonl_lines_become_error_rows(mem):
     assert errs[4] == ("row-5", "line 6: missing or null id column 'id'")
     assert errs[5] == ("row-6", "line 7: missing or null id column 'id'")
     assert errs[6][0] == "row-7" and errs[6][1].startswith("line 8: invalid UTF-8")
-    assert all(r.data is None for r in rows if r.error)
+    assert rows[5].data == {"prompt": "no id"} and rows[6].data == {"id": None}     # parsed: kept (issue 28)
+    assert all(r.data is None for r in rows if r.error and r.index not in (5, 6))
 
 
 def test_deeply_nested_json_line_is_an_error_row(mem):
