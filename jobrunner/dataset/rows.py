@@ -40,11 +40,11 @@ def id_problem(value: Any, id_type: type | None) -> str | None:
     """Why `value` is no id (a list or an object; in JSONL another type than the dataset's ids'),
     or None. id_type: the JSONL dataset's id type; None: any scalar."""
     if isinstance(value, (list, tuple, dict)):
-        return f"id {id_key(value)} is a {'list' if not isinstance(value, dict) else 'object'}, not a scalar"
+        return f"id {id_key(value)} is {'an object' if isinstance(value, dict) else 'a list'}, not a scalar"
     if id_type is not None and type(value) is not id_type:
         what = JSONL_ID_TYPES.get(type(value), f"a {type(value).__name__}")
-        return (f"id {id_key(value)!r} is {what}, but this dataset's ids are {JSONL_ID_TYPES[id_type]}s "
-                "(its first id's type): ids of one dataset share one type, so that 1 and \"1\" never collide")
+        return (f"id {id_key(value)!r} is {what}, but this dataset's first id is {JSONL_ID_TYPES[id_type]}: "
+                "ids of one dataset share one type, so that 1 and \"1\" never collide")
     return None
 
 
