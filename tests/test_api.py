@@ -71,7 +71,7 @@ def test_generate_returns_one_row_per_input_row_in_order_and_touches_no_disk(mod
 def test_generate_error_rows_samples_and_failures(model):
     rows = [{"id": 1, "prompt": "Hello world!"}, {"id": 2, "prompt": None}, {"id": 3, "prompt": "fox"}]
     df = jobrunner.generate(rows, model=model, temperature=0.8, n=2, seed=1, **SMALL)
-    assert df["id"].to_list() == ["1", "1", "2", "3", "3"]       # ids as the CLI writes them: strings
+    assert df["id"].to_list() == [1, 1, 2, 3, 3]       # ids keep the input's type (issue 28)
     assert df["sample_index"].to_list()[:2] == [0, 1] and df["sample_index"].to_list()[3:] == [0, 1]
     assert df["error"].to_list()[2] is not None and df["error"].to_list()[0] is None
     with pytest.raises(api.JobFailedError, match="1 of 3 rows failed") as e:
