@@ -24,8 +24,11 @@ _PARAMS = (
     (re.compile(r"^unsupported endpoint"), "url"),
     (re.compile(r"^(?:message |messages |every message|OpenAI batch body without messages)"), "messages"),
     (re.compile(r"^OpenAI batch record without a body"), "body"),
-    (re.compile(r"^(stop|logprobs|top_logprobs|logit_bias|chat_template_kwargs|response_format|input|dimensions"
-                r"|encoding_format|prompt)\b"), None),
+    (re.compile(r"^an OpenAI chat or completions line in an embed job"), "url"),
+    (re.compile(r"^(stop|logprobs|top_logprobs|logit_bias|chat_template_kwargs|input|dimensions|encoding_format"
+                r"|prompt)(?: must| needs| holds|:)"), None),
+    (re.compile(r"^(response_format)\b"), None),
+    (re.compile(r"^bad (dimensions)"), None),
 )
 
 
