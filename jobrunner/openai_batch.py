@@ -10,16 +10,22 @@ parse_record turns one into a row's data {"messages", "params", "model"} (plus "
 (jobrunner.openai_request: a key that would change the output and isn't supported fails the row).  The dataset reader
 (jobrunner.dataset) reads the lines, and turns custom_id into the row's id.
 
-Output: results.openai.jsonl in the output directory, one line per custom_id:
+Output: results.openai.jsonl in the output directory, one line per custom_id that ran:
 
     {"id": "batch_req_...", "custom_id": "req-1", "error": null,
      "response": {"status_code": 200, "request_id": "req_...", "body": <a chat.completion>}}
 
-(a text_completion for /v1/completions rows: jobrunner.openai_response builds the body).
+(a text_completion for /v1/completions rows, a CreateEmbeddingResponse for /v1/embeddings rows:
+jobrunner.openai_response and openai_embeddings build the bodies), and errors.openai.jsonl beside it,
+one line per custom_id whose every sample failed, as OpenAI writes its error file:
 
-The samples of one custom_id become the choices of one line; a custom_id whose every sample
-failed gets response=null and error={code, message}.  Ids in a line are derived from a sha256 of
-custom_id, so they are the same on every run.
+    {"id": "batch_req_...", "custom_id": "req-2", "response": null,
+     "error": {"code": "invalid_request", "message": "...", "param": "tools", "line": 2}}
+
+Every input line has exactly one line in one of the two (the file check, jobrunner.openai_check,
+refuses a file whose custom_ids are not unique strings). The samples of one custom_id become the
+choices of one line. The ids are hashes of the custom_id and the job's random salt (the manifest's
+run_salt): unique per job and request, the same when the job resumes.
 """
 
 from __future__ import annotations
