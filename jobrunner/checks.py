@@ -20,6 +20,8 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     except (OSError, ValueError) as e:
         raise JobConfigError(f"cannot read dataset {cfg.dataset}: {e}") from None
     if fmt == "openai-batch":
+        from jobrunner.openai_check import check_openai_batch
+        check_openai_batch(cfg)             # every line a unique string custom_id, before any work
         return fmt, columns
     wanted = {"--messages-column": cfg.messages_column, "--labels-column": cfg.labels_column,
               "--reference-column": cfg.reference_column, "--score-column": cfg.score_column,

@@ -168,6 +168,8 @@ def summary_lines(s: dict, output: str) -> list[str]:
         failed = s.get("rows_failed") or 0
         note = " (their errors are in the `error` column)" if failed else ""
         lines.append(("rows", f"{s['rows']:,}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
+    if isinstance(s.get("openai_output"), dict):   # one line per input line, in one of the two files
+        lines.append(("openai", ", ".join(f"{n:,} lines in {name}" for name, n in s["openai_output"].items())))
     if s.get("constrained_incomplete"):
         lines.append(("incomplete", f"{s['constrained_incomplete']:,} constrained outputs cut by --max-tokens "
                                     f"before their grammar ended (finish_reason length)"))

@@ -24,6 +24,12 @@ OPTION_GROUPS: dict[str, list] = {
                      help="Column holding each row's prompt text."),
         click.option("--messages-column", help="Column holding a chat messages list [{role, content}, ...] "
                                                "(always rendered through the chat template)."),
+        click.option("--served-model-name", multiple=True,
+                     help="OpenAI batch: another name a line's body.model may give the model (repeatable); a "
+                          "line naming none of the model's names is an error line."),
+        click.option("--any-model", is_flag=True, default=None,
+                     help="OpenAI batch: serve every line whatever model its body names (a file written for "
+                          "another provider)."),
         click.option("--limit", type=int, help="Only the first N rows."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False),
                      help="TOML job file; any option by name (e.g. max_tokens = 64); the command line wins."),

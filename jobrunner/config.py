@@ -119,6 +119,8 @@ class JobConfig:
     fail_on_empty: bool = False             # an empty dataset exits 2 instead of 0 with a warning
     device_hourly_cost: float | None = None
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
+    served_model_name: tuple[str, ...] = ()     # OpenAI batch: more names a line's body.model may give the model
+    any_model: bool = False                 # OpenAI batch: serve every line whatever its body.model names
     limit: int | None = None                # only the first N rows (for trying a job out)
     # reuse (jobrunner/reuse.py): identical rows computed once; results cached across runs
     dedup: bool = True
@@ -234,8 +236,7 @@ class JobConfig:
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout"}
-        d = {k: v for k, v in asdict(self).items() if k not in skip}
-        d["stop"], d["labels"], d["choice"] = list(self.stop), list(self.labels), list(self.choice)
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k not in skip}
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
             if d[k] == _DEFAULT_FINGERPRINT[k]:
                 del d[k]
@@ -351,7 +352,7 @@ class JobConfig:
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
-                "pooling", "normalize_embeddings", "dimensions")                                   # issue 23
+                "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model")  # 23, 29
 _DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(JobConfig("")).items()}
 
 

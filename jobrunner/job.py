@@ -83,12 +83,13 @@ class Job:
         checks.check_output(cfg)            # before the model: loading one can take minutes
         self.engine = engine or checks.load_engine(cfg)
         checks.check_dimensions(cfg, self.engine.rt.model_config)
-        from jobs import PromptBuilder, make_job
+        from jobrunner.openai_kinds import job_for
+        from jobs import PromptBuilder
         # unset sampling options: the checkpoint's; the context: for truncation
         spec = replace(cfg.job_spec(self.engine.rt.generation.sampling),
                        context=getattr(self.engine, "max_model_len", None))
-        try:
-            self.job = make_job(spec, self.engine.tokenizer, self.engine.rt.pooling)
+        try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
+            self.job = job_for(self.fmt, cfg, spec, self.engine.tokenizer, self.engine.rt.pooling, self.engine.config.model)
         except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
             raise JobConfigError(str(e)) from None
         self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
@@ -154,9 +155,9 @@ class Job:
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
             return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
         self.writer.close(summary)
-        if cfg.output_format == "openai-batch":
-            from jobrunner.openai_batch import write_openai_batch_output
-            write_openai_batch_output(cfg.output_url)
+        if cfg.output_format == "openai-batch":     # its files, their line counts in the summary
+            from jobrunner.openai_batch import finish_openai_output
+            finish_openai_output(cfg.output_url, summary)
         return JobResult(self._exit_code(), summary, cfg.output_url)
 
     def _lost(self, failure: Exception, counters_before: dict) -> JobResult:

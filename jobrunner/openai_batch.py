@@ -10,16 +10,22 @@ parse_record turns one into a row's data {"messages", "params", "model"} (plus "
 (jobrunner.openai_request: a key that would change the output and isn't supported fails the row).  The dataset reader
 (jobrunner.dataset) reads the lines, and turns custom_id into the row's id.
 
-Output: results.openai.jsonl in the output directory, one line per custom_id:
+Output: results.openai.jsonl in the output directory, one line per custom_id that ran:
 
     {"id": "batch_req_...", "custom_id": "req-1", "error": null,
      "response": {"status_code": 200, "request_id": "req_...", "body": <a chat.completion>}}
 
-(a text_completion for /v1/completions rows: jobrunner.openai_response builds the body).
+(a text_completion for /v1/completions rows, a CreateEmbeddingResponse for /v1/embeddings rows:
+jobrunner.openai_response and openai_embeddings build the bodies), and errors.openai.jsonl beside it,
+one line per custom_id whose every sample failed, as OpenAI writes its error file:
 
-The samples of one custom_id become the choices of one line; a custom_id whose every sample
-failed gets response=null and error={code, message}.  Ids in a line are derived from a sha256 of
-custom_id, so they are the same on every run.
+    {"id": "batch_req_...", "custom_id": "req-2", "response": null,
+     "error": {"code": "invalid_request", "message": "...", "param": "tools", "line": 2}}
+
+Every input line has exactly one line in one of the two (the file check, jobrunner.openai_check,
+refuses a file whose custom_ids are not unique strings). The samples of one custom_id become the
+choices of one line. The ids are hashes of the custom_id and the job's random salt (the manifest's
+run_salt): unique per job and request, the same when the job resumes.
 """
 
 from __future__ import annotations
@@ -29,27 +35,31 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from jobrunner import openai_embeddings, storage
+from jobrunner import openai_embeddings, openai_errors, storage
 from jobrunner.openai_request import body_params, completion_prompt, text_messages
 from jobrunner.openai_response import response_body
 from jobrunner.output import iter_result_parts, read_manifest
 from jobrunner.output.values import norm_row, to_json
 
-__all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_OUTPUT", "is_openai_record", "parse_record",
-           "write_openai_batch_output"]
+__all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_ERRORS", "OPENAI_OUTPUT", "finish_openai_output",
+           "is_openai_record", "parse_record", "write_openai_batch_output"]
 
 FORMAT = "openai-batch"                                     # the dataset format's name
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", openai_embeddings.ENDPOINT)   # the request urls we serve
 COLUMNS = ("messages", "params", "model")                   # the columns of a parsed record
 OPENAI_OUTPUT = "results.openai.jsonl"                      # the output file's name
+OPENAI_ERRORS = "errors.openai.jsonl"                       # the error file's, beside it
 
 
 # ---------------------------------------------------------------- input
 
 
 def is_openai_record(rec: Any) -> bool:
-    """Whether a parsed JSON line looks like an OpenAI batch request (used to sniff the format)."""
-    return isinstance(rec, dict) and "custom_id" in rec and "body" in rec
+    """Whether a parsed JSON line looks like an OpenAI batch request (used to sniff the format): by its
+    shape, a body with a url, method or custom_id, so that a line lacking custom_id is still read as
+    one (and refused for it: jobrunner.openai_check)."""
+    return isinstance(rec, dict) and isinstance(rec.get("body"), dict) and (
+        "custom_id" in rec or isinstance(rec.get("url"), str) or rec.get("method") == "POST")
 
 
 def parse_record(rec: Any) -> tuple[Any, dict | None, str | None]:
@@ -93,56 +103,87 @@ def parse_record(rec: Any) -> tuple[Any, dict | None, str | None]:
 # ---------------------------------------------------------------- output
 
 
-def _openai_record(rows: list[dict[str, Any]], model: str, created: int) -> dict:
-    """One OpenAI batch output line for all result rows (samples) of one custom_id."""
+def _ids(salt: str, cid: str) -> dict[str, str]:
+    """A line's ids (batch_req_, req_, and the body's), unique per job and request: a hash of the job's
+    random salt (its manifest's run_salt, kept on resume) and the custom_id (unique in the file)."""
+    def h(what: str) -> str:
+        key = f"{salt}\0{what}\0{cid}".encode("utf-8", errors="surrogatepass")
+        return hashlib.sha256(key).hexdigest()[:24]
+    return {"line": f"batch_req_{h('line')}", "request": f"req_{h('request')}", "body": h("body")}
+
+
+def _openai_record(rows: list[dict[str, Any]], model: str, created: int, salt: str) -> tuple[dict, bool]:
+    """(one OpenAI batch output line for all result rows (samples) of one custom_id, whether it is an
+    error line)."""
     cid = rows[0]["id"]
-    digest = hashlib.sha256(cid.encode("utf-8", errors="surrogatepass")).hexdigest()
+    ids = _ids(salt, cid)
     errors = [r.get("error") for r in rows if r.get("error")]
     if errors and len(errors) == len(rows):
-        return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "response": None,
-                "error": {"code": "row_error", "message": str(errors[0])}}
+        return {"id": ids["line"], "custom_id": cid, "response": None,
+                "error": openai_errors.error_object(str(errors[0]), rows[0].get("line"))}, True
     ok = [r for r in rows if not r.get("error")]
+    model = ok[0].get("model") or model         # the line's own name for the model (it names the job's)
     if openai_embeddings.is_embeddings_rows(ok):
-        return {"id": f"batch_req_{digest[:24]}", "custom_id": cid, "error": None,
-                "response": {"status_code": 200, "request_id": f"req_{digest[:24]}",
-                             "body": openai_embeddings.embeddings_body(ok, model)}}
-    body = response_body(ok, model, created, digest)
-    return {"id": f"batch_req_{digest[:24]}", "custom_id": cid,
-            "response": {"status_code": 200, "request_id": f"req_{digest[:24]}", "body": body},
-            "error": None}
+        body = openai_embeddings.embeddings_body(ok, model)
+    else:
+        body = response_body(ok, model, created, ids["body"])
+    return {"id": ids["line"], "custom_id": cid, "error": None,
+            "response": {"status_code": 200, "request_id": ids["request"], "body": body}}, False
 
 
-def _output_lines(rows: Iterable[Mapping[str, Any]], model: str, created: int) -> Iterator[str]:
-    """The JSON text of each output line; consecutive rows with the same id form one line."""
+def _output_lines(rows: Iterable[Mapping[str, Any]], model: str, created: int,
+                  salt: str) -> Iterator[tuple[str, bool]]:
+    """(JSON text, is an error line) of each output line; consecutive rows with the same id form one line."""
     group: list[dict[str, Any]] = []
     for r in rows:
         r = norm_row(r)
         if group and group[0]["id"] != r["id"]:
-            yield to_json(_openai_record(group, model, created))
+            record, failed = _openai_record(group, model, created, salt)
+            yield to_json(record), failed
             group = []
         group.append(r)
     if group:
-        yield to_json(_openai_record(group, model, created))
+        record, failed = _openai_record(group, model, created, salt)
+        yield to_json(record), failed
 
 
 def write_openai_batch_output(output_url: str, rows: Iterable[Mapping[str, Any]] | None = None,
-                              model: str | None = None, name: str = OPENAI_OUTPUT) -> str:
-    """Write results in the OpenAI Batch output format (one JSON line per custom_id).
+                              model: str | None = None, name: str = OPENAI_OUTPUT,
+                              errors_name: str = OPENAI_ERRORS) -> dict[str, int]:
+    """Write results in the OpenAI Batch output format: each custom_id's line in `name`
+    (results.openai.jsonl) or, when every sample of it failed, in `errors_name` (errors.openai.jsonl),
+    as OpenAI writes an output and an error file; never in both. Returns {file name: lines}.
 
     rows: result rows; None reads all parts.  Consecutive rows with the same id
-    (samples) become one line with several choices; a row whose every sample
-    failed gets response=null and error={code, message}.  Returns the file's path.
-    The file appears complete or not at all (storage.atomic_write_with); lines are streamed
-    into the temporary file, so the output never sits in memory at once.
+    (samples) become one line with several choices.  Each file appears complete or not at all
+    (storage.atomic_write_with); lines are streamed into the temporary files, so the output never
+    sits in memory at once.
     """
     fs, root = storage.url_fs(output_url)
+    m = read_manifest(output_url) or {}
+    cfg = m.get("config") or {}
     if model is None:
-        m = read_manifest(output_url) or {}
-        cfg = m.get("config") or {}
-        model = str(cfg.get("model") or m.get("model") or "jobrunner")
+        model = str((cfg.get("served_model_name") or [None])[0] or cfg.get("model") or m.get("model") or "jobrunner")
+    # outputs begun before run_salt existed: their creation time and fingerprint, as stable on resume
+    salt = str(m.get("run_salt") or f"{m.get('created_at')}{m.get('fingerprint')}")
     created = int(time.time())
     if rows is None:
         rows = (r for t in iter_result_parts(output_url) for r in t.to_pylist())
-    path = storage.join(root, name)
-    storage.atomic_write_with(fs, path, lambda f: storage.write_lines(f, _output_lines(rows, model, created)))
-    return path
+    counts = {name: 0, errors_name: 0}
+
+    def write(results, errors):
+        for text, failed in _output_lines(rows, model, created, salt):
+            storage.write_lines(errors if failed else results, [text])
+            counts[errors_name if failed else name] += 1
+
+    storage.atomic_write_with(fs, storage.join(root, errors_name), lambda errors: storage.atomic_write_with(
+        fs, storage.join(root, name), lambda results: write(results, errors)))
+    return counts
+
+
+def finish_openai_output(output_url: str, summary: dict) -> None:
+    """The OpenAI output files of a finished job, and their line counts in its summary (`openai_output`,
+    rewritten into _stats.json)."""
+    from jobrunner.output import write_stats
+    summary["openai_output"] = write_openai_batch_output(output_url)
+    write_stats(output_url, summary)

@@ -5,7 +5,8 @@ ChatCompletion and Completion types (tests/test_openai_batch.py checks every lin
 
 Result columns read here: output, finish_reason, sample_index, prompt_tokens, cached_tokens,
 completion_tokens, logprobs (jobs.logprobs' entries), reasoning and reasoning_tokens (with a
---reasoning-parser).
+--reasoning-parser: the message's `reasoning`, vLLM's ChatMessage field today, and `reasoning_content`,
+its earlier name that DeepSeek's API and many clients read).
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def response_body(rows: list[dict[str, Any]], model: str, created: int, digest: 
 
 
 def _chat_choice(r: dict, index: int) -> dict:
-    message = {"role": "assistant", "content": r.get("output")}
-    if r.get("reasoning") is not None:
-        message["reasoning_content"] = r["reasoning"]
+    message = {"role": "assistant", "content": r.get("output")}     # null: no answer (cut while reasoning)
+    if r.get("reasoning") is not None:      # current vLLM's name, and the one DeepSeek's API and older vLLM use
+        message["reasoning"] = message["reasoning_content"] = r["reasoning"]
     entries = r.get("logprobs")
     return {"index": index, "message": message, "finish_reason": r.get("finish_reason"),
             "logprobs": {"content": entries, "refusal": None} if entries is not None else None}

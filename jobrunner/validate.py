@@ -24,14 +24,16 @@ def validate_job(cfg: JobConfig) -> dict:
     from engine.loader import load_model_bundle
     from jobrunner.dataset import read_rows
     from jobrunner.models import describe, resolve_model
-    from jobs import PromptBuilder, make_job
+    from jobrunner.openai_kinds import job_for
+    from jobs import PromptBuilder
 
     cfg.validate()
     fmt, columns = checks.check_dataset(cfg)
     template = checks.check_template(cfg, columns)
     checks.check_constraint(cfg)
     try:
-        bundle = load_model_bundle(resolve_model(cfg.model))   # a known model name is pulled here, on first use
+        source = resolve_model(cfg.model)       # a known model name is pulled here, on first use
+        bundle = load_model_bundle(source)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)
@@ -41,17 +43,17 @@ def validate_job(cfg: JobConfig) -> dict:
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
     try:
-        builder, job = PromptBuilder(spec, tok, template), make_job(spec, tok, bundle.pooling)
+        builder, job = PromptBuilder(spec, tok, template), job_for(fmt, cfg, spec, tok, bundle.pooling, source)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
-    t = _Tally()
+    t = _Tally(openai=fmt == "openai-batch")
     for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
         for row in batch[:None if cfg.limit is None else max(0, cfg.limit - t.rows)]:
             t.add(row, builder, job, bundle.config.max_position_embeddings)
     rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
     first_prompt = t.first_prompt
     ok = rows - bad
-    out_tokens = ok * cfg.max_tokens * cfg.n if cfg.kind == "generate" else 0
+    out_tokens = t.out_tokens if cfg.kind == "generate" else 0
     rate = GPU_FLOPS if torch.cuda.is_available() and cfg.device != "cpu" else CPU_FLOPS
     seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
     report = {
@@ -70,6 +72,7 @@ def validate_job(cfg: JobConfig) -> dict:
         report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
     for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
         report[f"error x{n}"] = msg
+    report.update(t.failed_lines)       # an OpenAI batch file: every line that would fail, by its number
     if first_prompt is not None:
         report["first_prompt_id"], report["first_prompt"] = first_prompt
     return report
@@ -78,9 +81,11 @@ def validate_job(cfg: JobConfig) -> dict:
 class _Tally:
     """Rows, error rows by message, prompt tokens, duplicates and the first good prompt."""
 
-    def __init__(self):
-        self.rows = self.bad = self.prompt_tokens = self.longest = self.dup = 0
+    def __init__(self, openai: bool = False):
+        self.rows = self.bad = self.prompt_tokens = self.longest = self.dup = self.out_tokens = 0
         self.errors: dict[str, int] = {}
+        self.openai = openai
+        self.failed_lines: dict[str, str] = {}      # "line N" -> why (OpenAI batch files)
         self.seen: set[str] = set()
         self.first_prompt: tuple[str, str] | None = None
 
@@ -90,19 +95,23 @@ class _Tally:
         self.dup += row.id in self.seen
         self.seen.add(row.id)
         try:
-            text, n_tokens = _check_row(builder, job, row, context)
+            text, n_tokens, out_tokens = _check_row(builder, job, row, context)
         except RowError as e:
             self.bad += 1
             self.errors[str(e)[:80]] = self.errors.get(str(e)[:80], 0) + 1
+            if self.openai:
+                self.failed_lines.update([openai_failed_line(row, str(e))])
             return
+        self.out_tokens += out_tokens
         if self.first_prompt is None:
             self.first_prompt = (row.id, text)
         self.prompt_tokens += n_tokens
         self.longest = max(self.longest, n_tokens)
 
 
-def _check_row(builder, job, row, context: int) -> tuple[str, int]:
-    """The row's rendered prompt (the text the tokenizer gets) and its token count; RowError where
+def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
+    """The row's rendered prompt (the text the tokenizer gets), its token count and the most tokens it
+    may generate (its own max_tokens, an OpenAI line's body's, x n; 0 for an embedding); RowError where
     submit would record an error row."""
     from jobs import RowError
     if row.error:
@@ -112,4 +121,12 @@ def _check_row(builder, job, row, context: int) -> tuple[str, int]:
     too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
     if too_long:
         raise RowError(too_long)
-    return text, len(req.prompt_token_ids)
+    most = req.sampling.max_tokens * req.sampling.n if req.embed is None and req.sampling is not None else 0
+    return text, len(req.prompt_token_ids), most
+
+
+def openai_failed_line(row, error: str) -> tuple[str, str]:
+    """("line N", why) of an OpenAI batch line that would be an error line (its number as the error file's)."""
+    from jobrunner.openai_errors import error_object
+    e = error_object(row.error or error, (row.data or {}).get("line"))       # row.error: "line N: why"
+    return f"line {e['line'] if e['line'] is not None else '?'}", e["message"]

@@ -34,12 +34,10 @@ class PromptBuilder:
 
     def messages(self, data: dict) -> list[dict] | None:
         """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
-        if isinstance(data.get("params"), dict):          # an OpenAI batch row
-            if is_embeddings_row(data) and self.kind != "embed":
-                raise RowError(f"an OpenAI {EMBEDDINGS_ENDPOINT} line needs --kind embed")
+        if isinstance(data.get("params"), dict):          # an OpenAI batch row (its url picks the kind: jobs.routed)
             if data.get("messages") is not None:            # /v1/chat/completions
                 return _check_messages(data["messages"])
-            return None                                     # /v1/completions: a raw prompt
+            return None                                     # /v1/completions, /v1/embeddings: a raw prompt
         if self.spec.messages_column:
             return _check_messages(data.get(self.spec.messages_column))
         text = self.text(data)
@@ -49,6 +47,8 @@ class PromptBuilder:
         return msgs + [{"role": "user", "content": text}]
 
     def text(self, data: dict) -> str:
+        if isinstance(data.get("params"), dict) and isinstance(data.get("prompt"), str):     # an OpenAI batch row
+            return data["prompt"]
         if self.template is not None:
             try:
                 return self.template.render(data)

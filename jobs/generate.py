@@ -8,7 +8,7 @@ from jobs.base import sampling_params
 from jobs.constraint import row_constraint
 from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
-from jobs.reasoning import reasoning_markers, split_reasoning
+from jobs.reasoning import prompt_opens_reasoning, reasoning_markers, split_reasoning
 from jobs.spec import JobSpec
 from jobs.truncation import truncate_prompt
 
@@ -29,32 +29,37 @@ class GenerateJob:
         self.accuracy = Accuracy(spec.evaluation.match) if spec.evaluation.enabled else None
         self.speller = TokenSpeller(tokenizer)
         self._truncated: dict[str, int] = {}       # row id -> prompt tokens dropped, until its columns are made
+        self._opened: set[str] = set()              # row ids whose prompt left the reasoning open, likewise
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
         sampling = sampling_params(self.sampling, data.get("params"))
         ids, dropped = truncate_prompt(prompt_ids, self.spec.truncate_prompt, self.spec.context, sampling.max_tokens)
         if dropped:
             self._truncated[row_id] = dropped
+        if self.spec.reasoning_parser and prompt_opens_reasoning(ids, self.sampling.reasoning_markers):
+            self._opened.add(row_id)
         return Request(row_id, ids, sampling, constraint=row_constraint(self.constraint, self.schema_column, data))
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         """One dict per sample (n > 1 gives n rows with sample_index)."""
         rows = []
         truncated = self._truncated.pop(out.id, 0)
+        opened = out.id in self._opened
+        self._opened.discard(out.id)
         for c in out.completions:
             row = {"output": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
             if self.sampling.n > 1 or len(out.completions) > 1:
                 row["sample_index"] = c.index
             if c.logprobs is not None:
                 row["logprobs"] = self.speller.entries(c.logprobs)
-            if self.spec.reasoning_parser:
-                reasoning, row["output"] = split_reasoning(self.spec.reasoning_parser, c.text, c.reasoning_tokens or 0)
-                row.update(reasoning=reasoning, reasoning_tokens=c.reasoning_tokens or 0)
+            if self.spec.reasoning_parser:     # no reasoning in the text (no marker): none counted either
+                reasoning, row["output"] = split_reasoning(self.spec.reasoning_parser, c.text, opened)
+                row.update(reasoning=reasoning, reasoning_tokens=(c.reasoning_tokens or 0) if reasoning else 0)
             if self.spec.truncate_prompt != "none":
                 row["truncated_tokens"] = truncated
             if c.constrained:               # cut by max_tokens before its grammar ended
                 row["constrained_incomplete"] = c.finish_reason == "length"
             if self.accuracy is not None and out.error is None:
-                row["correct"] = self.accuracy.add(row["output"], data.get(self.evaluation.reference_column))
+                row["correct"] = self.accuracy.add(row["output"] or "", data.get(self.evaluation.reference_column))
             rows.append(row)
         return rows

@@ -4,7 +4,9 @@ Qwen3 and DeepSeek-R1 write `<think> reasoning </think> answer`; R1's template o
 `<think>` itself, so its completions may lack the opening tag. The engine knows where the
 answer starts (engine.sequence: `reasoning_end`, counted in Completion.reasoning_tokens: 0 when
 the prompt closed the reasoning already, as Qwen3's template does with enable_thinking off;
-every token when the completion was cut before `</think>`); the text is split the same way.
+every token when the completion was cut before `</think>`, or wrote no marker at all). The text
+is split by its markers: text outside them is the answer, so a model that writes none answers
+with all of it and no reasoning (its reasoning_tokens then 0, jobs.generate).
 """
 from __future__ import annotations
 
@@ -17,17 +19,34 @@ def reasoning_markers(parser: str, tokenizer) -> tuple[tuple[int, ...], tuple[in
     return tuple(tokenizer.encode(start)), tuple(tokenizer.encode(end))
 
 
-def split_reasoning(parser: str, text: str, reasoning_tokens: int) -> tuple[str | None, str]:
-    """(reasoning or None, answer) of a completion's text; reasoning_tokens: the engine's count."""
+def prompt_opens_reasoning(prompt: list[int], markers: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """Whether the prompt leaves the reasoning open (its last marker is the opening one, as
+    DeepSeek-R1's template writes `<think>`): then a completion with no marker is all reasoning."""
+    start, end = _last_at(prompt, markers[0]), _last_at(prompt, markers[1])
+    return start is not None and (end is None or end < start)
+
+
+def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning, answer) of a completion's text, None for a part that is absent. opened: the prompt
+    left the reasoning open (prompt_opens_reasoning). Text outside any reasoning markers is the answer:
+    a model that writes none (or a prompt that closed the reasoning) gives (None, text)."""
     start, end = REASONING_PARSERS[parser]
     if end in text:
         reasoning, answer = text.split(end, 1)
-        return _inside(reasoning, start), answer.lstrip()
-    if reasoning_tokens:                      # cut while reasoning: no answer yet
-        return _inside(text, start), ""
+        return _inside(reasoning, start) or None, answer.lstrip() or None
+    if text.lstrip().startswith(start) or opened:     # cut while reasoning: no answer yet
+        return _inside(text, start) or None, None
     return None, text
 
 
 def _inside(reasoning: str, start: str) -> str:
     """The reasoning without its opening tag (absent in R1's completions) and the blank lines around it."""
     return reasoning.lstrip().removeprefix(start).strip()
+
+
+def _last_at(tokens: list[int], marker: tuple[int, ...]) -> int | None:
+    m = list(marker)
+    for i in range(len(tokens) - len(m), -1, -1):
+        if tokens[i] == m[0] and tokens[i:i + len(m)] == m:
+            return i
+    return None

@@ -276,7 +276,7 @@ def test_openai_batch_detection_and_parsing(mem):
     assert rows[0].data == {"messages": [{"role": "user", "content": "hi req-1"}],
                             "params": {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9,
                                        "seed": 3, "stop": ["\n"]},
-                            "model": "gpt-4o-mini"}
+                            "model": "gpt-4o-mini", "line": 1}      # line: the error file's error.line
     assert rows[1].data["params"] == {"n": 2}
     assert rows[2].data is None and "without a body" in rows[2].error
     assert rows[3].data is None and "line 4" in rows[3].error and "custom_id" in rows[3].error

@@ -257,9 +257,12 @@ def test_openai_embeddings_batch_lines_parse_with_the_openai_types(embed_model, 
                   + line("bad-dims", {"input": "x", "dimensions": -3})
                   + line("bad-format", {"input": "x", "encoding_format": "int8"})
                   + line("chat", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"))
-    result = jobrunner.submit(str(ds), model=str(embed_model), output_format="openai-batch", **SMALL)
+    result = jobrunner.submit(str(ds), model=str(embed_model), output_format="openai-batch", served_model_name=["m"],
+                              **SMALL)
     assert result.exit_code == 0
-    lines = {r["custom_id"]: r for r in map(json.loads, open(tmp_path / "batch.jsonl.results" / "results.openai.jsonl"))}
+    out = tmp_path / "batch.jsonl.results"
+    lines = {r["custom_id"]: r for name in ("results.openai.jsonl", "errors.openai.jsonl")
+             for r in map(json.loads, open(out / name))}
     assert len(lines) == 10
     raw_b64 = lines["b64"]["response"]["body"]["data"][0]["embedding"]
     assert isinstance(raw_b64, str)

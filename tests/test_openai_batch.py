@@ -37,14 +37,20 @@ def hf(model_dir):
 
 
 def _run(engine, tmp_path, lines, **kw):
+    """Both OpenAI files' lines by custom_id: exactly one line, in one of them, per input line."""
     ds = tmp_path / "batch.jsonl"
     ds.write_text("\n".join(json.dumps(x) for x in lines))
+    kw.setdefault("served_model_name", ("tiny",))
     job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), output_format="openai-batch", **kw))
     job.prepare(engine=engine)
     res = job.run()
     assert res.exit_code == EXIT_OK
-    out = [json.loads(x) for x in open(os.path.join(res.output, "results.openai.jsonl"))]
-    return {x["custom_id"]: x for x in out}, pl.from_arrow(read_results(res.output))
+    ok = [json.loads(x) for x in open(os.path.join(res.output, "results.openai.jsonl"))]
+    failed = [json.loads(x) for x in open(os.path.join(res.output, "errors.openai.jsonl"))]
+    assert all(x["error"] is None for x in ok) and all(x["response"] is None for x in failed)
+    assert sorted(x["custom_id"] for x in ok + failed) == sorted(x["custom_id"] for x in lines)
+    assert res.stats["openai_output"] == {"results.openai.jsonl": len(ok), "errors.openai.jsonl": len(failed)}
+    return {x["custom_id"]: x for x in ok + failed}, pl.from_arrow(read_results(res.output))
 
 
 def _line(cid, url="/v1/chat/completions", **body):

@@ -40,15 +40,25 @@ def test_the_prompt_decides_where_generation_starts(prompt, end):
     assert _seq(prompt).reasoning_end == end
 
 
-@pytest.mark.parametrize("text,tokens,expected", [
-    ("<think>\nplan\n</think>\n\nAnswer", 5, ("plan", "Answer")),
-    ("plan</think>Answer", 3, ("plan", "Answer")),                  # R1: no opening tag
-    ("<think>\nstill thinking", 4, ("still thinking", "")),          # cut while reasoning
-    ("Answer only", 0, (None, "Answer only")),                       # reasoning closed in the prompt
+@pytest.mark.parametrize("text,opened,expected", [
+    ("<think>\nplan\n</think>\n\nAnswer", False, ("plan", "Answer")),
+    ("plan</think>Answer", True, ("plan", "Answer")),                # R1: the template opened it
+    ("<think>\nstill thinking", False, ("still thinking", None)),    # cut while reasoning: no answer (null)
+    ("still thinking", True, ("still thinking", None)),              # R1, cut while reasoning
+    ("<think>\nplan\n</think>", False, ("plan", None)),              # no answer after the reasoning
+    ("Answer only", False, (None, "Answer only")),                   # no marker: all of it is the answer
 ])
-def test_split_reasoning(text, tokens, expected):
-    assert split_reasoning("qwen3", text, tokens) == expected
-    assert split_reasoning("deepseek_r1", text, tokens) == expected
+def test_split_reasoning(text, opened, expected):
+    assert split_reasoning("qwen3", text, opened) == expected
+    assert split_reasoning("deepseek_r1", text, opened) == expected
+
+
+def test_the_prompt_opening_the_reasoning_is_told_from_one_closing_it():
+    from jobs.reasoning import prompt_opens_reasoning
+    markers = ((100,), (101,))
+    assert prompt_opens_reasoning([5, 100], markers)                 # R1's template
+    assert not prompt_opens_reasoning([5, 100, 7, 101, 3], markers)  # closed (enable_thinking off)
+    assert not prompt_opens_reasoning([5, 6], markers)               # Qwen3 thinking: the model opens it
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -98,8 +108,12 @@ def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path
     out = {x["custom_id"]: ChatCompletion.model_validate(x["response"]["body"])
            for x in map(json.loads, open(os.path.join(res.output, "results.openai.jsonl")))}
     thinking, plain = out["thinking"], out["no-thinking"]
-    assert thinking.usage.completion_tokens_details.reasoning_tokens == thinking.usage.completion_tokens == 4
-    assert thinking.choices[0].message.content == "" and thinking.choices[0].message.reasoning_content is not None
+    # a random model writes no reasoning markers: all of its text is the answer, no reasoning, none counted
+    # (it was once all reasoning with content "")
+    message = thinking.choices[0].message
+    assert message.content and len(engine.tokenizer.encode(message.content, add_special_tokens=False)) >= 1
+    assert getattr(message, "reasoning", None) is None and getattr(message, "reasoning_content", None) is None
+    assert thinking.usage.completion_tokens_details.reasoning_tokens == 0
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     assert not hasattr(plain.choices[0].message, "reasoning_content") or plain.choices[0].message.reasoning_content is None
     assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens      # the template closed the reasoning

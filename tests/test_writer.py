@@ -514,9 +514,9 @@ def test_openai_batch_output(mem):
     w.write([result(1, sample_index=0, output="a"), result(1, sample_index=1, output="b")])
     w.write([{**result(2), "output": None, "finish_reason": "error", "error": "prompt too long"}])
     w.close({"rows": 3})
-    path = write_openai_batch_output(url)
-    assert path.endswith("/results.openai.jsonl")
-    lines = [json.loads(x) for x in fs.cat(path).decode().splitlines()]
+    assert write_openai_batch_output(url) == {"results.openai.jsonl": 2, "errors.openai.jsonl": 1}
+    path, errors = f"{root}/results.openai.jsonl", f"{root}/errors.openai.jsonl"
+    lines = [json.loads(x) for x in fs.cat(path).decode().splitlines() + fs.cat(errors).decode().splitlines()]
     assert [x["custom_id"] for x in lines] == ["r0", "r1", "r2"]
     ok = lines[0]
     assert ok["error"] is None and ok["response"]["status_code"] == 200
@@ -530,6 +530,7 @@ def test_openai_batch_output(mem):
     assert [c["message"]["content"] for c in lines[1]["response"]["body"]["choices"]] == ["a", "b"]
     assert lines[1]["response"]["body"]["usage"]["completion_tokens"] == 6
     assert lines[2]["response"] is None and lines[2]["error"]["message"] == "prompt too long"
+    assert lines[2]["error"]["code"] == "row_error" and lines[2]["error"]["param"] is None
     # from explicit rows too; ids stable across runs
     write_openai_batch_output(url, [result(9)], model="m")
     (again,) = [json.loads(x) for x in fs.cat(path).decode().splitlines()]

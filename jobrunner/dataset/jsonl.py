@@ -96,6 +96,8 @@ def read_jsonl(url: str, name: str | None, id_column: str | None, has_id: bool, 
             continue
         if openai:
             cid, data, err = openai_batch.parse_record(rec)
+            if data is not None:
+                data["line"] = lineno           # the error file's error.line (jobrunner.openai_batch)
             rid = lost if cid is None else cid
             yield rid, data, (f"{where(name, lineno)}: {err}" if err else None)
         elif not isinstance(rec, dict):

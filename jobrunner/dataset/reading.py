@@ -21,7 +21,7 @@ from jobrunner.dataset.rows import LOST_ID, Row, id_str
 _Parsed = Iterable[tuple[Any, dict | None, str | None]]
 # OpenAI batch rows' data (openai_batch.parse_record, openai_embeddings): None: JSON values
 _OPENAI_TYPES = {"messages": None, "params": None, "model": pa.string(), "prompt": pa.string(), "input": None,
-                 "endpoint": pa.string()}
+                 "endpoint": pa.string(), "line": pa.int64()}
 
 
 def dataset_columns(url: str, fmt: str = "auto") -> list[str]:

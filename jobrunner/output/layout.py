@@ -8,6 +8,7 @@ Layout of an output directory:
     _corrupt-part-00007.parquet a damaged part set aside on resume (its rows are redone)
     _stats.json, _stats.parquet job summary (completion.py)
     results.openai.jsonl        optional, jobrunner.openai_batch.write_openai_batch_output
+    errors.openai.jsonl         beside it: the lines that failed (one line in one of the two per input line)
 
 Invariants:
 - A file named part*.parquet is always complete: it appears by rename only (storage.atomic_write).
@@ -33,7 +34,7 @@ PART_RE = re.compile(r"^part[^/]*\.parquet$")
 MANIFEST_TMP_RE = re.compile(r"^_tmp-_manifest\.json\.[0-9a-f]+$")
 PREFIX_RE = re.compile(r"^part[A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")   # a writer's part_prefix
 # every name jobrunner writes in an output directory (what --overwrite may delete)
-OURS_RE = re.compile(r"^(?:_manifest\.json|_stats\.json|_stats\.parquet|results\.openai\.jsonl"
+OURS_RE = re.compile(r"^(?:_manifest\.json|_stats\.json|_stats\.parquet|(?:results|errors)\.openai\.jsonl"
                      r"|(?:_corrupt-(?:\d+-)?)?part[^/]*\.parquet|_tmp-.+)$")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 import warnings
 from collections.abc import Mapping
@@ -155,7 +156,8 @@ def prepare_output(output_url: str, manifest: Mapping[str, Any], overwrite: bool
             pass
     fresh = {**manifest, "config": json.loads(to_json(config)), "format": FORMAT_MARK,
              "version": 1, "fingerprint": fp, "created_at": now, "updated_at": now,
-             "parts": [], "complete": False}
+             "parts": [], "complete": False,
+             "run_salt": secrets.token_hex(8)}     # per job, kept on resume: the OpenAI output's ids (openai_batch)
     fs.makedirs(root, exist_ok=True)
     atomic_write(fs, join(root, MANIFEST), manifest_bytes(fresh))
     return fresh

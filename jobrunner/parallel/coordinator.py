@@ -179,7 +179,7 @@ class Coordinator:
 
     def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""
-        from jobrunner.openai_batch import write_openai_batch_output
+        from jobrunner.openai_batch import finish_openai_output
         from jobrunner.output import mark_complete, prepare_output, write_stats
 
         cfg = self.cfg
@@ -188,7 +188,7 @@ class Coordinator:
             # the workers wrote the parts: a listing, not a scan of every part, marks the job complete
             mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
             if cfg.output_format == "openai-batch":
-                write_openai_batch_output(cfg.output_url)
+                finish_openai_output(cfg.output_url, summary)
         else:
             write_stats(cfg.output_url, summary)
             log.warning("%d rows written; run the same command again to resume", summary["rows"])

@@ -1,0 +1,44 @@
+"""The job kind a job runs: the --kind's (jobs.make_job), and for an OpenAI batch file the routed job
+(jobs.routed) whose lines' urls pick their kind and whose lines' body.model must name the job's model.
+
+    job = job_for(fmt, cfg, spec, tokenizer, pooling, source)
+
+The names of the job's model (model_names): --model as given (a path, a Hub name with and without its
+@revision, a known model's short name), the checkpoint the engine loaded, a known model's Hub name,
+and every --served-model-name. --any-model: any name (None).
+"""
+from __future__ import annotations
+
+import os
+
+from jobrunner.config import JobConfig
+from jobrunner.openai_batch import FORMAT
+
+# known models' Hugging Face Hub names (jobrunner.models.KNOWN_MODELS: their GGUF files' origin)
+HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | None:
+    """What a line's body.model may say; None: anything (--any-model)."""
+    from jobrunner import hub
+    if cfg.any_model:
+        return None
+    names = {cfg.model, *cfg.served_model_name}
+    if cfg.model in HUB_NAMES:
+        names.add(HUB_NAMES[cfg.model])
+    if hub.is_hub_name(cfg.model):
+        names.add(hub.parse(cfg.model)[0])
+    for path in (cfg.model, source):
+        if path and os.path.exists(path):
+            names.update({path.rstrip("/"), os.path.abspath(path)})
+    return frozenset(n for n in names if n)
+
+
+def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str | None = None):
+    """The job kind (ValueError as make_job's: embed on a checkpoint pooling we don't reproduce)."""
+    from jobs import make_job
+    if fmt != FORMAT:
+        return make_job(spec, tokenizer, pooling)
+    from jobs.routed import RoutedJob
+    main = make_job(spec, tokenizer, pooling)
+    return RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))

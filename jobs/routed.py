@@ -1,0 +1,76 @@
+"""An OpenAI batch job: each line's url picks the kind that answers it, in one job and one engine.
+
+    /v1/embeddings                         -> embed (jobs.embed)
+    /v1/chat/completions, /v1/completions  -> the job's kind: generate, or classify / score for --kind
+
+So a file that mixes embeddings and chat lines (vLLM's run-batch takes such files) runs as one job;
+its result columns are both kinds' (the union). The embed kind is made on the first embeddings line
+(a checkpoint whose pooling we don't reproduce fails those lines, not the job). Every line's
+body.model must be a name of the job's model (`model_names`; None: any), else it is an error line,
+as vLLM answers. Under classify or score a body key that the kind cannot honour is an error line
+naming it (those kinds generate nothing: max_tokens, n, response_format... mean nothing to them).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.request import Request, RequestOutput
+from jobs.base import RowError, is_embeddings_row
+from jobs.embed import EmbedJob
+from jobs.spec import EmbedSpec, JobSpec
+
+# classify and score: the body parameters (jobrunner.openai_request's names) they honour, and the values
+# of the others that ask for nothing they don't do (one answer; ranking labels is greedy).
+SCORING_HONOURS = ("chat_template_kwargs",)
+SCORING_NEUTRAL = {"n": (1,), "temperature": (0, 0.0), "seed": None}     # None: any value
+
+
+class RoutedJob:
+    def __init__(self, main, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None):
+        self.main = main                        # the job's --kind
+        self.name = main.name
+        self.result_columns = tuple(dict.fromkeys(main.result_columns + EmbedJob.result_columns))
+        self.model_names = model_names
+        self._embed_args = (replace(spec, kind="embed", embed=spec.embed or EmbedSpec()), tokenizer, pooling)
+        self._embed: EmbedJob | None = main if main.name == "embed" else None
+        self._embed_error: str | None = None
+
+    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+        self._check_model(data)
+        if self.name in ("classify", "score") and not is_embeddings_row(data):
+            _check_scoring_params(self.name, data.get("params") or {})
+        return self._kind(data).request(row_id, prompt_ids, data)
+
+    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+        return self._kind(data).columns(out, data)      # request() made the kind: this row's ran
+
+    def _kind(self, data: dict):
+        if not is_embeddings_row(data) or self.main.name == "embed":
+            return self.main
+        if self._embed is None and self._embed_error is None:
+            try:
+                self._embed = EmbedJob(*self._embed_args)
+            except ValueError as e:         # a checkpoint pooling we don't reproduce
+                self._embed_error = str(e)
+        if self._embed is None:
+            raise RowError(f"this model cannot embed: {self._embed_error}")
+        return self._embed
+
+    def _check_model(self, data: dict) -> None:
+        model = data.get("model")
+        if self.model_names is None or model is None or model in self.model_names:
+            return
+        names = ", ".join(sorted(self.model_names))
+        raise RowError(f"model {model!r} is not this job's model (its names: {names}); pass "
+                       f"--served-model-name {model!r} to give it that name, or --any-model to serve every line")
+
+
+def _check_scoring_params(kind: str, params: dict) -> None:
+    for key, value in params.items():
+        if key in SCORING_HONOURS:
+            continue
+        neutral = SCORING_NEUTRAL.get(key, ())
+        if neutral is None or value in neutral:
+            continue
+        raise RowError(f"parameter {key!r} is not supported by --kind {kind} (it generates nothing, it ranks or "
+                       "scores); remove it, or run the file without --kind")
