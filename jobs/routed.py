@@ -29,11 +29,15 @@ class RoutedJob:
     def __init__(self, main, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None):
         self.main = main                        # the job's --kind
         self.name = main.name
-        self.result_columns = tuple(dict.fromkeys(main.result_columns + EmbedJob.result_columns))
+        self.result_columns = {**main.result_columns, **EmbedJob.result_columns}
         self.model_names = model_names
         self._embed_args = (replace(spec, kind="embed", embed=spec.embed or EmbedSpec()), tokenizer, pooling)
         self._embed: EmbedJob | None = main if main.name == "embed" else None
         self._embed_error: str | None = None
+
+    def vector_size(self, hidden_size: int) -> int:
+        """The `embedding` column's size: the embed kind's (a line's own `dimensions` may differ)."""
+        return self.main.vector_size(hidden_size) if self.main.name == "embed" else hidden_size
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
         self._check_model(data)
