@@ -117,7 +117,6 @@ def _byte_tokenizer() -> "llguidance.LLTokenizer":
     global _BYTES
     if _BYTES is None:
         import llguidance
-        from llguidance._tokenizer import TokenizerWrapper
 
         class Bytes:
             eos_token_id, bos_token_id = 256, None
@@ -127,7 +126,7 @@ def _byte_tokenizer() -> "llguidance.LLTokenizer":
             def __call__(self, s):
                 return list(s.encode("utf-8") if isinstance(s, str) else s)
 
-        _BYTES = llguidance.LLTokenizer(TokenizerWrapper(Bytes()))
+        _BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
     return _BYTES
 
 

@@ -124,6 +124,11 @@ class JobStats:
         return s
 
 
+def summed(records, keys) -> dict:
+    """Each key's sum over run records (a record from before COMPUTED_BEFORE's keys: all its rows computed)."""
+    return {k: sum(r.get(k, r.get(COMPUTED_BEFORE.get(k))) or 0 for r in records) for k in keys}
+
+
 def prefix_figures(prefix) -> dict:
     """A PrefixStats' figures under PREFIX_KEYS; none when nothing was planned."""
     if prefix is None or not prefix.total_tokens:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobrunner.columns import reserved_columns
-from jobrunner.stats import COMPUTED_BEFORE, PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates
+from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 
 # Run figures that add up over runs (the rows of different runs are disjoint).
@@ -59,7 +59,7 @@ def over_runs(runs: list[dict]) -> dict:
     last run's LATEST figures. Empty when no run is recorded."""
     if not runs:
         return {}
-    sums = {k: sum(r.get(k, r.get(COMPUTED_BEFORE.get(k))) or 0 for r in runs) for k in RUN_SUMS}
+    sums = summed(runs, RUN_SUMS)
     out = {k: sums[k] for k in ("wall_s", "model_load_s", "device_hours", "duplicate_ids") + REUSE_SUMS}
     planned = [r for r in runs if r.get("planned_prompt_tokens")]
     if planned:
