@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from engine.errors import EngineFailure
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
+    EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, rows_verdict)
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
@@ -21,8 +23,6 @@ from jobrunner.stats import JobStats
 
 log = logging.getLogger("jobrunner")
 
-from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
-    EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, rows_verdict)
 # A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
 # (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
@@ -373,11 +373,10 @@ class Job:
         if out.id != row.id:            # a copy: the kind keys its per-row state (truncation) by the row's id
             out = replace(out, id=row.id)
         base = self._base(row)
-        # a reused row was not computed here: no prefix-cache hits, no timings (null, not the original's)
-        timed = None if reused else out
-        base.update(prompt_tokens=out.prompt_tokens, cached_tokens=timed and out.cached_tokens,
-                    queue_s=timed and out.queue_s, prefill_s=timed and out.prefill_s, decode_s=timed and out.decode_s,
-                    error=out.error, reused=reused)
+        base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
+                    prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
+        if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
+            base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
         rows = []
         for cols in self.job.columns(out, row.data):
             r = dict(base)
