@@ -73,13 +73,61 @@ def grammar_text(c: Constraint) -> str:
 
 
 def check_constraint(c: Constraint) -> str | None:
-    """Why the constraint cannot compile (no tokenizer needed), or None. For checks before a job runs."""
+    """Why the constraint cannot compile or can match no text (no tokenizer needed: a byte-level
+    one), or None. For checks before a job runs."""
     import llguidance
     try:
-        error = llguidance.LLMatcher.validate_grammar(grammar_text(c))
+        grammar = grammar_text(c)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if not error:
+            error = dead_start(llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0))
     except ValueError as e:          # ConstraintError is one
         return str(e)
     return error or None
+
+
+def dead_start(matcher: "llguidance.LLMatcher") -> str | None:
+    """Why a fresh matcher's grammar can match no text (its first step allows neither a token nor EOS:
+    llguidance then puts it in error), or None. The matcher is not changed."""
+    if matcher.is_error():
+        return matcher.get_error()
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        return f"can match no text ({_first_line(probe.get_error())}): nothing could be generated"
+    return None
+
+
+def grammar_error(matcher: "llguidance.LLMatcher") -> str:
+    """A sequence's error when its matcher ended in error (no token could continue its output)."""
+    return f"constraint: no token can continue the output to a match ({_first_line(matcher.get_error())})"
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().split("\n", 1)[0] or "no reason given"
+
+
+_BYTES = None
+
+
+def _byte_tokenizer() -> "llguidance.LLTokenizer":
+    """A tokenizer of the 256 bytes and an EOS: every text is some token sequence, so a grammar
+    whose first step allows no token matches no text (llguidance's regexes simplify such a
+    language to nothing; a grammar dead only further on fails its rows instead)."""
+    global _BYTES
+    if _BYTES is None:
+        import llguidance
+
+        class Bytes:
+            eos_token_id, bos_token_id = 256, None
+            tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+            special_token_ids = [256]
+
+            def __call__(self, s):
+                return list(s.encode("utf-8") if isinstance(s, str) else s)
+
+        _BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+    return _BYTES
 
 
 class Grammars:
@@ -123,8 +171,9 @@ class Grammars:
     def _build(self, c: Constraint) -> "llguidance.LLMatcher":
         import llguidance
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(c), log_level=0)
-        if matcher.is_error():
-            raise ConstraintError(f"{c.kind} constraint: {matcher.get_error()}")
+        error = dead_start(matcher)
+        if error:
+            raise ConstraintError(f"{c.kind} constraint: {error}")
         return matcher
 
     def fill(self, matchers: list["llguidance.LLMatcher | None"]) -> torch.Tensor:

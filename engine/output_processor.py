@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.constraints import Grammars, advance
+from engine.constraints import Grammars, advance, grammar_error
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import RunnerOutput
 from engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -194,6 +194,8 @@ class OutputProcessor:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
         reason = self._grammar_end(seq, token) or self.stop_checker.check(seq, self.max_model_len)
+        if reason == "error":       # a finish_reason "error" always comes with the request's error
+            state.error = state.error or grammar_error(seq.matcher)
         if reason:
             self._finish_generating(seq, state, reason)
 

@@ -33,7 +33,8 @@ class OutputStorageError(OSError):
 
 
 class JobFailedError(RuntimeError):
-    """generate: the job ran but did not succeed (over `max_error_rate`); `.result` holds its figures."""
+    """generate: the job ran but did not succeed (over `max_error_rate`, or every row failed without
+    `allow_all_failed`); `.result` holds its figures."""
 
     def __init__(self, message: str, result: JobResult):
         super().__init__(message)
@@ -168,7 +169,8 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
     call with the same model and engine options (clear_engine_cache() drops it).
 
     Raises JobConfigError for a configuration or rows that can't run, JobFailedError when more rows
-    failed than max_error_rate allows, KeyboardInterrupt when interrupted (no rows returned)."""
+    failed than max_error_rate allows or every row failed (unless allow_all_failed),
+    KeyboardInterrupt when interrupted (no rows returned)."""
     import fsspec
     import polars as pl
 
@@ -192,10 +194,9 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
             raise JobFailedError(result.error or "the engine failed", result)
         if result.exit_code == EXIT_CONFIG:     # no rows, with fail_on_empty
             raise JobConfigError("no rows to run; failing, as fail_on_empty asks")
-        if result.exit_code != EXIT_OK:
-            s = result.stats
-            raise JobFailedError(f"{s.get('rows_failed')} of {s.get('rows')} rows failed, over max_error_rate "
-                                 f"{cfg.max_error_rate}", result)
+        if result.exit_code != EXIT_OK:         # over max_error_rate, or every row failed (exit_codes.py)
+            from jobrunner.exit_codes import rows_verdict
+            raise JobFailedError(rows_verdict(cfg, result.stats, "", result.stats["rows"], options="api")[1], result)
         return _in_input_order(pl.from_arrow(read_results(cfg.output_url)), dataset, fmt, cfg.id_column)
     finally:
         if fs.exists(root):

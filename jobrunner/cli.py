@@ -71,7 +71,8 @@ def submit(ctx, dataset, **params):
     \b
     Exit codes: 0 done; 1 workers or a tensor-parallel rank lost (the rows written are kept: run
     the same command again to resume); 2 bad configuration or unreadable input (nothing run);
-    3 finished with more failed rows than --max-error-rate; 4 output storage failed;
+    3 more failed rows than --max-error-rate, or every row failed (unless --allow-all-failed),
+    over every row of the output (a rerun too); 4 output storage failed;
     130 interrupted (run the same command again to resume).
 
     Output rows are written in completion order, not input order: join on `id`.

@@ -131,6 +131,8 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--max-error-rate", type=float, help="Fail (exit 3) when more than this fraction of rows failed."),
         click.option("--fail-on-empty", is_flag=True, default=False,
                      help="Exit 2 when the dataset has no rows (else 0, with a warning)."),
+        click.option("--allow-all-failed", is_flag=True, default=False,
+                     help="Exit 0 when every row failed (else 3: a job in which no row succeeded is a failure)."),
         click.option("--device-hourly-cost", type=float, help="USD per device-hour, for cost figures."),
     ],
     "Model and engine": [

@@ -117,6 +117,7 @@ class JobConfig:
     overwrite: bool = False
     max_error_rate: float | None = None
     fail_on_empty: bool = False             # an empty dataset exits 2 instead of 0 with a warning
+    allow_all_failed: bool = False          # a job whose every row failed exits 0, not 3
     device_hourly_cost: float | None = None
     output_format: str = "parquet"          # parquet | openai-batch (also writes the OpenAI batch output file)
     served_model_name: tuple[str, ...] = ()     # OpenAI batch: more names a line's body.model may give the model
@@ -232,7 +233,7 @@ class JobConfig:
         # tensor_parallel, like data_parallel and the batch limits, changes where and in what order sums are
         # taken (a float's last bits), not what the job asks for: a job may resume on another split
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
-                "tensor_parallel",
+                "tensor_parallel", "allow_all_failed",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout"}
@@ -263,8 +264,8 @@ class JobConfig:
         if self.n > 1 and self.temperature == 0:
             bad(f"--n {self.n} with --temperature 0 gives {self.n} identical samples; set --temperature > 0")
         self._validate_generation(bad)
-        if self.part_rows < 1:
-            bad("--part-rows must be >= 1")
+        if self.part_rows < 1 or (self.limit is not None and self.limit < 0):
+            bad("--part-rows must be >= 1" if self.part_rows < 1 else "--limit must be >= 0 (a number of rows)")
         if not self.flush_seconds > 0:
             bad("--flush-seconds must be > 0")
         if self.device_hourly_cost is not None and self.device_hourly_cost < 0:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from engine.errors import EngineFailure
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
+    EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, rows_verdict)
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
@@ -21,8 +23,6 @@ from jobrunner.stats import JobStats
 
 log = logging.getLogger("jobrunner")
 
-EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
-EXIT_FAILED = 1     # workers, or a rank of a tensor-parallel engine, lost: the job could not finish; rerun to resume
 # A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
 # (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
 # its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
@@ -47,7 +47,7 @@ class JobResult:
     exit_code: int
     stats: dict
     output: str
-    error: str | None = None        # why the job could not finish (exit 1), in one line
+    error: str | None = None        # why the job could not finish (exit 1) or failed (exit 3), in one line
 
 
 class _Interrupted(Exception):
@@ -158,7 +158,8 @@ class Job:
         if cfg.output_format == "openai-batch":     # its files, their line counts in the summary
             from jobrunner.openai_batch import finish_openai_output
             finish_openai_output(cfg.output_url, summary)
-        return JobResult(self._exit_code(), summary, cfg.output_url)
+        code, why = self._exit_code(summary)
+        return JobResult(code, summary, cfg.output_url, error=why)
 
     def _lost(self, failure: Exception, counters_before: dict) -> JobResult:
         """The engine failed mid-job (EngineFailure): the rows written so far stay, the job ends with
@@ -213,19 +214,12 @@ class Job:
             engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
             device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)
 
-    def _exit_code(self) -> int:
-        """Failed rows are reported whether or not --max-error-rate is set; an empty dataset warns."""
-        cfg, st = self.cfg, self.stats
-        code = EXIT_OK
-        if st.rows_failed:
-            log.warning("%d of %d rows failed; their errors are in the `error` column of %s",
-                        st.rows_failed, st.rows, cfg.output_url)
-        if cfg.max_error_rate is not None and st.rows and st.rows_failed / st.rows > cfg.max_error_rate:
-            log.error("%d of %d rows failed, over --max-error-rate %s", st.rows_failed, st.rows, cfg.max_error_rate)
-            code = EXIT_ERROR_RATE
-        if not st.rows and not st.rows_skipped:     # no row read: an empty dataset
+    def _exit_code(self, summary: dict) -> tuple[int, str | None]:
+        """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
+        code, why = rows_verdict(self.cfg, summary, self.cfg.output_url, self.stats.rows)
+        if not self.stats.rows and not self.stats.rows_skipped:     # no row read: an empty dataset
             code = self._on_empty(code)
-        return code
+        return code, why
 
     def _on_empty(self, code: int) -> int:
         """Warn of an empty dataset; with --fail-on-empty, say so and exit 2."""
@@ -382,11 +376,15 @@ class Job:
         base = self._base(row)
         base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
+        if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
+            base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
         rows = []
         for cols in self.job.columns(out, row.data):
             r = dict(base)
             r.update(cols)
-            if out.error is not None:
+            if r["error"] is None and r.get("finish_reason") == "error":     # every failed row says why
+                r["error"] = "the row ended in an error that gave no message"
+            if r["error"] is not None:
                 r["finish_reason"] = "error"
             rows.append(r)
         self._emit(rows)
@@ -423,5 +421,5 @@ class Job:
     def _emit(self, rows: list[dict]) -> None:
         self.stats.add_row(rows[0])
         for extra in rows[1:]:
-            self.stats.completion_tokens += extra.get("completion_tokens") or 0
+            self.stats.add_sample(extra)
         self.writer.write(rows)

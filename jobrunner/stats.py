@@ -3,6 +3,12 @@
 JobStats accumulates one run (one process) and gives its record; `rates` derives throughput, cache
 hit rates and cost from sums, the same way for a run, for a data-parallel run over its workers
 (parallel/stats.py) and for a job over its recorded runs (summary).
+
+Rows whose result was reused (the `reused` column: served by the result cache or a copy of another
+row, jobrunner/reuse.py) count in rows, rows_ok/rows_failed and the prompt and completion tokens (they
+are the output's), but are no work done: throughput, the prefix-cache hit rate and the latency
+percentiles are over the computed rows alone (rows_computed, computed_prompt_tokens,
+computed_completion_tokens). A row of n > 1 samples is one row: its prompt counts once.
 """
 from __future__ import annotations
 
@@ -15,7 +21,11 @@ LATENCY_SAMPLE = 100_000    # rows whose latencies are kept: percentiles exact u
 PREFIX_SUMS = ("planned_prompt_tokens", "optimum_cached_tokens", "block_optimum_cached_tokens",
                "partial_block_optimum_cached_tokens")
 PREFIX_KEYS = PREFIX_SUMS + ("optimum_exact",)
-ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens")
+ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", "completion_tokens",
+            "rows_computed", "computed_prompt_tokens", "computed_completion_tokens")
+# A record written before reused rows were told apart counted every row as computed.
+COMPUTED_BEFORE = {"rows_computed": "rows", "computed_prompt_tokens": "prompt_tokens",
+                   "computed_completion_tokens": "completion_tokens"}
 # Rows whose result was reused (jobrunner/reuse.py): a copy's, the cache's, and the tokens not computed.
 REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
 
@@ -47,6 +57,7 @@ class JobStats:
         self.start = time.time()
         self.rows = self.rows_ok = self.rows_failed = self.rows_skipped = self.duplicate_ids = 0
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.rows_computed = self.computed_prompt_tokens = self.computed_completion_tokens = 0
         self.latency_rows = 0
         self.rows_reused = self.rows_from_cache = self.tokens_saved = self.cache_lookups = 0
         self.cache_lookup_s = self.cache_lookup_cpu_s = 0.0     # wall and this process's CPU seconds
@@ -54,19 +65,29 @@ class JobStats:
         self._rng = random.Random(0)
 
     def add_row(self, row: dict) -> None:
+        """An input row (with n > 1 samples: its first; add_sample for the others)."""
         self.rows += 1
         if row.get("error") is None:
             self.rows_ok += 1
         else:
             self.rows_failed += 1
         self.prompt_tokens += row.get("prompt_tokens") or 0
-        self.cached_tokens += row.get("cached_tokens") or 0
+        self.add_sample(row)
+        if not row.get("reused"):
+            self.rows_computed += 1
+            self.cached_tokens += row.get("cached_tokens") or 0
+            self.computed_prompt_tokens += row.get("prompt_tokens") or 0
+            if row.get("error") is None:
+                self.add_latencies(row.get("queue_s") or 0.0, row.get("prefill_s") or 0.0, row.get("decode_s") or 0.0)
+
+    def add_sample(self, row: dict) -> None:
+        """A sample's completion tokens (every sample of a row: add_row adds its first)."""
         self.completion_tokens += row.get("completion_tokens") or 0
-        if row.get("error") is None:
-            self.add_latencies(row.get("queue_s") or 0.0, row.get("prefill_s") or 0.0, row.get("decode_s") or 0.0)
+        if not row.get("reused"):
+            self.computed_completion_tokens += row.get("completion_tokens") or 0
 
     def add_latencies(self, queue: float, prefill: float, decode: float) -> None:
-        """One ok row's latencies."""
+        """One ok computed row's latencies."""
         self.latency_rows += 1
         if len(self.queue) < LATENCY_SAMPLE:
             self.queue.append(queue)
@@ -80,7 +101,7 @@ class JobStats:
     def row_figures(self) -> dict:
         """What the rows alone say: counts, tokens, cache hit rate, latency percentiles."""
         s = {k: getattr(self, k) for k in ROW_SUMS}
-        s["cache_hit_rate"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        s["cache_hit_rate"] = self.cached_tokens / self.computed_prompt_tokens if self.computed_prompt_tokens else 0.0
         for name, values in (("queue", self.queue), ("prefill", self.prefill), ("decode", self.decode)):
             for q in (50, 95, 99):
                 s[f"{name}_s_p{q}"] = percentile(values, q / 100)
@@ -103,6 +124,11 @@ class JobStats:
         return s
 
 
+def summed(records, keys) -> dict:
+    """Each key's sum over run records (a record from before COMPUTED_BEFORE's keys: all its rows computed)."""
+    return {k: sum(r.get(k, r.get(COMPUTED_BEFORE.get(k))) or 0 for r in records) for k in keys}
+
+
 def prefix_figures(prefix) -> dict:
     """A PrefixStats' figures under PREFIX_KEYS; none when nothing was planned."""
     if prefix is None or not prefix.total_tokens:
@@ -115,12 +141,15 @@ def prefix_figures(prefix) -> dict:
 
 def rates(s: dict, device_hourly_cost: float | None) -> dict:
     """Figures derived from sums (ROW_SUMS, wall_s, device_hours, PREFIX_SUMS when planned):
-    throughput over wall_s, cache hits against the prefix optimum, and with a price the cost."""
+    throughput over wall_s and cache hits (of the computed rows), cache hits against the prefix
+    optimum, and with a price the cost."""
     wall = max(s["wall_s"], 1e-9)
     tokens = s["prompt_tokens"] + s["completion_tokens"]
-    out = {"prefill_tokens_per_s": s["prompt_tokens"] / wall, "decode_tokens_per_s": s["completion_tokens"] / wall,
-           "rows_per_s": s["rows"] / wall,
-           "cache_hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0}
+    computed = {k: s.get(k, s[before]) for k, before in COMPUTED_BEFORE.items()}
+    prompt = computed["computed_prompt_tokens"]
+    out = {"prefill_tokens_per_s": prompt / wall, "decode_tokens_per_s": computed["computed_completion_tokens"] / wall,
+           "rows_per_s": computed["rows_computed"] / wall,
+           "cache_hit_rate": s["cached_tokens"] / prompt if prompt else 0.0}
     if s.get("planned_prompt_tokens"):
         out["optimum_cache_hit_rate"] = s["optimum_cached_tokens"] / s["planned_prompt_tokens"]
         block = s["block_optimum_cached_tokens"]

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobrunner.columns import reserved_columns
-from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates
+from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 
 # Run figures that add up over runs (the rows of different runs are disjoint).
@@ -24,7 +24,7 @@ RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours"
 LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel")
 CONSTRAINED_INCOMPLETE = "constrained_incomplete"     # generate's column and the summary's count
 _ROW_COLUMNS = ("error", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",
-                "queue_s", "prefill_s", "decode_s")
+                "queue_s", "prefill_s", "decode_s", "reused")
 
 
 def stored_name(column: str, result_columns, present) -> str | None:
@@ -59,7 +59,7 @@ def over_runs(runs: list[dict]) -> dict:
     last run's LATEST figures. Empty when no run is recorded."""
     if not runs:
         return {}
-    sums = {k: sum(r.get(k) or 0 for r in runs) for k in RUN_SUMS}
+    sums = summed(runs, RUN_SUMS)
     out = {k: sums[k] for k in ("wall_s", "model_load_s", "device_hours", "duplicate_ids") + REUSE_SUMS}
     planned = [r for r in runs if r.get("planned_prompt_tokens")]
     if planned:
@@ -92,7 +92,8 @@ def part_figures(output_url: str, config: Mapping) -> dict:
     kind, ref = config.get("kind", "generate"), config.get("reference_column")
     result_columns = KINDS[kind].result_columns
     metrics = job_metrics(kind, config.get("match", "normalized"), ref is not None, config.get("labels") or ())
-    samples = (config.get("n") or 1) > 1
+    # a row's samples: --n, or an OpenAI line's own n (sample_index 0, 1, ...; the first counts the row)
+    samples = "sample_index" in result_columns
     wanted = list(_ROW_COLUMNS)
     if metrics is not None:
         wanted += [c for c in metrics.columns if c != "reference"]
@@ -127,7 +128,8 @@ def part_figures(output_url: str, config: Mapping) -> dict:
 
 def _add_rows(stats: JobStats, t: pa.Table, samples: bool) -> None:
     """One part's rows into stats, as JobStats.add_row counts them: a row of n > 1 samples counts once
-    (its first sample: sample_index null or 0) but for its completion tokens; ok rows give latencies."""
+    (its first sample: sample_index null or 0) but for its completion tokens; reused rows count apart
+    (rows_computed and computed_*) and give no cached tokens; ok computed rows give latencies."""
     def total(values, mask=None):
         return pc.sum(values if mask is None else pc.filter(values, mask)).as_py() or 0
 
@@ -136,14 +138,20 @@ def _add_rows(stats: JobStats, t: pa.Table, samples: bool) -> None:
 
     first = pa.array([i in (None, 0) for i in stored_values(t, "sample_index")] if samples
                      else [True] * t.num_rows, pa.bool_())
+    computed_sample = pc.invert(pc.fill_null(col("reused", False).cast(pa.bool_()), False))
+    computed = pc.and_(first, computed_sample)
     ok = pc.and_(first, pc.is_null(col("error", None)))
     n_first, n_ok = total(first), total(ok)
     stats.rows += n_first
     stats.rows_ok += n_ok
     stats.rows_failed += n_first - n_ok
+    stats.rows_computed += total(computed)
     stats.prompt_tokens += total(col("prompt_tokens", 0), first)
-    stats.cached_tokens += total(col("cached_tokens", 0), first)
+    stats.computed_prompt_tokens += total(col("prompt_tokens", 0), computed)
+    stats.cached_tokens += total(col("cached_tokens", 0), computed)
     stats.completion_tokens += total(col("completion_tokens", 0))
-    latencies = [pc.filter(col(f"{k}_s", 0.0), ok).to_pylist() for k in ("queue", "prefill", "decode")]
+    stats.computed_completion_tokens += total(col("completion_tokens", 0), computed_sample)
+    timed = pc.and_(ok, computed_sample)
+    latencies = [pc.filter(col(f"{k}_s", 0.0), timed).to_pylist() for k in ("queue", "prefill", "decode")]
     for q, p, d in zip(*latencies):
         stats.add_latencies(q or 0.0, p or 0.0, d or 0.0)

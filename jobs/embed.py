@@ -53,7 +53,8 @@ class EmbedJob:
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         if out.error is not None or not out.embeddings:
-            return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
+            return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
+                     "error": out.error or "the engine returned no embedding"}]
         rows = [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "embedding": array("f", v)}
                 for v in out.embeddings]
         if len(rows) > 1 or isinstance(data.get("input"), list):

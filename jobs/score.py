@@ -28,7 +28,8 @@ class ScoreJob:
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         if out.error is not None or not out.prompt_logprobs:
-            return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
+            return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
+                     "error": out.error or "the engine returned no log-probabilities to score"}]
         lps = out.prompt_logprobs
         total = sum(lps)
         return [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "scored_tokens": len(lps),

@@ -45,7 +45,11 @@ def _files(url: str):
 
 
 def cache_stats(url: str) -> dict:
-    """Shards, entries, bytes, the oldest and newest shard, and files that are not readable shards."""
+    """Shards, entries, bytes, the oldest and newest shard, and files that are not readable shards.
+    ValueError when url holds no cache (a mistyped path must not read as an empty cache)."""
+    fs, root = storage.url_fs(url)
+    if not fs.isdir(storage.join(root, LAYOUT)):
+        raise ValueError(f"no result cache there (no {LAYOUT}/ directory); a job writes one with --cache {url}")
     fs, files = _files(url)
     shards = _shards(files)
     entries, unreadable = 0, 0

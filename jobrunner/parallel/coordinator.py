@@ -16,7 +16,8 @@ import time
 from functools import partial
 
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
+from jobrunner.exit_codes import rows_verdict
+from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.stats import merge_stats
@@ -100,8 +101,11 @@ class Coordinator:
         code = self._exit_code(results, run, complete)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
         summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)     # as one worker's job does
+        why = None
+        if code == EXIT_OK:         # over every row of the output, as one worker's job does
+            code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
         self._finish(summary, manifest, complete, code, rounds)
-        return JobResult(code, summary, cfg.output_url)
+        return JobResult(code, summary, cfg.output_url, error=why)
 
     # -- steps
 
@@ -171,11 +175,7 @@ class Coordinator:
             return EXIT_INTERRUPTED
         if not complete:
             return EXIT_FAILED
-        rate = self.cfg.max_error_rate
-        if rate is not None and summary["rows"] and summary["rows_failed"] / summary["rows"] > rate:
-            log.error("%d of %d rows failed, over --max-error-rate %s", summary["rows_failed"], summary["rows"], rate)
-            return EXIT_ERROR_RATE
-        return EXIT_OK
+        return EXIT_OK          # the rows' verdict comes with the job's summary (run)
 
     def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""

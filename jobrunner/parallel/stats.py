@@ -5,7 +5,7 @@ every row (metrics included) is then computed from the parts, as for one worker 
 from __future__ import annotations
 
 from jobrunner.config import JobConfig
-from jobrunner.stats import PREFIX_KEYS, REUSE_SUMS, ROW_SUMS, percentile, rates
+from jobrunner.stats import PREFIX_KEYS, REUSE_SUMS, ROW_SUMS, percentile, rates, summed
 
 SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles
 
@@ -29,7 +29,7 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance."""
     summaries = [(v, v["summary"]) for v in results if v.get("summary")]
     first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
-    s = {k: sum(x.get(k) or 0 for _, x in summaries) for k in ROW_SUMS + REUSE_SUMS}
+    s = summed([x for _, x in summaries], ROW_SUMS + REUSE_SUMS)
     s["started_at"] = min((x["started_at"] for _, x in summaries if x.get("started_at")), default=None)
     s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
