@@ -79,7 +79,7 @@ def test_openai_lines_with_n_count_one_row_and_one_prompt(tmp_path, tiny, caplog
                                       line("bad", tools=[{"type": "function", "function": {"name": "f"}}])])
     out = str(tmp_path / "out")
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
-        r = CliRunner().invoke(main, ["submit", ds, *tiny, "--format", "openai-batch", "-o", out])
+        r = CliRunner().invoke(main, ["submit", ds, *tiny, "--format", "openai-batch", "--any-model", "-o", out])
     assert r.exit_code == 0, r.output
     rows = read_results(out).to_pylist()
     assert sorted(row["id"] for row in rows) == ["bad", "one", "two", "two"]
