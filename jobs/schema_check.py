@@ -77,7 +77,7 @@ class SchemaCheck:
 def _build(spec: str):
     """A validator of the schema under its own draft (2020-12 when it names none), checking formats;
     None when the schema is not a JSON object jsonschema can use."""
-    import jsonschema
+    import jsonschema           # a dependency: never a silent False for want of it
     try:
         schema = json.loads(spec)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
