@@ -37,6 +37,13 @@ DEFAULT_TIMEOUT_S = 30.0
 # a flexible-whitespace grammar lets a model pad with blanks until max_tokens. A schema may
 # override these in its "x-guidance" key.
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# JSON Schema's integer-valued keywords: 2.0 is a valid value (any number with a zero fractional
+# part), which llguidance refuses ("expected positive integer"); they are made ints before compiling.
+INTEGER_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                    "minContains", "maxContains")
+# keywords whose values are instances, not schemas: never rewritten
+_INSTANCE_KEYWORDS = ("const", "enum", "default", "examples")
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class ConstraintError(ValueError):
@@ -57,7 +64,7 @@ def grammar_text(c: Constraint) -> str:
             raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ConstraintError("a JSON schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+        return llguidance.LLMatcher.grammar_from_json_schema(integer_keywords_as_ints(schema), defaults=JSON_STYLE)
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.spec)
     if c.kind == "choice":
@@ -70,6 +77,27 @@ def grammar_text(c: Constraint) -> str:
         # a Lark alternation of string literals; JSON string escapes are Lark's
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in choices))
     return llguidance.LLMatcher.grammar_from_lark(any_to_lark(c.spec))   # Lark, or GBNF-style EBNF
+
+
+def integer_keywords_as_ints(schema, names: bool = False):
+    """The schema with each integer keyword written as an integral float (maxItems: 2.0) made an
+    int, at any depth; instances (const, enum, default, examples) are left as they are. `names`:
+    schema is a map of names to schemas (properties, $defs, ...), whose keys are not keywords."""
+    if isinstance(schema, list):
+        return [integer_keywords_as_ints(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if names:
+            out[k] = integer_keywords_as_ints(v)
+        elif k in INTEGER_KEYWORDS and isinstance(v, float) and v.is_integer():
+            out[k] = int(v)
+        elif k in _INSTANCE_KEYWORDS:
+            out[k] = v
+        else:
+            out[k] = integer_keywords_as_ints(v, names=k in _NAME_MAPS)
+    return out
 
 
 def check_constraint(c: Constraint) -> str | None:

@@ -174,6 +174,9 @@ def summary_lines(s: dict, output: str) -> list[str]:
     if s.get("constrained_incomplete"):
         lines.append(("incomplete", f"{s['constrained_incomplete']:,} constrained outputs cut by --max-tokens "
                                     f"before their grammar ended (finish_reason length)"))
+    if s.get("schema_invalid"):
+        lines.append(("schema", f"{s['schema_invalid']:,} of {s['schema_invalid'] + s.get('schema_valid', 0):,} "
+                                f"outputs under a JSON schema do not validate (schema_valid false)"))
     if "prompt_tokens" in s:
         lines.append(("tokens", f"{s['prompt_tokens']:,} prompt, {s.get('completion_tokens', 0):,} completion"))
         hits = f"{s.get('cache_hit_rate') or 0:.1%} of prompt tokens from the prefix cache"

@@ -9,6 +9,7 @@ import click
 from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
                               JOB_QUANTIZATIONS, POOLINGS, JobConfig)
 from jobs.reasoning import REASONING_PARSERS
+from jobs.schema_check import SCHEMA_MODES
 from jobs.truncation import TRUNCATE_MODES
 
 D = JobConfig("")      # the defaults
@@ -114,6 +115,10 @@ OPTION_GROUPS: dict[str, list] = {
                                       "--kind classify scores labels instead)."),
         click.option("--grammar", help="Every output follows this grammar file (Lark, or GBNF-style EBNF)."),
         click.option("--schema-column", help="Column holding each row's JSON schema (text or object)."),
+        click.option("--json-schema-mode", type=click.Choice(SCHEMA_MODES), default=D.json_schema_mode,
+                     show_default=True, help="strict: a schema with keywords the grammar cannot enforce is refused; "
+                                             "validate: enforce what it can, then check each output against the "
+                                             "whole schema (`schema_valid` column)."),
         click.option("--grammar-timeout", type=float, default=D.grammar_timeout, show_default=True,
                      help="Seconds a constraint may take to compile; a row's that takes longer is an error row."),
     ],

@@ -95,6 +95,7 @@ class JobConfig:
     grammar: str | None = None              # a Lark or GBNF-style EBNF grammar file
     schema_column: str | None = None        # a JSON schema per row (an OpenAI row's response_format wins)
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
+    json_schema_mode: str = "strict"        # strict | validate (jobs/schema_check.py)
     # engine
     device: str = "auto"
     dtype: str = "auto"
@@ -203,7 +204,7 @@ class JobConfig:
             embed=EmbedSpec(pooling=self.pooling, normalize=self.normalize_embeddings,
                             dimensions=self.dimensions) if self.kind == "embed" else None,
             reasoning_parser=self.reasoning_parser, truncate_prompt=self.truncate_prompt,
-            constraint=job_constraint(self), schema_column=self.schema_column)
+            constraint=job_constraint(self), schema_column=self.schema_column, schema_mode=self.json_schema_mode)
 
     def template_kwargs(self) -> dict:
         """--chat-template-kwargs as a dict; JobConfigError when it is not a JSON object."""
@@ -353,7 +354,8 @@ class JobConfig:
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
-                "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model")  # 23, 29
+                "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
+                "json_schema_mode")  # 29
 _DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(JobConfig("")).items()}
 
 

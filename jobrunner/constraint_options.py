@@ -1,5 +1,5 @@
 """The structured-output options (--json-schema, --json, --regex, --choice, --grammar,
---schema-column, --grammar-timeout): their rules, the files they name, and the compile check
+--schema-column, --json-schema-mode, --grammar-timeout): their rules, the files they name, and the compile check
 that makes a bad constraint exit 2 before any work."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine.request import Constraint
+from jobs.schema_check import SCHEMA_MODES, with_mode
 
 # JobConfig field -> its option
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "choice": "--choice",
@@ -30,12 +31,17 @@ def validate_constraint_options(cfg) -> None:
         _bad(f"{given[0]} constrains generated text: it needs --kind generate")
     if len(set(cfg.choice)) != len(cfg.choice):
         _bad("--choice has duplicates")
+    if cfg.json_schema_mode not in SCHEMA_MODES:
+        _bad(f"--json-schema-mode must be strict or validate, not {cfg.json_schema_mode!r}")
+    if cfg.json_schema_mode != "strict" and cfg.kind != "generate":
+        _bad("--json-schema-mode applies to --kind generate only")
     if not cfg.grammar_timeout > 0:
         _bad("--grammar-timeout must be > 0 seconds")
 
 
 def job_constraint(cfg) -> Constraint | None:
-    """The job's constraint, with the files it names read; JobConfigError when one can't be."""
+    """The job's constraint, with the files it names read (a schema as written: each row's is compiled
+    under its schema mode, jobs/constraint.py); JobConfigError when one can't be."""
     if cfg.json_schema:
         text = cfg.json_schema
         return Constraint("json_schema", text if text.lstrip().startswith("{") else _read(text, "--json-schema"))
@@ -57,6 +63,8 @@ def check_job_constraint(cfg) -> None:
     c = job_constraint(cfg)
     if c is None:
         return
+    if c.kind == "json_schema":
+        c = Constraint("json_schema", with_mode(c.spec, cfg.json_schema_mode))
     option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(cfg, name))
     pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
     try:

@@ -13,13 +13,17 @@ from typing import Any
 
 from jobs.base import RowError
 from jobs.constraint import response_format_constraint
+from jobs.schema_check import SCHEMA_MODES
+
+# Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
+SCHEMA_MODE_KEY = "x-jobrunner-schema-mode"
 
 # Taken as they are (our names are OpenAI's, or vLLM's extras).
 SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 # Renamed or reshaped below.
 RESHAPED = ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "logit_bias",
-            "chat_template_kwargs", "response_format")
+            "chat_template_kwargs", "response_format", SCHEMA_MODE_KEY)
 # Change nothing in a batch run's output.
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
              "prompt_cache_key", "stream_options", "model")
@@ -70,6 +74,10 @@ def _reshape(key: str, value: Any, body: dict, chat: bool, params: dict) -> str 
         params[key] = value
     elif key == "response_format":
         return _response_format(value, params)
+    elif key == SCHEMA_MODE_KEY:
+        if value not in SCHEMA_MODES:
+            return f"{SCHEMA_MODE_KEY} must be strict or validate, not {value!r}"
+        params["schema_mode"] = value
     return None
 
 

@@ -23,6 +23,7 @@ RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours"
 # The last run's: its hardware, whether it was interrupted, and for a data-parallel run its workers.
 LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel")
 CONSTRAINED_INCOMPLETE = "constrained_incomplete"     # generate's column and the summary's count
+SCHEMA_VALID = "schema_valid"       # generate's column; the summary counts schema_valid and schema_invalid
 _ROW_COLUMNS = ("error", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",
                 "queue_s", "prefill_s", "decode_s", "reused")
 
@@ -99,7 +100,7 @@ def part_figures(output_url: str, config: Mapping) -> dict:
         wanted += [c for c in metrics.columns if c != "reference"]
     constrained = kind == "generate"
     if constrained:
-        wanted.append(CONSTRAINED_INCOMPLETE)
+        wanted += [CONSTRAINED_INCOMPLETE, SCHEMA_VALID]
     if metrics is not None or samples or constrained:      # values that did not fit the pinned schema
         wanted.append(EXTRA_JSON)
 
@@ -108,10 +109,12 @@ def part_figures(output_url: str, config: Mapping) -> dict:
 
     stats = JobStats()
     incomplete = []                 # per constrained sample: cut by max_tokens before its grammar ended
+    checked = []                    # per sample under a JSON schema: did its output validate
     for table in iter_result_parts(output_url, lambda names: wanted + [reference(names)]):
         _add_rows(stats, table, samples)
         if constrained:
             incomplete += [v for v in stored_values(table, CONSTRAINED_INCOMPLETE) if v is not None]
+            checked += [v for v in stored_values(table, SCHEMA_VALID) if v is not None]
         if metrics is not None:
             cols = {c: stored_values(table, c) for c in metrics.columns if c != "reference"}
             if "reference" in metrics.columns:
@@ -121,6 +124,9 @@ def part_figures(output_url: str, config: Mapping) -> dict:
     s = stats.row_figures()
     if incomplete:
         s[CONSTRAINED_INCOMPLETE] = sum(map(bool, incomplete))
+    if checked:
+        s["schema_valid"] = sum(map(bool, checked))
+        s["schema_invalid"] = len(checked) - s["schema_valid"]
     if metrics is not None:
         s["metrics"] = metrics.summary()
     return s

@@ -1,18 +1,38 @@
 """A row's structured-output constraint: an OpenAI batch body's `response_format`, else the JSON
 schema in the row's --schema-column, else the job's (--json-schema, --json, --regex, --choice,
 --grammar). Plain data; the engine compiles it (engine/constraints.py), and a schema that does
-not compile makes the row an error."""
+not compile makes the row an error. A JSON schema is compiled under the row's schema mode (an
+OpenAI body's "x-jobrunner-schema-mode", else --json-schema-mode; jobs/schema_check.py)."""
 from __future__ import annotations
 
 import json
 
 from engine.request import Constraint
 from jobs.base import RowError
+from jobs.schema_check import check_mode, with_mode
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def row_constraint(job: Constraint | None, schema_column: str | None, data: dict) -> Constraint | None:
+def row_constraint(job: Constraint | None, schema_column: str | None, data: dict,
+                   mode: str = "strict") -> Constraint | None:
+    """The constraint the engine compiles for the row: a JSON schema as its schema mode has it compiled."""
+    c = requested_constraint(job, schema_column, data)
+    if c is None or c.kind != "json_schema":
+        return c
+    return Constraint("json_schema", with_mode(c.spec, row_schema_mode(mode, data)))
+
+
+def row_schema_mode(mode: str, data: dict) -> str:
+    """The job's schema mode, or an OpenAI row's own ("schema_mode" in its params)."""
+    params = data.get("params")
+    if isinstance(params, dict) and params.get("schema_mode") is not None:
+        return check_mode(params["schema_mode"], "x-jobrunner-schema-mode")
+    return mode
+
+
+def requested_constraint(job: Constraint | None, schema_column: str | None, data: dict) -> Constraint | None:
+    """The row's constraint as it was asked for (a JSON schema as written: what outputs are checked against)."""
     params = data.get("params")
     if isinstance(params, dict) and params.get("response_format") is not None:
         return response_format_constraint(params["response_format"])

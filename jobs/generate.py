@@ -5,10 +5,12 @@ from dataclasses import replace
 
 from engine.request import Request, RequestOutput
 from jobs.base import sampling_params
-from jobs.constraint import row_constraint
+from jobs.base import RowError
+from jobs.constraint import requested_constraint, row_constraint
 from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
 from jobs.reasoning import prompt_opens_reasoning, reasoning_markers, split_reasoning
+from jobs.schema_check import SchemaCheck
 from jobs.spec import JobSpec
 from jobs.truncation import truncate_prompt
 
@@ -17,14 +19,16 @@ class GenerateJob:
     name = "generate"
     # every column it may write, and its kind (jobrunner.output.values): the output schema declares them all
     result_columns = {"sample_index": "int", "correct": "bool", "logprobs": "token_logprobs", "reasoning": "string",
-                      "reasoning_tokens": "int", "truncated_tokens": "int", "constrained_incomplete": "bool"}
+                      "reasoning_tokens": "int", "truncated_tokens": "int", "constrained_incomplete": "bool",
+                      "schema_valid": "bool"}
 
     def __init__(self, spec: JobSpec, tokenizer):
         self.spec = spec
         self.sampling = spec.sampling
         if spec.reasoning_parser:
             self.sampling = replace(self.sampling, reasoning_markers=reasoning_markers(spec.reasoning_parser, tokenizer))
-        self.constraint, self.schema_column = spec.constraint, spec.schema_column
+        self.constraint, self.schema_column, self.schema_mode = spec.constraint, spec.schema_column, spec.schema_mode
+        self.schema_check = SchemaCheck()
         self.evaluation = spec.evaluation
         self.accuracy = Accuracy(spec.evaluation.match) if spec.evaluation.enabled else None
         self.speller = TokenSpeller(tokenizer)
@@ -38,7 +42,8 @@ class GenerateJob:
             self._truncated[row_id] = dropped
         if self.spec.reasoning_parser and prompt_opens_reasoning(ids, self.sampling.reasoning_markers):
             self._opened.add(row_id)
-        return Request(row_id, ids, sampling, constraint=row_constraint(self.constraint, self.schema_column, data))
+        constraint = row_constraint(self.constraint, self.schema_column, data, self.schema_mode)
+        return Request(row_id, ids, sampling, constraint=constraint)
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:
         """One dict per sample (n > 1 gives n rows with sample_index)."""
@@ -46,6 +51,7 @@ class GenerateJob:
         truncated = self._truncated.pop(out.id, 0)
         opened = out.id in self._opened
         self._opened.discard(out.id)
+        schema = self._schema(data) if out.error is None else None
         for c in out.completions:
             row = {"output": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
             if self.sampling.n > 1 or len(out.completions) > 1:
@@ -59,7 +65,17 @@ class GenerateJob:
                 row["truncated_tokens"] = truncated
             if c.constrained:               # cut by max_tokens before its grammar ended
                 row["constrained_incomplete"] = c.finish_reason == "length"
+            if schema is not None:          # checked against the whole schema, whatever the grammar enforced
+                row["schema_valid"] = self.schema_check.valid(schema, row["output"], c.finish_reason)
             if self.accuracy is not None and out.error is None:
                 row["correct"] = self.accuracy.add(row["output"] or "", data.get(self.evaluation.reference_column))
             rows.append(row)
         return rows
+
+    def _schema(self, data: dict) -> str | None:
+        """The JSON schema the row's outputs are checked against, as written; None when it has none."""
+        try:
+            c = requested_constraint(self.constraint, self.schema_column, data)
+        except RowError:
+            return None
+        return c.spec if c is not None and c.kind == "json_schema" else None

@@ -84,3 +84,4 @@ class JobSpec:
     context: int | None = None              # the engine's context in tokens, set once it is up (truncation)
     constraint: Constraint | None = None    # generate: what every output must match (jobs/constraint.py)
     schema_column: str | None = None        # generate: a JSON schema per row, in this column
+    schema_mode: str = "strict"             # generate: how JSON schemas compile (jobs.schema_check.SCHEMA_MODES)
