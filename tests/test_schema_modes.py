@@ -133,7 +133,7 @@ def test_openai_line_picks_its_mode(tmp_path, tiny):
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
     ds = jsonl(tmp_path / "b.jsonl", [line("validate", "validate"), line("strict", "strict"), line("default"),
                                       line("bad", "lax"), line("plain", schema=None)])
-    r, rows = submit(tmp_path, ds, "-m", tiny[1], "--temperature", "1", "--seed", "5", "--output-format",
+    r, rows = submit(tmp_path, ds, "-m", tiny[1], "--temperature", "1", "--seed", "5", "--any-model", "--output-format",
                      "openai-batch")
     assert r.exit_code == 0, r.output
     by_id = {row["id"]: row for row in rows}
