@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         t["schema_valid"] += bool(row["schema_valid"])
         if row["schema_valid"] and not recheck(json.loads(texts[row["id"]]), row["output"]):
             failures.append(row["id"])
-    total = {k: sum(t[k] for t in table.values()) for k in next(iter(table.values()))}
+    keys = dict.fromkeys(k for t in table.values() for k in t)      # every counter any category touched
+    total = {k: sum(t[k] for t in table.values()) for k in keys}
     r = {"model": args.model, "max_tokens": args.max_tokens, "by_category": {k: dict(v) for k, v in table.items()},
          "total": total, "validate_compiled_share": total["validate_compiled"] / total["schemas"],
          "recheck_failures": failures, "refusals": refusals}
