@@ -128,6 +128,33 @@ def validate(ctx, dataset, **params):
         click.echo(f"first prompt, exactly as the tokenizer gets it, between the ---- lines:\n----\n{prompt}\n----")
 
 
+@main.command(cls=GroupedCommand)
+@job_options
+@click.pass_context
+def warmup(ctx, **params):
+    """Prepare the model once, before the first job: fetch and convert it and, on CPU, build the
+    in-place decode attention kernel for its shapes (minutes; a job never builds it on the cores it
+    runs on). Takes the job options that choose the model (-m, --quantization, --dtype, --block-size).
+    Idempotent: a second call takes seconds.
+
+    \b
+    Examples:
+      jobrunner warmup
+      jobrunner warmup -m /models/Qwen3-0.6B
+    """
+    _setup_logging(params["verbose"])
+    from jobrunner.warmup import warmup as run_warmup
+    try:
+        figures = run_warmup(build_config(ctx, "", params))
+    except JobConfigError as e:
+        _fail_config(e)
+    except KeyboardInterrupt:
+        click.echo(err=True)
+        _interrupted()
+    for k, v in figures.items():
+        click.echo(f"{k:16s} {v}")
+
+
 @main.command()
 @click.argument("output")
 @click.option("--all", "show_all", is_flag=True, help="Print every figure (latency percentiles, prefix optimum, "

@@ -17,13 +17,15 @@ itself: a block mask's kv block is one cache block, and its kv_indices are the s
 Compilation: ahead of time with AOTInductor into a package kept under <cache>/kernels/ (<cache>:
 $JOBRUNNER_CACHE, else ~/.cache/jobrunner) and loaded in a few milliseconds without importing
 dynamo. A torch.compile of the same function costs 4-5 s at every start with a warm inductor cache
-(26 s cold), which would break the start-up target; the package costs ~50 s to build, once per
-(torch version, CPU capability, dtype, heads, head_dim, block size, soft-cap). It is built by a child
-process at nice 19 (so it takes idle cycles, not the job's) once a process has spent BUILD_AFTER_S
-seconds of decode attention in the gather path; short jobs never build it. Until the package is
-there, the reference serves. JOBRUNNER_CPU_DECODE: auto (that policy, the default), flex (build now,
-in this process's wait, if absent: benchmarks), gather (the reference only);
-JOBRUNNER_CPU_DECODE_BUILD_AFTER: the seconds, in place of BUILD_AFTER_S (inf: never build).
+(26 s cold), which would break the start-up target; the package costs one to several minutes to build,
+once per (torch version, CPU capability, dtype, heads, head_dim, block size, soft-cap). `jobrunner warmup`
+builds it in the foreground (mode flex, below). A job never builds it on the cores it runs on (its
+threads already take every core a 2-core machine has: a background build there cost the first job
+minutes at 1-2 tokens/s); it loads a package that is there, else the reference serves and one line says
+how to build it. JOBRUNNER_CPU_DECODE: auto (that policy, the default), flex (build now, in this
+process's wait, if absent: warmup and benchmarks), gather (the reference only);
+JOBRUNNER_CPU_DECODE_BUILD_AFTER: seconds of gather-path decode after which a job does start a build in a
+child at nice 19 (opt-in, for machines with idle cores; default inf: never).
 
 Not covered (the reference serves): int8 KV caches (FlexAttention wants one dtype for q, k and v),
 prefill chunks (SDPA over gathered blocks runs near the matmul rate there), and a step where one
@@ -43,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-BUILD_AFTER_S = 3.0          # seconds of gather-path decode attention before the package is built
-                             # ($JOBRUNNER_CPU_DECODE_BUILD_AFTER overrides; inf: never, as the tests set)
+BUILD_AFTER_S = float("inf")   # seconds of gather-path decode attention before a job builds the package:
+                               # never by default (`jobrunner warmup` does); $JOBRUNNER_CPU_DECODE_BUILD_AFTER opts in
 PACKAGE_VERSION = 1          # raise when decode_flex or DecodeMask.inputs() change: old packages are not loaded
 log = logging.getLogger("jobrunner")
 
@@ -236,6 +238,7 @@ class _Kernels:
         self.failed: set[Key] = set()
         self.gather_s = 0.0
         self._next_look = 0.0
+        self.hinted = False          # the "jobrunner warmup" line is logged once a process
 
     def runner(self, key: Key, mode: str):
         if key in self.runners:
@@ -273,6 +276,10 @@ class _Kernels:
         """Counts gather-path decode time; past BUILD_AFTER_S starts the build in a child at nice 19."""
         self.gather_s += seconds
         after = float(os.environ.get("JOBRUNNER_CPU_DECODE_BUILD_AFTER", BUILD_AFTER_S))
+        if not self.hinted and key not in self.failed and after == float("inf"):
+            self.hinted = True
+            log.info("decode attention gathers the KV blocks at every step; `jobrunner warmup` builds the "
+                     "in-place CPU kernel for this model once (0.4x the attention time)")
         if self.gather_s < after or key in self.children or key in self.failed:
             return
         path = key.path()

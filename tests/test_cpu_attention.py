@@ -135,10 +135,12 @@ def test_gather_mode_never_uses_the_kernel(monkeypatch, gen):
 
 
 def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
-    """auto: the gather path's decode seconds are counted; past BUILD_AFTER_S one child (nice 19) builds."""
+    """auto with a threshold (opt-in: the default is never): the gather path's decode seconds are counted;
+    past it one child (nice 19) builds."""
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
     monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "auto")
-    monkeypatch.delenv("JOBRUNNER_CPU_DECODE_BUILD_AFTER")
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE_BUILD_AFTER", "3")
+    after = 3.0
     started = []
 
     class FakePopen:
@@ -153,16 +155,16 @@ def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
     monkeypatch.setattr(ca.subprocess, "Popen", FakePopen)
     kernels = ca._Kernels()
     key = ca.Key("float32", 1, 2, 8, 4, 0.0)
-    kernels.note_gather(key, ca.BUILD_AFTER_S / 2)
+    kernels.note_gather(key, after / 2)
     assert not started
-    kernels.note_gather(key, ca.BUILD_AFTER_S)
-    kernels.note_gather(key, ca.BUILD_AFTER_S)
+    kernels.note_gather(key, after)
+    kernels.note_gather(key, after)
     assert len(started) == 1
     args, kw = started[0]
     assert args[1:4] == ["-m", "kernels.cpu_attention", "build"] and kw["start_new_session"]
     assert kernels.runner(key, "auto") is None            # nothing built yet: the reference serves
     other = ca._Kernels()                                 # another process sees the lock and doesn't build
-    other.note_gather(key, 2 * ca.BUILD_AFTER_S)
+    other.note_gather(key, 2 * after)
     assert len(started) == 1
 
 
