@@ -72,6 +72,7 @@ def build_config(dataset: str | None, options: Mapping | None = None, config: st
                              f"the options are {', '.join(k for k in known if k != 'dataset')}")
     values.update((name, field_value(name, value)) for name, value in options.items())
     values["dataset"] = dataset or values.get("dataset", "")
+    values["given"] = frozenset(values) - {"dataset"}      # checks.check_dataset: a named column must exist
     if "cache" not in values and os.environ.get(ENV_URL):      # the result cache's default
         values["cache"] = os.environ[ENV_URL]
     return JobConfig(**values)
