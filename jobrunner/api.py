@@ -266,7 +266,7 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
         ok = result.exit_code not in (EXIT_INTERRUPTED, EXIT_FAILED)
     finally:
         # an interrupted (or failed) run leaves requests in the engine: never reuse that one
-        if reuse_engine and ok and not job.engine.has_unfinished():
+        if reuse_engine and ok and job.engine is not None and not job.engine.has_unfinished():
             _engine_cache[key] = job.engine
         else:
             _engine_cache.pop(key, None)

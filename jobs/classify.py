@@ -3,7 +3,8 @@
 A label's tokens are the tokenizer's encoding of the delimiter and the label (--label-delimiter, a
 space by default, as lm-eval's target_delimiter: "Sentiment:" scores " positive", not "positive"),
 appended to the prompt's tokens. The delimiter is left out under the chat template (the label is the
-assistant's reply) and, when it is whitespace, after a prompt that already ends in whitespace; its score is the sum (or, with --normalize mean, the mean) of those tokens' logprobs.
+assistant's reply) and, when it is whitespace, after a prompt that already ends in whitespace.
+A label's score is the sum (or, with --normalize mean, the mean) of its tokens' logprobs.
 Probabilities are a softmax over the scores of the row's labels. `label_probs` and `label_logprobs`
 are dicts label -> number in the row's label order; the writer stores each as a list of structs
 ({label, prob} and {label, logprob}: jobrunner.output.values KNOWN_COLUMNS), so both read the same way.

@@ -1,8 +1,8 @@
 """CSV and TSV (by extension): a header line, then records; every cell is a string.
 
 Multi-line quoted cells are fine: a row's error names its last line.  An unclosed quote is not
-(it would swallow the rest of the file into one cell): check_quotes finds it before any row runs.  (Named csv_reader so that
-`import csv` here is the standard library's.)
+(it would swallow the rest of the file into one cell): check_quotes finds it before any row runs.
+(Named csv_reader so that `import csv` here is the standard library's.)
 """
 
 from __future__ import annotations
