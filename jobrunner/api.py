@@ -23,6 +23,7 @@ from dataclasses import replace
 from jobrunner.cache import ENV_URL
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
+from jobrunner.storage import CredentialsError
 
 __all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "build_config",
            "clear_engine_cache", "generate", "read_toml", "run", "submit"]
@@ -136,6 +137,8 @@ def _errors(running: bool = False):
                                      "fix the storage and run the same command again to resume.") from e
         if isinstance(e, OutputError):
             raise
+        if isinstance(e, CredentialsError):    # already says which credentials the output's store lacks
+            raise OutputStorageError(str(e)) from e
         # the output directory can't be created (checks.check_output)
         raise OutputStorageError(f"{e}; check the path and its permissions, or choose another --output") from e
 

@@ -6,6 +6,7 @@ import logging
 
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.constraint_options import check_job_constraint as check_constraint  # noqa: F401 (a check)
+from jobrunner.storage import credentials_error
 
 log = logging.getLogger("jobrunner")
 
@@ -29,6 +30,10 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
         raise JobConfigError(str(e)) from None
     except (OSError, ValueError) as e:
         raise JobConfigError(f"cannot read dataset {cfg.dataset}: {e}") from None
+    except Exception as e:      # an object store without credentials: one line, exit 2
+        if (err := credentials_error(cfg.dataset, e)) is None:
+            raise
+        raise JobConfigError(str(err)) from None
     if fmt == "openai-batch":
         return fmt, columns
     # Every column option the user set must name a column (a typo never falls back to a default:
@@ -62,12 +67,21 @@ def check_template(cfg: JobConfig, columns: list[str]):
 
 
 def check_output(cfg: JobConfig) -> None:
-    """The output's problems, before a model loads; creates the directory (OSError if it can't)."""
+    """The output's problems, before a model loads; creates the directory (OSError if it can't,
+    storage.CredentialsError when the object store finds no credentials)."""
     from jobrunner.output import OutputError, check_output
     try:
         check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
+    except OSError as e:        # an object store's errors may not name the URL ("Forbidden")
+        if cfg.output_url in str(e):
+            raise
+        raise type(e)(f"{cfg.output_url}: {e}") from e
+    except Exception as e:      # an object store without credentials: a CredentialsError, exit 4
+        if (err := credentials_error(cfg.output_url, e)) is None:
+            raise
+        raise err from None
 
 
 def on_empty_dataset(cfg: JobConfig) -> None:
