@@ -137,7 +137,7 @@ class Job:
         self.pending: dict[str, tuple] = {}
         self._sampling = None                   # the last request's SamplingParams, shared by equal ones
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
-        self.progress = self.progress_factory(total=self._total_rows())
+        self.progress = self.progress_factory(total=self._total_rows(), counters=engine.counters)
         self.reuse = self._reuse()
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
         lost = None
