@@ -92,7 +92,24 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
     except Exception as e:      # anything odd: the usual path finds and reports it
         log.debug("could not tell whether rows are left to do: %s", e)
         return None
+    _check_same_model(cfg)
     return n
+
+
+def _check_same_model(cfg: JobConfig) -> None:
+    """A Hub model's branch that moved since the output was written is refused, as when the model
+    is loaded (checks.check_same_commit): the output is another commit's."""
+    from engine.errors import ModelError
+    from jobrunner import checks, hub
+    from jobrunner.models import model_record, resolve_model
+    if not hub.is_hub_name(cfg.model):
+        return
+    try:
+        record = model_record(cfg.model, resolve_model(cfg.model))
+    except ModelError:
+        return
+    if record is not None:
+        checks.check_same_commit(cfg, {"hub": record})
 
 
 def _done_ids(output_url: str, at_least: int):
