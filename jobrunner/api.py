@@ -21,8 +21,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from jobrunner.cache import ENV_URL
+from jobrunner.api_messages import api_message, check_known
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
+from jobrunner.storage import CredentialsError
 
 __all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "build_config",
            "clear_engine_cache", "generate", "read_toml", "run", "submit"]
@@ -66,13 +68,10 @@ def build_config(dataset: str | None, options: Mapping | None = None, config: st
     the values' own checks (ranges, combinations) come with JobConfig.validate, when the job prepares."""
     values = read_toml(config) if config else {}
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    known = config_fields()
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise JobConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                             f"the options are {', '.join(k for k in known if k != 'dataset')}")
+    check_known(options, ("dataset",))
     values.update((name, field_value(name, value)) for name, value in options.items())
     values["dataset"] = dataset or values.get("dataset", "")
+    values["given"] = frozenset(values) - {"dataset"}      # checks.check_dataset: a named column must exist
     if "cache" not in values and os.environ.get(ENV_URL):      # the result cache's default
         values["cache"] = os.environ[ENV_URL]
     return JobConfig(**values)
@@ -89,7 +88,10 @@ def submit(dataset: str, output: str | None = None, *, config: str | None = None
     output: the output directory (default: the dataset's path + .results). config: a TOML job file.
     Raises JobConfigError for a configuration or input that can't run (the CLI's exit 2; nothing
     run) and OutputStorageError when the output can't be created or written (exit 4)."""
-    return run(build_config(dataset, {**options, "output": output}, config))
+    try:
+        return run(build_config(dataset, {**options, "output": output}, config))
+    except JobConfigError as e:         # options by their keyword names, not the CLI's flags
+        raise JobConfigError(api_message(str(e))) from None
 
 
 def run(cfg: JobConfig) -> JobResult:
@@ -136,6 +138,8 @@ def _errors(running: bool = False):
                                      "fix the storage and run the same command again to resume.") from e
         if isinstance(e, OutputError):
             raise
+        if isinstance(e, CredentialsError):    # already says which credentials the output's store lacks
+            raise OutputStorageError(str(e)) from e
         # the output directory can't be created (checks.check_output)
         raise OutputStorageError(f"{e}; check the path and its permissions, or choose another --output") from e
 
@@ -179,14 +183,18 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
     if given:
         raise JobConfigError(f"generate takes its rows in memory and returns them: no {', '.join(given)} "
                              "option (jobrunner.submit runs a job over files)")
+    check_known(options, ("dataset", "output", "format"))
     fs = fsspec.filesystem("memory")
     root = f"/jobrunner-generate-{uuid.uuid4().hex}"
+    dataset = None
     try:
-        dataset, fmt = _write_rows(fs, root, rows)
+        dataset, fmt, count = _write_rows(fs, root, rows)
         cfg = build_config(dataset, {**options, "output": f"memory://{root}/output", "format": fmt}, config)
         if (cfg.data_parallel or 1) != 1:
             raise JobConfigError("generate runs in this process: data_parallel must be 1 "
                                  "(jobrunner.submit runs data-parallel jobs)")
+        if count == 0 and cfg.fail_on_empty:
+            raise JobConfigError("rows is empty; failing, as fail_on_empty asks")
         result = _run_here(cfg, reuse_engine)
         if result.exit_code == EXIT_INTERRUPTED:
             raise KeyboardInterrupt
@@ -198,13 +206,15 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
             from jobrunner.exit_codes import rows_verdict
             raise JobFailedError(rows_verdict(cfg, result.stats, "", result.stats["rows"], options="api")[1], result)
         return _in_input_order(pl.from_arrow(read_results(cfg.output_url)), dataset, fmt, cfg.id_column)
+    except JobConfigError as e:         # its own arguments and the caller's rows, not a memory:// file
+        raise JobConfigError(api_message(str(e), dataset)) from None
     finally:
         if fs.exists(root):
             fs.rm(root, recursive=True)
 
 
-def _write_rows(fs, root: str, rows) -> tuple[str, str]:
-    """rows as a dataset under root: (its URL, its format). A list of dicts becomes JSONL, so its
+def _write_rows(fs, root: str, rows) -> tuple[str, str, int]:
+    """rows as a dataset under root: (its URL, its format, its number of rows). A list of dicts becomes JSONL, so its
     values read as a JSONL file's would; a table becomes Parquet, keeping its column types."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -218,7 +228,7 @@ def _write_rows(fs, root: str, rows) -> tuple[str, str]:
             except (TypeError, ValueError) as e:
                 raise JobConfigError(f"rows[{i}]: {e}; pass a polars DataFrame to keep such values") from None
         fs.pipe(f"{root}/input.jsonl", "".join(line + "\n" for line in lines).encode())
-        return f"memory://{root}/input.jsonl", "jsonl"
+        return f"memory://{root}/input.jsonl", "jsonl", len(lines)
     table = _arrow_table(rows)
     if table is None:
         raise JobConfigError(f"rows must be a list of dicts or a polars, pyarrow or pandas table, "
@@ -226,7 +236,7 @@ def _write_rows(fs, root: str, rows) -> tuple[str, str]:
     assert isinstance(table, pa.Table)
     with fs.open(f"{root}/input.parquet", "wb") as fh:
         pq.write_table(table, fh)
-    return f"memory://{root}/input.parquet", "parquet"
+    return f"memory://{root}/input.parquet", "parquet", table.num_rows
 
 
 def _arrow_table(rows):
@@ -266,7 +276,7 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
         ok = result.exit_code not in (EXIT_INTERRUPTED, EXIT_FAILED)
     finally:
         # an interrupted (or failed) run leaves requests in the engine: never reuse that one
-        if reuse_engine and ok and not job.engine.has_unfinished():
+        if reuse_engine and ok and job.engine is not None and not job.engine.has_unfinished():
             _engine_cache[key] = job.engine
         else:
             _engine_cache.pop(key, None)

@@ -6,31 +6,49 @@ import logging
 
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.constraint_options import check_job_constraint as check_constraint  # noqa: F401 (a check)
+from jobrunner.storage import credentials_error
 
 log = logging.getLogger("jobrunner")
 
 
+# The options that name an input column, and the kinds or settings that read it.
+COLUMN_OPTIONS = ("id_column", "prompt_column", "messages_column", "labels_column", "reference_column",
+                  "score_column", "schema_column")
+
+
 def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     from jobrunner.dataset import DatasetError, dataset_columns, detect_format
+    from jobrunner.dataset.csv_reader import check_quotes
+    if cfg.csv_max_lines < 1:
+        raise JobConfigError("--csv-max-lines must be >= 1 (the lines a CSV record may span)")
     try:
         fmt = detect_format(cfg.dataset, cfg.format)
         columns = dataset_columns(cfg.dataset, fmt)
+        if fmt == "csv":        # before any work: an unclosed quote would swallow the rest of the file
+            check_quotes(cfg.dataset, cfg.csv_max_lines)
     except DatasetError as e:
         raise JobConfigError(str(e)) from None
     except (OSError, ValueError) as e:
         raise JobConfigError(f"cannot read dataset {cfg.dataset}: {e}") from None
+    except Exception as e:      # an object store without credentials: one line, exit 2
+        if (err := credentials_error(cfg.dataset, e)) is None:
+            raise
+        raise JobConfigError(str(err)) from None
     if fmt == "openai-batch":
         from jobrunner.openai_check import check_openai_batch
         check_openai_batch(cfg)             # every line a unique string custom_id, before any work
         return fmt, columns
-    wanted = {"--messages-column": cfg.messages_column, "--labels-column": cfg.labels_column,
-              "--reference-column": cfg.reference_column, "--score-column": cfg.score_column,
-              "--schema-column": cfg.schema_column}
-    if not cfg.template and not cfg.messages_column:
-        wanted["--prompt-column"] = cfg.prompt_column
-    for option, column in wanted.items():
-        if column and columns and column not in columns:
-            raise JobConfigError(f"{option} {column!r} is not a column of {cfg.dataset}; "
+    # Every column option the user set must name a column (a typo never falls back to a default:
+    # --id-column nope would number the rows); the prompt column also when the prompt comes from it.
+    wanted = [name for name in COLUMN_OPTIONS if getattr(cfg, name) and name in cfg.given]
+    wanted += [name for name in ("messages_column", "labels_column", "reference_column", "score_column",
+                                 "schema_column") if getattr(cfg, name) and name not in wanted]
+    if not cfg.template and not cfg.messages_column and "prompt_column" not in wanted:
+        wanted.append("prompt_column")
+    for name in wanted:
+        column = getattr(cfg, name)
+        if columns and column not in columns:
+            raise JobConfigError(f"--{name.replace('_', '-')} {column!r} is not a column of {cfg.dataset}; "
                                  f"its columns are: {', '.join(columns)}")
     return fmt, columns
 
@@ -51,12 +69,21 @@ def check_template(cfg: JobConfig, columns: list[str]):
 
 
 def check_output(cfg: JobConfig) -> None:
-    """The output's problems, before a model loads; creates the directory (OSError if it can't)."""
+    """The output's problems, before a model loads; creates the directory (OSError if it can't,
+    storage.CredentialsError when the object store finds no credentials)."""
     from jobrunner.output import OutputError, check_output
     try:
         check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
+    except OSError as e:        # an object store's errors may not name the URL ("Forbidden")
+        if cfg.output_url in str(e):
+            raise
+        raise type(e)(f"{cfg.output_url}: {e}") from e
+    except Exception as e:      # an object store without credentials: a CredentialsError, exit 4
+        if (err := credentials_error(cfg.output_url, e)) is None:
+            raise
+        raise err from None
 
 
 def on_empty_dataset(cfg: JobConfig) -> None:

@@ -32,6 +32,8 @@ OPTION_GROUPS: dict[str, list] = {
                      help="OpenAI batch: serve every line whatever model its body names (a file written for "
                           "another provider)."),
         click.option("--limit", type=int, help="Only the first N rows."),
+        click.option("--csv-max-lines", type=int, default=D.csv_max_lines, show_default=True,
+                     help="CSV: a record over more lines than this is an unclosed quote (exit 2, naming its line)."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False),
                      help="TOML job file; any option by name (e.g. max_tokens = 64); the command line wins."),
     ],
@@ -94,6 +96,10 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--labels-column", help="classify: column with each row's list of labels."),
         click.option("--normalize", type=click.Choice(NORMALIZE_MODES), default=D.normalize, show_default=True,
                      help="classify: sum or per-token mean of a label's logprobs."),
+        click.option("--label-delimiter", default=D.label_delimiter, show_default=True,
+                     help="classify: text between the prompt and each label, as lm-eval's target_delimiter; "
+                          "left out when the prompt already ends in whitespace, or under the chat template "
+                          "(the label is the assistant's reply). \"\" scores labels right after the prompt."),
         click.option("--reference-column", help="Evaluate against this column: per-row `correct`, summary accuracy."),
         click.option("--match", type=click.Choice(MATCH_MODES), default=D.match,
                      show_default=True, help="How an output is compared with --reference-column."),

@@ -81,6 +81,7 @@ class JobConfig:
     labels: tuple[str, ...] = ()
     labels_column: str | None = None
     normalize: str = "sum"                  # classify: sum | mean of label token logprobs
+    label_delimiter: str = " "              # classify: between prompt and label (jobs/classify.py: when not)
     reference_column: str | None = None
     match: str = "normalized"               # exact | normalized | contains
     score_column: str | None = None
@@ -128,6 +129,8 @@ class JobConfig:
     dedup: bool = True
     cache: str | None = None                # result cache URL (api.build_config: $JOBRUNNER_CACHE_URL by default)
     cache_mode: str = "read-write"          # read-write | read-only | write-only | refresh
+    csv_max_lines: int = 10_000             # a CSV record over more lines: an unclosed quote (exit 2)
+    given: frozenset = frozenset()          # the options the user set (CLI, TOML, API); not an option
 
     # --- the one place the job's configuration becomes the engine's and the job kind's ----------
 
@@ -199,7 +202,8 @@ class JobConfig:
             sampling=self.sampling_params(model_defaults),
             evaluation=EvalSpec(reference_column=self.reference_column, match=self.match),
             classify=ClassifySpec(labels=tuple(self.labels), labels_column=self.labels_column,
-                                  normalize=self.normalize) if self.kind == "classify" else None,
+                                  normalize=self.normalize, delimiter=self.label_delimiter)
+            if self.kind == "classify" else None,
             score=ScoreSpec(score_column=self.score_column) if self.kind == "score" else None,
             embed=EmbedSpec(pooling=self.pooling, normalize=self.normalize_embeddings,
                             dimensions=self.dimensions) if self.kind == "embed" else None,
@@ -237,7 +241,8 @@ class JobConfig:
                 "tensor_parallel", "allow_all_failed",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
-                "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout"}
+                "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout",
+                "csv_max_lines", "given"} | ({"label_delimiter"} if self.kind != "classify" else set())
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k not in skip}
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
             if d[k] == _DEFAULT_FINGERPRINT[k]:
@@ -400,7 +405,7 @@ def parse_size(text: str | int) -> int:
 
 
 def config_fields() -> dict:
-    return {f.name: f for f in fields(JobConfig)}
+    return {f.name: f for f in fields(JobConfig) if f.name != "given"}
 
 
 def split_labels(text: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ Invariant: the directory returned is snapshots/<commit>, so its name is the comm
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -56,11 +57,11 @@ def fetch(model: str) -> Path:
     try:
         path = Path(snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS))
     except LocalEntryNotFoundError as e:
+        fix = "unset HF_HUB_OFFLINE" if _offline() else "check this machine's connection to huggingface.co"
         raise ModelError(
             f"model {model!r} is not in the Hugging Face cache and the Hub cannot be reached ({_first_line(e)}). "
             "Fetch it on a machine with internet (`jobrunner models pull "
-            f"{model}`) and copy the cache (HF_HUB_CACHE, default ~/.cache/huggingface/hub), or unset "
-            "HF_HUB_OFFLINE") from None
+            f"{model}`) and copy the cache (HF_HUB_CACHE, default ~/.cache/huggingface/hub), or {fix}") from None
     except GatedRepoError:
         raise ModelError(f"model {model!r} is gated: accept its terms on huggingface.co and set HF_TOKEN") from None
     except RevisionNotFoundError:
@@ -71,6 +72,11 @@ def fetch(model: str) -> Path:
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot fetch model {model!r} from the Hugging Face Hub: {_first_line(e)}") from None
     return path
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE set, as huggingface_hub reads it (1, true, yes or on)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _first_line(e: Exception) -> str:

@@ -18,6 +18,7 @@ from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here 
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
+from jobrunner.preload import finish_done
 from jobrunner.progress import Progress
 from jobrunner.stats import JobStats
 
@@ -71,7 +72,7 @@ class Job:
     # --- set-up: everything that can fail fails here, before any work ------------------------
 
     def prepare(self, engine=None) -> None:
-        from jobrunner import checks
+        from jobrunner import checks, preload
         from jobrunner.output import ResultWriter
 
         cfg = self.cfg
@@ -79,8 +80,14 @@ class Job:
         self.fmt, self.columns = checks.check_dataset(cfg)
         self.template = checks.check_template(cfg, self.columns)
         checks.check_constraint(cfg)
+        preload.check_sampling(cfg)         # --n > 1 at the checkpoint's greedy default
         self.cache = _open_cache(cfg)
+        preload.check_empty(cfg, self.fmt)  # --fail-on-empty: exit 2 before the output directory exists
         checks.check_output(cfg)            # before the model: loading one can take minutes
+        self.rows_done = None if engine is not None or self.world > 1 else preload.rows_all_done(cfg, self.fmt)
+        if self.rows_done is not None:      # a rerun with nothing left to do: no model (run: finish_done)
+            self.engine = None
+            return
         self.engine = engine or checks.load_engine(cfg)
         checks.check_dimensions(cfg, self.engine.rt.model_config)
         from jobrunner.openai_kinds import job_for
@@ -121,6 +128,8 @@ class Job:
 
     def run(self) -> JobResult:
         cfg, engine = self.cfg, self.engine
+        if engine is None:                  # every row is in the output already (prepare)
+            return finish_done(self)
         self.stats = JobStats()
         self.prefix = PrefixStats(block_size=cfg.block_size)
         # row id -> (row, request): rows inside the planner or the engine. While a row waits in the planner
@@ -129,7 +138,7 @@ class Job:
         self.pending: dict[str, tuple] = {}
         self._sampling = None                   # the last request's SamplingParams, shared by equal ones
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
-        self.progress = self.progress_factory(total=self._total_rows())
+        self.progress = self.progress_factory(total=self._total_rows(), counters=engine.counters)
         self.reuse = self._reuse()
         counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
         lost = None

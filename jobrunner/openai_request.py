@@ -13,6 +13,7 @@ from typing import Any
 
 from jobs.base import RowError
 from jobs.constraint import response_format_constraint
+from jobs.messages import empty as _empty, text_messages  # noqa: F401 (text_messages: this module's API)
 from jobs.schema_check import SCHEMA_MODES
 
 # Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
@@ -118,27 +119,6 @@ def _response_format(value: Any, params: dict) -> str | None:
     return None
 
 
-def text_messages(messages: list) -> tuple[list | None, str | None]:
-    """Messages whose content is a list of text parts get the parts' texts joined by newlines (as vLLM
-    joins them); a part of another kind (image_url, input_audio, file, ...) is an error."""
-    out = []
-    for m in messages:
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
-            texts = []
-            for part in m["content"]:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    return None, f"message content part of type {kind!r} is not supported (only text parts)"
-                texts.append(part["text"])
-            m = {**m, "content": "\n".join(texts)}
-        if isinstance(m, dict):
-            unsupported = [k for k in ("tool_calls", "function_call", "audio") if not _empty(m.get(k))]
-            if unsupported or m.get("role") in ("tool", "function"):
-                return None, f"message field {(unsupported or [m.get('role')])[0]!r} is not supported"
-        out.append(m)
-    return out, None
-
-
 def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
     """A /v1/completions prompt: a string (or a list holding one string)."""
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -146,7 +126,3 @@ def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
     if isinstance(prompt, str):
         return prompt, None
     return None, "prompt must be a string (lists of prompts and token-id prompts are not supported)"
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)

@@ -22,7 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 __all__ = ["url_fs", "join", "list_names", "atomic_write", "atomic_write_with", "write_lines",
-           "missing_backend_message"]
+           "missing_backend_message", "CredentialsError", "credentials_error"]
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}   # URL protocol -> jobrunner extra
 
@@ -33,6 +33,34 @@ def missing_backend_message(url: str, err: ImportError) -> str:
     extra = _EXTRAS.get(protocol)
     hint = f"pip install 'jobrunner[{extra}]'" if extra else "install the fsspec backend it names"
     return f"cannot open {url}: {err} ({hint})"
+
+
+class CredentialsError(PermissionError):
+    """An object store found no credentials; the message says which ones and where they come from."""
+
+
+# The exceptions object-store clients raise when no credentials are found (by class name: none of
+# these packages need be installed): botocore (s3fs), google-auth (gcsfs), azure-identity (adlfs).
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
+                   "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError",
+                   "CredentialUnavailableError"}
+_CREDENTIALS = {
+    "s3": "AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of "
+          "~/.aws/credentials), or run where an instance or pod role provides them",
+    "gcs": "Google Cloud credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service account key file, or run "
+           "`gcloud auth application-default login`",
+}
+
+
+def credentials_error(url: str, err: BaseException) -> CredentialsError | None:
+    """err as a one-line CredentialsError naming url and the credentials it lacks, when it is an
+    object store's "no credentials" error; else None."""
+    if not {c.__name__ for c in type(err).__mro__} & _NO_CREDENTIALS:
+        return None
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    which = _CREDENTIALS.get(_EXTRAS.get(protocol, ""), f"credentials for {protocol or 'its storage'}")
+    first = (str(err).strip().splitlines() or [""])[0]
+    return CredentialsError(f"cannot open {url}: no {which} ({type(err).__name__}: {first})")
 
 
 def url_fs(url: str) -> tuple[Any, str]:

@@ -5,6 +5,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.request import SamplingParams
+from jobs.messages import join_text_parts
 from jobs.spec import JobSpec
 from jobs.template import unescape
 
@@ -99,6 +100,9 @@ def uses_chat(spec: JobSpec, tokenizer) -> bool:
 def _check_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RowError("messages must be a non-empty list of {role, content} objects")
+    value, error = join_text_parts(value)   # content parts [{"type": "text", "text": ...}], as OpenAI lines
+    if error is not None:
+        raise RowError(error)
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError("every message needs a string role and a string content")

@@ -1,7 +1,10 @@
 """classify: score each candidate label as the assistant's reply; no free text is generated.
 
-A label's tokens are the tokenizer's encoding of the label text alone, appended to the prompt's
-tokens; its score is the sum (or, with --normalize mean, the mean) of those tokens' logprobs.
+A label's tokens are the tokenizer's encoding of the delimiter and the label (--label-delimiter, a
+space by default, as lm-eval's target_delimiter: "Sentiment:" scores " positive", not "positive"),
+appended to the prompt's tokens. The delimiter is left out under the chat template (the label is the
+assistant's reply) and, when it is whitespace, after a prompt that already ends in whitespace.
+A label's score is the sum (or, with --normalize mean, the mean) of its tokens' logprobs.
 Probabilities are a softmax over the scores of the row's labels. `label_probs` and `label_logprobs`
 are dicts label -> number in the row's label order; the writer stores each as a list of structs
 ({label, prob} and {label, logprob}: jobrunner.output.values KNOWN_COLUMNS), so both read the same way.
@@ -12,7 +15,7 @@ import json
 import math
 
 from engine.request import Request, RequestOutput, SamplingParams
-from jobs.base import RowError
+from jobs.base import RowError, uses_chat
 from jobs.metrics import ClassificationMetrics
 from jobs.spec import JobSpec
 
@@ -27,7 +30,9 @@ class ClassifyJob:
         self.spec = spec.classify
         self.evaluation = spec.evaluation
         self.tokenizer = tokenizer
-        self._encoded: dict[str, list[int]] = {}
+        self._encoded: dict[str, list[int]] = {}      # delimiter + label -> its tokens
+        chat = uses_chat(spec, tokenizer) or spec.prompt.messages_column is not None
+        self.delimiter = "" if chat else self.spec.delimiter
         self.metrics = ClassificationMetrics(spec.evaluation.match, self.spec.labels) \
             if spec.evaluation.enabled else None
 
@@ -47,16 +52,26 @@ class ClassifyJob:
             raise RowError("duplicate labels in this row")
         return labels
 
-    def encode(self, label: str) -> list[int]:
-        if label not in self._encoded:
-            ids = self.tokenizer.encode(label, add_special_tokens=False)
+    def encode(self, label: str, delimiter: str = "") -> list[int]:
+        text = delimiter + label
+        if text not in self._encoded:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise RowError(f"label {label!r} encodes to no tokens")
-            self._encoded[label] = ids
-        return self._encoded[label]
+            self._encoded[text] = ids
+        return self._encoded[text]
+
+    def _delimiter(self, prompt_ids: list[int]) -> str:
+        """The delimiter this prompt's labels get: none for a whitespace one after whitespace."""
+        if self.delimiter.isspace() and prompt_ids:
+            last = self.tokenizer.decode(prompt_ids[-1:], skip_special_tokens=False)
+            if last[-1:].isspace():
+                return ""
+        return self.delimiter
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        cands = [self.encode(label) for label in self.labels(data)]
+        delimiter = self._delimiter(prompt_ids)
+        cands = [self.encode(label, delimiter) for label in self.labels(data)]
         return Request(row_id, prompt_ids, SamplingParams(max_tokens=0), candidates=cands)
 
     def columns(self, out: RequestOutput, data: dict) -> list[dict]:

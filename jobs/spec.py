@@ -40,6 +40,7 @@ class ClassifySpec:
     labels: tuple[str, ...] = ()            # the job's labels; empty: each row's from labels_column
     labels_column: str | None = None
     normalize: str = "sum"                  # one of NORMALIZE_MODES
+    delimiter: str = " "                    # between the prompt and a label (jobs/classify.py says when)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """CSV and TSV (by extension): a header line, then records; every cell is a string.
 
-Multi-line quoted cells are fine: a row's error names its last line.  (Named csv_reader so that
-`import csv` here is the standard library's.)
+Multi-line quoted cells are fine: a row's error names its last line.  An unclosed quote is not
+(it would swallow the rest of the file into one cell): check_quotes finds it before any row runs.
+(Named csv_reader so that `import csv` here is the standard library's.)
 """
 
 from __future__ import annotations
@@ -36,6 +37,31 @@ def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
             bad[lineno] = err
             text = line.decode("utf-8", errors="replace")
         yield text
+
+
+def check_quotes(url: str, max_lines: int) -> None:
+    """DatasetError naming the line where a quoted field opens that runs to the end of the file, or
+    over more than max_lines lines (an unclosed quote that a later quote happens to close)."""
+    from jobrunner.dataset.files import list_files
+    for path in list_files(url):
+        reader = csv.reader(_text_lines(path, {}), delimiter=_delimiter(path), strict=True)
+        start = 1       # the first line of the record being read
+        while True:
+            try:
+                next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                if "unexpected end of data" in str(e):
+                    raise DatasetError(f"{path} line {start}: a quoted field opens here and is never closed "
+                                       "(it runs to the end of the file); close the quote, or write a quote "
+                                       "inside a quoted field as \"\"") from None
+                # another quoting fault: read_csv makes its row an error row
+            if reader.line_num - start + 1 > max_lines:
+                raise DatasetError(f"{path} line {start}: a quoted field opens here and runs over "
+                                   f"{reader.line_num - start + 1} lines, more than --csv-max-lines {max_lines}; "
+                                   "close the quote, or raise --csv-max-lines if a cell is really that long")
+            start = reader.line_num + 1
 
 
 def csv_header(url: str) -> list[str]:

@@ -84,7 +84,7 @@ def _start_workers(cfg: JobConfig, n: int, port: int, gpus: list[str] | None,
                    threads: int) -> dict[int, subprocess.Popen]:
     """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
     tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
-    worker_cfg = json.dumps(asdict(cfg))
+    worker_cfg = json.dumps(asdict(cfg), default=sorted)     # `given`, a set: a list
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
         env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
@@ -136,6 +136,7 @@ def config_from_json(text: str) -> JobConfig:
     d = json.loads(text)
     for key in ("stop", "labels"):
         d[key] = tuple(d.get(key) or ())
+    d["given"] = frozenset(d.get("given") or ())
     return JobConfig(**d)
 
 

@@ -107,7 +107,7 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
     claim = _Claim(store, r, slot, members)     # members: this round's workers
     job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
     job.max_in_flight = engine.rt.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
-    job.progress_factory = lambda total: _StoreProgress(store, r, rank, total)
+    job.progress_factory = lambda total, counters=None: _StoreProgress(store, r, rank, total)
     try:
         job.prepare(engine=engine)
     except JobConfigError as e:

@@ -1,0 +1,152 @@
+"""What a job can know before its model loads (loading takes minutes): whether the checkpoint's
+sampling defaults make --n > 1 greedy, and whether a rerun has any row left to do.
+
+Both only read: a job that exits 2 here has written nothing, and a rerun with nothing left ends
+without loading the model (Job.run: finish_done).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+
+from jobrunner.config import JobConfig
+
+log = logging.getLogger("jobrunner")
+
+
+def check_sampling(cfg: JobConfig) -> None:
+    """--n > 1 with the temperature left to the checkpoint, whose default is greedy: JobConfigError
+    now (JobConfig.sampling_params' own check), not once the model is up. A checkpoint whose
+    generation_config.json can't be read cheaply is left to that check."""
+    if cfg.kind != "generate" or cfg.n < 2 or cfg.temperature is not None:
+        return
+    defaults = _generation_defaults(cfg.model)
+    if defaults is not None:
+        cfg.sampling_params(defaults)
+
+
+def check_empty(cfg: JobConfig, fmt: str) -> None:
+    """--fail-on-empty on a dataset without rows: JobConfigError (exit 2) before anything is written."""
+    if cfg.fail_on_empty:
+        from jobrunner import checks
+        checks.check_not_empty(cfg, fmt)
+
+
+def _generation_defaults(model: str) -> dict | None:
+    """The checkpoint's sampling defaults (engine.generation_config), {} when it has none (GGUF,
+    a built-in dummy), None when finding out would cost more than a small read."""
+    from engine.errors import ModelError
+    from engine.generation_config import GenerationDefaults
+    from engine.loader import DUMMY_CONFIGS
+    from jobrunner.models import resolve_model
+    from jobrunner.storage import url_fs
+    try:
+        path = resolve_model(model)     # as loading would (a known name is pulled on first use)
+    except ModelError:
+        return None                     # load_engine says what is wrong
+    if path.startswith("dummy:"):
+        path = path[len("dummy:"):]
+        if path in DUMMY_CONFIGS:
+            return {}
+        path = posixpath.dirname(path) if path.endswith(".json") else path
+    try:
+        fs, root = url_fs(path)
+        if not fs.isdir(root):
+            return {}                   # a .gguf file: no generation_config.json
+        gen = posixpath.join(root, "generation_config.json")
+        if not fs.exists(gen):
+            return {}
+        return GenerationDefaults.from_config(json.loads(fs.cat_file(gen))).sampling
+    except Exception:                   # unreachable or unreadable: loading reports it
+        return None
+
+
+def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
+    """The number of rows to read, when every one's id is already in the output (a rerun with
+    nothing left to do); else None. Cheap first: only an output with parts holding at least as many
+    ids as the dataset (count_rows) has rows is compared id by id; a damaged part, a dataset too
+    large to count, or any doubt answers None (the job then runs as usual)."""
+    from jobrunner.dataset import count_rows, read_rows
+    from jobrunner.output import read_manifest
+    if cfg.overwrite:
+        return None
+    try:
+        if not read_manifest(cfg.output_url):
+            return None
+        n = count_rows(cfg.dataset, fmt)
+        if n is None:
+            return None
+        n = min(n, cfg.limit) if cfg.limit is not None else n
+        done = _done_ids(cfg.output_url, n)
+        if done is None:
+            return None
+        read = 0
+        for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column, columns=[cfg.id_column]):
+            batch = batch[:n - read]
+            read += len(batch)
+            if not all(done.contains_many([row.id for row in batch])):
+                return None
+            if read >= n:
+                break
+    except Exception as e:      # anything odd: the usual path finds and reports it
+        log.debug("could not tell whether rows are left to do: %s", e)
+        return None
+    _check_same_model(cfg)
+    return n
+
+
+def _check_same_model(cfg: JobConfig) -> None:
+    """A Hub model's branch that moved since the output was written is refused, as when the model
+    is loaded (checks.check_same_commit): the output is another commit's."""
+    from engine.errors import ModelError
+    from jobrunner import checks, hub
+    from jobrunner.models import model_record, resolve_model
+    if not hub.is_hub_name(cfg.model):
+        return
+    try:
+        record = model_record(cfg.model, resolve_model(cfg.model))
+    except ModelError:
+        return
+    if record is not None:
+        checks.check_same_commit(cfg, {"hub": record})
+
+
+def _done_ids(output_url: str, at_least: int):
+    """The ids in the output's parts (an IdSet), None when fewer than at_least or a part is unreadable."""
+    import pyarrow.parquet as pq
+
+    from jobrunner import storage
+    from jobrunner.idset import IdSet
+    from jobrunner.output import layout
+    from jobrunner.output.layout import PART_RE
+    fs, root = storage.url_fs(output_url)
+    done = IdSet()
+    for name in layout.names(fs, root):
+        if PART_RE.match(name):
+            with fs.open(storage.join(root, name), "rb") as f:
+                ids = pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id")
+            if ids.null_count:
+                return None
+            done.update(str(x) for x in ids.to_pylist())
+    return done if len(done) >= at_least else None
+
+
+def finish_done(job):
+    """The JobResult of a rerun with nothing left to do (rows_all_done): the whole output's summary
+    and exit code, no model loaded. An output whose run was killed after its last part is marked
+    complete now."""
+    from jobrunner.job import JobResult
+    from jobrunner.output import mark_complete, read_manifest
+    from jobrunner.stats import JobStats
+    from jobrunner.summary import job_summary
+    cfg = job.cfg
+    job.stats = JobStats()
+    job.stats.rows_skipped = job.rows_done
+    log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)",
+             job.rows_done, cfg.output_url)
+    summary = job_summary(cfg.output_url, cfg.fingerprint_fields())
+    manifest = read_manifest(cfg.output_url) or {}
+    if not manifest.get("complete"):
+        mark_complete(cfg.output_url, summary, manifest)
+    return JobResult(job._exit_code(), summary, cfg.output_url)
