@@ -221,9 +221,9 @@ def test_embedding_rows_are_flushed_in_parts_as_compact_float_arrays(embed_model
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"pooling": "mean", "kind": "generate"}, "need --kind embed"),
-    ({"dimensions": 0}, "--dimensions must be >= 1"),
-    ({"dimensions": 65}, "--dimensions 65 exceeds the model's embedding size 64"),
+    ({"pooling": "mean", "kind": "generate"}, "need kind embed"),        # the API's names, not the CLI's
+    ({"dimensions": 0}, "dimensions must be >= 1"),
+    ({"dimensions": 65}, "dimensions 65 exceeds the model's embedding size 64"),
 ])
 def test_bad_embed_options_stop_before_any_work(embed_model, tmp_path, options, message):
     ds = tmp_path / "d.jsonl"

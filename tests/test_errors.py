@@ -243,9 +243,9 @@ def test_empty_dataset_warns_and_fail_on_empty_exits_2(tmp_path, tiny_engine, ca
         res = run_job(tiny_engine, dataset=empty, output=str(tmp_path / "o1"))
     assert res.exit_code == EXIT_OK and "has no rows" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="jobrunner"):
-        res = run_job(tiny_engine, dataset=empty, output=str(tmp_path / "o2"), fail_on_empty=True)
-    assert res.exit_code == EXIT_CONFIG and "--fail-on-empty" in caplog.text
+    # --fail-on-empty: found in the pre-flight checks, before any work (exit 2 on the command line)
+    with pytest.raises(JobConfigError, match="--fail-on-empty"):
+        run_job(tiny_engine, dataset=empty, output=str(tmp_path / "o2"), fail_on_empty=True)
 
 
 def test_a_resumed_job_with_nothing_left_is_not_empty(tmp_path, tiny_engine, caplog):
@@ -271,8 +271,9 @@ def test_fail_on_empty_on_the_command_line(tmp_path, caplog):
     empty = write_jsonl(tmp_path / "e.jsonl", [])
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
         r = CliRunner().invoke(main, ["submit", empty, *TINY_OPTS, "-o", str(tmp_path / "o"), "--fail-on-empty"])
-    assert r.exit_code == 2 and "has no rows" in caplog.text, r.output
+    assert r.exit_code == 2 and "has no rows" in r.output and "--fail-on-empty" in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())     # nothing written
 
 
 # ---------------------------------------------------------------- Ctrl-C twice
