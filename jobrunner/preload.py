@@ -120,6 +120,7 @@ def _done_ids(output_url: str, at_least: int):
     from jobrunner.idset import IdSet
     from jobrunner.output import layout
     from jobrunner.output.layout import PART_RE
+    from jobrunner.output.values import id_key
     fs, root = storage.url_fs(output_url)
     done = IdSet()
     for name in layout.names(fs, root):
@@ -128,7 +129,7 @@ def _done_ids(output_url: str, at_least: int):
                 ids = pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id")
             if ids.null_count:
                 return None
-            done.update(str(x) for x in ids.to_pylist())
+            done.update(id_key(x) for x in ids.to_pylist())     # the keys the parts give (output.values)
     return done if len(done) >= at_least else None
 
 
@@ -149,4 +150,5 @@ def finish_done(job):
     manifest = read_manifest(cfg.output_url) or {}
     if not manifest.get("complete"):
         mark_complete(cfg.output_url, summary, manifest)
-    return JobResult(job._exit_code(), summary, cfg.output_url)
+    code, why = job._exit_code(summary)        # over the whole output (a failed job stays failed)
+    return JobResult(code, summary, cfg.output_url, error=why)
