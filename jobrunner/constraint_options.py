@@ -7,7 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from engine.request import Constraint
+from engine import Constraint
 
 # JobConfig field -> its option
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "choice": "--choice",
@@ -53,7 +53,7 @@ def job_constraint(cfg) -> Constraint | None:
 def check_job_constraint(cfg) -> None:
     """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
     JobConfigError naming the option and the problem."""
-    from engine.constraints import check_constraint
+    from engine import check_constraint
     c = job_constraint(cfg)
     if c is None:
         return

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from engine.errors import ModelError
+from engine import ModelError
 
 __all__ = ["ALLOW_PATTERNS", "fetch", "is_hub_name", "parse"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-from engine.request import Request, RequestOutput, SamplingParams
+from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
 from jobs.metrics import ClassificationMetrics
 from jobs.spec import JobSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine.request import Constraint
+from engine import Constraint
 from jobs.base import RowError
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")

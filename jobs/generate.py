@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.request import Request, RequestOutput
+from engine import Request, RequestOutput
 from jobs.base import sampling_params
 from jobs.constraint import row_constraint
 from jobs.logprobs import TokenSpeller
