@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     outs = engine.generate(reqs)
     sync()
     constrained_s = time.perf_counter() - t0
-    c = engine.counters
+    c = engine.counters()
     tokens, steps, mask_s = c.generated_tokens, c.steps, c.mask_s
     lengths = [o.completion_tokens for o in outs]
     valid = sum(o.finish_reason == "stop" for o in outs)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     free = [Request(f"u{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(ids, lengths)) if n]
     free_s = timed(engine, free, sync)
-    assert engine.counters.generated_tokens == tokens, (engine.counters.generated_tokens, tokens)
+    assert engine.counters().generated_tokens == tokens, (engine.counters().generated_tokens, tokens)
 
     r = {"model": args.model, "device": str(engine.rt.device), "rows": len(reqs), "generated_tokens": tokens,
          "rows_stopped_by_grammar": valid, "steps": steps,

@@ -205,7 +205,7 @@ def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
     finished, truncated = 0, False
     profiled = 0
     while engine.has_unfinished():
-        if args.profile_steps and profiled == 0 and engine.counters.steps >= args.profile_after:
+        if args.profile_steps and profiled == 0 and engine.counters().steps >= args.profile_after:
             finished += profile_steps(engine, args.profile_steps, sync)
             profiled = 1
             continue
@@ -219,7 +219,7 @@ def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
 
 def _our_figures(args, engine, work, finished: int, elapsed: float) -> dict:
     """figures() from the engine's counters, with the weight bytes averaged over the model as loaded."""
-    rt, c = engine.rt, engine.counters
+    rt, c = engine.rt, engine.counters()
     planned = sum(len(ids) + o for ids, o in work)
     done_prompt = c.prompt_tokens_computed + c.prompt_tokens_cached
     # bytes a weight takes, averaged over the model as loaded (quantized or not)
@@ -254,7 +254,7 @@ def _run_engine(args, work, cfg, engine, load) -> dict:
     warm_s = _warm_up(engine, args, sync)
     engine.reset_counters()
     finished, truncated, elapsed = _timed_run(engine, args, work, sync)
-    c = engine.counters
+    c = engine.counters()
     out = _our_figures(args, engine, work, finished, elapsed)
     out.update(engine="jobrunner", model=args.model, device=str(rt.device), dtype=str(rt.dtype).replace("torch.", ""),
                kv_blocks=rt.num_blocks, load_s=load, warmup_s=warm_s, truncated=truncated,

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.constraints import Grammars
+from engine.counters import EngineCounters
 from engine.errors import EngineFailure
+from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
@@ -40,30 +42,11 @@ from engine.sequence import Status
 from engine.stop import StopChecker
 
 
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    tokens_computed: int = 0          # every token run through the model
-    prompt_tokens_computed: int = 0   # tokens of requests' prompts (not candidates, not generated)
-    prompt_tokens_cached: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    graph_steps: int = 0              # pure-decode steps replayed from CUDA graphs
-    # host seconds per phase of a step; wait_s: waiting for the device's results
-    schedule_s: float = 0.0
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    wait_s: float = 0.0
-    process_s: float = 0.0
-    mask_s: float = 0.0               # filling grammar bitmasks on the host (structured output)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, runtime: EngineRuntime | None = None):
         self.config = config
         self.rt = runtime or build_runtime(config)
-        self.tokenizer = self.rt.tokenizer
+        self.tokenizer: Tokenizer = self.rt.tokenizer
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens)
         channel = StepChannel(self.rt.tp, self.rt.device) if self.rt.tp.size > 1 else None
@@ -74,11 +57,12 @@ class Engine:
         if config.cuda_graphs and self.rt.device.type == "cuda":
             self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
         self.stop_checker = StopChecker(self.tokenizer, self.rt.eos_token_ids)
-        self.counters = EngineCounters()
+        self._counters = EngineCounters()     # this engine's own: a step adds its figures
+        self.info = engine_info(self.rt, config, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
-                                       self.max_model_len, config.seed, self.counters, self.grammars)
+                                       self.max_model_len, config.seed, self.grammars)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
         _quiet_gc()
@@ -102,9 +86,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.outputs.has_finished or bool(self._in_flight) or self.scheduler.has_unfinished()
 
+    def counters(self) -> EngineCounters:
+        """The totals so far, a frozen snapshot: subtract an earlier one for what ran since."""
+        return self._counters
+
     def reset_counters(self) -> None:
-        """Zero the counters in place (the output processor shares the object), e.g. after a warm-up."""
-        vars(self.counters).update(vars(EngineCounters()))
+        """Start the totals from zero, e.g. after a warm-up."""
+        self._counters = EngineCounters()
 
     def add_request(self, req: Request) -> None:
         self.outputs.add(req)
@@ -140,17 +128,22 @@ class Engine:
         launched = self.runner.launch(sched)
         launched_at = time.perf_counter()
         self.scheduler.finish_step(sched)
-        self._account(sched, launched.out)
-        self.outputs.on_scheduled(sched, start)
+        cached, computed = self.outputs.on_scheduled(sched, start)
         if sched.chunks:
             self._in_flight.append((sched, launched))
-        waited = self._complete_oldest() if self._oldest_is_due(sched) else 0.0
+        done = self._complete_oldest() if self._oldest_is_due(sched) else _NOTHING_DONE
+        mask_s = done.mask_s
         if self._in_flight and self._in_flight[-1][1].awaits_mask:
-            self._sample_masked(self._in_flight[-1][1])
+            mask_s += self._sample_masked(self._in_flight[-1][1])
         if self._left_in_flight(sched):
             self._expect_tokens(sched)
-        self.counters.schedule_s += scheduled - start
-        self.counters.process_s += time.perf_counter() - launched_at - waited   # all bookkeeping after the launch
+        out = done.out
+        self._counters += EngineCounters(
+            steps=1, tokens_computed=sched.num_tokens, prompt_tokens_computed=computed, prompt_tokens_cached=cached,
+            generated_tokens=done.generated, preemptions=len(sched.preempted), graph_steps=int(launched.out.graphed),
+            schedule_s=scheduled - start, prepare_s=out.prepare_s, forward_s=out.forward_s, sample_s=out.sample_s,
+            wait_s=out.wait_s, mask_s=mask_s,
+            process_s=time.perf_counter() - launched_at - out.wait_s)    # all bookkeeping after the launch
         return self.outputs.take_finished()
 
     # --- the pipeline ------------------------------------------------------------------------
@@ -167,31 +160,26 @@ class Engine:
         next schedule runs before its samples are known."""
         return bool(self._in_flight) and self._in_flight[-1][0] is sched
 
-    def _complete_oldest(self) -> float:
-        """Waits for the oldest launched step and processes its results; returns the seconds waited."""
+    def _complete_oldest(self) -> _Done:
+        """Waits for the oldest launched step and processes its results."""
         sched, launched = self._in_flight.popleft()
-        if launched.awaits_mask:                 # without async scheduling: the step just launched
-            self._sample_masked(launched)
+        mask_s = self._sample_masked(launched) if launched.awaits_mask else 0.0   # without async: the step just launched
         out = self.runner.collect(launched)
-        self.outputs.process(sched, out)
-        c = self.counters
-        c.prepare_s += out.prepare_s
-        c.forward_s += out.forward_s
-        c.sample_s += out.sample_s
-        c.wait_s += out.wait_s
-        return out.wait_s
+        generated = self.outputs.process(sched, out)
+        return _Done(out, generated, mask_s)
 
-    def _sample_masked(self, launched: LaunchedStep) -> None:
+    def _sample_masked(self, launched: LaunchedStep) -> float:
         """Fills the grammar bitmask of a launched step's rows (every earlier step is processed, so each
         matcher has seen its sequence's tokens) and lets the runner sample. Rows that stopped since
         their launch get no mask: their token is dropped; nor do rows still reasoning (the
-        constraint is on the answer)."""
+        constraint is on the answer). Returns the seconds the mask took."""
         t0 = time.perf_counter()
         _, seqs, _ = launched.masked
         mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED and s.constrained_from(s.num_tokens)
                                    else None for s in seqs])
-        self.counters.mask_s += time.perf_counter() - t0
+        mask_s = time.perf_counter() - t0
         self.runner.sample_masked(launched, mask)
+        return mask_s
 
     def _expect_tokens(self, sched: SchedulerOutput) -> None:
         """A placeholder for each sequence sampling in the step in flight that goes on after its
@@ -202,12 +190,24 @@ class Engine:
                     and self.stop_checker.may_continue(seq, self.max_model_len)):
                 seq.expect_token()
 
-    def _account(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        c = self.counters
-        c.steps += 1
-        c.graph_steps += out.graphed
-        c.preemptions += len(sched.preempted)
-        c.tokens_computed += sched.num_tokens
+class _Done(NamedTuple):
+    """A processed step: the runner's figures, the tokens it generated, the seconds its mask took."""
+    out: RunnerOutput
+    generated: int
+    mask_s: float
+
+
+_NOTHING_DONE = _Done(RunnerOutput(), 0, 0.0)
+
+
+def engine_info(rt: EngineRuntime, config: EngineConfig, max_len: int) -> EngineInfo:
+    mc = rt.model_config
+    return EngineInfo(source=rt.source, device=str(rt.device), device_type=rt.device.type, dtype=str(rt.dtype),
+                      kv_dtype=str(rt.kv_dtype), max_model_len=max_len, max_num_seqs=rt.max_num_seqs,
+                      max_num_batched_tokens=rt.max_num_batched_tokens, num_blocks=rt.num_blocks,
+                      block_size=config.block_size, weight_bytes=rt.weight_bytes, load_s=rt.load_s,
+                      hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, pooling=rt.pooling,
+                      generation=rt.generation)
 
 
 def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:

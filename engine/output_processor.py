@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.constraints import Grammars, advance, grammar_error
 from engine.kv_manager import KVCacheManager
@@ -33,8 +32,6 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SeqKind, Sequence, Status
 from engine.stop import StopChecker
 
-if TYPE_CHECKING:
-    from engine.engine import EngineCounters
 
 
 @dataclass
@@ -56,12 +53,11 @@ class _RequestState:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, stop_checker: StopChecker, model_config,
-                 max_model_len: int, seed: int, counters: EngineCounters, grammars: Grammars | None = None):
+                 max_model_len: int, seed: int, grammars: Grammars | None = None):
         self.scheduler, self.kv, self.stop_checker = scheduler, kv, stop_checker
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.seed = seed
-        self.counters = counters
         self.grammars = grammars
         self._states: dict[str, _RequestState] = {}       # by request id, until its output is taken
         self._seq_state: dict[int, _RequestState] = {}    # by seq_id, while the sequence lives
@@ -107,9 +103,10 @@ class OutputProcessor:
         self._track(seq, state)
         self.scheduler.add(seq)
 
-    def on_scheduled(self, sched: SchedulerOutput, step_start: float) -> None:
-        """A step was launched: its requests' first scheduling time, cached and computed prompt tokens."""
-        c = self.counters
+    def on_scheduled(self, sched: SchedulerOutput, step_start: float) -> tuple[int, int]:
+        """A step was launched: its requests' first scheduling time. Returns its prompt tokens found
+        cached and computed."""
+        cached = computed = 0
         # decodes change neither: their sequence was scheduled before, and they are past its prompt
         for chunk in sched.chunks[sched.num_decodes:]:
             seq = chunk.seq
@@ -117,13 +114,14 @@ class OutputProcessor:
             if state.first_scheduled is None:
                 state.first_scheduled = step_start
                 state.cached_tokens = seq.num_cached_tokens
-                c.prompt_tokens_cached += seq.num_cached_tokens
-            c.prompt_tokens_computed += max(0, min(chunk.end, state.prompt_tokens) - chunk.start)
+                cached += seq.num_cached_tokens
+            computed += max(0, min(chunk.end, state.prompt_tokens) - chunk.start)
+        return cached, computed
 
-    def process(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+    def process(self, sched: SchedulerOutput, out: RunnerOutput) -> int:
         """Applies a collected step's results to the sequences it ran. Changes sequences, the scheduler's
-        queues and the KV blocks (finishes, forks, branches)."""
-        now = time.perf_counter()
+        queues and the KV blocks (finishes, forks, branches). Returns the tokens it generated."""
+        now, generated = time.perf_counter(), 0
         for chunk in sched.chunks:
             seq = chunk.seq
             if seq.status is Status.FINISHED:     # stopped by the step before (async): this token is dropped
@@ -142,7 +140,8 @@ class OutputProcessor:
             elif seq.kind is SeqKind.CANDIDATES:
                 self._branch_candidates(seq, state, out.candidate_first[seq.seq_id])
             else:
-                self._sampled(seq, state, out.sampled[seq.seq_id], out.sample_logprobs[seq.seq_id])
+                generated += self._sampled(seq, state, out.sampled[seq.seq_id], out.sample_logprobs[seq.seq_id])
+        return generated
 
     # --- sequences ----------------------------------------------------------------------------
 
@@ -180,19 +179,21 @@ class OutputProcessor:
         self._untrack(seq, state)
 
     def _sampled(self, seq: Sequence, state: _RequestState, tokens: list[int],
-                 logprobs: list[TokenLogprob | None]) -> None:
-        """A GENERATE sequence's draws: the first is its own; the others (n > 1, first event only) fork."""
+                 logprobs: list[TokenLogprob | None]) -> int:
+        """A GENERATE sequence's draws: the first is its own; the others (n > 1, first event only) fork.
+        Returns the tokens appended."""
+        forks = 0
         if seq.draws > 1:
-            self._fork_samples(seq, state, tokens[1:], logprobs[1:])
+            forks = self._fork_samples(seq, state, tokens[1:], logprobs[1:])
             seq.draws = 1
         self._append(seq, state, tokens[0], logprobs[0])
+        return 1 + forks
 
     def _append(self, seq: Sequence, state: _RequestState, token: int, logprob: TokenLogprob | None) -> None:
         if seq.append_token(token):
             self.kv.register_resolved(seq)      # the block that token completes can be hashed now
         if logprob is not None:
             seq.logprobs.append(logprob)
-        self.counters.generated_tokens += 1
         reason = self._grammar_end(seq, token) or self.stop_checker.check(seq, self.max_model_len)
         if reason == "error":       # a finish_reason "error" always comes with the request's error
             state.error = state.error or grammar_error(seq.matcher)
@@ -236,13 +237,16 @@ class OutputProcessor:
         self.scheduler.finish(parent, "stop")
         self._untrack(parent, state)
 
-    def _fork_samples(self, parent: Sequence, state: _RequestState, tokens, logprobs) -> None:
+    def _fork_samples(self, parent: Sequence, state: _RequestState, tokens, logprobs) -> int:
+        """A child for each further draw, holding it; returns how many."""
+        k = 0
         for k, (tok, lp) in enumerate(zip(tokens, logprobs), start=1):
             child = parent.fork(parent.sample_index + k)
             if parent.matcher is not None:     # the parent has not taken its own draw yet
                 child.matcher = parent.matcher.deep_copy()
             self._spawn(parent, child, state)
             self._append(child, state, tok, lp)
+        return k
 
     def _spawn(self, parent: Sequence, child: Sequence, state: _RequestState) -> None:
         self._track(child, state)

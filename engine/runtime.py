@@ -16,6 +16,7 @@ from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
 from engine.embedding_config import CheckpointPooling
 from engine.generation_config import GenerationDefaults
+from engine.info import Tokenizer
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
@@ -35,7 +36,7 @@ BATCH_LIMITS = {"cuda": (1024, 8192), "cpu": (256, 2048)}
 class EngineRuntime:
     model: CausalLM
     model_config: ModelConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype

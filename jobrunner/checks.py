@@ -108,9 +108,7 @@ def check_not_empty(cfg: JobConfig, fmt: str) -> None:
 
 
 def load_engine(cfg: JobConfig):
-    from engine.config import ConfigError
-    from engine.engine import Engine
-    from engine.errors import ModelError
+    from engine import ConfigError, Engine, ModelError
     from jobrunner.models import describe
     from jobrunner.parallel.world import check_gpus
     check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named

@@ -309,7 +309,7 @@ def models(ctx):
 @click.argument("name")
 def pull(name):
     """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache."""
-    from engine.errors import ModelError
+    from engine import ModelError
     from jobrunner.models import pull as pull_model
     try:
         path = pull_model(name)

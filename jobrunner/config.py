@@ -11,10 +11,10 @@ import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
-from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 # sampling options that, left unset, take the model's generation_config.json value
-from engine.generation_config import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS
-from engine.request import POOLINGS, SamplingParams
+from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS
+from engine import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
 from jobrunner.constraint_options import job_constraint, validate_constraint_options
 from jobrunner.models import DEFAULT_MODEL
@@ -137,7 +137,7 @@ class JobConfig:
     def engine_config(self) -> EngineConfig:
         """The engine's configuration. A known model name becomes its local file here, pulled into
         the cache on first use (jobrunner.models: this may download); JobConfigError when it can't."""
-        from engine.errors import ModelError
+        from engine import ModelError
         from jobrunner.models import resolve_model
         try:
             model = resolve_model(self.model)

@@ -7,7 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from engine.request import Constraint
+from engine import Constraint
 from jobs.schema_check import SCHEMA_MODES, with_mode
 
 # JobConfig field -> its option
@@ -59,7 +59,7 @@ def job_constraint(cfg) -> Constraint | None:
 def check_job_constraint(cfg) -> None:
     """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
     JobConfigError naming the option and the problem."""
-    from engine.constraints import check_constraint
+    from engine import check_constraint
     c = job_constraint(cfg)
     if c is None:
         return

@@ -9,7 +9,7 @@ finished leaders are kept for copies still to come.
 """
 from __future__ import annotations
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 
 
 class Dedup:

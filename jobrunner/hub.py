@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from engine.errors import ModelError
+from engine import ModelError
 
 __all__ = ["ALLOW_PATTERNS", "fetch", "is_hub_name", "parse"]
 

@@ -10,7 +10,7 @@ import signal
 from array import array
 from dataclasses import dataclass, replace
 
-from engine.errors import EngineFailure
+from engine import EngineCounters, EngineFailure
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
@@ -89,14 +89,13 @@ class Job:
             self.engine = None
             return
         self.engine = engine or checks.load_engine(cfg)
-        checks.check_dimensions(cfg, self.engine.rt.model_config)
+        checks.check_dimensions(cfg, self.engine.info)
         from jobrunner.openai_kinds import job_for
         from jobs import PromptBuilder
         # unset sampling options: the checkpoint's; the context: for truncation
-        spec = replace(cfg.job_spec(self.engine.rt.generation.sampling),
-                       context=getattr(self.engine, "max_model_len", None))
+        spec = replace(cfg.job_spec(self.engine.info.generation.sampling), context=self.engine.info.max_model_len)
         try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
-            self.job = job_for(self.fmt, cfg, spec, self.engine.tokenizer, self.engine.rt.pooling, self.engine.config.model)
+            self.job = job_for(self.fmt, cfg, spec, self.engine.tokenizer, self.engine.info.pooling, self.engine.config.model)
         except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
             raise JobConfigError(str(e)) from None
         self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
@@ -110,17 +109,18 @@ class Job:
     def _manifest(self) -> dict:
         """What the output's manifest says about the job: its configuration, the model (a Hub model's
         repo and commit) and, for generation, which sampling values came from where."""
-        from jobrunner.models import model_record
-        cfg, rt = self.cfg, self.engine.rt
-        manifest = {"config": cfg.fingerprint_fields(), "model_source": rt.source, "dataset_format": self.fmt}
+        from jobrunner.models import describe, model_record
+        cfg, info = self.cfg, self.engine.info
+        manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.model, info.source),
+                    "dataset_format": self.fmt}
         if (hub := model_record(cfg.model, self.engine.config.model)) is not None:
             manifest["hub"] = hub       # repo, revision asked, commit resolved
         if cfg.kind == "generate":
-            manifest["sampling"] = cfg.sampling_sources(rt.generation.sampling)
-            if rt.generation.ignored:
-                manifest["generation_config_ignored"] = rt.generation.ignored
+            manifest["sampling"] = cfg.sampling_sources(info.generation.sampling)
+            if info.generation.ignored:
+                manifest["generation_config_ignored"] = info.generation.ignored
                 if self.rank == 0:
-                    for key, why in rt.generation.ignored.items():
+                    for key, why in info.generation.ignored.items():
                         log.warning("the model's generation_config.json: %s ignored (%s)", key, why)
         return manifest
 
@@ -140,7 +140,7 @@ class Job:
         self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
         self.progress = self.progress_factory(total=self._total_rows(), counters=engine.counters)
         self.reuse = self._reuse()
-        counters_before = dict(vars(engine.counters))   # an engine may serve several jobs
+        counters_before = engine.counters()   # an engine may serve several jobs
         lost = None
         try:
             interrupted = self._run_units()
@@ -170,7 +170,7 @@ class Job:
         code, why = self._exit_code(summary)
         return JobResult(code, summary, cfg.output_url, error=why)
 
-    def _lost(self, failure: Exception, counters_before: dict) -> JobResult:
+    def _lost(self, failure: Exception, counters_before: EngineCounters) -> JobResult:
         """The engine failed mid-job (EngineFailure): the rows written so far stay, the job ends with
         EXIT_FAILED and the result's `error` says why (the CLI prints it). A data-parallel worker re-raises, so that its process ends and its coordinator
         hands the rows it had not written to the workers left."""
@@ -188,7 +188,7 @@ class Job:
     def _run_units(self) -> bool:
         """Submit the units this worker claims and step the engine until all are done; True if interrupted."""
         engine = self.engine
-        max_in_flight = self.max_in_flight or max(2 * engine.rt.max_num_seqs, 64)
+        max_in_flight = self.max_in_flight or max(2 * engine.info.max_num_seqs, 64)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             for index, unit in enumerate(self._units()):
@@ -214,14 +214,14 @@ class Job:
                 signal.signal(s, h)
         return False
 
-    def _run_record(self, counters_before: dict, interrupted: bool) -> dict:
+    def _run_record(self, counters_before: EngineCounters, interrupted: bool) -> dict:
         """This run's own figures (time, throughput, engine counters, cost)."""
-        cfg, engine = self.cfg, self.engine
+        cfg, engine, info = self.cfg, self.engine, self.engine.info
         return self.stats.summary(
-            device=str(engine.rt.device), devices=cfg.tensor_parallel, model_weight_bytes=engine.rt.weight_bytes,
+            device=info.device, devices=cfg.tensor_parallel, model_weight_bytes=info.weight_bytes,
             quantization=engine.config.quantization, prefix=self.prefix,      # as resolved (auto)
-            engine_counters={k: v - counters_before[k] for k, v in vars(engine.counters).items()},
-            device_hourly_cost=cfg.device_hourly_cost, load_s=engine.rt.load_s, interrupted=interrupted)
+            engine_counters=(engine.counters() - counters_before).as_dict(),
+            device_hourly_cost=cfg.device_hourly_cost, load_s=info.load_s, interrupted=interrupted)
 
     def _exit_code(self, summary: dict) -> tuple[int, str | None]:
         """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
@@ -403,7 +403,7 @@ class Job:
         cfg, model = self.cfg, None
         if self.cache is not None:
             from jobrunner.cache import job_model_key
-            model = job_model_key(self.engine.config.model, self.engine.rt, self.engine.config.quantization,
+            model = job_model_key(self.engine.config.model, self.engine.info, self.engine.config.quantization,
                                   cfg.kv_cache_dtype)
         return Reuse(self.stats, cfg.kind, dedup=cfg.dedup, window_rows=WINDOW_ROWS, store=self.cache,
                      mode=cfg.cache_mode, model=model)

@@ -23,8 +23,7 @@ _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def check_model_split(model_config, size: int) -> None:
     """JobConfigError (exit 2) when the model's heads or MLP widths don't split over `size` ranks."""
-    from engine.config import ConfigError
-    from engine.parallel.shards import check_split
+    from engine import ConfigError, check_split
     try:
         check_split(model_config, size)
     except ConfigError as e:
@@ -33,10 +32,9 @@ def check_model_split(model_config, size: int) -> None:
 
 def split_lines(model_config, size: int) -> dict[str, str]:
     """What each of `size` ranks holds, in words (a rank's share; every rank holds the same)."""
-    from engine.parallel.group import TensorParallel
-    from engine.parallel.shards import ShardPlan
+    from engine import rank_plan
     mc = model_config
-    plan = ShardPlan(mc, TensorParallel(rank=0, size=size))
+    plan = rank_plan(mc, size)
     kv = "split" if mc.num_kv_heads >= size else f"replicated: each kept by {size // mc.num_kv_heads} ranks"
     lines = {
         "attention heads per rank": f"{plan.heads} of {mc.num_heads}",
@@ -61,10 +59,9 @@ def split_lines(model_config, size: int) -> dict[str, str]:
 
 def weight_bytes_per_rank(model_config, size: int, float_bytes: int, quantization: str) -> int:
     """Estimated weight bytes one of `size` ranks holds (size 1: the whole model)."""
-    from engine.parallel.group import TensorParallel
-    from engine.parallel.shards import ShardPlan
+    from engine import rank_plan
     mc = model_config
-    plan = ShardPlan(mc, TensorParallel(rank=0, size=size))
+    plan = rank_plan(mc, size)
     linear_b, embed_b = _QUANT_BYTES.get(quantization.split(":")[0], (None, None))
     linear_b, embed_b = linear_b or float_bytes, embed_b or float_bytes
     h, d = mc.hidden_size, mc.head_dim
@@ -143,7 +140,7 @@ def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
                          if ok else f"no: {_gib(per_rank)} of weights per GPU, {_gib(free[tight][0])} free on "
                          f"cuda:{tight}; raise --tensor-parallel or quantize (--quantization int8, int4 or fp8)")
         return lines
-    from engine.config import CPU_KV_CACHE_BYTES
+    from engine import CPU_KV_CACHE_BYTES
     processes = size * data_parallel_size(cfg)
     avail, total = _host_memory()
     if avail is None:

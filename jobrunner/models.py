@@ -26,8 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import cache_root
-from engine.errors import ModelError
+from engine import ModelError, cache_root
 from jobrunner import hub
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "KnownModel", "cache_root", "describe", "known_models", "model_path",
@@ -119,7 +118,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
         return model
     if hub.is_hub_name(model):
         return str(hub.fetch(model))
-    from engine.loader import DUMMY_CONFIGS
+    from engine import DUMMY_CONFIGS
     raise ModelError(
         f"model {model!r} is not a known model name, an existing path or a reachable URL. "
         f"Known models: {', '.join(sorted(KNOWN_MODELS))}; or a Hugging Face Hub name (org/name[@revision]); "

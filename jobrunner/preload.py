@@ -36,9 +36,9 @@ def check_empty(cfg: JobConfig, fmt: str) -> None:
 def _generation_defaults(model: str) -> dict | None:
     """The checkpoint's sampling defaults (engine.generation_config), {} when it has none (GGUF,
     a built-in dummy), None when finding out would cost more than a small read."""
-    from engine.errors import ModelError
-    from engine.generation_config import GenerationDefaults
-    from engine.loader import DUMMY_CONFIGS
+    from engine import ModelError
+    from engine import GenerationDefaults
+    from engine import DUMMY_CONFIGS
     from jobrunner.models import resolve_model
     from jobrunner.storage import url_fs
     try:
@@ -99,7 +99,7 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
 def _check_same_model(cfg: JobConfig) -> None:
     """A Hub model's branch that moved since the output was written is refused, as when the model
     is loaded (checks.check_same_commit): the output is another commit's."""
-    from engine.errors import ModelError
+    from engine import ModelError
     from jobrunner import checks, hub
     from jobrunner.models import model_record, resolve_model
     if not hub.is_hub_name(cfg.model):

@@ -11,12 +11,13 @@ LOG_EVERY_S = 30.0
 
 class Progress:
     """tokens/s counts every token the engine computes as it computes it (`counters`: the engine's
-    EngineCounters; a long prompt's prefill shows before its row ends), else finished rows' tokens."""
+    `counters()`, a snapshot of its EngineCounters; a long prompt's prefill shows before its row ends),
+    else finished rows' tokens."""
 
     def __init__(self, total: int | None, counters=None):
         self.total = total
         self.counters = counters
-        self.computed_before = counters.tokens_computed if counters is not None else 0   # an engine serves many jobs
+        self.computed_before = counters().tokens_computed if counters is not None else 0   # an engine serves many jobs
         self.bar = None
         self.last_log = time.time()
         self.start = time.time()
@@ -28,7 +29,7 @@ class Progress:
         done = stats.rows + stats.rows_skipped
         tokens = stats.prompt_tokens + stats.completion_tokens
         if self.counters is not None:
-            tokens = self.counters.tokens_computed - self.computed_before
+            tokens = self.counters().tokens_computed - self.computed_before
         elapsed = max(time.time() - self.start, 1e-9)
         if self.bar is not None:
             self.bar.n = done

@@ -20,8 +20,7 @@ def flops_per_token(mc) -> float:
 def validate_job(cfg: JobConfig) -> dict:
     import torch
 
-    from engine.errors import ModelError
-    from engine.loader import load_model_bundle
+    from engine import ModelError, load_model_bundle
     from jobrunner.dataset import read_rows
     from jobrunner.models import describe, resolve_model
     from jobrunner.openai_kinds import job_for

@@ -34,7 +34,7 @@ def _decode_mode(mode: str):
 def warmup(cfg: JobConfig) -> dict:
     """Loads the job's model (converting it once if it needs converting) and, on CPU, decodes two tokens
     with the in-place attention asked for, which builds its package when absent. Returns the figures."""
-    from engine.request import Request, SamplingParams
+    from engine import Request, SamplingParams
     from jobrunner import checks
 
     t0 = time.perf_counter()

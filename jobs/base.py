@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from engine.request import SamplingParams
+from engine import SamplingParams, Tokenizer
 from jobs.messages import join_text_parts
 from jobs.spec import JobSpec
 from jobs.template import unescape
@@ -25,7 +25,7 @@ def is_embeddings_row(data: dict) -> bool:
 class PromptBuilder:
     """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw."""
 
-    def __init__(self, spec: JobSpec, tokenizer, template=None):
+    def __init__(self, spec: JobSpec, tokenizer: Tokenizer, template=None):
         self.spec = spec.prompt
         self.tokenizer = tokenizer
         self.template = template                     # jobs.template.PromptTemplate or None
@@ -72,7 +72,7 @@ class PromptBuilder:
         if msgs is None:
             text = self.text(data)
             return (f"{self.system}\n\n{text}" if self.system else text), True
-        if not getattr(self.tokenizer, "has_chat_template", False):
+        if not self.tokenizer.has_chat_template:
             raise RowError("messages need a chat template, and this model has none")
         kwargs = dict(self.spec.chat_template_kwargs)
         if isinstance(data.get("params"), dict):          # an OpenAI batch row's own chat_template_kwargs win
@@ -87,14 +87,14 @@ class PromptBuilder:
         return text, self.tokenizer.encode(text, add_special_tokens=special)
 
 
-def uses_chat(spec: JobSpec, tokenizer) -> bool:
+def uses_chat(spec: JobSpec, tokenizer: Tokenizer) -> bool:
     """Whether a plain prompt goes through the chat template: --chat/--no-chat when given; else
     generate does when the model has one, and classify and score score raw text, as lm-eval
     (no chat template by default) and vLLM's prompt logprobs do. Messages (a --messages-column,
     an OpenAI batch chat row) always go through it: see PromptBuilder.messages."""
     if spec.prompt.chat is not None:
         return spec.prompt.chat
-    return spec.kind == "generate" and bool(getattr(tokenizer, "has_chat_template", False))
+    return spec.kind == "generate" and tokenizer.has_chat_template
 
 
 def _check_messages(value: Any) -> list[dict]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 
-from engine.request import Request, RequestOutput, SamplingParams
+from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError, uses_chat
 from jobs.metrics import ClassificationMetrics
 from jobs.spec import JobSpec

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from engine.request import Constraint
+from engine import Constraint
 from jobs.base import RowError
 from jobs.schema_check import check_mode, with_mode
 

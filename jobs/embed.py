@@ -14,8 +14,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import replace
 
-from engine.embedding_config import CheckpointPooling
-from engine.request import Request, RequestOutput
+from engine import CheckpointPooling, Request, RequestOutput
 from jobs.base import RowError, is_embeddings_row
 from jobs.spec import JobSpec
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.request import Request, RequestOutput
+from engine import Request, RequestOutput
 from jobs.base import sampling_params
 from jobs.base import RowError
 from jobs.constraint import requested_constraint, row_constraint

@@ -7,7 +7,7 @@ and the OpenAI batch output (jobrunner.openai_response) read the same:
 """
 from __future__ import annotations
 
-from engine.request import TokenLogprob
+from engine import TokenLogprob
 
 
 class TokenSpeller:

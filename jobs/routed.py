@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.request import Request, RequestOutput
+from engine import Request, RequestOutput
 from jobs.base import RowError, is_embeddings_row
 from jobs.embed import EmbedJob
 from jobs.spec import EmbedSpec, JobSpec

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from engine.request import Request, RequestOutput, SamplingParams
+from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
 from jobs.spec import JobSpec
 

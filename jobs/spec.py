@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.embedding_config import CheckpointPooling
-from engine.request import POOLINGS, Constraint, EmbedParams, SamplingParams
+from engine import POOLINGS, CheckpointPooling, Constraint, EmbedParams, SamplingParams
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs

@@ -110,7 +110,7 @@ def test_wasted_work_is_one_token_per_stop(model):
     for mode in (False, True):
         engine = engine_for(model, async_scheduling=mode)
         outs = engine.generate(_requests(stop_at))
-        counts[mode] = engine.counters.tokens_computed
+        counts[mode] = engine.counters().tokens_computed
         stopped = sum(c.finish_reason == "stop" for o in outs if o.id == "stop-token" for c in o.completions)
     # a sequence that stops at step k computed one token in step k+1; a length stop costs nothing
     assert 0 <= counts[True] - counts[False] <= stopped
@@ -141,7 +141,7 @@ def test_prompt_logprobs_survive_preemption(model):
     for mode in (False, True):
         engine = engine_for(model, kv_cache_memory=TWELVE_BLOCKS, max_num_batched_tokens=16, async_scheduling=mode)
         outs = engine.generate(reqs())
-        assert engine.counters.preemptions > 0
+        assert engine.counters().preemptions > 0
         assert [len(o.prompt_logprobs) for o in outs] == [len(ids) - 1 for ids in batch]
         for o, r in zip(outs, ref):
             assert o.token_ids == r.token_ids

@@ -100,7 +100,7 @@ def test_grammar_eos_only_after_brace_through_preemption_n3_async(model, grammar
     engine = engine_with_tokenizer(model, kv_cache_memory=TWELVE_BLOCKS, max_num_batched_tokens=16,
                                    async_scheduling=True)
     outs = run(engine, Constraint("grammar", grammar), count=6, n=3, max_tokens=24)
-    assert engine.counters.preemptions > 0
+    assert engine.counters().preemptions > 0
     assert all(len(o.completions) == 3 for o in outs)
     for text in stopped_texts(outs):
         assert re.fullmatch(BRACED, text), text

@@ -83,7 +83,7 @@ def test_engine_matches_transformers(family):
     batch = _prompts()
     params = SamplingParams(max_tokens=N, ignore_eos=True, logprobs=0)
     outs = engine.generate([Request(str(i), ids, params) for i, ids in enumerate(batch)])
-    assert engine.counters.preemptions > 0 and sum(o.cached_tokens for o in outs) > 0
+    assert engine.counters().preemptions > 0 and sum(o.cached_tokens for o in outs) > 0
     for ids, out in zip(batch, outs):
         ref_tokens, ref_lps = hf_greedy(hf, ids, N)
         assert out.token_ids == ref_tokens, name

@@ -37,11 +37,11 @@ def test_seeded_sampling_ignores_batch_mates(engine):
 
 def test_n_samples_share_prompt_and_differ(engine):
     p = SamplingParams(max_tokens=10, temperature=1.0, seed=1, n=4, ignore_eos=True)
-    before = engine.counters.prompt_tokens_computed
+    before = engine.counters().prompt_tokens_computed
     out = engine.generate([Request("n", prompts(6, lengths=(20,))[0], p)])[0]
     assert [c.index for c in out.completions] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.completions}) > 1
-    assert engine.counters.prompt_tokens_computed - before == 20      # the prompt ran once for 4 samples
+    assert engine.counters().prompt_tokens_computed - before == 20      # the prompt ran once for 4 samples
     assert out.completion_tokens == 40
 
 
@@ -75,8 +75,8 @@ def test_candidate_scores_match_transformers_and_prompt_runs_once(model):
         ref = hf_logprobs(model, ids + cand)[len(ids) - 1:]
         assert len(lps) == len(cand)
         assert abs(sum(lps) - sum(ref)) < 1e-3
-    assert engine.counters.prompt_tokens_computed == len(ids)
-    assert engine.counters.tokens_computed == len(ids) + sum(len(c) - 1 for c in cands)
+    assert engine.counters().prompt_tokens_computed == len(ids)
+    assert engine.counters().tokens_computed == len(ids) + sum(len(c) - 1 for c in cands)
 
 
 def test_bad_requests_finish_with_errors_not_exceptions(engine):

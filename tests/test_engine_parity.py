@@ -48,7 +48,7 @@ def test_preemption_happens_under_tiny_budget():
     engine = engine_for(model, kv_cache_memory=2 * 2 * 2 * 16 * 16 * 4 * 12)
     batch = prompts(3, lengths=(40, 40, 40))
     outs = _run(engine, batch, 40)
-    assert engine.counters.preemptions > 0
+    assert engine.counters().preemptions > 0
     assert all(o.completion_tokens == 40 and o.error is None for o in outs)
 
 
@@ -59,7 +59,7 @@ def test_prefix_cache_hits_and_same_output():
     engine = engine_for(model)
     outs = _run(engine, batch, 8)
     assert [o.cached_tokens for o in outs] == [0, 32, 32]   # admitted together: computed once, shared
-    assert engine.counters.prompt_tokens_computed == sum(map(len, batch)) - 64
+    assert engine.counters().prompt_tokens_computed == sum(map(len, batch)) - 64
     ref = [hf_greedy(model, ids, 8)[0] for ids in batch]
     assert [o.token_ids for o in outs] == ref
 
@@ -80,4 +80,4 @@ def test_shared_prefixes_with_chunked_prefill_and_partial_blocks(budget):
         for o, r in zip(outs, ref):
             got, want = [x.logprob for x in o.completions[0].logprobs], [x.logprob for x in r.completions[0].logprobs]
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
-    assert engine.counters.prompt_tokens_cached > 0
+    assert engine.counters().prompt_tokens_cached > 0

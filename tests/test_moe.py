@@ -88,7 +88,7 @@ def test_greedy_and_logprobs_match_transformers(moe_model):
     engine = _engine(path, max_num_batched_tokens=6, kv_cache_memory=per_block * 9, max_num_seqs=4)
     outs = engine.generate([Request(str(i), ids, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0))
                             for i, ids in enumerate(batch)])
-    assert engine.counters.preemptions > 0
+    assert engine.counters().preemptions > 0
     assert sum(o.cached_tokens for o in outs) > 0
     for ids, out in zip(batch, outs):
         ref_tokens, ref_lps = hf_greedy(hf, ids, 32)

@@ -208,7 +208,7 @@ def test_progress_counts_tokens_computed_before_any_row_ends(monkeypatch, caplog
     from jobrunner.stats import JobStats
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     counters = SimpleNamespace(tokens_computed=100)
-    p = progress.Progress(total=1, counters=counters)
+    p = progress.Progress(total=1, counters=lambda: counters)     # the engine's counters(): a snapshot
     p.bar = None
     counters.tokens_computed += 5000          # a prefill chunk ran; no row finished
     with caplog.at_level(logging.INFO, logger="jobrunner"):

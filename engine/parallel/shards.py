@@ -78,6 +78,11 @@ def check_split(cfg: ModelConfig, size: int, moe_split: str = "auto") -> None:
                           f"split evenly over {size} ranks; choose a tensor-parallel size that divides them")
 
 
+def rank_plan(cfg: ModelConfig, size: int) -> ShardPlan:
+    """What one of `size` ranks holds of a model (every rank holds as much): rank 0's plan."""
+    return ShardPlan(cfg, TensorParallel(rank=0, size=size))
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     cfg: ModelConfig

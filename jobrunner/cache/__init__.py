@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from engine import EngineInfo
+
 log = logging.getLogger("jobrunner")
 
 CACHE_MODES = ("read-write", "read-only", "write-only", "refresh")
@@ -32,7 +34,7 @@ def open_store(url: str | None):
         raise ValueError(f"--cache {url}: cannot open it ({e})") from None
 
 
-def job_model_key(model: str, rt, quantization: str, kv_cache_dtype: str) -> bytes | None:
+def job_model_key(model: str, info: EngineInfo, quantization: str, kv_cache_dtype: str) -> bytes | None:
     """The model's part of every cache key (checkpoint content and numeric mode); None, with a
     warning, when the checkpoint cannot be identified (then nothing is cached)."""
     import torch
@@ -44,7 +46,7 @@ def job_model_key(model: str, rt, quantization: str, kv_cache_dtype: str) -> byt
     except Exception as e:  # noqa: BLE001 - an unidentifiable model is never cached, never fatal
         log.warning("result cache off: cannot identify the model %s (%s)", model, e)
         return None
-    numeric_mode = {"dtype": str(rt.dtype), "kv_dtype": str(rt.kv_dtype), "kv_cache_dtype": kv_cache_dtype,
-                    "quantization": quantization, "device": rt.device.type,
+    numeric_mode = {"dtype": info.dtype, "kv_dtype": info.kv_dtype, "kv_cache_dtype": kv_cache_dtype,
+                    "quantization": quantization, "device": info.device_type,
                     "torch": ".".join(torch.__version__.split(".")[:2])}
     return model_key(checkpoint, numeric_mode)

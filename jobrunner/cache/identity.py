@@ -40,7 +40,7 @@ def checkpoint_identity(model: str) -> dict:
 
 
 def _dummy_identity(spec: str) -> dict:
-    from engine.loader import DUMMY_CONFIGS
+    from engine import DUMMY_CONFIGS
     if spec in DUMMY_CONFIGS:
         return {"builtin": spec, "config": DUMMY_CONFIGS[spec]}
     fs, path = url_fs(spec)

@@ -17,7 +17,7 @@ import json
 from array import array
 from dataclasses import asdict, fields, is_dataclass
 
-from engine.request import Request, SamplingParams
+from engine import Request, SamplingParams
 
 KEY_BYTES = 16
 # Request fields that never change a result: the row id, and the prompt text (the token ids decide).
@@ -33,7 +33,7 @@ def is_deterministic(req: Request) -> bool:
 
 def model_key(checkpoint: dict, numeric_mode: dict) -> bytes:
     """The model's part of every key: its checkpoint identity and the engine's numeric mode."""
-    from engine.numerics import NUMERICS_VERSION
+    from engine import NUMERICS_VERSION
     text = _canonical({"checkpoint": checkpoint, "numerics": {**numeric_mode, "version": NUMERICS_VERSION}})
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 

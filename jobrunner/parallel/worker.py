@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import replace
 
-from engine.errors import EngineFailure
+from engine import EngineFailure
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE, Job
 from jobrunner.parallel import protocol
@@ -45,7 +45,7 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
     except JobConfigError as e:
         protocol.set_loaded(store, rank, error=str(e))
         return EXIT_CONFIG
-    protocol.set_loaded(store, rank, device=str(engine.rt.device))
+    protocol.set_loaded(store, rank, device=engine.info.device)
     try:
         for r in itertools.count():
             rnd = protocol.wait_round(store, r, stop)
@@ -106,7 +106,7 @@ class _WorkerJob(Job):
 def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list, members: int) -> None:
     claim = _Claim(store, r, slot, members)     # members: this round's workers
     job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
-    job.max_in_flight = engine.rt.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
+    job.max_in_flight = engine.info.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
     job.progress_factory = lambda total, counters=None: _StoreProgress(store, r, rank, total)
     try:
         job.prepare(engine=engine)
@@ -116,7 +116,7 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
     protocol.set_ready(store, r, rank, manifest=job.manifest)
     protocol.wait_go(store, r, stop)
     t0 = time.time()
-    payload = {"rank": rank, "slot": slot, "round": r, "device": str(engine.rt.device), "error": None}
+    payload = {"rank": rank, "slot": slot, "round": r, "device": engine.info.device, "error": None}
     try:
         result = job.run()
         payload.update(exit_code=result.exit_code, summary=result.stats)
