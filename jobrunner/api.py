@@ -257,7 +257,7 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
     from jobrunner.job import Job
     key = replace(cfg.engine_config(), num_threads=None)   # threads follow the machine's load; results do not
     engine = _engine_cache.get(key) if reuse_engine else None
-    if engine is not None and cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
+    if engine is not None and cfg.chat and not engine.tokenizer.has_chat_template:
         raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
     if engine is None and _engine_cache:
         clear_engine_cache()        # before loading another: one engine at a time

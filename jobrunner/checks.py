@@ -117,13 +117,13 @@ def load_engine(cfg: JobConfig):
         engine = Engine(config)
     except (ModelError, ConfigError) as e:
         raise JobConfigError(str(e)) from None
-    rt = engine.rt
-    rt.source = describe(cfg.model, rt.source)     # logs and the manifest name a known model and its file
-    threads = f", {config.num_threads} threads" if rt.device.type == "cpu" else ""
+    info = engine.info
+    threads = f", {config.num_threads} threads" if info.device_type == "cpu" else ""
     split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""
-    log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs", rt.source, rt.device, split,
-             threads, str(rt.dtype).removeprefix("torch."), rt.num_blocks, cfg.block_size, rt.load_s)
-    if cfg.chat and not getattr(engine.tokenizer, "has_chat_template", False):
+    log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
+             describe(cfg.model, info.source), info.device, split, threads, info.dtype.removeprefix("torch."),
+             info.num_blocks, cfg.block_size, info.load_s)
+    if cfg.chat and not engine.tokenizer.has_chat_template:
         engine.close()
         raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
     return engine
@@ -160,7 +160,7 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
     schema = None
     if job is not None:
         from jobrunner.result_schema import result_schema
-        schema = result_schema(cfg.dataset, cfg.format, cfg.id_column, job, engine.rt.model_config.hidden_size)
+        schema = result_schema(cfg.dataset, cfg.format, cfg.id_column, job, engine.info.hidden_size)
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
                           part_prefix=part_prefix, flush_seconds=cfg.flush_seconds, schema=schema)

@@ -36,14 +36,15 @@ def warmup(cfg: JobConfig) -> dict:
     with the in-place attention asked for, which builds its package when absent. Returns the figures."""
     from engine import Request, SamplingParams
     from jobrunner import checks
+    from jobrunner.models import describe
 
     t0 = time.perf_counter()
     engine = checks.load_engine(cfg)
     try:
         loaded = time.perf_counter() - t0
-        device = engine.rt.device
-        figures = {"model": engine.rt.source, "device": str(device), "load_s": round(loaded, 1)}
-        if device.type != "cpu" or os.environ.get("JOBRUNNER_CPU_DECODE") == "gather":
+        info = engine.info
+        figures = {"model": describe(cfg.model, info.source), "device": info.device, "load_s": round(loaded, 1)}
+        if info.device_type != "cpu" or os.environ.get("JOBRUNNER_CPU_DECODE") == "gather":
             return figures
         log.info("building the in-place CPU decode attention for this model if it is not built yet "
                  "(minutes, once per torch version, CPU and model shape)")
