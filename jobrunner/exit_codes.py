@@ -34,3 +34,16 @@ def rows_verdict(cfg, summary: dict, output: str, run_rows: int, options: str = 
         return EXIT_ERROR_RATE, (f"every row failed ({failed} of {rows}){earlier}: see the `error` column; "
                                  f"{allow} exits 0 for such a job")
     return EXIT_OK, None
+
+
+def empty_verdict(cfg, code: int) -> int:
+    """A job that read no row: a warning (in a cron job an upstream failure looks like success), or
+    with --fail-on-empty EXIT_CONFIG (the pre-flight checks find most empty datasets before this)."""
+    from jobrunner import checks
+    from jobrunner.config import JobConfigError
+    try:
+        checks.on_empty_dataset(cfg)
+    except JobConfigError as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
+    return code

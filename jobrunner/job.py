@@ -14,7 +14,8 @@ from engine import EngineCounters, EngineFailure
 from jobrunner.columns import input_names, reserved_columns
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
-    EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, rows_verdict)
+    EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, empty_verdict, rows_verdict)
+from jobrunner.job_manifest import job_manifest
 from jobrunner.idset import IdSet
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
@@ -102,27 +103,9 @@ class Job:
         self.reserved = reserved_columns(self.job.result_columns)
         self._input_names: dict[tuple, dict[str, str]] = {}
         prefix = "part" if self.world == 1 else f"part-r{self.rank}"
-        self.manifest = self._manifest()
+        self.manifest = job_manifest(cfg, self.engine.info, self.engine.config.model, self.fmt, self.rank)
         checks.check_same_commit(cfg, self.manifest)
         self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, prefix, self.job, self.engine)
-
-    def _manifest(self) -> dict:
-        """What the output's manifest says about the job: its configuration, the model (a Hub model's
-        repo and commit) and, for generation, which sampling values came from where."""
-        from jobrunner.models import describe, model_record
-        cfg, info = self.cfg, self.engine.info
-        manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.model, info.source),
-                    "dataset_format": self.fmt}
-        if (hub := model_record(cfg.model, self.engine.config.model)) is not None:
-            manifest["hub"] = hub       # repo, revision asked, commit resolved
-        if cfg.kind == "generate":
-            manifest["sampling"] = cfg.sampling_sources(info.generation.sampling)
-            if info.generation.ignored:
-                manifest["generation_config_ignored"] = info.generation.ignored
-                if self.rank == 0:
-                    for key, why in info.generation.ignored.items():
-                        log.warning("the model's generation_config.json: %s ignored (%s)", key, why)
-        return manifest
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -227,18 +210,8 @@ class Job:
         """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
         code, why = rows_verdict(self.cfg, summary, self.cfg.output_url, self.stats.rows)
         if not self.stats.rows and not self.stats.rows_skipped:     # no row read: an empty dataset
-            code = self._on_empty(code)
+            code = empty_verdict(self.cfg, code)
         return code, why
-
-    def _on_empty(self, code: int) -> int:
-        """Warn of an empty dataset; with --fail-on-empty, say so and exit 2."""
-        from jobrunner import checks
-        try:
-            checks.on_empty_dataset(self.cfg)
-        except JobConfigError as e:
-            log.error("%s", e)
-            return EXIT_CONFIG
-        return code
 
     def _on_signal(self, signum, frame):
         if self.stop_requested:          # a second Ctrl-C: stop at once
@@ -422,6 +395,9 @@ class Job:
     def _write_error(self, row, message: str) -> None:
         if self.rank != 0:
             return
+        line = (row.data or {}).get("line") if self.fmt == "openai-batch" else None
+        if line is not None and not message.startswith("line "):    # as the reader's own errors name it
+            message = f"line {line}: {message}"
         r = self._base(row)
         r.update(output=None, finish_reason="error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                  queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message, reused=False)

@@ -190,3 +190,17 @@ def test_reasoning_is_written_under_both_names_and_an_absent_answer_is_null(tmp_
                    "reasoning_content": "still thinking"}
     assert ChatCompletion.model_validate(lines["cut"]["response"]["body"]).choices[0].message.content is None
     assert lines["plain"]["response"]["body"]["choices"][0]["message"] == {"role": "assistant", "content": "Answer"}
+
+
+def test_a_row_error_of_an_openai_line_names_its_line(engine, tmp_path):
+    """A line the kind refuses (a chat line under --kind embed) says which line, as the reader's errors do."""
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}]}},
+             {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "Hi"}}]
+    ds = _write(tmp_path, lines)
+    job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), kind="embed"))
+    job.prepare(engine=engine)
+    job.run()
+    from jobrunner.output import read_results
+    errors = {r["id"]: r["error"] for r in read_results(str(tmp_path / "out")).to_pylist()}
+    assert errors["emb"] is None and errors["chat"].startswith("line 1: ")

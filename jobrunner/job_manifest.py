@@ -1,0 +1,25 @@
+"""What an output's manifest says about the job that writes it."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("jobrunner")
+
+
+def job_manifest(cfg, info, engine_model: str, fmt: str, rank: int = 0) -> dict:
+    """The job's configuration (its resume fingerprint), the model (a Hub model's repo and commit) and,
+    for generation, which sampling values came from where; rank 0 warns of what the checkpoint's
+    generation_config.json says that we ignore."""
+    from jobrunner.models import describe, model_record
+    manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.model, info.source),
+                "dataset_format": fmt}
+    if (hub := model_record(cfg.model, engine_model)) is not None:
+        manifest["hub"] = hub       # repo, revision asked, commit resolved
+    if cfg.kind == "generate":
+        manifest["sampling"] = cfg.sampling_sources(info.generation.sampling)
+        if info.generation.ignored:
+            manifest["generation_config_ignored"] = info.generation.ignored
+            if rank == 0:
+                for key, why in info.generation.ignored.items():
+                    log.warning("the model's generation_config.json: %s ignored (%s)", key, why)
+    return manifest
