@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from jobrunner import checks
 from jobrunner.cli import main
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_OK, Job
+from jobrunner.job import EXIT_OK, Job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,10 +242,9 @@ def test_empty_dataset_warns_and_fail_on_empty_exits_2(tmp_path, tiny_engine, ca
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
         res = run_job(tiny_engine, dataset=empty, output=str(tmp_path / "o1"))
     assert res.exit_code == EXIT_OK and "has no rows" in caplog.text
-    caplog.clear()
-    # --fail-on-empty: found in the pre-flight checks, before any work (exit 2 on the command line)
-    with pytest.raises(JobConfigError, match="--fail-on-empty"):
+    with pytest.raises(JobConfigError, match="--fail-on-empty"):      # in prepare: exit 2, nothing written
         run_job(tiny_engine, dataset=empty, output=str(tmp_path / "o2"), fail_on_empty=True)
+    assert not (tmp_path / "o2").exists()
 
 
 def test_a_resumed_job_with_nothing_left_is_not_empty(tmp_path, tiny_engine, caplog):
@@ -269,11 +268,9 @@ def test_failed_rows_are_reported_without_max_error_rate(tmp_path, tiny_engine, 
 
 def test_fail_on_empty_on_the_command_line(tmp_path, caplog):
     empty = write_jsonl(tmp_path / "e.jsonl", [])
-    with caplog.at_level(logging.WARNING, logger="jobrunner"):
-        r = CliRunner().invoke(main, ["submit", empty, *TINY_OPTS, "-o", str(tmp_path / "o"), "--fail-on-empty"])
-    assert r.exit_code == 2 and "has no rows" in r.output and "--fail-on-empty" in r.output, r.output
+    r = CliRunner().invoke(main, ["submit", empty, *TINY_OPTS, "-o", str(tmp_path / "o"), "--fail-on-empty"])
+    assert r.exit_code == 2 and "has no rows" in r.output and not (tmp_path / "o").exists(), r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
-    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())     # nothing written
 
 
 # ---------------------------------------------------------------- Ctrl-C twice
