@@ -4,6 +4,7 @@ server (moto, as tests/test_cache_s3.py runs it). Skipped without s3fs and moto[
 import json
 import os
 import socket
+import urllib.request
 
 import pytest
 from click.testing import CliRunner
@@ -30,6 +31,8 @@ def server():
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     moto.start()
     endpoint = f"http://127.0.0.1:{port}"
+    # moto's backends are process-wide: another module's server may have left buckets behind
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
     fs.mkdir("jobs")
     fs.pipe_file("jobs/d.jsonl", json.dumps({"id": "a", "prompt": "hi"}).encode() + b"\n")
