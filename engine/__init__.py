@@ -25,6 +25,7 @@ from engine.kv_manager import common_prefix
 from engine.numerics import NUMERICS_VERSION
 from engine.request import (CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, Request, RequestOutput,
                             SamplingParams, TokenLogprob)
+from engine.sequence import last_index_of
 
 if TYPE_CHECKING:
     from engine.constraints import check_constraint
@@ -46,6 +47,7 @@ __all__ = ["CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERIC
            "SAMPLING_KEYS", "CheckpointPooling", "Completion", "ConfigError", "Constraint", "EmbedParams",
            "EngineConfig", "EngineCounters", "EngineFailure", "EngineInfo", "GenerationDefaults", "ModelError",
            "Request", "RequestOutput", "SamplingParams", "TokenLogprob", "Tokenizer", "cache_root", "common_prefix",
+           "last_index_of",
            *_LAZY]
 
 

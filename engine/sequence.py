@@ -223,11 +223,12 @@ def reasoning_end_in_prompt(prompt: list[int], start: tuple[int, ...], end: tupl
     Qwen3's template writes `<think>\n\n</think>` with enable_thinking off): the prompt's length; else
     None: generation starts inside the reasoning, whether the model opens it itself (Qwen3) or the
     template did (DeepSeek-R1, whose answers may lack the opening tag). vLLM's rule for both."""
-    last_end, last_start = _last_at(prompt, end), _last_at(prompt, start)
+    last_end, last_start = last_index_of(prompt, end), last_index_of(prompt, start)
     return len(prompt) if last_end is not None and (last_start is None or last_start < last_end) else None
 
 
-def _last_at(tokens: list[int], marker: tuple[int, ...]) -> int | None:
+def last_index_of(tokens: list[int], marker: tuple[int, ...]) -> int | None:
+    """Where the last occurrence of the token run `marker` starts in tokens; None if it never occurs."""
     m = list(marker)
     for i in range(len(tokens) - len(m), -1, -1):
         if tokens[i] == m[0] and tokens[i:i + len(m)] == m:

@@ -122,11 +122,17 @@ def _done_ids(output_url: str, at_least: int):
     from jobrunner.output.layout import PART_RE
     from jobrunner.output.values import id_key
     fs, root = storage.url_fs(output_url)
+    parts = [storage.join(root, name) for name in layout.names(fs, root) if PART_RE.match(name)]
+    rows = 0
+    for path in parts:          # footers first: a partial output (the usual resume) reads no id column here
+        with fs.open(path, "rb") as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    if rows < at_least:
+        return None
     done = IdSet()
-    for name in layout.names(fs, root):
-        if PART_RE.match(name):
-            with fs.open(storage.join(root, name), "rb") as f:
-                ids = pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id")
+    for path in parts:
+        with fs.open(path, "rb") as f:
+            ids = pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id")
             if ids.null_count:
                 return None
             done.update(id_key(x) for x in ids.to_pylist())     # the keys the parts give (output.values)

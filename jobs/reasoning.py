@@ -10,6 +10,8 @@ with all of it and no reasoning (its reasoning_tokens then 0, jobs.generate).
 """
 from __future__ import annotations
 
+from engine import last_index_of
+
 REASONING_PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 
 
@@ -22,7 +24,7 @@ def reasoning_markers(parser: str, tokenizer) -> tuple[tuple[int, ...], tuple[in
 def prompt_opens_reasoning(prompt: list[int], markers: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
     """Whether the prompt leaves the reasoning open (its last marker is the opening one, as
     DeepSeek-R1's template writes `<think>`): then a completion with no marker is all reasoning."""
-    start, end = _last_at(prompt, markers[0]), _last_at(prompt, markers[1])
+    start, end = last_index_of(prompt, markers[0]), last_index_of(prompt, markers[1])
     return start is not None and (end is None or end < start)
 
 
@@ -42,11 +44,3 @@ def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str |
 def _inside(reasoning: str, start: str) -> str:
     """The reasoning without its opening tag (absent in R1's completions) and the blank lines around it."""
     return reasoning.lstrip().removeprefix(start).strip()
-
-
-def _last_at(tokens: list[int], marker: tuple[int, ...]) -> int | None:
-    m = list(marker)
-    for i in range(len(tokens) - len(m), -1, -1):
-        if tokens[i] == m[0] and tokens[i:i + len(m)] == m:
-            return i
-    return None

@@ -14,17 +14,9 @@ from jobrunner.cli import main
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import EXIT_OK, Job
 from tests import openai_fixtures as fx
+from tests.test_openai_batch import engine, model_dir  # noqa: F401 (fixtures: one tiny llama engine a module)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_hf_model_dir):
-    return tiny_hf_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    from jobrunner.checks import load_engine
-    return load_engine(JobConfig("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
 
 
 def _write(tmp_path, lines, name="batch.jsonl"):
