@@ -38,8 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
+    from engine.cpu_decode import build_package, package_path
     from kernels import cpu_attention as ca
-    from kernels.attention import AttentionMetadata, _blocks, _sdpa, paged_attention_ref
+    from kernels.attention import AttentionMetadata, paged_attention_ref
+    from kernels.attention_ref import _blocks, _sdpa
 
     torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype)
@@ -56,13 +58,14 @@ def main(argv=None) -> int:
     meta = AttentionMetadata.build(BS, B, [1] * B, lens, slots, tables, "cpu")
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
-    key = ca.key_for(q, k_cache, None)
+    key = ca.decode_key(q, k_cache, None)
+    path = package_path(key)
     t0 = time.perf_counter()
-    if not key.path().exists():
-        ca.build(key, key.path())
+    if not path.exists():
+        build_package(key, path)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    runner = ca._load(key.path())
+    runner = ca.load_decode_package(path)
     load_s = time.perf_counter() - t0
     mask = meta.decode_mask(NB, None)
 

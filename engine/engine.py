@@ -65,7 +65,7 @@ class Engine:
                                        self.max_model_len, config.seed, self.grammars)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
-        _quiet_gc()
+        self._quiet = _QuietGC.hold()         # released by close(): the raised threshold lasts the engines' lives
 
     # --- public ----------------------------------------------------------------------------
 
@@ -98,9 +98,12 @@ class Engine:
         self.outputs.add(req)
 
     def close(self) -> None:
-        """Ends the other ranks of a tensor-parallel group (at exit otherwise); a no-op on one device."""
+        """Ends the other ranks of a tensor-parallel group (at exit otherwise) and gives the process its
+        garbage collector's threshold back."""
         if self.rt.followers is not None:
             self.rt.followers.close()
+        if self._quiet:
+            self._quiet = _QuietGC.release()
 
     def step(self) -> list[RequestOutput]:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
@@ -215,12 +218,29 @@ def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:
     return min(rt.model_config.max_position_embeddings, rt.num_blocks * config.block_size)
 
 
-def _quiet_gc() -> None:
+class _QuietGC:
     """A step allocates thousands of small objects (chunks, token lists, outputs); with Python's
     default threshold (700) the cyclic collector runs every few hundred of them and, every tenth
-    of those, walks older objects too: ~40% of the host time of a 1000-sequence step. Young
-    collections now wait for 50,000 allocations. Process-wide and harmless: cycles are still
-    freed, only later. (gc.freeze() would save more but makes nanobind report leaks at exit.)"""
-    import gc
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, 50_000), gen1, gen2)
+    of those, walks older objects too: ~40% of the host time of a 1000-sequence step. While an engine
+    is open, young collections wait for 50,000 allocations (cycles are still freed, only later); the
+    last engine to close gives the process its threshold back. (gc.freeze() would save more but makes
+    nanobind report leaks at exit.)"""
+    holders = 0
+    before: tuple[int, int, int] | None = None
+
+    @classmethod
+    def hold(cls) -> bool:
+        import gc
+        if cls.holders == 0:
+            cls.before = gen0, gen1, gen2 = gc.get_threshold()
+            gc.set_threshold(max(gen0, 50_000), gen1, gen2)
+        cls.holders += 1
+        return True
+
+    @classmethod
+    def release(cls) -> bool:
+        import gc
+        cls.holders -= 1
+        if cls.holders == 0:
+            gc.set_threshold(*cls.before)
+        return False

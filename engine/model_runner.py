@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.cpu_decode import DecodeKernels
 from engine.cuda_graphs import DecodeGraphs
 from engine.logits_process import LogitsAdjust
 from engine.models.base import CausalLM
@@ -133,6 +134,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.channel = channel                      # a tensor-parallel group's; None on one device
+        # the in-place CPU decode attention's packages (engine/cpu_decode.py), for float caches on CPU
+        self.cpu_decode = DecodeKernels() if self.device.type == "cpu" else None
         cfg = model.config
         # One block more than the pool hands out: the padding rows of graph batches write there.
         self.pad_block = num_blocks
@@ -218,7 +221,7 @@ class ModelRunner:
             return self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.tables, patch)
         dev = self.device
         meta = AttentionMetadata.build(self.block_size, plan.num_decodes, plan.query_lens, plan.seq_lens, plan.slots,
-                                       plan.tables, dev, self.sliding_window)
+                                       plan.tables, dev, self.sliding_window, self.cpu_decode)
         ids, pos = (to_device(v, dev, np.int64) for v in (plan.input_ids, plan.positions))
         if patch is not None:
             ids.index_copy_(0, *patch)

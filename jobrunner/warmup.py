@@ -1,6 +1,6 @@
 """`jobrunner warmup`: what a first job would otherwise pay for, paid once in the foreground.
 
-On CPU that is the in-place decode attention package (kernels/cpu_attention.py: minutes of compiling,
+On CPU that is the in-place decode attention package (engine/cpu_decode.py: minutes of compiling,
 once per torch version, CPU and model shape) and a small GGUF's float32 conversion (engine/float_cache.py).
 A job never builds the package on the cores it runs on; it uses one that is there, else the gather path.
 Idempotent: a second warmup finds both in the cache and takes seconds.

@@ -5,7 +5,9 @@ the names below, never a module of this package. Importing this package needs to
 numpy only: triton is imported on first use of a Triton path (kernels/triton_utils.py).
 """
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from kernels.attention import AttentionMetadata, choose_num_splits, paged_attention, store_kv
+from kernels.attention import AttentionMetadata, paged_attention, store_kv
+from kernels.attention_metadata import choose_num_splits
+from kernels.cpu_attention import CpuDecode, DecodeKey, compile_decode_package, load_decode_package
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
 from kernels.moe import fused_moe, fused_moe_ref, route_topk
@@ -19,6 +21,8 @@ from kernels.token_mask import apply_token_bitmask
 __all__ = [
     # attention over the paged KV cache (float or int8 cache)
     "AttentionMetadata", "choose_num_splits", "paged_attention", "store_kv", "store_kv_int8",
+    # the in-place CPU decode attention's package: compiled to a path, loaded (engine/cpu_decode.py decides when)
+    "CpuDecode", "DecodeKey", "compile_decode_package", "load_decode_package",
     # layers
     "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
     "silu_and_mul",

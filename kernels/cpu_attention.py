@@ -14,18 +14,11 @@ itself: a block mask's kv block is one cache block, and its kv_indices are the s
         kv_indices[b]        the <= 2 blocks that lo_b or hi_b cuts   mask_mod evaluated (_cut_mask)
         (blocks outside the window and other sequences' blocks are never read)
 
-Compilation: ahead of time with AOTInductor into a package kept under <cache>/kernels/ (<cache>:
-$JOBRUNNER_CACHE, else ~/.cache/jobrunner) and loaded in a few milliseconds without importing
-dynamo. A torch.compile of the same function costs 4-5 s at every start with a warm inductor cache
-(26 s cold), which would break the start-up target; the package costs one to several minutes to build,
-once per (torch version, CPU capability, dtype, heads, head_dim, block size, soft-cap). `jobrunner warmup`
-builds it in the foreground (mode flex, below). A job never builds it on the cores it runs on (its
-threads already take every core a 2-core machine has: a background build there cost the first job
-minutes at 1-2 tokens/s); it loads a package that is there, else the reference serves and one line says
-how to build it. JOBRUNNER_CPU_DECODE: auto (that policy, the default), flex (build now, in this
-process's wait, if absent: warmup and benchmarks), gather (the reference only);
-JOBRUNNER_CPU_DECODE_BUILD_AFTER: seconds of gather-path decode after which a job does start a build in a
-child at nice 19 (opt-in, for machines with idle cores; default inf: never).
+Compilation: ahead of time with AOTInductor into a package file, loaded in a few milliseconds without
+importing dynamo (a torch.compile of the same function costs 4-5 s at every start). This module only
+compiles a package to a path and loads one: where packages are kept, when one is built, the locks between
+processes and the build's background process belong to the engine (engine/cpu_decode.py), which hands a
+step's AttentionMetadata a `CpuDecode` (below) to ask for the loaded runner.
 
 Not covered (the reference serves): int8 KV caches (FlexAttention wants one dtype for q, k and v),
 prefill chunks (SDPA over gathered blocks runs near the matmul rate there), and a step where one
@@ -33,22 +26,13 @@ physical block sits at two logical positions (never, with prefix sharing from po
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
-import logging
-import os
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
-BUILD_AFTER_S = float("inf")   # seconds of gather-path decode attention before a job builds the package:
-                               # never by default (`jobrunner warmup` does); $JOBRUNNER_CPU_DECODE_BUILD_AFTER opts in
 PACKAGE_VERSION = 1          # raise when decode_flex or DecodeMask.inputs() change: old packages are not loaded
-log = logging.getLogger("jobrunner")
 
 
 # ----------------------------------------------------------------------------------- the block mask
@@ -164,10 +148,11 @@ class _Decode(torch.nn.Module):
                            hi_off, softcap=self.softcap)
 
 
-# ------------------------------------------------------------------------- packages: key, build, load
+# ------------------------------------------------------------------------- packages: key, compile, load
 
 @dataclass(frozen=True)
-class Key:
+class DecodeKey:
+    """What a package is compiled for (besides torch and the CPU, which its directory names)."""
     dtype: str            # "float32", "bfloat16", "float16"
     kv_heads: int
     group: int
@@ -175,29 +160,35 @@ class Key:
     block_size: int
     softcap: float        # 0.0: none (a model has one soft-cap value: it is compiled in)
 
-    def path(self) -> Path:
-        env = os.environ.get("JOBRUNNER_CACHE")
-        root = Path(env) if env else Path.home() / ".cache" / "jobrunner"
-        name = (f"decode-v{PACKAGE_VERSION}-{self.dtype}-hk{self.kv_heads}-g{self.group}-d{self.head_dim}"
+    def file_name(self) -> str:
+        return (f"decode-v{PACKAGE_VERSION}-{self.dtype}-hk{self.kv_heads}-g{self.group}-d{self.head_dim}"
                 f"-bs{self.block_size}{f'-softcap{self.softcap:g}' if self.softcap else ''}.pt2")
-        return root / "kernels" / f"torch-{torch.__version__}-{_cpu_tag()}" / name
 
 
-def _cpu_tag() -> str:
-    """The CPU a package was compiled for: inductor compiles for the build machine (-march=native), so a
-    cache shared with another CPU must not hand it this one's package (illegal instructions)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
-    return f"{torch.backends.cpu.get_cpu_capability()}-{digest}"
+def decode_key(q, k_cache, softcap) -> DecodeKey:
+    hq, (_, bs, hk, d) = q.shape[1], k_cache.shape
+    return DecodeKey(str(q.dtype).removeprefix("torch."), hk, hq // hk, d, bs, float(softcap or 0.0))
 
 
-def build(key: Key, path: Path) -> None:
+Runner = Callable[[list], torch.Tensor]
+
+
+class CpuDecode(Protocol):
+    """The engine's side of the in-place kernel, as the dispatch (kernels/attention.py) sees it."""
+
+    def runner(self, key: DecodeKey) -> Runner | None:
+        """The loaded package for key, or None: the gather reference serves."""
+
+    def set_aside(self, key: DecodeKey, error: Exception) -> None:
+        """A loaded package failed: not to be handed out again."""
+
+    def note_gather(self, key: DecodeKey, seconds: float) -> None:
+        """The gather reference served a step's decode rows in `seconds`."""
+
+
+def compile_decode_package(key: DecodeKey, path: Path) -> None:
     """Exports decode_flex with dynamic batch, pool size and table width, and compiles it (AOTInductor)
-    into the package at path (written to a temporary name, then renamed)."""
+    into the package file at path (minutes)."""
     from torch.export import Dim, export
     dtype = getattr(torch, key.dtype)
     B, NB = 4, 8
@@ -210,13 +201,10 @@ def build(key: Key, path: Path) -> None:
     b, nb = Dim("b", min=1, max=1 << 16), Dim("nb", min=2, max=1 << 24)
     shapes = [{0: b}, {0: nb}, {0: nb}, {0: b}, {0: b, 3: nb}, {0: b}, {0: b, 3: nb}] + [{0: b}] * 4
     program = export(_Decode(key.softcap), tuple(args), dynamic_shapes=tuple(shapes))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-    os.replace(tmp, path)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path))
 
 
-def _load(path: Path):
+def load_decode_package(path: Path) -> Runner:
     """The package's runner: the C++ loader directly (milliseconds, no dynamo import), else the public
     torch._inductor.aoti_load_package (imports inductor: about 2 s)."""
     try:
@@ -228,152 +216,11 @@ def _load(path: Path):
         return lambda args: model(*args)
 
 
-class _Kernels:
-    """Per process: each key's runner once loaded, the child building it, and the seconds the gather
-    path has spent on decode attention (the build starts past BUILD_AFTER_S)."""
-
-    def __init__(self):
-        self.runners: dict[Key, object] = {}
-        self.children: dict[Key, subprocess.Popen] = {}
-        self.failed: set[Key] = set()
-        self.gather_s = 0.0
-        self._next_look = 0.0
-        self.hinted = False          # the "jobrunner warmup" line is logged once a process
-
-    def runner(self, key: Key, mode: str):
-        if key in self.runners:
-            return self.runners[key]
-        if key in self.failed:
-            return None
-        path = key.path()
-        if mode == "flex" and not path.exists():
-            build(key, path)
-        now = time.monotonic()
-        if mode == "flex" or now >= self._next_look:
-            self._next_look = now + 1.0                      # a stat a second at most, not one per layer
-            child = self.children.get(key)
-            if child is not None and child.poll() not in (None, 0):
-                self.failed.add(key)
-                return None
-            if path.exists():
-                try:
-                    self.runners[key] = _load(path)
-                except Exception as e:                       # a package this torch can't load: stay on gather
-                    log.warning("kernels.cpu_attention: cannot load %s: %s", path, e)
-                    self.failed.add(key)
-                    return None
-                return self.runners[key]
-        return None
-
-    def set_aside(self, key: Key, error: Exception) -> None:
-        """A loaded package failed: not used again in this process."""
-        log.warning("kernels.cpu_attention: the package for %s failed (%s); decode attention gathers instead",
-                    key, error)
-        self.runners.pop(key, None)
-        self.failed.add(key)
-
-    def note_gather(self, key: Key, seconds: float) -> None:
-        """Counts gather-path decode time; past BUILD_AFTER_S starts the build in a child at nice 19."""
-        self.gather_s += seconds
-        after = float(os.environ.get("JOBRUNNER_CPU_DECODE_BUILD_AFTER", BUILD_AFTER_S))
-        if not self.hinted and key not in self.failed and after == float("inf"):
-            self.hinted = True
-            log.info("decode attention gathers the KV blocks at every step; `jobrunner warmup` builds the "
-                     "in-place CPU kernel for this model once (0.4x the attention time)")
-        if self.gather_s < after or key in self.children or key in self.failed:
-            return
-        path = key.path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = path.with_suffix(".building")                 # the builder's pid, while it runs
-        if path.exists() or not _take(lock):
-            self.children[key] = None                        # there, or another process is building it
-            return
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        args = [sys.executable, "-m", "kernels.cpu_attention", "build", key.dtype, str(key.kv_heads),
-                str(key.group), str(key.head_dim), str(key.block_size), "--softcap", str(key.softcap)]
-        # a session of its own: the build (about a minute) outlives a job that ends first, and stays out of
-        # its signals; it lowers its own priority (nice 19) first thing
-        with open(path.with_suffix(".log"), "w") as out:
-            child = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                     start_new_session=True)
-        lock.write_text(str(child.pid))
-        self.children[key] = child
-        log.info("kernels.cpu_attention: building the in-place CPU decode attention once (about a minute, at "
-                 "low priority) into %s", path)
-
-
-def _take(lock: Path) -> bool:
-    """Creates the build lock, atomically (one builder among the processes sharing the cache); a lock whose
-    builder is gone is taken over. False: another live process holds it."""
-    for _ in range(2):
-        try:
-            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except FileExistsError:
-            if _alive(lock):
-                return False
-            lock.unlink(missing_ok=True)
-    return False
-
-
-def _alive(lock: Path) -> bool:
-    """Whether the pid written in lock is a running process (a lock just created, still empty, counts)."""
-    try:
-        text = lock.read_text()
-        if not text:                 # created, its pid not yet written (or a builder that died right there)
-            return time.time() - lock.stat().st_mtime < 60
-        os.kill(int(text), 0)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-KERNELS = _Kernels()
-
-
-def mode() -> str:
-    m = os.environ.get("JOBRUNNER_CPU_DECODE", "auto")
-    if m not in ("auto", "flex", "gather"):
-        raise ValueError(f"JOBRUNNER_CPU_DECODE={m!r}: expected auto, flex or gather")
-    return m
-
-
-def key_for(q, k_cache, softcap) -> Key:
-    hq, (_, bs, hk, d) = q.shape[1], k_cache.shape
-    return Key(str(q.dtype).removeprefix("torch."), hk, hq // hk, d, bs, float(softcap or 0.0))
-
-
 def decode_attention_cpu(q, k_cache, v_cache, mask: DecodeMask, scale: float, softcap: float | None,
-                         runner) -> torch.Tensor:
+                         runner: Runner) -> torch.Tensor:
     """q: [B, Hq, D] decode rows -> [B, Hq, D], through a loaded package's runner."""
     B, hq, d = q.shape
     hk = k_cache.shape[2]
     qs = (q * scale).view(B, hk, hq // hk, d)                                         # contiguous, prescaled
     with torch.profiler.record_function("cpu_attention.decode (package)"):     # the profiler can't see into it
         return runner([qs, k_cache, v_cache, *mask.inputs()]).view(B, hq, d)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.cpu_attention",
-                                description="Build the in-place CPU decode attention package for one shape.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("dtype", choices=["float32", "bfloat16", "float16"])
-    for name in ("kv_heads", "group", "head_dim", "block_size"):
-        b.add_argument(name, type=int)
-    b.add_argument("--softcap", type=float, default=0.0, help="the model's attention soft-cap (0: none)")
-    a = p.parse_args(argv)
-    os.nice(19)                      # idle cycles only: the job that asked for the build goes first
-    key = Key(a.dtype, a.kv_heads, a.group, a.head_dim, a.block_size, a.softcap)
-    t0 = time.perf_counter()
-    try:
-        build(key, key.path())
-    finally:
-        key.path().with_suffix(".building").unlink(missing_ok=True)
-    print(f"built {key.path()} in {time.perf_counter() - t0:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

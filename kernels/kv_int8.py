@@ -51,7 +51,7 @@ def dequantize_kv_int8_ref(cache: torch.Tensor, scale: torch.Tensor, dtype: torc
 def paged_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, meta, scale: float, *, sliding: bool = True,
                              softcap: float | None = None) -> torch.Tensor:
     """Attention over an int8 cache: the float reference, dequantizing only the blocks it gathers."""
-    from kernels.attention import paged_attention_ref
+    from kernels.attention_ref import paged_attention_ref
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding=sliding, softcap=softcap)
 
 

@@ -79,31 +79,3 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
         from kernels.triton_moe import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, foreign)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, foreign)
-
-
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots sorted by expert, each expert's run padded to a multiple of block_m, so one block of
-    block_m rows belongs to one expert. No host sync (CUDA-graph safe): sizes are upper bounds.
-
-    -> sorted_slots [max_blocks * block_m] int32: slot index t*k + j, or T*k (padding);
-       block_expert [max_blocks] int32: the expert of each block, -1 past the last used block.
-
-        expert:        0 0 0 | 2 2 | ...          (expert 1 had no tokens: no block)
-        sorted_slots:  a b c - | d e - - | ...    (block_m = 4, '-' = padding)
-    """
-    flat = topk_ids.reshape(-1)
-    slots = flat.numel()
-    max_blocks = -(-slots // block_m) + num_experts          # sum ceil(c_e / b) < slots / b + E
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    rank = torch.arange(slots, device=flat.device) - (counts.cumsum(0) - counts)[expert]
-    sorted_slots = torch.full((max_blocks * block_m,), slots, dtype=torch.int32, device=flat.device)
-    sorted_slots[padded_end[expert] - padded[expert] + rank] = order.to(torch.int32)
-    block_expert = torch.searchsorted(padded_end // block_m, torch.arange(max_blocks, device=flat.device),
-                                      right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_slots, block_expert

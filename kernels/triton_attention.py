@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import choose_num_splits
+from kernels.attention_metadata import choose_num_splits
 from kernels.triton_utils import check, check_last_contiguous, check_same_device, launch, next_pow2
 
 LOG2E = 1.4426950408889634

@@ -1,4 +1,5 @@
-"""The in-place CPU decode attention (kernels/cpu_attention.py) against the gather reference.
+"""The in-place CPU decode attention (kernels/cpu_attention.py) against the gather reference, and the
+engine's side of it (engine/cpu_decode.py: packages' paths, the build policy, its child and lock).
 
 Fast tests run the kernel's function eagerly (FlexAttention's math path over tiny pools) and check the
 block mask's lists on their own, since eager flex evaluates the mask everywhere and would not notice a
@@ -12,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from engine import cpu_decode as cd
 from kernels import cpu_attention as ca
 from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
 
@@ -46,6 +48,22 @@ def eager_runner(args, softcap=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ca.decode_flex(*args, softcap=softcap, listed=ca.listed_blocks(*args[3:7]))
+
+
+class Handing:
+    """A CpuDecode that hands out one runner for every key, and records what the dispatch tells it."""
+
+    def __init__(self, runner):
+        self.run, self.set_aside_keys, self.gathered = runner, [], []
+
+    def runner(self, key):
+        return self.run
+
+    def set_aside(self, key, error):
+        self.set_aside_keys.append(key)
+
+    def note_gather(self, key, seconds):
+        self.gathered.append(key)
 
 
 @pytest.fixture
@@ -109,14 +127,12 @@ def test_block_at_two_positions_falls_back(gen):
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float-cache", "int8-cache"])
-def test_dispatch_mixed_step(monkeypatch, int8, gen):
+def test_dispatch_mixed_step(int8, gen):
     """Decodes through the (eager) kernel, prefill chunks gathered; int8 caches stay on the reference."""
     from kernels.kv_int8 import paged_attention_int8_ref, quantize_int8_ref
-    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "auto")
     seqs = [(1, 21), (1, 90), (7, 7), (12, 35)]
     q, k, v, meta = make_step(seqs, 2, 6, 3, 32, 16, torch.float32, gen, window=30)
-    key = ca.key_for(q, k, None)
-    monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner)
+    meta.cpu_decode = handing = Handing(eager_runner)
     if int8:
         (kq, ks), (vq, vs) = quantize_int8_ref(k), quantize_int8_ref(v)
         out = paged_attention(q, kq, vq, meta, 0.2, ks, vs)
@@ -125,13 +141,35 @@ def test_dispatch_mixed_step(monkeypatch, int8, gen):
         out = paged_attention(q, k, v, meta, 0.2)
         ref = paged_attention_ref(q, k, v, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    assert not handing.gathered and not handing.set_aside_keys
 
 
-def test_gather_mode_never_uses_the_kernel(monkeypatch, gen):
-    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "gather")
-    q, k, v, meta = make_step([(1, 9)], 1, 2, 1, 8, 4, torch.float32, gen)
-    monkeypatch.setitem(ca.KERNELS.runners, ca.key_for(q, k, None), None)   # would fail if called
+def test_a_failing_package_is_set_aside_and_the_reference_serves(gen):
+    q, k, v, meta = make_step([(1, 9), (1, 20)], 2, 2, 1, 8, 4, torch.float32, gen)
+
+    def broken(args):
+        raise RuntimeError("a package from another build")
+    meta.cpu_decode = handing = Handing(broken)
     torch.testing.assert_close(paged_attention(q, k, v, meta, 0.5), paged_attention_ref(q, k, v, meta, 0.5))
+    key = ca.decode_key(q, k, None)
+    assert handing.set_aside_keys == [key] and handing.gathered == [key]
+
+
+def test_gather_mode_hands_out_no_package(monkeypatch, tmp_path):
+    """JOBRUNNER_CPU_DECODE=gather: the engine's side never hands out a package, loaded or on disk."""
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "gather")
+    kernels = cd.DecodeKernels()
+    key = ca.DecodeKey("float32", 1, 2, 8, 4, 0.0)
+    kernels.runners[key] = eager_runner
+    assert kernels.runner(key) is None
+
+
+def test_packages_live_under_the_one_cache_root(monkeypatch, tmp_path):
+    from engine.config import cache_root
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    path = cd.package_path(ca.DecodeKey("float32", 3, 3, 64, 16, 0.0))
+    assert path.is_relative_to(cache_root() / "kernels") and path.name.startswith("decode-v")
 
 
 def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
@@ -152,18 +190,18 @@ def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
         def poll(self):
             return None
 
-    monkeypatch.setattr(ca.subprocess, "Popen", FakePopen)
-    kernels = ca._Kernels()
-    key = ca.Key("float32", 1, 2, 8, 4, 0.0)
+    monkeypatch.setattr(cd.subprocess, "Popen", FakePopen)
+    kernels = cd.DecodeKernels()
+    key = ca.DecodeKey("float32", 1, 2, 8, 4, 0.0)
     kernels.note_gather(key, after / 2)
     assert not started
     kernels.note_gather(key, after)
     kernels.note_gather(key, after)
     assert len(started) == 1
     args, kw = started[0]
-    assert args[1:4] == ["-m", "kernels.cpu_attention", "build"] and kw["start_new_session"]
-    assert kernels.runner(key, "auto") is None            # nothing built yet: the reference serves
-    other = ca._Kernels()                                 # another process sees the lock and doesn't build
+    assert args[1:4] == ["-m", "engine.cpu_decode", "build"] and kw["start_new_session"]
+    assert kernels.runner(key) is None                    # nothing built yet: the reference serves
+    other = cd.DecodeKernels()                            # another process sees the lock and doesn't build
     other.note_gather(key, 2 * after)
     assert len(started) == 1
 
@@ -171,7 +209,7 @@ def test_build_starts_once_past_the_threshold(monkeypatch, tmp_path, gen):
 def test_mode_rejects_unknown(monkeypatch):
     monkeypatch.setenv("JOBRUNNER_CPU_DECODE", "fast")
     with pytest.raises(ValueError, match="JOBRUNNER_CPU_DECODE"):
-        ca.mode()
+        cd.decode_mode()
 
 
 @pytest.mark.slow
@@ -179,9 +217,10 @@ def test_mode_rejects_unknown(monkeypatch):
 def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
     """The AOTInductor package (built here: about a minute) over varying batch, pool size and window."""
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
-    key = ca.Key("float32", 2, 3, 40, 8, softcap or 0.0)
-    ca.build(key, key.path())
-    runner = ca._load(key.path())
+    key = ca.DecodeKey("float32", 2, 3, 40, 8, softcap or 0.0)
+    path = cd.package_path(key)
+    cd.build_package(key, path)
+    runner = ca.load_decode_package(path)
     for lens, window, spare in [([1], None, 1), ([5, 70, 8, 16, 33], None, 9), ([44, 3, 200], 19, 40)]:
         q, k, v, meta = make_step([(1, L) for L in lens], len(lens), 6, 2, 40, 8, torch.float32, gen, window,
                                   spare=spare, share=True)
@@ -190,16 +229,9 @@ def test_built_package_matches_reference(monkeypatch, tmp_path, softcap, gen):
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-def test_tiny_model_greedy_same_on_both_paths(monkeypatch):
+def test_tiny_model_greedy_same_on_both_paths():
     """A tiny random Llama (GQA 2) stepped through prefill chunks, mixed steps and decodes: the same greedy
     tokens with decodes gathered and with decodes through the in-place kernel (eagerly)."""
     from tests.tiny import step_tiny_llama
     plan = [[(0, 4)], [(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(1, 1)]]
-    key = ca.key_for(torch.zeros(1, 4, 16), torch.zeros(16, 4, 2, 16), None)
-
-    def run(mode: str) -> list[list[int]]:
-        monkeypatch.setenv("JOBRUNNER_CPU_DECODE", mode)
-        monkeypatch.setitem(ca.KERNELS.runners, key, eager_runner)
-        return step_tiny_llama(plan)
-
-    assert run("auto") == run("gather")
+    assert step_tiny_llama(plan, Handing(eager_runner)) == step_tiny_llama(plan)

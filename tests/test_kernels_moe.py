@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.moe import align_to_blocks, fused_moe, fused_moe_ref, route_topk  # noqa: E402
-from kernels.triton_moe import fused_moe_triton  # noqa: E402
+from kernels.moe import fused_moe, fused_moe_ref, route_topk  # noqa: E402
+from kernels.triton_moe import align_to_blocks, fused_moe_triton  # noqa: E402
 
 from tests.kernel_cases import cuda_only, device_dtype_cases  # noqa: E402
 

@@ -43,6 +43,7 @@ def test_the_tree_keeps_every_contract(tree):
     ("jobs/_bad.py", "import torch\n", "free of torch"),
     ("engine/_bad_sched.py", "", "free of torch"),
     ("engine/_bad.py", "from kernels.attention import store_kv\n", "public names"),
+    ("kernels/_bad.py", "import subprocess\n", "Kernels are functions"),
 ])
 def test_a_wrong_import_breaks_its_contract(tree, tmp_path, module, source, contract):
     root = _copy_tree(tmp_path / "t")
@@ -55,3 +56,13 @@ def test_a_wrong_import_breaks_its_contract(tree, tmp_path, module, source, cont
     assert r.returncode != 0, r.stdout[-2000:]
     broken = r.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, r.stdout[-3000:]
+
+
+def test_no_module_of_kernels_imports_one_that_imports_it_back():
+    """The kernels' modules form no circle (shared helpers live in modules that import neither side),
+    lazy imports inside functions included."""
+    import grimp
+    graph = grimp.build_graph("kernels")
+    circles = [(a, b) for a in sorted(graph.modules) for b in sorted(graph.find_modules_directly_imported_by(a))
+               if a < b and graph.chain_exists(importer=b, imported=a)]
+    assert not circles, circles

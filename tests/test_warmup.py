@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from kernels import cpu_attention as ca
+from engine import cpu_decode as cd
 
 
 @pytest.fixture
 def fake_build(monkeypatch, tmp_path):
-    """ca.build writes a marker instead of compiling; ca._load gives a runner that fails, so the dispatch
+    """The package's compile writes a marker instead; its load gives a runner that fails, so the dispatch
     sets it aside and gathers (the outputs stay the reference's)."""
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("JOBRUNNER_CPU_DECODE", raising=False)
@@ -30,18 +30,17 @@ def fake_build(monkeypatch, tmp_path):
             raise RuntimeError("a fake package")
         return runner
 
-    monkeypatch.setattr(ca, "build", build)
-    monkeypatch.setattr(ca, "_load", load)
-    monkeypatch.setattr(ca, "KERNELS", ca._Kernels())
+    monkeypatch.setattr(cd, "compile_decode_package", build)
+    monkeypatch.setattr(cd, "load_decode_package", load)
     return built
 
 
 def test_warmup_builds_the_models_package_once(fake_build, tiny_hf_model_dir, monkeypatch):
     r = CliRunner().invoke(main, ["warmup", "-m", str(tiny_hf_model_dir("llama"))])
     assert r.exit_code == 0, r.output
-    assert len(fake_build) == 1 and fake_build[0].path().exists()
+    assert len(fake_build) == 1 and cd.package_path(fake_build[0]).exists()
     assert "decode_kernel_s" in r.output
-    monkeypatch.setattr(ca, "KERNELS", ca._Kernels())      # another process: the package is in the cache
+    # another process (a new engine): the package is in the cache
     r = CliRunner().invoke(main, ["warmup", "-m", str(tiny_hf_model_dir("llama"))])
     assert r.exit_code == 0, r.output
     assert len(fake_build) == 1
@@ -50,7 +49,7 @@ def test_warmup_builds_the_models_package_once(fake_build, tiny_hf_model_dir, mo
 def test_a_job_never_starts_a_build_and_says_how(fake_build, tiny_hf_model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("JOBRUNNER_CPU_DECODE_BUILD_AFTER", raising=False)     # the default policy
     started = []
-    monkeypatch.setattr(ca.subprocess, "Popen", lambda *a, **kw: started.append(a))
+    monkeypatch.setattr(cd.subprocess, "Popen", lambda *a, **kw: started.append(a))
     ds = tmp_path / "p.jsonl"
     ds.write_text("".join(f'{{"id": {i}, "prompt": "hello number {i}"}}\n' for i in range(3)))
     with caplog.at_level(logging.INFO, logger="jobrunner"):

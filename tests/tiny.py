@@ -80,11 +80,11 @@ def forbid_launch_syncs(engine: Engine) -> None:
     engine.runner.launch = strict_launch
 
 
-def step_tiny_llama(plan: list[list[tuple[int, int]]]) -> list[list[int]]:
+def step_tiny_llama(plan: list[list[tuple[int, int]]], cpu_decode=None) -> list[list[int]]:
     """A tiny random Llama (GQA 2, seed 0) run by hand over a paged cache of 16 blocks of 4 slots: two
     prompts, stepped as `plan` says ((sequence, query tokens) per step; one-token entries are decodes,
     put first), each sequence taking its greedy token once its prompt and outputs are computed.
-    -> each sequence's tokens. Kernel paths are chosen by the caller (environment)."""
+    -> each sequence's tokens. cpu_decode: the steps' in-place decode kernel (None: the gather path)."""
     from engine.models.llama import LlamaForCausalLM
     from kernels import AttentionMetadata
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
@@ -109,7 +109,8 @@ def step_tiny_llama(plan: list[list[tuple[int, int]]]) -> list[list[int]]:
             qlens.append(n)
             slens.append(lo + n)
             tabs.append(tables[s])
-        meta = AttentionMetadata.build(bs, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu")
+        meta = AttentionMetadata.build(bs, sum(1 for n in qlens if n == 1), qlens, slens, slots, tabs, "cpu",
+                                       cpu_decode=cpu_decode)
         with torch.inference_mode():
             logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
         row = -1
