@@ -68,3 +68,19 @@ def test_counters_are_snapshots_and_count_each_step(engine):
         after.steps = 0
     engine.reset_counters()
     assert engine.counters() == EngineCounters()
+
+
+def test_an_open_engine_raises_the_gc_threshold_and_the_last_close_restores_it(tiny_hf_model_dir):
+    """The engine's only process-wide change is scoped: it lasts while an engine is open."""
+    import gc
+
+    from engine import Engine, EngineConfig
+    before = gc.get_threshold()
+    path = str(tiny_hf_model_dir("llama"))
+    first, second = Engine(EngineConfig(model=path)), Engine(EngineConfig(model=path))
+    assert gc.get_threshold()[0] >= 50_000
+    first.close()
+    assert gc.get_threshold()[0] >= 50_000          # the second engine is still open
+    second.close()
+    second.close()                                  # closing twice gives back nothing twice
+    assert gc.get_threshold() == before
