@@ -12,7 +12,8 @@ from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
 from kernels.moe import fused_moe, fused_moe_ref, route_topk
 from kernels.norm import rms_norm
-from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref,
+from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range,
+                                  fp8_matmul, fp8_matmul_ref,
                                   int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
                                   w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
 from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
@@ -27,7 +28,8 @@ __all__ = [
     "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
     "silu_and_mul",
     # quantized matmuls: the dispatch, and the torch forward each quantized linear keeps as its reference
-    "AMAX_FLOOR", "FP8_MAX", "dequantize_int4", "dequantize_int8", "fp8_matmul", "fp8_matmul_ref", "int4_matmul",
+    "AMAX_FLOOR", "FP8_MAX", "dequantize_int4", "dequantize_int8", "fbgemm_full_range", "fp8_matmul", "fp8_matmul_ref",
+    "int4_matmul",
     "int4_matmul_ref", "int8_matmul", "int8_matmul_ref", "int_mm_exact", "pack_int4", "w8a8_matmul_fbgemm",
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kernels import (dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref,
-                     int8_matmul, int8_matmul_ref, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref,
+                     fbgemm_full_range, int8_matmul, int8_matmul_ref, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref,
                      w8a8_per_batch_ref)
 
 
@@ -106,7 +106,8 @@ class W8A8Linear(QuantLinear):
     backend "int_mm": activations per token, exact int32 product through torch._int_mm (oneDNN
         on CPU, cuBLASLt on CUDA); a row's result never depends on its batch mates.
     backend "fbgemm": torch.ao's dynamic quantized linear (prepacked weight; activations per
-        batch, 7-bit). Its packed weight is not a tensor, so a stride-0 placeholder buffer of
+        batch, 8-bit where exact (VNNI) else 7-bit, each row scaled to max |x| = 1 first:
+        kernels.w8a8_matmul_fbgemm). Its packed weight is not a tensor, so a stride-0 placeholder buffer of
         the same byte count (`packed_nbytes`) keeps `weight_bytes` honest; `qweight` unpacks.
     backend "ref": w8a8_matmul_ref (exact, float64; where neither kernel is usable).
     """
@@ -119,11 +120,12 @@ class W8A8Linear(QuantLinear):
             raise ValueError(f"w8a8 needs one scale per output channel, got scales {tuple(scales.shape)}")
         self.backend = backend
         if backend == "fbgemm":
+            self.reduce_range = not fbgemm_full_range()      # 7-bit activations only where 8 would saturate
             with warnings.catch_warnings():   # torch marks quantized tensors deprecated (moving to torchao)
                 warnings.simplefilter("ignore")
                 qw = torch._make_per_channel_quantized_tensor(
                     qweight.cpu(), scales[:, 0].double().cpu(), torch.zeros(qweight.shape[0], dtype=torch.long), 0)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float().cpu())
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)     # the bias is added after the row scales
             self.register_buffer("scales", scales)
             nbytes = qweight.numel() + 4 * qweight.shape[0]      # packed int8 matrix + column offsets
             self.register_buffer("packed_nbytes", torch.zeros(1, dtype=torch.uint8).expand(nbytes),
@@ -142,12 +144,13 @@ class W8A8Linear(QuantLinear):
             # (cuBLASLt's int8 GEMM wants K and N multiples of 8)
             return w8a8_matmul_int_mm(x, self.qweight, self.scales, self.bias)
         if self.backend == "fbgemm":
-            return w8a8_matmul_fbgemm(x, self._packed, self.out_features)
+            return w8a8_matmul_fbgemm(x, self._packed, self.out_features, self.bias,
+                                      reduce_range=self.reduce_range)
         return w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def forward_ref(self, x):
         if self.backend == "fbgemm":
-            return w8a8_per_batch_ref(x, self.qweight, self.scales, self.bias)
+            return w8a8_per_batch_ref(x, self.qweight, self.scales, self.bias, reduce_range=self.reduce_range)
         return w8a8_matmul_ref(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self, dtype=torch.float32):
