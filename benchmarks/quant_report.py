@@ -16,8 +16,8 @@ Per scheme:
     --repeats: tokens/s by the wall clock, and tokens per CPU-second of this process, which a
     busy shared machine disturbs far less (a descheduled process accrues no CPU time).
 
-"w8a8-fbgemm" is w8a8 through torch.ao's dynamic quantized linear (fbgemm; activations
-quantized per batch, 7-bit), measured for comparison; plain "w8a8" takes the exact per-token
+"w8a8-fbgemm" is w8a8 through torch.ao's dynamic quantized linear (fbgemm; each row scaled to
+max |x| = 1, then activations quantized per batch, 8-bit where exact, else 7-bit), measured for comparison; plain "w8a8" takes the exact per-token
 path (torch._int_mm) where this CPU has one. "bf16" is no quantization with bfloat16 compute (AMX
 or AVX512_BF16 CPUs make it several times faster than float32). "q4xq8" (benchmark-only, no --quantization
 scheme) keeps the GGUF blocks as stored and multiplies them with int8 activations per block of 32, as
@@ -181,7 +181,9 @@ def run(args) -> list[Row]:
             b, qmax = w8a8_backend(device)
             row.note = f"{b}, weights +-{qmax}, activations per token"
         elif label == "w8a8-fbgemm":
-            row.note = "fbgemm, activations per batch (7-bit)"
+            from kernels import fbgemm_full_range
+            bits = 8 if fbgemm_full_range() else 7
+            row.note = f"fbgemm, rows scaled, then one activation scale per batch ({bits}-bit)"
         elif label == "q4xq8":
             row.note = ("GGUF blocks as stored (nibbles unpacked to int8) x int8 activations per block of 32: "
                         "llama.cpp's Q4_1 x Q8_1, one torch._int_mm per block (benchmarks/gguf_matmul_bench.py)")
