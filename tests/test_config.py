@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import build_config, main, submit
-from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
+from jobrunner.config import JobConfig, job_config, JobConfigError, config_fields, field_value
 from jobs import PromptBuilder
 
 
@@ -89,8 +89,8 @@ def test_every_field_is_type_checked(name):
 def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
     cfg = config_from(tmp_path, 'stop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
                       "--stop", "Paris", "--labels", "yes, no", "--kv-cache-memory", "2MB")
-    assert cfg.stop == ("Paris",) and cfg.labels == ("yes", "no") and cfg.kv_cache_memory == 2 * 10**6
-    assert cfg.max_tokens == 9 and cfg.dataset == "ds.jsonl"
+    assert cfg.sampling.stop == ("Paris",) and cfg.kind.labels == ("yes", "no") and cfg.engine.kv_cache_memory == 2 * 10**6
+    assert cfg.sampling.max_tokens == 9 and cfg.input.dataset == "ds.jsonl"
 
 
 @pytest.mark.parametrize("dataset,output", [
@@ -102,19 +102,19 @@ def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
     ("data/parts/", "data/parts.results"),
 ])
 def test_default_output_keeps_the_format_suffix(dataset, output):
-    assert JobConfig(dataset).output_url == output
+    assert job_config(dataset).output_url == output
 
 
 def test_negative_device_hourly_cost_is_refused(tmp_path):
     with pytest.raises(JobConfigError, match="device-hourly-cost"):
-        JobConfig("x", device_hourly_cost=-1.0).validate()
-    JobConfig("x", device_hourly_cost=0.0).validate()
+        job_config("x", device_hourly_cost=-1.0)
+    job_config("x", device_hourly_cost=0.0)
     r = CliRunner().invoke(main, ["validate", str(tmp_path / "x.jsonl"), "--device-hourly-cost", "-2"])
     assert r.exit_code == 2 and "--device-hourly-cost" in r.output
 
 
 def test_show_prompt_does_not_change_the_fingerprint():
-    assert JobConfig("x", show_prompt=True).fingerprint_fields() == JobConfig("x").fingerprint_fields()
+    assert job_config("x", show_prompt=True).fingerprint_fields() == job_config("x").fingerprint_fields()
 
 
 class ChatTokenizer:
@@ -132,23 +132,23 @@ class ChatTokenizer:
     ("generate", False, "hello"),
 ])
 def test_chat_template_default_by_kind(kind, chat, rendered):
-    cfg = JobConfig("x", kind=kind, chat=chat)
+    cfg = job_config("x", kind=kind, chat=chat)
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
 
 
 @pytest.mark.parametrize("kind", ["generate", "classify", "score"])
 def test_messages_always_use_the_chat_template(kind):
-    cfg = JobConfig("x", kind=kind, messages_column="m", chat=False)
+    cfg = job_config("x", kind=kind, messages_column="m", chat=False)
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
-    spec = JobConfig("x", kind=kind).job_spec()
+    spec = job_config("x", kind=kind).job_spec()
     assert PromptBuilder(spec, ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
 
 
 def test_system_prompt_escapes_like_the_template():
-    cfg = JobConfig("x", system=r"Be brief.\nNo lists.")
+    cfg = job_config("x", system=r"Be brief.\nNo lists.")
     expected = "<system>Be brief.\nNo lists.<user>q<assistant>"
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "q"})[0] == expected
-    raw = JobConfig("x", system=r"Be brief.\tOK", chat=False)
+    raw = job_config("x", system=r"Be brief.\tOK", chat=False)
     assert PromptBuilder(raw.job_spec(), types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"

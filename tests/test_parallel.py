@@ -14,8 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from jobrunner.config import JobConfig
+from jobrunner.config import JobConfig, job_config
 from jobrunner.job import EXIT_OK, Job
+from jobrunner.job_parts import open_job
 from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.output import read_results, read_stats
@@ -42,10 +43,9 @@ def setup(tmp_path_factory):
     rnd.shuffle(rows)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = JobConfig(str(data), model=f"dummy:{root / 'model'}", max_tokens=6, max_num_seqs=2, part_rows=2,
+    cfg = job_config(str(data), model=f"dummy:{root / 'model'}", max_tokens=6, max_num_seqs=2, part_rows=2,
                     device="cpu", output=str(root / "one"))
-    job = Job(cfg)          # the reference: one worker, in this process
-    job.prepare()
+    job = open_job(cfg)          # the reference: one worker, in this process
     res = job.run()
     assert res.exit_code == EXIT_OK
     return {"root": root, "cfg": cfg, "ids": sorted(r["id"] for r in rows), "reference": _outputs(res.output)}
@@ -95,8 +95,7 @@ def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_pat
     data = tmp_path / "prefix.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     one = replace(setup["cfg"], dataset=str(data), output=str(tmp_path / "one"))
-    job = Job(one)
-    job.prepare()
+    job = open_job(one)
     assert job.run().exit_code == EXIT_OK
     res = run_parallel(replace(one, data_parallel=2, output=str(tmp_path / "two")))
     assert res.exit_code == EXIT_OK
@@ -137,8 +136,8 @@ def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobr
     """Each rank runs `jobrunner submit` (or `jobrunner`: a command to run instead of the CLI's module)."""
     cfg = setup["cfg"]
     port = _free_port()
-    args = ["submit", cfg.dataset, "-m", cfg.model, "-o", out, "--max-tokens", str(cfg.max_tokens),
-            "--max-num-seqs", str(cfg.max_num_seqs), "--part-rows", str(cfg.part_rows), "--device", "cpu"]
+    args = ["submit", cfg.input.dataset, "-m", cfg.engine.model, "-o", out, "--max-tokens", str(cfg.sampling.max_tokens),
+            "--max-num-seqs", str(cfg.engine.max_num_seqs), "--part-rows", str(cfg.output.part_rows), "--device", "cpu"]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -169,8 +168,7 @@ def test_torchrun_rank_lost_then_resume(setup):
     assert json.loads(open(os.path.join(out, "_manifest.json")).read())["complete"] is False
     before = len(read_results(out))
     assert 0 < before < len(setup["ids"])
-    job = Job(replace(setup["cfg"], output=out))      # the resume: any number of workers; one here
-    job.prepare()
+    job = open_job(replace(setup["cfg"], output=out))      # the resume: any number of workers; one here
     assert job.run().exit_code == EXIT_OK
     _check_same(setup, out)
     s = read_stats(out)
@@ -261,9 +259,9 @@ def test_data_parallel_defaults(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "JOBRUNNER_LAUNCHER_PID"):
         monkeypatch.delenv(k, raising=False)
     assert distributed_env() is None
-    assert data_parallel_size(JobConfig("x", device="cpu")) == 1
-    assert data_parallel_size(JobConfig("x", device="cpu", data_parallel=3)) == 3
-    assert data_parallel_size(JobConfig("x", device="cuda:1")) == 1
+    assert data_parallel_size(job_config("x", device="cpu")) == 1
+    assert data_parallel_size(job_config("x", device="cpu", data_parallel=3)) == 3
+    assert data_parallel_size(job_config("x", device="cuda:1")) == 1
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
@@ -283,7 +281,7 @@ def test_merge_stats():
                 "run_s": wall, "summary": summary,
                 "sketch": {k: {"n": rows, "q": lat} for k in ("queue", "prefill", "decode")}}
     a, b = result(0, 3, 10.0), result(1, 1, 8.0)
-    cfg = JobConfig("x", device_hourly_cost=3.6)
+    cfg = job_config("x", device_hourly_cost=3.6)
     s = merge_stats([a, b], cfg, wall_s=10.0, devices=2, rounds=1, lost=[])
     assert s["rows"] == 4 and s["prompt_tokens"] == 40 and s["rows_skipped_done"] == 5
     assert s["device_hours"] == pytest.approx(18 / 3600) and s["cost_usd"] == pytest.approx(0.018)
