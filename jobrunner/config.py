@@ -233,9 +233,13 @@ def option_defaults() -> dict:
 _DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in option_defaults().items()}
 
 
+@functools.cache
 def config_fields() -> dict:
-    """The flat options by name (their types: field_value)."""
-    return {name: None for name in option_defaults()}
+    """The flat options by name: each its section's dataclass Field (types: field_value)."""
+    out = {"kind": field(default="generate")}
+    for _, cls in _section_classes():
+        out.update((f.name, f) for f in fields(cls) if f.name not in out)
+    return out
 
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string",

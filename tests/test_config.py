@@ -40,7 +40,8 @@ GOOD_TOML = [
 
 @pytest.mark.parametrize("toml,key,value", GOOD_TOML)
 def test_toml_values_convert_like_the_command_line(tmp_path, toml, key, value):
-    got = getattr(config_from(tmp_path, toml + "\n"), key)
+    kind = 'kind = "classify"\n' if key == "labels" else ""     # labels: a classify job's
+    got = config_from(tmp_path, kind + toml + "\n").options()[key]
     assert got == value and type(got) is type(value)
 
 
@@ -87,7 +88,7 @@ def test_every_field_is_type_checked(name):
 
 
 def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
-    cfg = config_from(tmp_path, 'stop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
+    cfg = config_from(tmp_path, 'kind = "classify"\nstop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
                       "--stop", "Paris", "--labels", "yes, no", "--kv-cache-memory", "2MB")
     assert cfg.sampling.stop == ("Paris",) and cfg.kind.labels == ("yes", "no") and cfg.engine.kv_cache_memory == 2 * 10**6
     assert cfg.sampling.max_tokens == 9 and cfg.input.dataset == "ds.jsonl"
@@ -124,6 +125,10 @@ class ChatTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
+# what a kind's configuration cannot be built without
+KIND_NEEDS = {"generate": {}, "classify": {"labels": ("a", "b")}, "score": {"score_column": "s"}}
+
+
 @pytest.mark.parametrize("kind,chat,rendered", [
     ("generate", None, "<user>hello<assistant>"),
     ("classify", None, "hello"),            # raw text, as lm-eval scores it
@@ -132,17 +137,17 @@ class ChatTokenizer:
     ("generate", False, "hello"),
 ])
 def test_chat_template_default_by_kind(kind, chat, rendered):
-    cfg = job_config("x", kind=kind, chat=chat)
+    cfg = job_config("x", kind=kind, chat=chat, **KIND_NEEDS[kind])
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
 
 
 @pytest.mark.parametrize("kind", ["generate", "classify", "score"])
 def test_messages_always_use_the_chat_template(kind):
-    cfg = job_config("x", kind=kind, messages_column="m", chat=False)
+    cfg = job_config("x", kind=kind, messages_column="m", chat=False, **KIND_NEEDS[kind])
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
-    spec = job_config("x", kind=kind).job_spec()
+    spec = job_config("x", kind=kind, **KIND_NEEDS[kind]).job_spec()
     assert PromptBuilder(spec, ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
 
 
