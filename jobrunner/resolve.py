@@ -22,7 +22,7 @@ log = logging.getLogger("jobrunner")
 class Resolved:
     fmt: str                    # the input's format, detected (never "auto")
     columns: tuple[str, ...]    # the input's columns; () when a format has none to list
-    model: str | None           # what the engine loads (a local path, URL or dummy:); None: nothing left to do
+    model: str                  # what the engine loads (a local path, URL or dummy:)
     dtype: str                  # the engine's dtype option (auto stays auto: the engine picks by device)
     float_dtype: str            # the float dtype weights are computed in, for estimates (model_split)
     quantization: str           # never "auto"
@@ -40,7 +40,7 @@ class Resolved:
 
 def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True, dry: bool = False) -> Resolved:
     """Every check that needs a file, in the order that fails cheapest first (the dataset, the template,
-    a constraint, the output) and then the model's path: JobConfigError (exit 2) before any work.
+    a constraint, the cache URL, the model's path, the output): JobConfigError (exit 2) before any work.
     parallel: for a data-parallel launch, whose workers each see a share (an empty dataset warns here,
     and the output's state is the coordinator's to find). output_state False: for a job on an engine
     already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
@@ -56,12 +56,11 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
         checks.check_not_empty(cfg, fmt)
     elif not dry:
         preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
+    model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
+    preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
     if not dry:
-        checks.check_output(cfg)            # before the model: loading one can take minutes
+        checks.check_output(cfg)            # before the model loads: loading one can take minutes
     rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
-    model = None if rows_done is not None else model_path(cfg.engine.model)
-    if model is not None:
-        preload.check_sampling(cfg, model)  # --n > 1 at the checkpoint's greedy default
     dtype, quantization = precision(cfg)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,

@@ -201,11 +201,11 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
 def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
-    import jobrunner.job as J
+    import jobrunner.job_parts as J
     from jobrunner.checks import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
-    monkeypatch.setattr(J, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job_parts.py)
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
     ds = write_jsonl(tmp_path / "dup.jsonl", rows)
 
@@ -248,18 +248,19 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
 def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
-    import jobrunner.job as J
+    from jobrunner import job_parts
     from jobrunner.checks import load_engine
+    from jobrunner.job_parts import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}
             for i in range(40)]
     ds = write_jsonl(tmp_path / "long.jsonl", rows)
     windows = []
-    real_units = J.Job._units
+    real_units = JobPlanner.units
 
-    def counting_units(self):
-        for unit in real_units(self):
+    def counting_units(self, items):
+        for unit in real_units(self, items):
             windows.append(unit.window_end)
             yield unit
 
@@ -270,8 +271,8 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
         return results(job.run().output).sort("id")
 
     whole = go("whole")
-    monkeypatch.setattr(J.Job, "_units", counting_units)
-    monkeypatch.setattr(J, "WINDOW_TOKENS", 200)
+    monkeypatch.setattr(JobPlanner, "units", counting_units)
+    monkeypatch.setattr(job_parts, "WINDOW_TOKENS", 200)
     cut = go("cut")
     assert cut["id"].to_list() == sorted(r["id"] for r in rows)
     assert cut.select("id", "output", "prompt_tokens").equals(whole.select("id", "output", "prompt_tokens"))

@@ -24,7 +24,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def load_engine(cfg):
+    def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(checks, "load_engine", load_engine)
 
@@ -117,10 +117,11 @@ def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(open(f"{ROOT}/benchmarks/configs/tiny-llama.json").read())
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.7}')
-    preload.check_sampling(job_config("d.jsonl", model=f"dummy:{cfg_dir}/config.json", n=3))
+    model = f"dummy:{cfg_dir}/config.json"      # resolved: its own path
+    preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.0}')
     with pytest.raises(checks.JobConfigError, match="temperature 0"):
-        preload.check_sampling(job_config("d.jsonl", model=f"dummy:{cfg_dir}/config.json", n=3))
+        preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
 
 
 # --- 16: a rerun with nothing left to do -----------------------------------------------------
@@ -130,7 +131,7 @@ def test_a_rerun_with_nothing_left_loads_no_model(tmp_path, monkeypatch):
     first = invoke("submit", ds, "--max-tokens", "2", *TINY)
     assert first.exit_code == 0, first.output
 
-    def load_engine(cfg):
+    def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(checks, "load_engine", load_engine)
     again = invoke("submit", ds, "--max-tokens", "2", *TINY)
