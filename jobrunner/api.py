@@ -13,7 +13,6 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 import uuid
 from collections.abc import Mapping

@@ -13,7 +13,7 @@ from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_mode
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     model = tiny_model(tmp_path_factory.mktemp("cache-model"))
     return load_engine(job_config("unused", model=model, device="cpu"))
 
@@ -176,7 +176,7 @@ def test_an_unopenable_cache_url_exits_2_before_any_work(tmp_path):
 def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
     """Workers serve cached rows and copies of the units they claim, and each stores what it computed:
     every row once, outputs as one worker's without a cache, and no entry lost."""
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     from jobrunner.parallel import run_parallel
     cache = str(tmp_path / "cache")
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts(20))]

@@ -73,7 +73,7 @@ def _outputs(url: str) -> dict:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
 
 

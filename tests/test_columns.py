@@ -5,8 +5,8 @@ import polars as pl
 import pytest
 
 from jobrunner.columns import input_names, reserved_columns
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from jobrunner.output import read_results
 from jobs import KINDS

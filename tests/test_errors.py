@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from jobrunner import checks
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, job_config, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from jobrunner import checks
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, job_config, JobConfigError
+from jobrunner.config import job_config, JobConfigError
 from jobrunner.job_parts import open_job
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, Job
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.output import read_results
 from jobrunner.progress import Progress
 

@@ -8,7 +8,7 @@ import pytest
 
 import jobrunner
 from engine.generation_config import GenerationDefaults
-from jobrunner.config import JobConfig, job_config, JobConfigError
+from jobrunner.config import job_config, JobConfigError
 
 SMALL = dict(chat=False, max_tokens=12, kv_cache_memory="4MB", seed=7)
 ROWS = [{"id": str(i), "prompt": p} for i, p in enumerate(["The quick brown fox", "Numbers 0123", "Hello world!"])]

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
 from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model

@@ -10,8 +10,8 @@ import torch
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
-from jobrunner.config import JobConfig, job_config, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from jobrunner.openai_request import body_params, text_messages
 from jobrunner.output import read_results

@@ -11,8 +11,8 @@ from openai.types import BatchError, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, job_config, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from tests import openai_fixtures as fx
 from tests.test_openai_batch import engine, model_dir  # noqa: F401 (fixtures: one tiny llama engine a module)

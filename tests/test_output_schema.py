@@ -14,8 +14,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from jobrunner.output import EXTRA_JSON, ResultWriter, read_results
 from jobrunner.output import values as V

@@ -5,8 +5,7 @@ import random
 
 import pytest
 
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import Job
+from jobrunner.config import job_config
 from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model

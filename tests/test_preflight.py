@@ -112,7 +112,7 @@ def test_n_over_1_at_the_checkpoints_greedy_default_exits_before_the_model(tmp_p
 
 def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
     from jobrunner import preload
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     cfg_dir = tmp_path / "m"
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(open(f"{ROOT}/benchmarks/configs/tiny-llama.json").read())
@@ -157,7 +157,7 @@ class _Tok:
 
 
 def _classify(**options):
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     from jobs import make_job
     cfg = job_config("d.jsonl", kind="classify", labels=("positive", "negative"), **options)
     return make_job(cfg.job_spec(), _Tok())
@@ -179,7 +179,7 @@ def test_classify_puts_the_delimiter_between_prompt_and_label(prompt, options, f
 
 
 def test_the_label_delimiter_is_in_a_classify_jobs_fingerprint_only():
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config import job_config
     a = job_config("d", kind="classify", labels=("a", "b")).fingerprint_fields()
     b = job_config("d", kind="classify", labels=("a", "b"), label_delimiter="").fingerprint_fields()
     assert a != b and a["label_delimiter"] == " "

@@ -5,8 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import Job
+from jobrunner.config import job_config
 from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, job_config
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
 from jobrunner.job_parts import open_job
 from jobrunner.stats import percentile
 from jobrunner.parallel.stats import merge_stats

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, job_config
+from jobrunner.config import job_config
 from jobrunner.output import read_results
 
 N_ROWS = 24

@@ -2,7 +2,7 @@
 import pytest
 
 from jobrunner import threads
-from jobrunner.config import JobConfig, job_config, JobConfigError
+from jobrunner.config import job_config, JobConfigError
 
 
 def test_free_cores_leaves_the_cores_other_threads_are_running_on(monkeypatch):
