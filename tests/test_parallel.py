@@ -79,7 +79,7 @@ def test_workers_give_the_same_rows_as_one(setup, workers):
     assert sum(w["rows"] for w in s["workers"].values()) == len(setup["ids"])
     assert s["data_parallel"]["rounds"] == 1 and s["data_parallel"]["lost_workers"] == []
     assert s["data_parallel"]["units"] >= N_SMALL       # small prompts are units of their own
-    reference = read_stats(setup["cfg"].output)
+    reference = read_stats(setup["cfg"].output_url)
     for k in ("prompt_tokens", "completion_tokens", "optimum_cached_tokens"):
         assert s[k] == reference[k], k
     assert s["device_hours"] == pytest.approx(sum(w["device_hours"] for w in s["workers"].values()))
@@ -98,7 +98,7 @@ def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_pat
     assert job.run().exit_code == EXIT_OK
     res = run_parallel(one.with_options(data_parallel=2, output=str(tmp_path / "two")))
     assert res.exit_code == EXIT_OK
-    assert _outputs(res.output) == _outputs(one.output)
+    assert _outputs(res.output) == _outputs(one.output_url)
     workers = read_stats(res.output)["workers"]
     assert set(workers) == {"rank0", "rank1"}
     assert all(w["units"] > 0 and w["rows"] > 0 for w in workers.values()), workers
@@ -234,7 +234,7 @@ def test_sigterm_to_the_launcher_then_resume(setup, tmp_path):
     data = tmp_path / "many.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].model, "-o", str(out),
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].engine.model, "-o", str(out),
            "--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "1", "--device", "cpu", "--data-parallel", "2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
