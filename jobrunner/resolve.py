@@ -45,13 +45,12 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     and the output's state is the coordinator's to find). output_state False: for a job on an engine
     already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
     `jobrunner validate`, which writes nothing: the output is neither checked nor created."""
-    from jobrunner.cache import ENV_URL
     from jobrunner.job_parts import open_cache
     fmt, columns = checks.check_dataset(cfg)
     checks.check_template(cfg, columns)
     checks.check_constraint(cfg)
-    cache_url = cfg.reuse.cache or os.environ.get(ENV_URL) or None
-    open_cache(cache_url)                   # a URL that cannot be opened: exit 2, before the output exists
+    url = cache_url(cfg)
+    open_cache(url)                   # a URL that cannot be opened: exit 2, before the output exists
     if parallel:
         checks.check_not_empty(cfg, fmt)
     elif not dry:
@@ -64,7 +63,13 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     dtype, quantization = precision(cfg)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
-                    cache_url=cache_url, rows_done=rows_done)
+                    cache_url=url, rows_done=rows_done)
+
+
+def cache_url(cfg: JobConfig) -> str | None:
+    """The result cache's URL: --cache, else $JOBRUNNER_CACHE_URL, else None (no cache)."""
+    from jobrunner.cache import ENV_URL
+    return cfg.reuse.cache or os.environ.get(ENV_URL) or None
 
 
 def model_path(name: str) -> str:

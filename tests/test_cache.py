@@ -151,15 +151,16 @@ def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypat
 def test_cache_url_from_toml_and_environment(tmp_path, monkeypatch):
     from jobrunner.api import build_config
     from jobrunner.config import JobConfigError
+    from jobrunner.resolve import cache_url
     toml = tmp_path / "job.toml"
     toml.write_text('cache = "/tmp/c1"\ncache_mode = "read-only"\ndedup = false\n')
     monkeypatch.setenv("JOBRUNNER_CACHE_URL", "/tmp/env-cache")
-    assert build_config("d.jsonl", {}).cache == "/tmp/env-cache"
+    assert cache_url(build_config("d.jsonl", {})) == "/tmp/env-cache"      # found by resolve, beside the config
     cfg = build_config("d.jsonl", {}, str(toml))
     assert (cfg.reuse.cache, cfg.reuse.cache_mode, cfg.reuse.dedup) == ("/tmp/c1", "read-only", False)
-    assert build_config("d.jsonl", {"cache": "/tmp/c2"}, str(toml)).cache == "/tmp/c2"
+    assert cache_url(build_config("d.jsonl", {"cache": "/tmp/c2"}, str(toml))) == "/tmp/c2"
     with pytest.raises(JobConfigError, match="--cache-mode must be"):
-        build_config("d.jsonl", {"cache_mode": "sometimes"}).validate()
+        build_config("d.jsonl", {"cache_mode": "sometimes"})
     assert "cache" not in build_config("d.jsonl", {}).fingerprint_fields()
 
 

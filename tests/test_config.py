@@ -157,3 +157,35 @@ def test_system_prompt_escapes_like_the_template():
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "q"})[0] == expected
     raw = job_config("x", system=r"Be brief.\tOK", chat=False)
     assert PromptBuilder(raw.job_spec(), types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"
+
+
+def test_sections_round_trip_through_flat_options_and_stay_few():
+    """The top object holds sections, not options; a worker rebuilds the launcher's config from its
+    flat options (JSON) and gets the same object, fingerprint included."""
+    import json as _json
+
+    from jobrunner.config import JobConfig, job_config
+    from jobrunner.parallel.launcher import config_from_json
+    assert len(dataclasses.fields(JobConfig)) <= 12
+    cfg = job_config("d.jsonl", kind="classify", labels=("a", "b"), stop=("x",), kv_cache_memory=2**20,
+                     chat_template_kwargs='{"t": 1}', given=frozenset({"labels"}))
+    back = config_from_json(_json.dumps({**cfg.options(), "given": sorted(cfg.given)}))
+    assert back == cfg and back.fingerprint_fields() == cfg.fingerprint_fields()
+    assert cfg.with_options(max_tokens=3).sampling.max_tokens == 3
+
+
+def test_an_option_of_another_kind_is_refused_and_sampling_ranges_are_the_engines():
+    with pytest.raises(JobConfigError, match="--labels/--labels-column need --kind classify"):
+        job_config("d.jsonl", labels=("a", "b"))
+    with pytest.raises(JobConfigError, match="--dimensions need --kind embed"):
+        job_config("d.jsonl", dimensions=8)
+    job_config("d.jsonl", normalize="sum")          # at its default: harmless, as it always was
+    with pytest.raises(JobConfigError, match="^--top-p must be in"):      # SamplingParams' check, the CLI's name
+        job_config("d.jsonl", top_p=1.5)
+
+
+def test_resolved_round_trips_as_the_workers_get_it():
+    from jobrunner.resolve import Resolved
+    r = Resolved(fmt="jsonl", columns=("id", "prompt"), model="dummy:x", dtype="auto", float_dtype="float32",
+                 quantization="none", cache_url=None)
+    assert Resolved.from_json(r.to_json()) == r

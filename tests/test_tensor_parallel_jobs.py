@@ -172,9 +172,11 @@ def test_option_checks_exit_2_before_any_work(setup, tmp_path):
 
 
 def test_threads_are_shared_by_the_ranks(setup):
+    from jobrunner.resolve import resolve_engine
     assert job_config("x", threads=4, tensor_parallel=2).cpu_threads() == 2
     assert job_config("x", threads=1, tensor_parallel=2).cpu_threads() == 1        # at least one each
-    ec = job_config("x", model=setup["model"], threads=6, tensor_parallel=4).engine_config()
+    cfg = job_config("x", model=setup["model"], threads=6, tensor_parallel=4)
+    ec = cfg.engine_config(resolve_engine(cfg))
     assert ec.tensor_parallel == 4 and ec.num_threads == 1
     # not in the fingerprint: a job may resume with another split (greedy outputs are the same by design)
     assert job_config("x", tensor_parallel=2).fingerprint_fields() == job_config("x").fingerprint_fields()
