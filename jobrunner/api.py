@@ -13,14 +13,12 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 import uuid
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 
-from jobrunner.cache import ENV_URL
 from jobrunner.api_messages import api_message, check_known
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
@@ -64,17 +62,15 @@ def read_toml(path: str) -> dict:
 
 def build_config(dataset: str | None, options: Mapping | None = None, config: str | None = None) -> JobConfig:
     """options (JobConfig field names; None values are not given) over the TOML file `config` over
-    JobConfig's defaults. Raises JobConfigError naming an unknown option or a value of the wrong type;
-    the values' own checks (ranges, combinations) come with JobConfig.validate, when the job prepares."""
+    JobConfig's defaults. Raises JobConfigError naming an unknown option, a value of the wrong type, or
+    one its section refuses (ranges, combinations: config_sections)."""
     values = read_toml(config) if config else {}
     options = {k: v for k, v in (options or {}).items() if v is not None}
     check_known(options, ("dataset",))
     values.update((name, field_value(name, value)) for name, value in options.items())
     values["dataset"] = dataset or values.get("dataset", "")
     values["given"] = frozenset(values) - {"dataset"}      # checks.check_dataset: a named column must exist
-    if "cache" not in values and os.environ.get(ENV_URL):      # the result cache's default
-        values["cache"] = os.environ[ENV_URL]
-    return JobConfig(**values)
+    return JobConfig.from_options(values)
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -97,27 +93,25 @@ def submit(dataset: str, output: str | None = None, *, config: str | None = None
 def run(cfg: JobConfig) -> JobResult:
     """Run cfg's job: in this process, or over data-parallel workers when it asks for several (or
     runs under torchrun). Errors as `submit`'s."""
-    from jobrunner.job import Job
+    from jobrunner.job_parts import finish_done, open_job
     from jobrunner.parallel import run_parallel, wants_parallel
+    from jobrunner.resolve import resolve
     if wants_parallel(cfg):     # one worker per engine, or a rank under torchrun: jobrunner.parallel
         with _errors(running=True):
             return run_parallel(cfg)
-    job = Job(cfg)
+    with _errors():
+        resolved = resolve(cfg)
+        job = None if resolved.rows_done is not None else open_job(cfg, resolved)
+    if job is None:                 # a rerun with nothing left to do: no model
+        with _errors(running=True):
+            return finish_done(cfg, resolved.rows_done)
     try:
-        with _errors():
-            job.prepare()
         with _errors(running=True):
             return job.run()
     finally:
-        _close_engine(job)
-
-
-def _close_engine(job) -> None:
-    """End the engine a job loaded: with --tensor-parallel its other ranks are processes, ended here
-    rather than at the process's exit (an API caller may go on for hours)."""
-    engine = getattr(job, "engine", None)
-    if engine is not None:
-        engine.close()
+        # with --tensor-parallel the engine's other ranks are processes, ended here rather than at the
+        # process's exit (an API caller may go on for hours)
+        job.engine.close()
 
 
 @contextmanager
@@ -190,12 +184,13 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
     try:
         dataset, fmt, count = _write_rows(fs, root, rows)
         cfg = build_config(dataset, {**options, "output": f"memory://{root}/output", "format": fmt}, config)
-        if (cfg.data_parallel or 1) != 1:
+        if (cfg.parallel.data_parallel or 1) != 1:
             raise JobConfigError("generate runs in this process: data_parallel must be 1 "
                                  "(jobrunner.submit runs data-parallel jobs)")
-        if count == 0 and cfg.fail_on_empty:
+        if count == 0 and cfg.output.fail_on_empty:
             raise JobConfigError("rows is empty; failing, as fail_on_empty asks")
-        result = _run_here(cfg, reuse_engine)
+        positions: dict = {}        # row id -> its input row's index, as the job reads them
+        result = _run_here(cfg, reuse_engine, positions)
         if result.exit_code == EXIT_INTERRUPTED:
             raise KeyboardInterrupt
         if result.exit_code == EXIT_FAILED:     # a tensor-parallel rank was lost
@@ -205,7 +200,7 @@ def generate(rows, *, config: str | None = None, reuse_engine: bool = True, **op
         if result.exit_code != EXIT_OK:         # over max_error_rate, or every row failed (exit_codes.py)
             from jobrunner.exit_codes import rows_verdict
             raise JobFailedError(rows_verdict(cfg, result.stats, "", result.stats["rows"], options="api")[1], result)
-        return _in_input_order(pl.from_arrow(read_results(cfg.output_url)), dataset, fmt, cfg.id_column)
+        return _in_input_order(pl.from_arrow(read_results(cfg.output_url)), positions)
     except JobConfigError as e:         # its own arguments and the caller's rows, not a memory:// file
         raise JobConfigError(api_message(str(e), dataset)) from None
     finally:
@@ -252,23 +247,28 @@ def _arrow_table(rows):
     return None
 
 
-def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
-    """cfg's job in this process, on the cached engine when it has the same EngineConfig."""
-    from jobrunner.job import Job
-    key = replace(cfg.engine_config(), num_threads=None)   # threads follow the machine's load; results do not
+def _run_here(cfg: JobConfig, reuse_engine: bool, positions: dict) -> JobResult:
+    """cfg's job in this process, on the cached engine when it has the same EngineConfig; `positions`
+    gets each row id's place in the input as the job reads it."""
+    from jobrunner.dataset import read_rows
+    from jobrunner.job_parts import open_job
+    from jobrunner.resolve import resolve
+    with _errors():
+        resolved = resolve(cfg, output_state=False)
+    key = replace(cfg.engine_config(resolved), num_threads=None)   # threads follow the machine's load; results do not
     engine = _engine_cache.get(key) if reuse_engine else None
-    if engine is not None and cfg.chat and not engine.tokenizer.has_chat_template:
-        raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
+    if engine is not None and cfg.prompt.chat and not engine.tokenizer.has_chat_template:
+        raise JobConfigError(f"--chat was asked for but model {cfg.engine.model} has no chat template; use --no-chat")
     if engine is None and _engine_cache:
         clear_engine_cache()        # before loading another: one engine at a time
-    job = Job(cfg)
-    try:
-        with _errors():
-            job.prepare(engine=engine)
-    except BaseException:
-        if engine is None:          # an engine this call loaded (a cached one stays cached)
-            _close_engine(job)
-        raise
+
+    def reader():
+        for batch in read_rows(cfg.input.dataset, resolved.fmt, id_column=cfg.input.id_column, batch_rows=1024):
+            for row in batch:
+                positions.setdefault(row.id, row.index)
+            yield batch
+    with _errors():
+        job = open_job(cfg, resolved, engine=engine, reader=reader)     # closes an engine it loaded if it fails
     ok = False
     try:
         with _errors(running=True):
@@ -276,26 +276,21 @@ def _run_here(cfg: JobConfig, reuse_engine: bool) -> JobResult:
         ok = result.exit_code not in (EXIT_INTERRUPTED, EXIT_FAILED)
     finally:
         # an interrupted (or failed) run leaves requests in the engine: never reuse that one
-        if reuse_engine and ok and job.engine is not None and not job.engine.has_unfinished():
+        if reuse_engine and ok and not job.engine.has_unfinished():
             _engine_cache[key] = job.engine
         else:
             _engine_cache.pop(key, None)
-            _close_engine(job)
+            job.engine.close()
     return result
 
 
-def _in_input_order(df, dataset: str, fmt: str, id_column: str):
+def _in_input_order(df, positions: dict):
     """Result rows sorted by their input row's position (by id, as the job read them), samples in order."""
     import polars as pl
 
-    from jobrunner.dataset import read_rows
     from jobrunner.output.values import id_key
     if df.is_empty():
         return df
-    position: dict[str, int] = {}
-    for batch in read_rows(dataset, fmt, id_column=id_column):
-        for row in batch:
-            position.setdefault(row.id, row.index)
-    order = pl.Series("__position", [position.get(id_key(i), len(position)) for i in df["id"].to_list()])
+    order = pl.Series("__position", [positions.get(id_key(i), len(positions)) for i in df["id"].to_list()])
     keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
     return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")

@@ -19,19 +19,17 @@ COLUMN_OPTIONS = ("id_column", "prompt_column", "messages_column", "labels_colum
 def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     from jobrunner.dataset import DatasetError, dataset_columns, detect_format
     from jobrunner.dataset.csv_reader import check_quotes
-    if cfg.csv_max_lines < 1:
-        raise JobConfigError("--csv-max-lines must be >= 1 (the lines a CSV record may span)")
     try:
-        fmt = detect_format(cfg.dataset, cfg.format)
-        columns = dataset_columns(cfg.dataset, fmt)
+        fmt = detect_format(cfg.input.dataset, cfg.input.format)
+        columns = dataset_columns(cfg.input.dataset, fmt)
         if fmt == "csv":        # before any work: an unclosed quote would swallow the rest of the file
-            check_quotes(cfg.dataset, cfg.csv_max_lines)
+            check_quotes(cfg.input.dataset, cfg.input.csv_max_lines)
     except DatasetError as e:
         raise JobConfigError(str(e)) from None
     except (OSError, ValueError) as e:
-        raise JobConfigError(f"cannot read dataset {cfg.dataset}: {e}") from None
+        raise JobConfigError(f"cannot read dataset {cfg.input.dataset}: {e}") from None
     except Exception as e:      # an object store without credentials: one line, exit 2
-        if (err := credentials_error(cfg.dataset, e)) is None:
+        if (err := credentials_error(cfg.input.dataset, e)) is None:
             raise
         raise JobConfigError(str(err)) from None
     if fmt == "openai-batch":
@@ -40,30 +38,31 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
         return fmt, columns
     # Every column option the user set must name a column (a typo never falls back to a default:
     # --id-column nope would number the rows); the prompt column also when the prompt comes from it.
-    wanted = [name for name in COLUMN_OPTIONS if getattr(cfg, name) and name in cfg.given]
+    options = cfg.options()
+    wanted = [name for name in COLUMN_OPTIONS if options.get(name) and name in cfg.given]
     wanted += [name for name in ("messages_column", "labels_column", "reference_column", "score_column",
-                                 "schema_column") if getattr(cfg, name) and name not in wanted]
-    if not cfg.template and not cfg.messages_column and "prompt_column" not in wanted:
+                                 "schema_column") if options.get(name) and name not in wanted]
+    if not cfg.prompt.template and not cfg.input.messages_column and "prompt_column" not in wanted:
         wanted.append("prompt_column")
     for name in wanted:
-        column = getattr(cfg, name)
+        column = options[name]
         if columns and column not in columns:
-            raise JobConfigError(f"--{name.replace('_', '-')} {column!r} is not a column of {cfg.dataset}; "
+            raise JobConfigError(f"--{name.replace('_', '-')} {column!r} is not a column of {cfg.input.dataset}; "
                                  f"its columns are: {', '.join(columns)}")
     return fmt, columns
 
 
 def check_template(cfg: JobConfig, columns: list[str]):
-    if not cfg.template:
+    if not cfg.prompt.template:
         return None
     from jobs.template import PromptTemplate
     try:
-        template = PromptTemplate(cfg.template)
+        template = PromptTemplate(cfg.prompt.template)
     except ValueError as e:
         raise JobConfigError(f"--template: {e}") from None
     missing = template.missing_columns(columns) if columns else []
     if missing:
-        raise JobConfigError(f"--template uses {', '.join(missing)}, not columns of {cfg.dataset}; "
+        raise JobConfigError(f"--template uses {', '.join(missing)}, not columns of {cfg.input.dataset}; "
                              f"its columns are: {', '.join(columns)}")
     return template
 
@@ -73,7 +72,7 @@ def check_output(cfg: JobConfig) -> None:
     storage.CredentialsError when the object store finds no credentials)."""
     from jobrunner.output import OutputError, check_output
     try:
-        check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.overwrite)
+        check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.output.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
     except OSError as e:        # an object store's errors may not name the URL ("Forbidden")
@@ -89,8 +88,8 @@ def check_output(cfg: JobConfig) -> None:
 def on_empty_dataset(cfg: JobConfig) -> None:
     """No rows to read: a warning (in a cron job an upstream failure looks like success), or with
     --fail-on-empty a JobConfigError (exit 2)."""
-    what = f"dataset {cfg.dataset} has no rows" + (" (--limit 0)" if cfg.limit == 0 else "")
-    if cfg.fail_on_empty:
+    what = f"dataset {cfg.input.dataset} has no rows" + (" (--limit 0)" if cfg.input.limit == 0 else "")
+    if cfg.output.fail_on_empty:
         raise JobConfigError(f"{what}; failing, as --fail-on-empty asks")
     log.warning("%s: nothing to do (--fail-on-empty makes this exit 2)", what)
 
@@ -100,19 +99,24 @@ def check_not_empty(cfg: JobConfig, fmt: str) -> None:
     see only a share); a dataset too large to count is not empty."""
     from jobrunner.dataset import DatasetError, count_rows
     try:
-        n = 0 if cfg.limit == 0 else count_rows(cfg.dataset, fmt)
+        n = 0 if cfg.input.limit == 0 else count_rows(cfg.input.dataset, fmt)
     except DatasetError as e:
         raise JobConfigError(str(e)) from None
     if n == 0:
         on_empty_dataset(cfg)
 
 
-def load_engine(cfg: JobConfig):
+def load_engine(cfg: JobConfig, resolved=None):
+    """The engine of cfg, on the model and precision `resolved` found (jobrunner.resolve; without it,
+    resolve.resolve_engine: the model and precision alone)."""
+    if resolved is None:
+        from jobrunner.resolve import resolve_engine
+        resolved = resolve_engine(cfg)
     from engine import ConfigError, Engine, ModelError
     from jobrunner.models import describe
     from jobrunner.parallel.world import check_gpus
     check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
-    config = cfg.engine_config()                # a known model name is pulled here, on first use
+    config = cfg.engine_config(resolved)
     try:
         engine = Engine(config)
     except (ModelError, ConfigError) as e:
@@ -121,18 +125,19 @@ def load_engine(cfg: JobConfig):
     threads = f", {config.num_threads} threads" if info.device_type == "cpu" else ""
     split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""
     log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
-             describe(cfg.model, info.source), info.device, split, threads, info.dtype.removeprefix("torch."),
-             info.num_blocks, cfg.block_size, info.load_s)
-    if cfg.chat and not engine.tokenizer.has_chat_template:
+             describe(cfg.engine.model, info.source), info.device, split, threads, info.dtype.removeprefix("torch."),
+             info.num_blocks, cfg.engine.block_size, info.load_s)
+    if cfg.prompt.chat and not engine.tokenizer.has_chat_template:
         engine.close()
-        raise JobConfigError(f"--chat was asked for but model {cfg.model} has no chat template; use --no-chat")
+        raise JobConfigError(f"--chat was asked for but model {cfg.engine.model} has no chat template; use --no-chat")
     return engine
 
 
 def check_dimensions(cfg: JobConfig, model_config) -> None:
     """embed: --dimensions keeps the first N values of the model's hidden size; no more than it has."""
-    if cfg.dimensions is not None and cfg.dimensions > model_config.hidden_size:
-        raise JobConfigError(f"--dimensions {cfg.dimensions} exceeds the model's embedding size "
+    dimensions = getattr(cfg.kind, "dimensions", None)      # EmbedKind's
+    if dimensions is not None and dimensions > model_config.hidden_size:
+        raise JobConfigError(f"--dimensions {dimensions} exceeds the model's embedding size "
                              f"{model_config.hidden_size}; give at most that")
 
 
@@ -140,7 +145,7 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
     """A job resumed on a Hub name whose branch moved since its first run would mix two models'
     outputs: refuse it, naming the commit to pin (the fingerprint has the name, not the commit)."""
     from jobrunner.output import OutputError, read_manifest
-    if cfg.overwrite or "hub" not in manifest:
+    if cfg.output.overwrite or "hub" not in manifest:
         return
     try:
         before = ((read_manifest(cfg.output_url) or {}).get("hub") or {}).get("commit")
@@ -148,7 +153,7 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
         return      # open_writer says what is wrong with the output
     now, repo = manifest["hub"]["commit"], manifest["hub"]["repo"]
     if before and before != now:
-        raise JobConfigError(f"{cfg.output_url} was written by {repo} at commit {before}, but {cfg.model} is now "
+        raise JobConfigError(f"{cfg.output_url} was written by {repo} at commit {before}, but {cfg.engine.model} is now "
                              f"commit {now}; resuming would mix two models' outputs. Start over with --overwrite, "
                              f"or keep the old model with -m {repo}@{before} and another --output")
 
@@ -160,9 +165,9 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
     schema = None
     if job is not None:
         from jobrunner.result_schema import result_schema
-        schema = result_schema(cfg.dataset, cfg.format, cfg.id_column, job, engine.info.hidden_size)
+        schema = result_schema(cfg.input.dataset, cfg.input.format, cfg.input.id_column, job, engine.info.hidden_size)
     try:
-        return writer_cls(cfg.output_url, manifest, part_rows=cfg.part_rows, overwrite=cfg.overwrite,
-                          part_prefix=part_prefix, flush_seconds=cfg.flush_seconds, schema=schema)
+        return writer_cls(cfg.output_url, manifest, part_rows=cfg.output.part_rows, overwrite=cfg.output.overwrite,
+                          part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema)
     except OutputError as e:
         raise JobConfigError(str(e)) from None

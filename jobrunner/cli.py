@@ -1,6 +1,6 @@
 """The command line: `jobrunner submit | validate | stats | models | cache`.
 
-Option defaults come from JobConfig; `--config job.toml` supplies any option, and the
+Option defaults come from JobConfig's sections (jobrunner/config_sections.py); `--config job.toml` supplies any option, and the
 command line wins over the file.
 """
 from __future__ import annotations

@@ -1,18 +1,20 @@
 """The options of `submit` and `validate`, in the sections their help shows.
 
-Defaults come from JobConfig; `--config job.toml` supplies any option, and the command line wins.
+Defaults come from JobConfig's sections (jobrunner/config_sections.py); `--config job.toml` supplies any option, and the command line wins.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import click
 
 from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
-                              JOB_QUANTIZATIONS, POOLINGS, JobConfig)
+                              JOB_QUANTIZATIONS, POOLINGS, option_defaults)
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
 from jobs.truncation import TRUNCATE_MODES
 
-D = JobConfig("")      # the defaults
+D = SimpleNamespace(**option_defaults())    # the defaults, read from the config's sections
 
 # Section title -> its options, in the order `--help` lists them; "Other" takes any option not here.
 OPTION_GROUPS: dict[str, list] = {

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine import Constraint
-from jobs.schema_check import SCHEMA_MODES, with_mode
+from jobs.schema_check import with_mode
 
 # JobConfig field -> its option
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "choice": "--choice",
@@ -20,39 +20,31 @@ def _bad(message: str):
     raise JobConfigError(message)
 
 
-def validate_constraint_options(cfg) -> None:
-    """The options' combinations and values (no file read); JobConfigError."""
-    given = [opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(cfg, name)]
-    if cfg.schema_column:
+def validate_constraint_options(kind) -> None:
+    """The options' combinations and values (no file read), of a GenerateKind; JobConfigError."""
+    given = [opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name)]
+    if kind.schema_column:
         given.append("--schema-column")
     if len(given) > 1:
         _bad(f"{' and '.join(given)} contradict each other: give one constraint")
-    if given and cfg.kind != "generate":
-        _bad(f"{given[0]} constrains generated text: it needs --kind generate")
-    if len(set(cfg.choice)) != len(cfg.choice):
+    if len(set(kind.choice)) != len(kind.choice):
         _bad("--choice has duplicates")
-    if cfg.json_schema_mode not in SCHEMA_MODES:
-        _bad(f"--json-schema-mode must be strict or validate, not {cfg.json_schema_mode!r}")
-    if cfg.json_schema_mode != "strict" and cfg.kind != "generate":
-        _bad("--json-schema-mode applies to --kind generate only")
-    if not cfg.grammar_timeout > 0:
-        _bad("--grammar-timeout must be > 0 seconds")
 
 
-def job_constraint(cfg) -> Constraint | None:
-    """The job's constraint, with the files it names read (a schema as written: each row's is compiled
+def job_constraint(kind) -> Constraint | None:
+    """A GenerateKind's constraint, with the files it names read (a schema as written: each row's is compiled
     under its schema mode, jobs/constraint.py); JobConfigError when one can't be."""
-    if cfg.json_schema:
-        text = cfg.json_schema
+    if kind.json_schema:
+        text = kind.json_schema
         return Constraint("json_schema", text if text.lstrip().startswith("{") else _read(text, "--json-schema"))
-    if cfg.json:
+    if kind.json:
         return Constraint("json")
-    if cfg.regex:
-        return Constraint("regex", cfg.regex)
-    if cfg.choice:
-        return Constraint("choice", json.dumps(list(cfg.choice)))
-    if cfg.grammar:
-        return Constraint("grammar", _read(cfg.grammar, "--grammar"))
+    if kind.regex:
+        return Constraint("regex", kind.regex)
+    if kind.choice:
+        return Constraint("choice", json.dumps(list(kind.choice)))
+    if kind.grammar:
+        return Constraint("grammar", _read(kind.grammar, "--grammar"))
     return None
 
 
@@ -60,17 +52,17 @@ def check_job_constraint(cfg) -> None:
     """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
     JobConfigError naming the option and the problem."""
     from engine import check_constraint
-    c = job_constraint(cfg)
-    if c is None:
+    kind = cfg.kind
+    if kind.name != "generate" or (c := job_constraint(kind)) is None:
         return
     if c.kind == "json_schema":
-        c = Constraint("json_schema", with_mode(c.spec, cfg.json_schema_mode))
-    option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(cfg, name))
+        c = Constraint("json_schema", with_mode(c.spec, kind.json_schema_mode))
+    option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name))
     pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
     try:
-        error = pool.submit(check_constraint, c).result(timeout=cfg.grammar_timeout)
+        error = pool.submit(check_constraint, c).result(timeout=cfg.engine.grammar_timeout)
     except FutureTimeout:
-        _bad(f"{option}: did not compile within {cfg.grammar_timeout:g} s; simplify it or raise --grammar-timeout")
+        _bad(f"{option}: did not compile within {cfg.engine.grammar_timeout:g} s; simplify it or raise --grammar-timeout")
     finally:
         pool.shutdown(wait=False)
     if error:

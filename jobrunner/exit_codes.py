@@ -28,9 +28,9 @@ def rows_verdict(cfg, summary: dict, output: str, run_rows: int, options: str = 
         log.warning("%d of %d rows failed; their errors are in the `error` column of %s", failed, rows, output)
     earlier = f" (in the whole output: {rows - run_rows} of its rows were written before this run)" \
         if rows > run_rows else ""
-    if cfg.max_error_rate is not None and failed / rows > cfg.max_error_rate:
-        return EXIT_ERROR_RATE, f"{failed} of {rows} rows failed, over {rate} {cfg.max_error_rate}{earlier}"
-    if failed == rows and not cfg.allow_all_failed:
+    if cfg.output.max_error_rate is not None and failed / rows > cfg.output.max_error_rate:
+        return EXIT_ERROR_RATE, f"{failed} of {rows} rows failed, over {rate} {cfg.output.max_error_rate}{earlier}"
+    if failed == rows and not cfg.output.allow_all_failed:
         return EXIT_ERROR_RATE, (f"every row failed ({failed} of {rows}){earlier}: see the `error` column; "
                                  f"{allow} exits 0 for such a job")
     return EXIT_OK, None

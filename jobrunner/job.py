@@ -7,41 +7,23 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from array import array
 from dataclasses import dataclass, replace
 
-from engine import EngineCounters, EngineFailure
+from engine import EngineFailure
 from jobrunner.columns import input_names, reserved_columns
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import JobConfig
 from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
     EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, empty_verdict, rows_verdict)
-from jobrunner.job_manifest import job_manifest
 from jobrunner.idset import IdSet
-from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
-from jobrunner.planner.window import split_windows
-from jobrunner.preload import finish_done
-from jobrunner.progress import Progress
-from jobrunner.stats import JobStats
+from jobrunner.planner import PlanItem
 
 log = logging.getLogger("jobrunner")
 
-# A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
-# (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
-# its encoding for the planner and its packed request; ~0.5 GB at 64M tokens).
-WINDOW_ROWS = 50_000
-WINDOW_TOKENS = 64_000_000
 # Rows held back for one batch lookup in the result cache are not packed yet (Python int lists, ~36
 # bytes a token): long prompts end a batch before its row count does.
 HELD_TOKENS = 4_000_000
-
-
-def _open_cache(cfg: JobConfig):
-    """The result cache's store (None without --cache); a URL that cannot be opened exits 2."""
-    from jobrunner.cache import open_store
-    try:
-        return open_store(cfg.cache)
-    except ValueError as e:
-        raise JobConfigError(str(e)) from None
 
 
 @dataclass
@@ -52,78 +34,61 @@ class JobResult:
     error: str | None = None        # why the job could not finish (exit 1) or failed (exit 3), in one line
 
 
+@dataclass(slots=True)
+class PendingRow:
+    """A row inside the planner or the engine: its request's parameters and, apart, its prompt's token
+    ids as uint32 (4 bytes a token, not ~36 in a list of ints) while it waits; the engine gets them as a
+    list when the row is submitted."""
+    row: object                     # jobrunner.dataset.Row
+    tokens: array                   # array("I"): the prompt's token ids
+    request: object                 # the engine Request, its prompt_token_ids empty (they are `tokens`)
+
+    def engine_request(self):
+        return replace(self.request, prompt_token_ids=self.tokens.tolist())
+
+
 class _Interrupted(Exception):
     pass
 
 
+def exit_code_of(cfg: JobConfig, summary: dict, stats) -> tuple[int, str | None]:
+    """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
+    code, why = rows_verdict(cfg, summary, cfg.output_url, stats.rows)
+    if not stats.rows and not stats.rows_skipped:     # no row read: an empty dataset
+        code = empty_verdict(cfg, code)
+    return code, why
+
+
 class Job:
-    """One worker's share of a job. Alone (world 1) it runs every row. In a data-parallel job every
-    worker reads and plans the same dataset identically, runs only the work units `claim(index)`
-    grants it, and writes its own parts; only rank 0 writes rows that never reach the planner."""
+    """One worker's share of a job, built whole from its parts (jobrunner/job_parts.py: open_job). Its
+    work source says which units it runs: alone (world 1) every one; in a data-parallel job every worker
+    reads and plans the same dataset identically, runs only the units its work source claims, and writes
+    its own parts; only rank 0 writes rows that never reach the planner."""
 
-    max_in_flight: int | None = None    # requests queued in the engine ahead of it; None: max(2 * max_num_seqs, 64)
-    progress_factory = Progress         # data-parallel workers report to their coordinator instead
+    def __init__(self, cfg: JobConfig, *, reader, kind, builder, planner, engine, reuse, writer, work, progress,
+                 stats, manifest: dict, fmt: str, max_in_flight: int | None = None):
+        self.cfg, self.fmt, self.manifest = cfg, fmt, manifest
+        self.reader = reader                # () -> batches of Rows (jobrunner.dataset.read_rows, or rows in memory)
+        self.kind, self.builder, self.planner = kind, builder, planner
+        self.engine, self.reuse, self.writer = engine, reuse, writer
+        self.work, self.progress, self.stats = work, progress, stats
+        # requests queued in the engine ahead of it
+        self.max_in_flight = max_in_flight or max(2 * engine.info.max_num_seqs, 64)
+        self.reserved = reserved_columns(kind.result_columns)
+        self.input_names: dict[tuple, dict[str, str]] = {}
+        self.pending: dict[str, PendingRow] = {}   # row id -> the row, while in the planner or the engine
+        self.seen = IdSet()                 # ids read in this run, bar those done at open (writer.done_ids)
+        self.stop = threading.Event()       # a signal asked the job to stop
+        self.counters_before = engine.counters()   # an engine may serve several jobs
 
-    def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1, claim=None):
-        self.cfg = cfg
-        self.rank, self.world = rank, world
-        self.claim = claim or (lambda index: True)
-        self.stop_requested = False
-
-    # --- set-up: everything that can fail fails here, before any work ------------------------
-
-    def prepare(self, engine=None) -> None:
-        from jobrunner import checks, preload
-        from jobrunner.output import ResultWriter
-
-        cfg = self.cfg
-        cfg.validate()
-        self.fmt, self.columns = checks.check_dataset(cfg)
-        self.template = checks.check_template(cfg, self.columns)
-        checks.check_constraint(cfg)
-        preload.check_sampling(cfg)         # --n > 1 at the checkpoint's greedy default
-        self.cache = _open_cache(cfg)
-        preload.check_empty(cfg, self.fmt)  # --fail-on-empty: exit 2 before the output directory exists
-        checks.check_output(cfg)            # before the model: loading one can take minutes
-        self.rows_done = None if engine is not None or self.world > 1 else preload.rows_all_done(cfg, self.fmt)
-        if self.rows_done is not None:      # a rerun with nothing left to do: no model (run: finish_done)
-            self.engine = None
-            return
-        self.engine = engine or checks.load_engine(cfg)
-        checks.check_dimensions(cfg, self.engine.info)
-        from jobrunner.openai_kinds import job_for
-        from jobs import PromptBuilder
-        # unset sampling options: the checkpoint's; the context: for truncation
-        spec = replace(cfg.job_spec(self.engine.info.generation.sampling), context=self.engine.info.max_model_len)
-        try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
-            self.job = job_for(self.fmt, cfg, spec, self.engine.tokenizer, self.engine.info.pooling, self.engine.config.model)
-        except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
-            raise JobConfigError(str(e)) from None
-        self.builder = PromptBuilder(spec, self.engine.tokenizer, self.template)
-        self.reserved = reserved_columns(self.job.result_columns)
-        self._input_names: dict[tuple, dict[str, str]] = {}
-        prefix = "part" if self.world == 1 else f"part-r{self.rank}"
-        self.manifest = job_manifest(cfg, self.engine.info, self.engine.config.model, self.fmt, self.rank)
-        checks.check_same_commit(cfg, self.manifest)
-        self.writer = checks.open_writer(cfg, self.manifest, ResultWriter, prefix, self.job, self.engine)
+    @property
+    def rank(self) -> int:
+        return self.work.rank
 
     # --- the run ------------------------------------------------------------------------------
 
     def run(self) -> JobResult:
-        cfg, engine = self.cfg, self.engine
-        if engine is None:                  # every row is in the output already (prepare)
-            return finish_done(self)
-        self.stats = JobStats()
-        self.prefix = PrefixStats(block_size=cfg.block_size)
-        # row id -> (row, request): rows inside the planner or the engine. While a row waits in the planner
-        # its request's token ids are packed as uint32 bytes (4 bytes a token, not ~36 in a list of ints),
-        # unpacked when it goes to the engine; see _items and _submit.
-        self.pending: dict[str, tuple] = {}
-        self._sampling = None                   # the last request's SamplingParams, shared by equal ones
-        self.seen = IdSet()                     # ids read in this run, bar those done at open (writer.done_ids)
-        self.progress = self.progress_factory(total=self._total_rows(), counters=engine.counters)
-        self.reuse = self._reuse()
-        counters_before = engine.counters()   # an engine may serve several jobs
+        cfg = self.cfg
         lost = None
         try:
             interrupted = self._run_units()
@@ -134,9 +99,9 @@ class Job:
         self.writer.flush()                 # the rows that did finish are kept: a rerun skips them
         self.progress.close()
         if lost is not None:
-            return self._lost(lost, counters_before)
-        run = self._run_record(counters_before, interrupted)
-        if self.world > 1:      # a data-parallel worker: its coordinator sums the runs and marks the job complete
+            return self._lost(lost)
+        run = self._run_record(interrupted)
+        if self.work.world > 1:     # a data-parallel worker: its coordinator sums the runs and marks the job complete
             if not interrupted:
                 self.writer.close()
             return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, cfg.output_url)
@@ -147,20 +112,20 @@ class Job:
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
             return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
         self.writer.close(summary)
-        if cfg.output_format == "openai-batch":     # its files, their line counts in the summary
+        if cfg.output.output_format == "openai-batch":     # its files, their line counts in the summary
             from jobrunner.openai_batch import finish_openai_output
             finish_openai_output(cfg.output_url, summary)
-        code, why = self._exit_code(summary)
+        code, why = exit_code_of(cfg, summary, self.stats)
         return JobResult(code, summary, cfg.output_url, error=why)
 
-    def _lost(self, failure: Exception, counters_before: EngineCounters) -> JobResult:
+    def _lost(self, failure: Exception) -> JobResult:
         """The engine failed mid-job (EngineFailure): the rows written so far stay, the job ends with
         EXIT_FAILED and the result's `error` says why (the CLI prints it). A data-parallel worker re-raises, so that its process ends and its coordinator
         hands the rows it had not written to the workers left."""
-        if self.world > 1:
+        if self.work.world > 1:
             raise failure
         from jobrunner.summary import job_summary
-        run = self._run_record(counters_before, interrupted=False)     # as for lost data-parallel workers
+        run = self._run_record(interrupted=False)     # as for lost data-parallel workers
         summary = job_summary(self.cfg.output_url, self.cfg.fingerprint_fields(), run)
         self.writer.write_stats(summary)
         rows = self.stats.rows
@@ -171,11 +136,11 @@ class Job:
     def _run_units(self) -> bool:
         """Submit the units this worker claims and step the engine until all are done; True if interrupted."""
         engine = self.engine
-        max_in_flight = self.max_in_flight or max(2 * engine.info.max_num_seqs, 64)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for index, unit in enumerate(self._units()):
-                if not self.claim(index):
+            units = self.planner.units(self._items())
+            for unit, mine in self.work.units(units, lambda key: self.pending[key].tokens):
+                if not mine:
                     for key in unit.items:
                         del self.pending[key]
                         self.reuse.drop(key)
@@ -183,10 +148,10 @@ class Job:
                 cached = self.reuse.take(unit.items)     # data-parallel: hits held for the claiming worker
                 for key in unit.items:
                     if key in cached:
-                        self._finish(self.pending.pop(key)[0], cached[key], from_cache=True)
+                        self._finish(self.pending.pop(key).row, cached[key], from_cache=True)
                     else:
-                        self._submit(self.pending[key][1])
-                while engine.num_in_flight >= max_in_flight:
+                        engine.add_request(self.pending[key].engine_request())
+                while engine.num_in_flight >= self.max_in_flight:
                     self._step()
             while engine.has_unfinished():
                 self._step()
@@ -197,48 +162,32 @@ class Job:
                 signal.signal(s, h)
         return False
 
-    def _run_record(self, counters_before: EngineCounters, interrupted: bool) -> dict:
+    def _run_record(self, interrupted: bool) -> dict:
         """This run's own figures (time, throughput, engine counters, cost)."""
         cfg, engine, info = self.cfg, self.engine, self.engine.info
         return self.stats.summary(
-            device=info.device, devices=cfg.tensor_parallel, model_weight_bytes=info.weight_bytes,
-            quantization=engine.config.quantization, prefix=self.prefix,      # as resolved (auto)
-            engine_counters=(engine.counters() - counters_before).as_dict(),
-            device_hourly_cost=cfg.device_hourly_cost, load_s=info.load_s, interrupted=interrupted)
-
-    def _exit_code(self, summary: dict) -> tuple[int, str | None]:
-        """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
-        code, why = rows_verdict(self.cfg, summary, self.cfg.output_url, self.stats.rows)
-        if not self.stats.rows and not self.stats.rows_skipped:     # no row read: an empty dataset
-            code = empty_verdict(self.cfg, code)
-        return code, why
+            device=info.device, devices=cfg.parallel.tensor_parallel, model_weight_bytes=info.weight_bytes,
+            quantization=engine.config.quantization, prefix=self.planner.prefix,      # as resolved (auto)
+            engine_counters=(engine.counters() - self.counters_before).as_dict(),
+            device_hourly_cost=cfg.output.device_hourly_cost, load_s=info.load_s, interrupted=interrupted)
 
     def _on_signal(self, signum, frame):
-        if self.stop_requested:          # a second Ctrl-C: stop at once
+        if self.stop.is_set():          # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
-        self.stop_requested = True
+        self.stop.set()
         log.warning("signal %d: finishing what is written, then exiting", signum)
-
-    def _total_rows(self) -> int | None:
-        from jobrunner.dataset import count_rows
-        try:
-            n = count_rows(self.cfg.dataset, self.fmt)
-        except Exception:
-            return None
-        return min(n, self.cfg.limit) if (n is not None and self.cfg.limit) else n
 
     # --- rows in ---------------------------------------------------------------------------------
 
     def _items(self):
         """Rows -> plan items; rows that can't run become error rows at once."""
-        from jobrunner.dataset import read_rows
         from jobs import RowError
 
-        cfg, read, show = self.cfg, 0, self.cfg.show_prompt     # show: --show-prompt, until one is logged
+        cfg, read, show = self.cfg, 0, self.cfg.prompt.show_prompt     # show: --show-prompt, until one is logged
         held, held_tokens = [], 0       # rows waiting for a batch lookup in the result cache (_past_cache)
-        for batch in read_rows(cfg.dataset, self.fmt, id_column=cfg.id_column, batch_rows=1024):
-            if cfg.limit is not None:
-                batch = batch[:max(0, cfg.limit - read)]
+        for batch in self.reader():
+            if cfg.input.limit is not None:
+                batch = batch[:max(0, cfg.input.limit - read)]
             read += len(batch)
             # An id done at open is skipped, however often it appears (its rows are all written);
             # otherwise its first row runs and each later one becomes a duplicate error row.
@@ -267,7 +216,7 @@ class Job:
                 ready.append((row, text, special))
             for (row, _, _), ids in zip(ready, self._encode(ready)):
                 try:
-                    req = self.job.request(row.id, ids, row.data)
+                    req = self.kind.request(row.id, ids, row.data)
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
@@ -281,9 +230,9 @@ class Job:
             if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
                 yield from self._past_cache(held)
                 held, held_tokens = [], 0
-            if self.stop_requested:
+            if self.stop.is_set():
                 raise _Interrupted
-            if cfg.limit is not None and read >= cfg.limit:
+            if cfg.input.limit is not None and read >= cfg.input.limit:
                 break
         yield from self._past_cache(held)
 
@@ -293,25 +242,20 @@ class Job:
         then every worker must plan the same rows, so a hit waits in the planner like any row and is
         served when its unit is claimed. The rest go on to the planner."""
         found = self.reuse.fetch([row.id for row, _ in held])
+        sampling = None
         for row, req in held:
             out = found.get(row.id)
-            if out is not None and self.world == 1:
+            if out is not None and self.work.world == 1:
                 self._finish(row, out, from_cache=True)
                 continue
             if out is not None:
                 self.reuse.hold(row.id, out)
-            if req.sampling == self._sampling:      # usually every row's: keep one object, not one a row
-                req.sampling = self._sampling
-            self._sampling = req.sampling
-            tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
-            self.pending[row.id] = (row, req)
-            yield PlanItem(row.id, tokens)
-
-    def _submit(self, req) -> None:
-        tokens = array("I")
-        tokens.frombytes(req.prompt_token_ids)
-        req.prompt_token_ids = tokens.tolist()      # the engine takes a list
-        self.engine.add_request(req)
+            if req.sampling == sampling:        # usually every row's: keep one object, not one a row
+                req = replace(req, sampling=sampling)
+            sampling = req.sampling
+            tokens = array("I", req.prompt_token_ids)
+            self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]))
+            yield PlanItem(row.id, req.prompt_token_ids)
 
     def _encode(self, ready) -> list[list[int]]:
         """Batch tokenization (all cores), grouped by whether special tokens are added."""
@@ -323,25 +267,13 @@ class Job:
                     out[i] = ids
         return out
 
-    def _units(self):
-        cfg = self.cfg
-        if cfg.plan:
-            yield from plan(self._items(), window_rows=WINDOW_ROWS, block_size=cfg.block_size, stats=self.prefix,
-                            window_tokens=WINDOW_TOKENS)
-            return
-        # unplanned: dataset order; stats still measured per window
-        for window in split_windows(self._items(), WINDOW_ROWS, WINDOW_TOKENS, lambda it: len(it.tokens)):
-            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=cfg.block_size))
-            for i, it in enumerate(window, 1):
-                yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
-
     # --- rows out ----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        if self.stop_requested:
+        if self.stop.is_set():
             raise _Interrupted
         for out in self.engine.step():
-            self._finish(self.pending.pop(out.id)[0], out)
+            self._finish(self.pending.pop(out.id).row, out)
         self.writer.maybe_flush()       # rows that finished a while ago reach a part even when few come
         self.progress.update(self.stats)
 
@@ -361,7 +293,7 @@ class Job:
         if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
             base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
         rows = []
-        for cols in self.job.columns(out, row.data):
+        for cols in self.kind.columns(out, row.data):
             r = dict(base)
             r.update(cols)
             if r["error"] is None and r.get("finish_reason") == "error":     # every failed row says why
@@ -371,23 +303,13 @@ class Job:
             rows.append(r)
         self._emit(rows)
 
-    def _reuse(self):
-        from jobrunner.reuse import Reuse
-        cfg, model = self.cfg, None
-        if self.cache is not None:
-            from jobrunner.cache import job_model_key
-            model = job_model_key(self.engine.config.model, self.engine.info, self.engine.config.quantization,
-                                  cfg.kv_cache_dtype)
-        return Reuse(self.stats, cfg.kind, dedup=cfg.dedup, window_rows=WINDOW_ROWS, store=self.cache,
-                     mode=cfg.cache_mode, model=model)
-
     def _base(self, row) -> dict:
         """The id and the row's input columns, renamed where a result column takes the name."""
         data = row.data or {}
-        keys = tuple(k for k in data if k != self.cfg.id_column)
-        names = self._input_names.get(keys)
+        keys = tuple(k for k in data if k != self.cfg.input.id_column)
+        names = self.input_names.get(keys)
         if names is None:       # JSONL rows may differ in their keys; most share one set
-            names = self._input_names[keys] = input_names(keys, self.reserved)
+            names = self.input_names[keys] = input_names(keys, self.reserved)
         base = {"id": row.id if row.id_value is None else row.id_value}     # the id as the input types it
         base.update((names[k], data[k]) for k in keys)
         return base

@@ -11,11 +11,11 @@ def job_manifest(cfg, info, engine_model: str, fmt: str, rank: int = 0) -> dict:
     for generation, which sampling values came from where; rank 0 warns of what the checkpoint's
     generation_config.json says that we ignore."""
     from jobrunner.models import describe, model_record
-    manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.model, info.source),
+    manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.engine.model, info.source),
                 "dataset_format": fmt}
-    if (hub := model_record(cfg.model, engine_model)) is not None:
+    if (hub := model_record(cfg.engine.model, engine_model)) is not None:
         manifest["hub"] = hub       # repo, revision asked, commit resolved
-    if cfg.kind == "generate":
+    if cfg.kind.name == "generate":
         manifest["sampling"] = cfg.sampling_sources(info.generation.sampling)
         if info.generation.ignored:
             manifest["generation_config_ignored"] = info.generation.ignored

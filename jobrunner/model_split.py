@@ -85,12 +85,12 @@ def _dense_layers(mc) -> bool:
     return any(not mc.moe.is_sparse(i) for i in range(mc.num_layers))
 
 
-def fit_report(cfg: JobConfig, model_config) -> dict[str, str]:
+def fit_report(cfg: JobConfig, model_config, resolved) -> dict[str, str]:
     """The split (with --tensor-parallel > 1), the weights per rank, the memory of the devices they
     would go on, and whether they fit. JobConfigError when the model does not split."""
-    size = cfg.tensor_parallel
+    size = cfg.parallel.tensor_parallel
     check_model_split(model_config, size)
-    device, dtype, quantization = _precision(cfg)
+    device, dtype, quantization = _precision(cfg, resolved)
     per_rank = weight_bytes_per_rank(model_config, size, _FLOAT_BYTES[dtype], quantization)
     precision = dtype + (f", {quantization} weights" if quantization != "none" else "")
     report: dict[str, str] = {}
@@ -102,31 +102,22 @@ def fit_report(cfg: JobConfig, model_config) -> dict[str, str]:
     return report
 
 
-def _precision(cfg: JobConfig) -> tuple[str, str, str]:
-    """('cuda' | 'cpu', the float dtype's name, the quantization) as the engine would resolve them."""
-    import torch
-    device = "cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()) \
-        else "cpu"
-    dtype, quantization = cfg.dtype, cfg.quantization
-    if quantization == "auto":
-        from jobrunner.precision import auto_precision
-        dtype, quantization, _ = auto_precision(cfg.device, cfg.dtype)
-        if quantization == "w8a8" and cfg.tensor_parallel > 1:
-            quantization = "none"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+def _precision(cfg: JobConfig, resolved) -> tuple[str, str, str]:
+    """('cuda' | 'cpu', the float dtype's name, the quantization), as jobrunner.resolve found them."""
+    from jobrunner.precision import on_gpu
+    dtype = resolved.float_dtype
     if dtype not in _FLOAT_BYTES:
         raise JobConfigError(f"--dtype must be auto, {', '.join(_FLOAT_BYTES)}, not {dtype!r}")
-    return device, dtype, quantization
+    return "cuda" if on_gpu(cfg.engine.device) else "cpu", dtype, resolved.quantization
 
 
 def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
     """Each GPU's free memory against a rank's weights; on CPU, the host's against all processes'."""
     from jobrunner.parallel.world import data_parallel_size
-    size = cfg.tensor_parallel
+    size = cfg.parallel.tensor_parallel
     if device == "cuda":
         import torch
-        base = int(cfg.device.split(":")[1]) if cfg.device.startswith("cuda:") else 0
+        base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
         count = torch.cuda.device_count()
         gpus = list(range(base, min(count, base + size)))
         if len(gpus) < size:
@@ -145,7 +136,7 @@ def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
     avail, total = _host_memory()
     if avail is None:
         return {"device memory": "CPU: host memory unknown"}
-    kv = cfg.kv_cache_memory or CPU_KV_CACHE_BYTES        # each process's KV cache (the engine's CPU budget)
+    kv = cfg.engine.kv_cache_memory or CPU_KV_CACHE_BYTES        # each process's KV cache (the engine's CPU budget)
     need = processes * (per_rank + kv)
     what = f"{_gib(per_rank)} of weights + {_gib(kv)} of KV cache"
     what = f"{processes} processes x ({what})" if processes > 1 else what

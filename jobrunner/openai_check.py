@@ -59,10 +59,10 @@ def file_problems(url: str, limit: int | None = None) -> list[str]:
 
 def check_openai_batch(cfg: JobConfig) -> None:
     """JobConfigError naming the lines when the file fails as a whole (see file_problems)."""
-    problems = file_problems(cfg.dataset, cfg.limit)
+    problems = file_problems(cfg.input.dataset, cfg.input.limit)
     if not problems:
         return
     shown = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    raise JobConfigError(f"{cfg.dataset}: {len(problems)} line{'s' if len(problems) != 1 else ''} of this OpenAI "
+    raise JobConfigError(f"{cfg.input.dataset}: {len(problems)} line{'s' if len(problems) != 1 else ''} of this OpenAI "
                          f"batch file cannot be answered: {shown}. Every line needs a unique string custom_id "
                          "(OpenAI rejects such a file at validation too); fix the lines and run again")

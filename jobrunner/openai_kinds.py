@@ -19,14 +19,14 @@ def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | N
     """What a line's body.model may say; None: anything (--any-model)."""
     from jobrunner import hub
     from jobrunner.models import KNOWN_MODELS
-    if cfg.any_model:
+    if cfg.input.any_model:
         return None
-    names = {cfg.model, *cfg.served_model_name}
-    if cfg.model in KNOWN_MODELS:
-        names.add(KNOWN_MODELS[cfg.model].hub_name)
-    if hub.is_hub_name(cfg.model):
-        names.add(hub.parse(cfg.model)[0])
-    for path in (cfg.model, source):
+    names = {cfg.engine.model, *cfg.input.served_model_name}
+    if cfg.engine.model in KNOWN_MODELS:
+        names.add(KNOWN_MODELS[cfg.engine.model].hub_name)
+    if hub.is_hub_name(cfg.engine.model):
+        names.add(hub.parse(cfg.engine.model)[0])
+    for path in (cfg.engine.model, source):
         if path and os.path.exists(path):
             names.update({path.rstrip("/"), os.path.abspath(path)})
     return frozenset(n for n in names if n)

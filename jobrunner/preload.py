@@ -15,36 +15,30 @@ from jobrunner.config import JobConfig
 log = logging.getLogger("jobrunner")
 
 
-def check_sampling(cfg: JobConfig) -> None:
-    """--n > 1 with the temperature left to the checkpoint, whose default is greedy: JobConfigError
-    now (JobConfig.sampling_params' own check), not once the model is up. A checkpoint whose
-    generation_config.json can't be read cheaply is left to that check."""
-    if cfg.kind != "generate" or cfg.n < 2 or cfg.temperature is not None:
+def check_sampling(cfg: JobConfig, model: str) -> None:
+    """--n > 1 at temperature 0, given or left to the checkpoint (`model`: its resolved path) whose
+    default is greedy: JobConfigError now (JobConfig.sampling_params' own check), not once the model
+    is up. A checkpoint whose generation_config.json can't be read cheaply is left to that check."""
+    if cfg.kind.name != "generate" or cfg.sampling.n < 2:
         return
-    defaults = _generation_defaults(cfg.model)
+    defaults = {} if cfg.sampling.temperature is not None else _generation_defaults(model)
     if defaults is not None:
         cfg.sampling_params(defaults)
 
 
 def check_empty(cfg: JobConfig, fmt: str) -> None:
     """--fail-on-empty on a dataset without rows: JobConfigError (exit 2) before anything is written."""
-    if cfg.fail_on_empty:
+    if cfg.output.fail_on_empty:
         from jobrunner import checks
         checks.check_not_empty(cfg, fmt)
 
 
-def _generation_defaults(model: str) -> dict | None:
+def _generation_defaults(path: str) -> dict | None:
     """The checkpoint's sampling defaults (engine.generation_config), {} when it has none (GGUF,
     a built-in dummy), None when finding out would cost more than a small read."""
-    from engine import ModelError
     from engine import GenerationDefaults
     from engine import DUMMY_CONFIGS
-    from jobrunner.models import resolve_model
     from jobrunner.storage import url_fs
-    try:
-        path = resolve_model(model)     # as loading would (a known name is pulled on first use)
-    except ModelError:
-        return None                     # load_engine says what is wrong
     if path.startswith("dummy:"):
         path = path[len("dummy:"):]
         if path in DUMMY_CONFIGS:
@@ -69,20 +63,20 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
     large to count, or any doubt answers None (the job then runs as usual)."""
     from jobrunner.dataset import count_rows, read_rows
     from jobrunner.output import read_manifest
-    if cfg.overwrite:
+    if cfg.output.overwrite:
         return None
     try:
         if not read_manifest(cfg.output_url):
             return None
-        n = count_rows(cfg.dataset, fmt)
+        n = count_rows(cfg.input.dataset, fmt)
         if n is None:
             return None
-        n = min(n, cfg.limit) if cfg.limit is not None else n
+        n = min(n, cfg.input.limit) if cfg.input.limit is not None else n
         done = _done_ids(cfg.output_url, n)
         if done is None:
             return None
         read = 0
-        for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column, columns=[cfg.id_column]):
+        for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, columns=[cfg.input.id_column]):
             batch = batch[:n - read]
             read += len(batch)
             if not all(done.contains_many([row.id for row in batch])):
@@ -102,10 +96,10 @@ def _check_same_model(cfg: JobConfig) -> None:
     from engine import ModelError
     from jobrunner import checks, hub
     from jobrunner.models import model_record, resolve_model
-    if not hub.is_hub_name(cfg.model):
+    if not hub.is_hub_name(cfg.engine.model):
         return
     try:
-        record = model_record(cfg.model, resolve_model(cfg.model))
+        record = model_record(cfg.engine.model, resolve_model(cfg.engine.model))
     except ModelError:
         return
     if record is not None:
@@ -137,24 +131,3 @@ def _done_ids(output_url: str, at_least: int):
                 return None
             done.update(id_key(x) for x in ids.to_pylist())     # the keys the parts give (output.values)
     return done if len(done) >= at_least else None
-
-
-def finish_done(job):
-    """The JobResult of a rerun with nothing left to do (rows_all_done): the whole output's summary
-    and exit code, no model loaded. An output whose run was killed after its last part is marked
-    complete now."""
-    from jobrunner.job import JobResult
-    from jobrunner.output import mark_complete, read_manifest
-    from jobrunner.stats import JobStats
-    from jobrunner.summary import job_summary
-    cfg = job.cfg
-    job.stats = JobStats()
-    job.stats.rows_skipped = job.rows_done
-    log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)",
-             job.rows_done, cfg.output_url)
-    summary = job_summary(cfg.output_url, cfg.fingerprint_fields())
-    manifest = read_manifest(cfg.output_url) or {}
-    if not manifest.get("complete"):
-        mark_complete(cfg.output_url, summary, manifest)
-    code, why = job._exit_code(summary)        # over the whole output (a failed job stays failed)
-    return JobResult(code, summary, cfg.output_url, error=why)

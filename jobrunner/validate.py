@@ -22,22 +22,21 @@ def validate_job(cfg: JobConfig) -> dict:
 
     from engine import ModelError, load_model_bundle
     from jobrunner.dataset import read_rows
-    from jobrunner.models import describe, resolve_model
+    from jobrunner.models import describe
     from jobrunner.openai_kinds import job_for
+    from jobrunner.resolve import resolve
     from jobs import PromptBuilder
 
-    cfg.validate()
-    fmt, columns = checks.check_dataset(cfg)
+    resolved = resolve(cfg, dry=True)       # a known model name is pulled here, on first use
+    fmt, columns, source = resolved.fmt, list(resolved.columns), resolved.model
     template = checks.check_template(cfg, columns)
-    checks.check_constraint(cfg)
     try:
-        source = resolve_model(cfg.model)       # a known model name is pulled here, on first use
         bundle = load_model_bundle(source)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg, bundle.config)
     from jobrunner.model_split import fit_report
-    split = fit_report(cfg, bundle.config)      # JobConfigError when --tensor-parallel does not divide the model
+    split = fit_report(cfg, bundle.config, resolved)      # JobConfigError when --tensor-parallel does not divide the model
     tok = bundle.tokenizer
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
@@ -46,29 +45,29 @@ def validate_job(cfg: JobConfig) -> dict:
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     t = _Tally(openai=fmt == "openai-batch")
-    for batch in read_rows(cfg.dataset, fmt, id_column=cfg.id_column):
-        for row in batch[:None if cfg.limit is None else max(0, cfg.limit - t.rows)]:
+    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column):
+        for row in batch[:None if cfg.input.limit is None else max(0, cfg.input.limit - t.rows)]:
             t.add(row, builder, job, bundle.config.max_position_embeddings)
     rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
     first_prompt = t.first_prompt
     ok = rows - bad
-    out_tokens = t.out_tokens if cfg.kind == "generate" else 0
-    rate = GPU_FLOPS if torch.cuda.is_available() and cfg.device != "cpu" else CPU_FLOPS
+    out_tokens = t.out_tokens if cfg.kind.name == "generate" else 0
+    rate = GPU_FLOPS if torch.cuda.is_available() and cfg.engine.device != "cpu" else CPU_FLOPS
     seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
     report = {
-        "dataset": cfg.dataset, "format": fmt, "columns": ", ".join(columns),
-        "model": describe(cfg.model, bundle.source),
-        "kind": cfg.kind, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
+        "dataset": cfg.input.dataset, "format": fmt, "columns": ", ".join(columns),
+        "model": describe(cfg.engine.model, bundle.source),
+        "kind": cfg.kind.name, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
         **split,
     }
-    if cfg.kind == "generate":
+    if cfg.kind.name == "generate":
         report["sampling"] = ", ".join(f"{k} {v['value']} ({v['source']})"
                                        for k, v in cfg.sampling_sources(bundle.generation.sampling).items())
-    if cfg.device_hourly_cost is not None:
-        report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.device_hourly_cost, 4)
+    if cfg.output.device_hourly_cost is not None:
+        report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.output.device_hourly_cost, 4)
     for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
         report[f"error x{n}"] = msg
     report.update(t.failed_lines)       # an OpenAI batch file: every line that would fail, by its number

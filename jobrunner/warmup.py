@@ -37,13 +37,14 @@ def warmup(cfg: JobConfig) -> dict:
     from engine import Request, SamplingParams
     from jobrunner import checks
     from jobrunner.models import describe
+    from jobrunner.resolve import resolve_engine
 
     t0 = time.perf_counter()
-    engine = checks.load_engine(cfg)
+    engine = checks.load_engine(cfg, resolve_engine(cfg))
     try:
         loaded = time.perf_counter() - t0
         info = engine.info
-        figures = {"model": describe(cfg.model, info.source), "device": info.device, "load_s": round(loaded, 1)}
+        figures = {"model": describe(cfg.engine.model, info.source), "device": info.device, "load_s": round(loaded, 1)}
         if info.device_type != "cpu" or os.environ.get("JOBRUNNER_CPU_DECODE") == "gather":
             return figures
         log.info("building the in-place CPU decode attention for this model if it is not built yet "

@@ -28,11 +28,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def run_job(engine, dataset: str, output: str, **kw):
-    from jobrunner.config import JobConfig
-    from jobrunner.job import Job
+    from jobrunner.config import job_config
+    from jobrunner.job_parts import open_job
     kw = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "device": "cpu", **kw}
-    job = Job(JobConfig(dataset, output=output, model=engine.config.model, **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(dataset, output=output, model=engine.config.model, **kw), engine=engine)
     return job.run()
 
 

@@ -23,20 +23,23 @@ def command(rank: int, rows: int) -> list[str]:
 
 
 def die_after_rows(rows: int) -> None:
-    """Wrap the first _WorkerJob's claim (round 0: every worker's first round) in this process."""
-    real = worker._WorkerJob
+    """Wrap the claim of the first Job a worker opens (round 0: every worker's first round) in this process."""
+    from dataclasses import replace
+    real = worker.open_job
 
-    class FaultyJob(real):
-        def __init__(self, cfg, rank: int = 0, world: int = 1, claim=None):
-            worker._WorkerJob = real        # later rounds run as they would
+    def faulty_open_job(cfg, resolved, *, work, **kw):
+        worker.open_job = real          # later rounds run as they would
+        built = []
 
-            def claim_or_die(index: int) -> bool:
-                if self.stats.rows >= rows and self.engine.num_in_flight:
-                    os._exit(DIE_CODE)
-                return claim(index)
-            super().__init__(cfg, rank=rank, world=world, claim=claim_or_die)
+        def claim_or_die(index: int) -> bool:
+            job = built[0]
+            if job.stats.rows >= rows and job.engine.num_in_flight:
+                os._exit(DIE_CODE)
+            return work.claim(index)
+        built.append(real(cfg, resolved, work=replace(work, claim=claim_or_die), **kw))
+        return built[0]
 
-    worker._WorkerJob = FaultyJob
+    worker.open_job = faulty_open_job
 
 
 def main(argv: list[str]) -> int:

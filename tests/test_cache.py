@@ -13,9 +13,9 @@ from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_mode
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig
+    from jobrunner.config import job_config
     model = tiny_model(tmp_path_factory.mktemp("cache-model"))
-    return load_engine(JobConfig("unused", model=model, device="cpu"))
+    return load_engine(job_config("unused", model=model, device="cpu"))
 
 
 def _values(out: dict, ids) -> list:
@@ -151,15 +151,16 @@ def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypat
 def test_cache_url_from_toml_and_environment(tmp_path, monkeypatch):
     from jobrunner.api import build_config
     from jobrunner.config import JobConfigError
+    from jobrunner.resolve import cache_url
     toml = tmp_path / "job.toml"
     toml.write_text('cache = "/tmp/c1"\ncache_mode = "read-only"\ndedup = false\n')
     monkeypatch.setenv("JOBRUNNER_CACHE_URL", "/tmp/env-cache")
-    assert build_config("d.jsonl", {}).cache == "/tmp/env-cache"
+    assert cache_url(build_config("d.jsonl", {})) == "/tmp/env-cache"      # found by resolve, beside the config
     cfg = build_config("d.jsonl", {}, str(toml))
-    assert (cfg.cache, cfg.cache_mode, cfg.dedup) == ("/tmp/c1", "read-only", False)
-    assert build_config("d.jsonl", {"cache": "/tmp/c2"}, str(toml)).cache == "/tmp/c2"
+    assert (cfg.reuse.cache, cfg.reuse.cache_mode, cfg.reuse.dedup) == ("/tmp/c1", "read-only", False)
+    assert cache_url(build_config("d.jsonl", {"cache": "/tmp/c2"}, str(toml))) == "/tmp/c2"
     with pytest.raises(JobConfigError, match="--cache-mode must be"):
-        build_config("d.jsonl", {"cache_mode": "sometimes"}).validate()
+        build_config("d.jsonl", {"cache_mode": "sometimes"})
     assert "cache" not in build_config("d.jsonl", {}).fingerprint_fields()
 
 
@@ -176,7 +177,7 @@ def test_an_unopenable_cache_url_exits_2_before_any_work(tmp_path):
 def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
     """Workers serve cached rows and copies of the units they claim, and each stores what it computed:
     every row once, outputs as one worker's without a cache, and no entry lost."""
-    from jobrunner.config import JobConfig
+    from jobrunner.config import job_config
     from jobrunner.parallel import run_parallel
     cache = str(tmp_path / "cache")
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts(20))]
@@ -185,7 +186,7 @@ def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
     ds = write_jsonl(tmp_path / "d.jsonl", rows)
     run_job(engine, old, str(tmp_path / "old"), cache=cache)
     cold = outputs(run_job(engine, ds, str(tmp_path / "cold")).output)
-    cfg = JobConfig(ds, output=str(tmp_path / "dp"), model=engine.config.model, max_tokens=MAX_TOKENS,
+    cfg = job_config(ds, output=str(tmp_path / "dp"), model=engine.config.model, max_tokens=MAX_TOKENS,
                     ignore_eos=True, device="cpu", cache=cache, data_parallel=2, max_num_seqs=2)
     res = run_parallel(cfg)
     assert res.exit_code == EXIT_OK

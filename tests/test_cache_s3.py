@@ -73,8 +73,8 @@ def _outputs(url: str) -> dict:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig
-    return load_engine(JobConfig("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
+    from jobrunner.config import job_config
+    return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
 
 
 def test_a_job_with_input_output_and_cache_on_s3(s3, engine):

@@ -5,8 +5,9 @@ import polars as pl
 import pytest
 
 from jobrunner.columns import input_names, reserved_columns
-from jobrunner.config import JobConfig
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.output import read_results
 from jobs import KINDS
 
@@ -29,9 +30,8 @@ def _run(model_dir, tmp_path, rows, **kw):
     tmp_path.mkdir(exist_ok=True)
     ds = tmp_path / "ds.jsonl"
     ds.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = JobConfig(str(ds), model=str(model_dir), output=str(tmp_path / "out"), **kw)
-    job = Job(cfg)
-    job.prepare()
+    cfg = job_config(str(ds), model=str(model_dir), output=str(tmp_path / "out"), **kw)
+    job = open_job(cfg)
     res = job.run()
     assert res.exit_code == EXIT_OK
     return pl.from_arrow(read_results(res.output)).sort("id"), res.stats

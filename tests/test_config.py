@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import build_config, main, submit
-from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
+from jobrunner.config import JobConfig, job_config, JobConfigError, config_fields, field_value
 from jobs import PromptBuilder
 
 
@@ -40,7 +40,8 @@ GOOD_TOML = [
 
 @pytest.mark.parametrize("toml,key,value", GOOD_TOML)
 def test_toml_values_convert_like_the_command_line(tmp_path, toml, key, value):
-    got = getattr(config_from(tmp_path, toml + "\n"), key)
+    kind = 'kind = "classify"\n' if key == "labels" else ""     # labels: a classify job's
+    got = config_from(tmp_path, kind + toml + "\n").options()[key]
     assert got == value and type(got) is type(value)
 
 
@@ -87,10 +88,10 @@ def test_every_field_is_type_checked(name):
 
 
 def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
-    cfg = config_from(tmp_path, 'stop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
+    cfg = config_from(tmp_path, 'kind = "classify"\nstop = "x"\nlabels = "a,b"\nmax_tokens = 9\nkv_cache_memory = "1MB"\n',
                       "--stop", "Paris", "--labels", "yes, no", "--kv-cache-memory", "2MB")
-    assert cfg.stop == ("Paris",) and cfg.labels == ("yes", "no") and cfg.kv_cache_memory == 2 * 10**6
-    assert cfg.max_tokens == 9 and cfg.dataset == "ds.jsonl"
+    assert cfg.sampling.stop == ("Paris",) and cfg.kind.labels == ("yes", "no") and cfg.engine.kv_cache_memory == 2 * 10**6
+    assert cfg.sampling.max_tokens == 9 and cfg.input.dataset == "ds.jsonl"
 
 
 @pytest.mark.parametrize("dataset,output", [
@@ -102,19 +103,19 @@ def test_command_line_wins_over_toml_with_the_same_conversions(tmp_path):
     ("data/parts/", "data/parts.results"),
 ])
 def test_default_output_keeps_the_format_suffix(dataset, output):
-    assert JobConfig(dataset).output_url == output
+    assert job_config(dataset).output_url == output
 
 
 def test_negative_device_hourly_cost_is_refused(tmp_path):
     with pytest.raises(JobConfigError, match="device-hourly-cost"):
-        JobConfig("x", device_hourly_cost=-1.0).validate()
-    JobConfig("x", device_hourly_cost=0.0).validate()
+        job_config("x", device_hourly_cost=-1.0)
+    job_config("x", device_hourly_cost=0.0)
     r = CliRunner().invoke(main, ["validate", str(tmp_path / "x.jsonl"), "--device-hourly-cost", "-2"])
     assert r.exit_code == 2 and "--device-hourly-cost" in r.output
 
 
 def test_show_prompt_does_not_change_the_fingerprint():
-    assert JobConfig("x", show_prompt=True).fingerprint_fields() == JobConfig("x").fingerprint_fields()
+    assert job_config("x", show_prompt=True).fingerprint_fields() == job_config("x").fingerprint_fields()
 
 
 class ChatTokenizer:
@@ -122,6 +123,10 @@ class ChatTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+# what a kind's configuration cannot be built without
+KIND_NEEDS = {"generate": {}, "classify": {"labels": ("a", "b")}, "score": {"score_column": "s"}}
 
 
 @pytest.mark.parametrize("kind,chat,rendered", [
@@ -132,23 +137,55 @@ class ChatTokenizer:
     ("generate", False, "hello"),
 ])
 def test_chat_template_default_by_kind(kind, chat, rendered):
-    cfg = JobConfig("x", kind=kind, chat=chat)
+    cfg = job_config("x", kind=kind, chat=chat, **KIND_NEEDS[kind])
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "hello"})[0] == rendered
 
 
 @pytest.mark.parametrize("kind", ["generate", "classify", "score"])
 def test_messages_always_use_the_chat_template(kind):
-    cfg = JobConfig("x", kind=kind, messages_column="m", chat=False)
+    cfg = job_config("x", kind=kind, messages_column="m", chat=False, **KIND_NEEDS[kind])
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
-    spec = JobConfig("x", kind=kind).job_spec()
+    spec = job_config("x", kind=kind, **KIND_NEEDS[kind]).job_spec()
     assert PromptBuilder(spec, ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
 
 
 def test_system_prompt_escapes_like_the_template():
-    cfg = JobConfig("x", system=r"Be brief.\nNo lists.")
+    cfg = job_config("x", system=r"Be brief.\nNo lists.")
     expected = "<system>Be brief.\nNo lists.<user>q<assistant>"
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render({"prompt": "q"})[0] == expected
-    raw = JobConfig("x", system=r"Be brief.\tOK", chat=False)
+    raw = job_config("x", system=r"Be brief.\tOK", chat=False)
     assert PromptBuilder(raw.job_spec(), types.SimpleNamespace()).render({"prompt": "q"})[0] == "Be brief.\tOK\n\nq"
+
+
+def test_sections_round_trip_through_flat_options_and_stay_few():
+    """The top object holds sections, not options; a worker rebuilds the launcher's config from its
+    flat options (JSON) and gets the same object, fingerprint included."""
+    import json as _json
+
+    from jobrunner.config import JobConfig, job_config
+    from jobrunner.parallel.launcher import config_from_json
+    assert len(dataclasses.fields(JobConfig)) <= 12
+    cfg = job_config("d.jsonl", kind="classify", labels=("a", "b"), stop=("x",), kv_cache_memory=2**20,
+                     chat_template_kwargs='{"t": 1}', given=frozenset({"labels"}))
+    back = config_from_json(_json.dumps({**cfg.options(), "given": sorted(cfg.given)}))
+    assert back == cfg and back.fingerprint_fields() == cfg.fingerprint_fields()
+    assert cfg.with_options(max_tokens=3).sampling.max_tokens == 3
+
+
+def test_an_option_of_another_kind_is_refused_and_sampling_ranges_are_the_engines():
+    with pytest.raises(JobConfigError, match="--labels/--labels-column need --kind classify"):
+        job_config("d.jsonl", labels=("a", "b"))
+    with pytest.raises(JobConfigError, match="--dimensions need --kind embed"):
+        job_config("d.jsonl", dimensions=8)
+    job_config("d.jsonl", normalize="sum")          # at its default: harmless, as it always was
+    with pytest.raises(JobConfigError, match="^--top-p must be in"):      # SamplingParams' check, the CLI's name
+        job_config("d.jsonl", top_p=1.5)
+
+
+def test_resolved_round_trips_as_the_workers_get_it():
+    from jobrunner.resolve import Resolved
+    r = Resolved(fmt="jsonl", columns=("id", "prompt"), model="dummy:x", dtype="auto", float_dtype="float32",
+                 quantization="none", cache_url=None)
+    assert Resolved.from_json(r.to_json()) == r

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from jobrunner import checks
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,14 +118,14 @@ def test_bad_invocation_in_a_real_process(files):
 
 def test_device_validation():
     for ok in ("auto", "cpu", "cuda", "cuda:0", "cuda:3"):
-        JobConfig("d.jsonl", device=ok).validate()
+        job_config("d.jsonl", device=ok)
     for bad in ("gpu", "GPU", "cuda:x", "tpu", "cuda:"):
         with pytest.raises(JobConfigError, match="--device"):
-            JobConfig("d.jsonl", device=bad).validate()
+            job_config("d.jsonl", device=bad)
     import torch
     if not torch.backends.mps.is_available():
         with pytest.raises(JobConfigError, match="mps"):
-            JobConfig("d.jsonl", device="mps").validate()
+            job_config("d.jsonl", device="mps")
 
 
 # ---------------------------------------------------------------- --overwrite and check_output
@@ -204,9 +205,9 @@ def test_job_prepare_checks_the_output_before_loading_the_model(tmp_path, no_mod
     ds = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
     other = our_output(tmp_path / "other", {"something": "else"})
     with pytest.raises(JobConfigError, match="different job"):
-        Job(JobConfig(ds, output=str(other))).prepare()
+        open_job(job_config(ds, output=str(other)))
     with pytest.raises(OSError, match="cannot create"):
-        Job(JobConfig(ds, output="/proc/nope/out")).prepare()
+        open_job(job_config(ds, output="/proc/nope/out"))
 
 
 def test_data_parallel_preflight_checks_the_output_and_emptiness(tmp_path):
@@ -214,13 +215,13 @@ def test_data_parallel_preflight_checks_the_output_and_emptiness(tmp_path):
     ds = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
     other = our_output(tmp_path / "other", {"something": "else"})
     with pytest.raises(JobConfigError, match="different job"):
-        _preflight(JobConfig(ds, output=str(other)))
-    _preflight(JobConfig(ds, output=str(tmp_path / "fresh")))
+        _preflight(job_config(ds, output=str(other)))
+    _preflight(job_config(ds, output=str(tmp_path / "fresh")))
     assert (tmp_path / "fresh").is_dir()
     empty = write_jsonl(tmp_path / "e.jsonl", [], tail="\n")
-    _preflight(JobConfig(empty, output=str(tmp_path / "e1")))     # a warning only
+    _preflight(job_config(empty, output=str(tmp_path / "e1")))     # a warning only
     with pytest.raises(JobConfigError, match="no rows"):
-        _preflight(JobConfig(empty, output=str(tmp_path / "e2"), fail_on_empty=True))
+        _preflight(job_config(empty, output=str(tmp_path / "e2"), fail_on_empty=True))
 
 
 # ---------------------------------------------------------------- empty datasets and failed rows
@@ -228,12 +229,11 @@ def test_data_parallel_preflight_checks_the_output_and_emptiness(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return checks.load_engine(JobConfig("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def run_job(engine, **kw):
-    job = Job(JobConfig(model=TINY, max_tokens=2, chat=False, **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(model=TINY, max_tokens=2, chat=False, **kw), engine=engine)
     return job.run()
 
 

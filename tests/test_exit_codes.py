@@ -10,8 +10,9 @@ from click.testing import CliRunner
 
 from jobrunner import checks
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job_parts import open_job
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.output import read_results
 from jobrunner.progress import Progress
 
@@ -27,28 +28,28 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return checks.load_engine(JobConfig("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def _stopping_after(rows: int):
     """A progress reporter that asks its job to stop once `rows` rows are written (as a SIGTERM does)."""
     class StopAfter(Progress):
-        job = None
+        stop = None         # the job's stop event, once the job is built
 
         def update(self, stats):
             super().update(stats)
             if stats.rows >= rows:
-                StopAfter.job.stop_requested = True
-    return StopAfter
+                self.stop.set()
+    return StopAfter(total=None)
 
 
 def run_job(engine, dataset, output, stop_after=None, **kw):
-    job = Job(JobConfig(dataset, output=output, model=TINY, max_tokens=2, chat=False, **kw))
-    if stop_after is not None:
-        job.progress_factory = _stopping_after(stop_after)
-        job.progress_factory.job = job
-        job.max_in_flight = 1           # one row at a time: the stop comes with rows left to run
-    job.prepare(engine=engine)
+    cfg = job_config(dataset, output=output, model=TINY, max_tokens=2, chat=False, **kw)
+    if stop_after is None:
+        return open_job(cfg, engine=engine).run()
+    progress = _stopping_after(stop_after)
+    job = open_job(cfg, engine=engine, progress=progress, max_in_flight=1)  # one row at a time: rows left at the stop
+    progress.stop = job.stop
     return job.run()
 
 
@@ -97,7 +98,7 @@ def test_exit_codes_over_job_histories(tiny_engine, tmp_path, name, shape, steps
     out = str(tmp_path / "out")
     for options, event, expected in steps:
         # a stopped job leaves its requests in flight in its engine: it gets an engine of its own
-        engine = checks.load_engine(JobConfig("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
+        engine = checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
             else tiny_engine
         res = run_job(engine, ds, out, stop_after=1 if event else None, **options)
         if event == "kill":
@@ -156,7 +157,7 @@ def test_a_negative_limit_is_a_usage_error(tmp_path):
     assert r.exit_code == EXIT_CONFIG and "--limit must be >= 0" in r.output, r.output
     assert not os.path.exists(tmp_path / "o")
     with pytest.raises(JobConfigError, match="--limit"):
-        JobConfig(ds, limit=-1).validate()
+        job_config(ds, limit=-1)
 
 
 def test_cache_stats_on_a_path_without_a_cache_exits_2(tmp_path):

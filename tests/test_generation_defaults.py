@@ -8,7 +8,7 @@ import pytest
 
 import jobrunner
 from engine.generation_config import GenerationDefaults
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import job_config, JobConfigError
 
 SMALL = dict(chat=False, max_tokens=12, kv_cache_memory="4MB", seed=7)
 ROWS = [{"id": str(i), "prompt": p} for i, p in enumerate(["The quick brown fox", "Numbers 0123", "Hello world!"])]
@@ -25,18 +25,18 @@ def test_defaults_read_from_a_generation_config():
 
 def test_unset_options_take_the_checkpoint_defaults():
     model = {"temperature": 0.6, "top_k": 20}
-    p = JobConfig("x").sampling_params(model)
+    p = job_config("x").sampling_params(model)
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.6, 20, 1.0, 0.0)
-    p = JobConfig("x", temperature=0.0, top_p=0.5).sampling_params(model)
+    p = job_config("x", temperature=0.0, top_p=0.5).sampling_params(model)
     assert (p.temperature, p.top_k, p.top_p) == (0.0, 20, 0.5)
-    assert JobConfig("x").sampling_params().temperature == 0.0              # no checkpoint defaults: greedy
-    assert JobConfig("x", top_k=3).sampling_sources(model) == {
+    assert job_config("x").sampling_params().temperature == 0.0              # no checkpoint defaults: greedy
+    assert job_config("x", top_k=3).sampling_sources(model) == {
         "temperature": {"value": 0.6, "source": "generation_config.json"},
         "top_p": {"value": 1.0, "source": "default"}, "top_k": {"value": 3, "source": "job"},
         "min_p": {"value": 0.0, "source": "default"}}
-    assert JobConfig("x", n=2).sampling_params(model).n == 2                # the checkpoint samples
+    assert job_config("x", n=2).sampling_params(model).n == 2                # the checkpoint samples
     with pytest.raises(JobConfigError, match="identical samples"):
-        JobConfig("x", n=2).sampling_params({})
+        job_config("x", n=2).sampling_params({})
 
 
 def _model_with(src, tmp_path, **generation) -> str:
@@ -70,7 +70,7 @@ def test_a_job_samples_with_the_checkpoint_defaults(tiny_hf_model_dir, tmp_path)
     assert sampling["min_p"] == {"value": 0.0, "source": "default"}
 
     from jobrunner.validate import validate_job
-    report = validate_job(JobConfig(str(data), model=model, top_k=4, chat=False))
+    report = validate_job(job_config(str(data), model=model, top_k=4, chat=False))
     assert report["sampling"] == ("temperature 1.3 (generation_config.json), top_p 0.9 (generation_config.json), "
                                   "top_k 4 (job), min_p 0.0 (default)")
 

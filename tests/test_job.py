@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner.config import JobConfig
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
+from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -29,14 +30,13 @@ ROWS = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate([
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
     from jobrunner.checks import load_engine
-    return load_engine(JobConfig("unused"))
+    return load_engine(job_config("unused"))
 
 
 def run(engine, dataset, tmp_path=None, **kw):
     kw.setdefault("output", str(tmp_path / "out") if tmp_path else None)
     kw.setdefault("max_tokens", 8)
-    job = Job(JobConfig(dataset, **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(dataset, **kw), engine=engine)
     return job.run()
 
 
@@ -191,7 +191,7 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
 def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine, tmp_path):
     from jobrunner.checks import load_engine
     ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
-    other = load_engine(JobConfig("unused", max_batched_tokens=24, max_num_seqs=2))
+    other = load_engine(job_config("unused", max_batched_tokens=24, max_num_seqs=2))
     for params in (dict(), dict(temperature=0.9, top_p=0.95, seed=3)):
         runs = [results(run(eng, ds, output=str(tmp_path / f"o{i}-{len(params)}"), max_tokens=12, **params).output)
                 .sort("id")["output"].to_list() for i, eng in enumerate((engine, engine, other))]
@@ -201,19 +201,17 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
 def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
-    import jobrunner.job as J
+    import jobrunner.job_parts as J
     from jobrunner.checks import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
-    engine = load_engine(JobConfig("unused", model=tiny, kv_cache_memory=4 * 10**6))
-    monkeypatch.setattr(J, "WINDOW_ROWS", 50)
+    engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
+    monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job_parts.py)
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
     ds = write_jsonl(tmp_path / "dup.jsonl", rows)
 
     def go():
-        job = Job(JobConfig(ds, output=str(tmp_path / "out"), model=tiny, max_tokens=1, chat=False, part_rows=10))
-        job.max_in_flight = 8
-        job.prepare(engine=engine)
-        return job.run()
+        cfg = job_config(ds, output=str(tmp_path / "out"), model=tiny, max_tokens=1, chat=False, part_rows=10)
+        return open_job(cfg, engine=engine, max_in_flight=8).run()
 
     first = go()
     assert first.stats["rows"] == 1101 and first.stats["duplicate_ids"] == 1
@@ -250,31 +248,31 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
 def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
-    import jobrunner.job as J
+    from jobrunner import job_parts
     from jobrunner.checks import load_engine
+    from jobrunner.job_parts import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
-    engine = load_engine(JobConfig("unused", model=tiny, kv_cache_memory=4 * 10**6))
+    engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}
             for i in range(40)]
     ds = write_jsonl(tmp_path / "long.jsonl", rows)
     windows = []
-    real_units = J.Job._units
+    real_units = JobPlanner.units
 
-    def counting_units(self):
-        for unit in real_units(self):
+    def counting_units(self, items):
+        for unit in real_units(self, items):
             windows.append(unit.window_end)
             yield unit
 
     def go(name):
         # dedup off: the rows repeat every 10, and copies never reach a window
-        job = Job(JobConfig(ds, output=str(tmp_path / name), model=tiny, max_tokens=2, chat=False, plan=planned,
-                            dedup=False))
-        job.prepare(engine=engine)
+        job = open_job(job_config(ds, output=str(tmp_path / name), model=tiny, max_tokens=2, chat=False, plan=planned,
+                            dedup=False), engine=engine)
         return results(job.run().output).sort("id")
 
     whole = go("whole")
-    monkeypatch.setattr(J.Job, "_units", counting_units)
-    monkeypatch.setattr(J, "WINDOW_TOKENS", 200)
+    monkeypatch.setattr(JobPlanner, "units", counting_units)
+    monkeypatch.setattr(job_parts, "WINDOW_TOKENS", 200)
     cut = go("cut")
     assert cut["id"].to_list() == sorted(r["id"] for r in rows)
     assert cut.select("id", "output", "prompt_tokens").equals(whole.select("id", "output", "prompt_tokens"))

@@ -10,25 +10,26 @@ import pytest
 from conftest import DEFAULT_MODEL
 from engine.errors import ModelError
 from jobrunner import models
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import JobConfigError, job_config
+from jobrunner.resolve import model_path
 
 
 def test_resolve_model_passes_checkpoints_through(tmp_path):
     for model in ("dummy:smollm2-135m", "memory://x/model.gguf", "s3://bucket/dir", str(tmp_path)):
         assert models.resolve_model(model, tmp_path) == model
-    assert models.DEFAULT_MODEL == DEFAULT_MODEL == JobConfig("x").model
+    assert models.DEFAULT_MODEL == DEFAULT_MODEL == job_config("x").engine.model
 
 
 def test_unknown_model_lists_known_names(tmp_path):
     with pytest.raises(ModelError, match=f"'no-such-model' is not a known model name.*{DEFAULT_MODEL}.*dummy:"):
         models.resolve_model("no-such-model", tmp_path)
     with pytest.raises(JobConfigError, match=DEFAULT_MODEL):     # the CLI's exit 2
-        JobConfig("x", model="no-such-model").engine_config()
+        model_path("no-such-model")                             # jobrunner.resolve
 
 
 @pytest.mark.default_model
 def test_engine_config_resolves_a_known_name(default_gguf_path):
-    assert JobConfig("x").engine_config().model == str(default_gguf_path)
+    assert model_path(job_config("x").engine.model) == str(default_gguf_path)
     assert models.describe(DEFAULT_MODEL, str(default_gguf_path)) == f"{DEFAULT_MODEL} ({default_gguf_path})"
     assert models.describe("dummy:smollm2-135m", "dummy:smollm2-135m") == "dummy:smollm2-135m"
 

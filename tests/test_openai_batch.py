@@ -10,8 +10,9 @@ import torch
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.openai_request import body_params, text_messages
 from jobrunner.output import read_results
 from tests.test_logits_process import _reference_greedy
@@ -27,7 +28,7 @@ def model_dir(tiny_hf_model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     from jobrunner.checks import load_engine
-    return load_engine(JobConfig("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
+    return load_engine(job_config("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,7 @@ def _run(engine, tmp_path, lines, **kw):
     ds = tmp_path / "batch.jsonl"
     ds.write_text("\n".join(json.dumps(x) for x in lines))
     kw.setdefault("served_model_name", ("tiny",))
-    job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), output_format="openai-batch", **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(ds), output=str(tmp_path / "out"), output_format="openai-batch", **kw), engine=engine)
     res = job.run()
     assert res.exit_code == EXIT_OK
     ok = [json.loads(x) for x in open(os.path.join(res.output, "results.openai.jsonl"))]
@@ -191,19 +191,19 @@ def test_truncate_prompt(engine, tmp_path, mode):
 ])
 def test_bad_options_stop_before_any_work(kw, words):
     with pytest.raises(JobConfigError, match=words):
-        JobConfig("x.jsonl", **kw).validate()
+        job_config("x.jsonl", **kw)
 
 
 def test_generation_options_reach_the_sampling_parameters():
-    p = JobConfig("x.jsonl", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=3,
+    p = job_config("x.jsonl", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=3,
                   top_logprobs=2).sampling_params()
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.logprobs) == \
         (0.5, -0.5, 1.2, 3, 2)
-    assert JobConfig("x.jsonl", logprobs=True).sampling_params().logprobs == 0
-    assert JobConfig("x.jsonl").sampling_params().logprobs is None
+    assert job_config("x.jsonl", logprobs=True).sampling_params().logprobs == 0
+    assert job_config("x.jsonl").sampling_params().logprobs is None
 
 
 def test_new_options_at_their_defaults_leave_the_fingerprint_as_it_was():
     from jobrunner.config import _ADDED_LATER
-    assert not set(_ADDED_LATER) & set(JobConfig("x.jsonl").fingerprint_fields())
-    assert JobConfig("x.jsonl", truncate_prompt="left").fingerprint_fields()["truncate_prompt"] == "left"
+    assert not set(_ADDED_LATER) & set(job_config("x.jsonl").fingerprint_fields())
+    assert job_config("x.jsonl", truncate_prompt="left").fingerprint_fields()["truncate_prompt"] == "left"

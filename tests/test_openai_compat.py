@@ -11,8 +11,9 @@ from openai.types import BatchError, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config, JobConfigError
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from tests import openai_fixtures as fx
 from tests.test_openai_batch import engine, model_dir  # noqa: F401 (fixtures: one tiny llama engine a module)
 
@@ -26,8 +27,7 @@ def _write(tmp_path, lines, name="batch.jsonl"):
 
 
 def _job(engine, ds, out, **kw):
-    job = Job(JobConfig(str(ds), output=str(out), output_format="openai-batch", **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(ds), output=str(out), output_format="openai-batch", **kw), engine=engine)
     return job
 
 
@@ -136,9 +136,8 @@ def test_a_body_key_classify_cannot_honour_is_an_error_line_naming_it(engine, tm
     lines[0] = {**lines[0], "body": {"model": fx.CHAT_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
                                      key: value}}
     ds = _write(tmp_path, lines)
-    job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), kind=kind, labels=("yes", "no"),
-                        served_model_name=(fx.CHAT_MODEL_NAME,)))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(ds), output=str(tmp_path / "out"), kind=kind, labels=("yes", "no"),
+                        served_model_name=(fx.CHAT_MODEL_NAME,)), engine=engine)
     job.run()
     from jobrunner.output import read_results
     rows = {r["id"]: r for r in read_results(str(tmp_path / "out")).to_pylist()}
@@ -190,8 +189,7 @@ def test_a_row_error_of_an_openai_line_names_its_line(engine, tmp_path):
               "body": {"messages": [{"role": "user", "content": "Hi"}]}},
              {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "Hi"}}]
     ds = _write(tmp_path, lines)
-    job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), kind="embed"))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(ds), output=str(tmp_path / "out"), kind="embed"), engine=engine)
     job.run()
     from jobrunner.output import read_results
     errors = {r["id"]: r["error"] for r in read_results(str(tmp_path / "out")).to_pylist()}

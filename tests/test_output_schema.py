@@ -14,8 +14,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner.config import JobConfig
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.output import EXTRA_JSON, ResultWriter, read_results
 from jobrunner.output import values as V
 from jobrunner.result_schema import declared_schema
@@ -111,7 +112,7 @@ def engines(tiny_hf_model_dir):
     def get(arch):
         if arch not in made:
             model = str(tiny_hf_model_dir(arch))
-            made[arch] = model, load_engine(JobConfig("unused", model=model, device="cpu"))
+            made[arch] = model, load_engine(job_config("unused", model=model, device="cpu"))
         return made[arch]
     yield get
     for _, engine in made.values():
@@ -120,8 +121,7 @@ def engines(tiny_hf_model_dir):
 
 def run_job(engines, arch, dataset, out, **kw):
     model, engine = engines(arch)
-    job = Job(JobConfig(str(dataset), model=model, output=str(out), device="cpu", **kw))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(dataset), model=model, output=str(out), device="cpu", **kw), engine=engine)
     return job.run()
 
 

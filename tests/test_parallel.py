@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
-from jobrunner.config import JobConfig
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.output import read_results, read_stats
@@ -42,10 +42,9 @@ def setup(tmp_path_factory):
     rnd.shuffle(rows)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = JobConfig(str(data), model=f"dummy:{root / 'model'}", max_tokens=6, max_num_seqs=2, part_rows=2,
+    cfg = job_config(str(data), model=f"dummy:{root / 'model'}", max_tokens=6, max_num_seqs=2, part_rows=2,
                     device="cpu", output=str(root / "one"))
-    job = Job(cfg)          # the reference: one worker, in this process
-    job.prepare()
+    job = open_job(cfg)          # the reference: one worker, in this process
     res = job.run()
     assert res.exit_code == EXIT_OK
     return {"root": root, "cfg": cfg, "ids": sorted(r["id"] for r in rows), "reference": _outputs(res.output)}
@@ -70,7 +69,7 @@ def _check_same(setup, output: str) -> None:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_give_the_same_rows_as_one(setup, workers):
-    cfg = replace(setup["cfg"], data_parallel=workers, output=str(setup["root"] / f"dp{workers}"))
+    cfg = setup["cfg"].with_options(data_parallel=workers, output=str(setup["root"] / f"dp{workers}"))
     res = run_parallel(cfg)
     assert res.exit_code == EXIT_OK
     _check_same(setup, res.output)
@@ -80,7 +79,7 @@ def test_workers_give_the_same_rows_as_one(setup, workers):
     assert sum(w["rows"] for w in s["workers"].values()) == len(setup["ids"])
     assert s["data_parallel"]["rounds"] == 1 and s["data_parallel"]["lost_workers"] == []
     assert s["data_parallel"]["units"] >= N_SMALL       # small prompts are units of their own
-    reference = read_stats(setup["cfg"].output)
+    reference = read_stats(setup["cfg"].output_url)
     for k in ("prompt_tokens", "completion_tokens", "optimum_cached_tokens"):
         assert s[k] == reference[k], k
     assert s["device_hours"] == pytest.approx(sum(w["device_hours"] for w in s["workers"].values()))
@@ -94,13 +93,12 @@ def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_pat
     rows = [{"id": f"p{i}", "prompt": f"{context} Question {i}?"} for i in range(6)]
     data = tmp_path / "prefix.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    one = replace(setup["cfg"], dataset=str(data), output=str(tmp_path / "one"))
-    job = Job(one)
-    job.prepare()
+    one = setup["cfg"].with_options(dataset=str(data), output=str(tmp_path / "one"))
+    job = open_job(one)
     assert job.run().exit_code == EXIT_OK
-    res = run_parallel(replace(one, data_parallel=2, output=str(tmp_path / "two")))
+    res = run_parallel(one.with_options(data_parallel=2, output=str(tmp_path / "two")))
     assert res.exit_code == EXIT_OK
-    assert _outputs(res.output) == _outputs(one.output)
+    assert _outputs(res.output) == _outputs(one.output_url)
     workers = read_stats(res.output)["workers"]
     assert set(workers) == {"rank0", "rank1"}
     assert all(w["units"] > 0 and w["rows"] > 0 for w in workers.values()), workers
@@ -109,7 +107,7 @@ def test_a_few_rows_sharing_a_prefix_are_spread_over_both_workers(setup, tmp_pat
 def test_killed_worker_loses_only_its_unwritten_rows(setup, monkeypatch):
     # rank 1 dies like a crash once it has written a row, holding unfinished units
     monkeypatch.setattr(launcher, "WORKER_COMMAND", faulty_worker.command(rank=1, rows=1))
-    cfg = replace(setup["cfg"], data_parallel=2, part_rows=1, output=str(setup["root"] / "killed"))
+    cfg = setup["cfg"].with_options(data_parallel=2, part_rows=1, output=str(setup["root"] / "killed"))
     res = run_parallel(cfg)
     assert res.exit_code == EXIT_OK
     _check_same(setup, res.output)
@@ -137,8 +135,8 @@ def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobr
     """Each rank runs `jobrunner submit` (or `jobrunner`: a command to run instead of the CLI's module)."""
     cfg = setup["cfg"]
     port = _free_port()
-    args = ["submit", cfg.dataset, "-m", cfg.model, "-o", out, "--max-tokens", str(cfg.max_tokens),
-            "--max-num-seqs", str(cfg.max_num_seqs), "--part-rows", str(cfg.part_rows), "--device", "cpu"]
+    args = ["submit", cfg.input.dataset, "-m", cfg.engine.model, "-o", out, "--max-tokens", str(cfg.sampling.max_tokens),
+            "--max-num-seqs", str(cfg.engine.max_num_seqs), "--part-rows", str(cfg.output.part_rows), "--device", "cpu"]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -169,8 +167,7 @@ def test_torchrun_rank_lost_then_resume(setup):
     assert json.loads(open(os.path.join(out, "_manifest.json")).read())["complete"] is False
     before = len(read_results(out))
     assert 0 < before < len(setup["ids"])
-    job = Job(replace(setup["cfg"], output=out))      # the resume: any number of workers; one here
-    job.prepare()
+    job = open_job(setup["cfg"].with_options(output=out))      # the resume: any number of workers; one here
     assert job.run().exit_code == EXIT_OK
     _check_same(setup, out)
     s = read_stats(out)
@@ -237,7 +234,7 @@ def test_sigterm_to_the_launcher_then_resume(setup, tmp_path):
     data = tmp_path / "many.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].model, "-o", str(out),
+    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].engine.model, "-o", str(out),
            "--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "1", "--device", "cpu", "--data-parallel", "2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
@@ -261,9 +258,9 @@ def test_data_parallel_defaults(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "JOBRUNNER_LAUNCHER_PID"):
         monkeypatch.delenv(k, raising=False)
     assert distributed_env() is None
-    assert data_parallel_size(JobConfig("x", device="cpu")) == 1
-    assert data_parallel_size(JobConfig("x", device="cpu", data_parallel=3)) == 3
-    assert data_parallel_size(JobConfig("x", device="cuda:1")) == 1
+    assert data_parallel_size(job_config("x", device="cpu")) == 1
+    assert data_parallel_size(job_config("x", device="cpu", data_parallel=3)) == 3
+    assert data_parallel_size(job_config("x", device="cuda:1")) == 1
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
@@ -283,7 +280,7 @@ def test_merge_stats():
                 "run_s": wall, "summary": summary,
                 "sketch": {k: {"n": rows, "q": lat} for k in ("queue", "prefill", "decode")}}
     a, b = result(0, 3, 10.0), result(1, 1, 8.0)
-    cfg = JobConfig("x", device_hourly_cost=3.6)
+    cfg = job_config("x", device_hourly_cost=3.6)
     s = merge_stats([a, b], cfg, wall_s=10.0, devices=2, rounds=1, lost=[])
     assert s["rows"] == 4 and s["prompt_tokens"] == 40 and s["rows_skipped_done"] == 5
     assert s["device_hours"] == pytest.approx(18 / 3600) and s["cost_usd"] == pytest.approx(0.018)
@@ -294,36 +291,31 @@ def test_merge_stats():
     assert "metrics" not in s       # a run's record; the job's metrics come from the parts (summary.py)
 
 
-def test_worker_hands_out_largest_units_first_within_each_window(monkeypatch):
+def test_worker_hands_out_largest_units_first_within_each_window():
     """Largest first, but never across a planning window (the planner marks where each ends;
     windows cut by tokens hold any number of rows)."""
-    from types import SimpleNamespace
-
-    from jobrunner.parallel.worker import _WorkerJob
+    from jobrunner.parallel.worker import SharedUnits
     from jobrunner.planner import WorkUnit
     units = [WorkUnit(["a"], 5, 5), WorkUnit(["b", "c"], 10, 50, window_end=True),
              WorkUnit(["d"], 100, 100), WorkUnit(["e"], 1, 1), WorkUnit(["f"], 300, 300, window_end=True),
              WorkUnit(["g"], 2, 2)]
-    monkeypatch.setattr(Job, "_units", lambda self: iter(units))
-    worker = _WorkerJob.__new__(_WorkerJob)
-    worker.cfg, worker.world = SimpleNamespace(n=1, max_tokens=0), 1     # one worker: nothing to spread
-    assert [u.items for u in worker._units()] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]
+    work = SharedUnits(claim=lambda index: True, rank=0, world=1, out_tokens=0)     # one worker: nothing to spread
+    assert [u.items for u, _ in work.units(iter(units), None)] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]
 
 
-def test_worker_spreads_a_window_of_fewer_units_than_workers(monkeypatch):
+def test_worker_spreads_a_window_of_fewer_units_than_workers():
     """One 5-row unit for 2 workers: two halves, figures from the rows' packed token ids, largest first."""
     from array import array
-    from types import SimpleNamespace
 
-    from jobrunner.parallel.worker import _WorkerJob
+    from jobrunner.parallel.worker import SharedUnits
     from jobrunner.planner import WorkUnit
     prefix = [9] * 30
     tokens = {"a": prefix + [1], "b": prefix + [2], "c": prefix + [3, 3], "d": prefix + [4, 4, 4, 4], "e": prefix + [5]}
-    monkeypatch.setattr(Job, "_units", lambda self: iter([WorkUnit(list(tokens), 30, 159, window_end=True)]))
-    worker = _WorkerJob.__new__(_WorkerJob)
-    worker.cfg, worker.world = SimpleNamespace(n=1, max_tokens=0), 2
-    worker.pending = {k: (None, SimpleNamespace(prompt_token_ids=array("I", t).tobytes())) for k, t in tokens.items()}
-    units = list(worker._units())
+    packed = {k: array("I", t) for k, t in tokens.items()}     # as the job's pending rows hold them
+    claimed = []
+    work = SharedUnits(claim=lambda index: claimed.append(index) or index == 1, rank=0, world=2, out_tokens=0)
+    units = list(work.units(iter([WorkUnit(list(tokens), 30, 159, window_end=True)]), packed.__getitem__))
     # computed tokens: [a, b, c] 94 - 2 * 30 = 34, [d, e] 65 - 30 = 35, so [d, e] goes first
-    assert [(u.items, u.shared_prefix_len, u.prompt_tokens) for u in units] == \
+    assert [(u.items, u.shared_prefix_len, u.prompt_tokens) for u, _ in units] == \
         [(["d", "e"], 30, 65), (["a", "b", "c"], 30, 94)]
+    assert claimed == [0, 1] and [mine for _, mine in units] == [False, True]     # claimed by index, in order

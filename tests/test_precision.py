@@ -2,7 +2,8 @@
 import pytest
 
 from jobrunner import precision
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import JobConfigError, job_config
+from jobrunner.resolve import resolve_engine
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -25,9 +26,8 @@ def test_a_gpu_or_a_chosen_dtype_is_left_alone(monkeypatch):
 
 def test_engine_config_resolves_auto(monkeypatch, tiny_hf_model_dir):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    cfg = JobConfig("d.csv", model=str(tiny_hf_model_dir("llama")), device="cpu", quantization="auto")
-    cfg.validate()
-    engine_cfg = cfg.engine_config()
+    cfg = job_config("d.csv", model=str(tiny_hf_model_dir("llama")), device="cpu", quantization="auto")
+    engine_cfg = cfg.engine_config(resolve_engine(cfg))     # jobrunner.resolve: auto, once
     assert (engine_cfg.dtype, engine_cfg.quantization) == ("bfloat16", "none")
     with pytest.raises(JobConfigError, match="--quantization"):
-        JobConfig("d.csv", quantization="fastest").validate()
+        job_config("d.csv", quantization="fastest")

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from jobrunner.config import JobConfig
-from jobrunner.job import Job
+from jobrunner.config import job_config
+from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -28,14 +28,13 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
     from jobrunner.checks import load_engine
-    return load_engine(JobConfig("unused", kv_cache_memory=32 * 10**6, max_num_seqs=8))
+    return load_engine(job_config("unused", kv_cache_memory=32 * 10**6, max_num_seqs=8))
 
 
 def run(engine, dataset, out, plan):
     engine.kv.pool.reset_prefix_cache()
-    job = Job(JobConfig(dataset, output=out, max_tokens=1, chat=False, plan=plan, kv_cache_memory=32 * 10**6,
-                        max_num_seqs=8))
-    job.prepare(engine=engine)
+    job = open_job(job_config(dataset, output=out, max_tokens=1, chat=False, plan=plan, kv_cache_memory=32 * 10**6,
+                        max_num_seqs=8), engine=engine)
     return job.run().stats
 
 

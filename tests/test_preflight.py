@@ -24,7 +24,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def load_engine(cfg):
+    def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(checks, "load_engine", load_engine)
 
@@ -112,15 +112,16 @@ def test_n_over_1_at_the_checkpoints_greedy_default_exits_before_the_model(tmp_p
 
 def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
     from jobrunner import preload
-    from jobrunner.config import JobConfig
+    from jobrunner.config import job_config
     cfg_dir = tmp_path / "m"
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(open(f"{ROOT}/benchmarks/configs/tiny-llama.json").read())
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.7}')
-    preload.check_sampling(JobConfig("d.jsonl", model=f"dummy:{cfg_dir}/config.json", n=3))
+    model = f"dummy:{cfg_dir}/config.json"      # resolved: its own path
+    preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.0}')
     with pytest.raises(checks.JobConfigError, match="temperature 0"):
-        preload.check_sampling(JobConfig("d.jsonl", model=f"dummy:{cfg_dir}/config.json", n=3))
+        preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
 
 
 # --- 16: a rerun with nothing left to do -----------------------------------------------------
@@ -130,7 +131,7 @@ def test_a_rerun_with_nothing_left_loads_no_model(tmp_path, monkeypatch):
     first = invoke("submit", ds, "--max-tokens", "2", *TINY)
     assert first.exit_code == 0, first.output
 
-    def load_engine(cfg):
+    def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(checks, "load_engine", load_engine)
     again = invoke("submit", ds, "--max-tokens", "2", *TINY)
@@ -156,9 +157,9 @@ class _Tok:
 
 
 def _classify(**options):
-    from jobrunner.config import JobConfig
+    from jobrunner.config import job_config
     from jobs import make_job
-    cfg = JobConfig("d.jsonl", kind="classify", labels=("positive", "negative"), **options)
+    cfg = job_config("d.jsonl", kind="classify", labels=("positive", "negative"), **options)
     return make_job(cfg.job_spec(), _Tok())
 
 
@@ -178,11 +179,11 @@ def test_classify_puts_the_delimiter_between_prompt_and_label(prompt, options, f
 
 
 def test_the_label_delimiter_is_in_a_classify_jobs_fingerprint_only():
-    from jobrunner.config import JobConfig
-    a = JobConfig("d", kind="classify", labels=("a", "b")).fingerprint_fields()
-    b = JobConfig("d", kind="classify", labels=("a", "b"), label_delimiter="").fingerprint_fields()
+    from jobrunner.config import job_config
+    a = job_config("d", kind="classify", labels=("a", "b")).fingerprint_fields()
+    b = job_config("d", kind="classify", labels=("a", "b"), label_delimiter="").fingerprint_fields()
     assert a != b and a["label_delimiter"] == " "
-    assert "label_delimiter" not in JobConfig("d").fingerprint_fields()     # generate outputs still resume
+    assert "label_delimiter" not in job_config("d").fingerprint_fields()     # generate outputs still resume
 
 
 def test_label_delimiter_is_in_help():

@@ -87,11 +87,11 @@ def test_engine_counts_reasoning_tokens(async_scheduling):
 
 def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig
-    from jobrunner.job import Job
+    from jobrunner.config import job_config
+    from jobrunner.job_parts import open_job
     from openai.types.chat import ChatCompletion
 
-    engine = load_engine(JobConfig("unused", model=str(tiny_hf_model_dir("llama")), kv_cache_memory=8 * 2**20))
+    engine = load_engine(job_config("unused", model=str(tiny_hf_model_dir("llama")), kv_cache_memory=8 * 2**20))
     engine.tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
@@ -102,8 +102,7 @@ def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path
     ds = tmp_path / "b.jsonl"
     ds.write_text("\n".join(json.dumps(x) for x in [
         line("thinking"), line("no-thinking", chat_template_kwargs={"enable_thinking": False})]))
-    job = Job(JobConfig(str(ds), output=str(tmp_path / "out"), output_format="openai-batch", reasoning_parser="qwen3"))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(ds), output=str(tmp_path / "out"), output_format="openai-batch", reasoning_parser="qwen3"), engine=engine)
     res = job.run()
     out = {x["custom_id"]: ChatCompletion.model_validate(x["response"]["body"])
            for x in map(json.loads, open(os.path.join(res.output, "results.openai.jsonl")))}

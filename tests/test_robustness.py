@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobrunner.config import JobConfig
-from jobrunner.job import Job
+from jobrunner.config import job_config
+from jobrunner.job_parts import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -24,7 +24,7 @@ rows = st.lists(st.fixed_dictionaries({"id": st.one_of(st.sampled_from(["a", "b"
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
     from jobrunner.checks import load_engine
-    return load_engine(JobConfig("unused"))
+    return load_engine(job_config("unused"))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
@@ -34,8 +34,7 @@ def test_any_rows_give_one_result_each(engine, tmp_path_factory, data, junk):
     d = tmp_path_factory.mktemp("h")
     lines = [json.dumps(r).encode() for r in data] + [b"\xff" + j for j in junk]
     (d / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    job = Job(JobConfig(str(d / "in.jsonl"), output=str(d / "out"), max_tokens=1))
-    job.prepare(engine=engine)
+    job = open_job(job_config(str(d / "in.jsonl"), output=str(d / "out"), max_tokens=1), engine=engine)
     result = job.run()
     from jobrunner.output import read_results
     table = read_results(str(d / "out")).to_pylist()

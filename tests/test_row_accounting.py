@@ -97,9 +97,9 @@ def test_openai_lines_with_n_count_one_row_and_one_prompt(tmp_path, tiny, caplog
 @pytest.fixture(scope="module")
 def cache_engine(tmp_path_factory):
     from jobrunner.checks import load_engine
-    from jobrunner.config import JobConfig
+    from jobrunner.config import job_config
     from tests.cache_helpers import tiny_model
-    return load_engine(JobConfig("unused", model=tiny_model(tmp_path_factory.mktemp("m")), device="cpu"))
+    return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("m")), device="cpu"))
 
 
 def test_reused_rows_carry_no_timings_and_stay_out_of_throughput_and_latency(cache_engine, tmp_path):

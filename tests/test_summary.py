@@ -7,8 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig
-from jobrunner.job import EXIT_OK, Job
+from jobrunner.config import job_config
+from jobrunner.job import EXIT_OK
+from jobrunner.job_parts import open_job
 from jobrunner.stats import percentile
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.summary import job_summary, over_runs, part_figures, stored_name
@@ -102,7 +103,7 @@ def test_merged_data_parallel_run_keeps_every_prefix_figure():
               "completion_tokens": 4, "device_hours": 0.001, **prefix}
     results = [{"rank": k, "slot": k, "round": 0, "device": "cpu", "exit_code": 0, "units": 1, "run_s": 1.0,
                 "summary": worker} for k in range(2)]
-    run = merge_stats(results, JobConfig("x", device_hourly_cost=1.0), wall_s=2.0, devices=2, rounds=1, lost=[])
+    run = merge_stats(results, job_config("x", device_hourly_cost=1.0), wall_s=2.0, devices=2, rounds=1, lost=[])
     assert {k: run[k] for k in prefix} == prefix
     assert run["cache_hit_of_block_optimum"] == pytest.approx(48 / 48)
     assert run["cost_per_million_tokens"] == pytest.approx(0.002 / 108 * 1e6) and "metrics" not in run
@@ -111,8 +112,7 @@ def test_merged_data_parallel_run_keeps_every_prefix_figure():
 
 
 def _job(model_dir, ds, out, **kw):
-    job = Job(JobConfig(str(ds), model=str(model_dir), output=str(out), device="cpu", **kw))
-    job.prepare()
+    job = open_job(job_config(str(ds), model=str(model_dir), output=str(out), device="cpu", **kw))
     return job.run()
 
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from jobrunner.config import JobConfig
+from jobrunner.config import job_config
 from jobrunner.output import read_results
 
 N_ROWS = 24
@@ -172,12 +172,14 @@ def test_option_checks_exit_2_before_any_work(setup, tmp_path):
 
 
 def test_threads_are_shared_by_the_ranks(setup):
-    assert JobConfig("x", threads=4, tensor_parallel=2).cpu_threads() == 2
-    assert JobConfig("x", threads=1, tensor_parallel=2).cpu_threads() == 1        # at least one each
-    ec = JobConfig("x", model=setup["model"], threads=6, tensor_parallel=4).engine_config()
+    from jobrunner.resolve import resolve_engine
+    assert job_config("x", threads=4, tensor_parallel=2).cpu_threads() == 2
+    assert job_config("x", threads=1, tensor_parallel=2).cpu_threads() == 1        # at least one each
+    cfg = job_config("x", model=setup["model"], threads=6, tensor_parallel=4)
+    ec = cfg.engine_config(resolve_engine(cfg))
     assert ec.tensor_parallel == 4 and ec.num_threads == 1
     # not in the fingerprint: a job may resume with another split (greedy outputs are the same by design)
-    assert JobConfig("x", tensor_parallel=2).fingerprint_fields() == JobConfig("x").fingerprint_fields()
+    assert job_config("x", tensor_parallel=2).fingerprint_fields() == job_config("x").fingerprint_fields()
 
 
 def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
@@ -187,11 +189,11 @@ def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
     assert world.gpu_groups("3,5,6,7", 4, 2, 2) == ["3,5", "6,7"]     # the user's CUDA_VISIBLE_DEVICES honoured
     assert world.gpu_groups(None, 4, 4, 1) == ["0", "1", "2", "3"]
     monkeypatch.setattr(world, "cuda_count", lambda device: 4)
-    assert world.data_parallel_size(JobConfig("x", tensor_parallel=2)) == 2
-    assert world.data_parallel_size(JobConfig("x", tensor_parallel=8)) == 1
-    world.check_gpus(JobConfig("x", tensor_parallel=2), 2)
+    assert world.data_parallel_size(job_config("x", tensor_parallel=2)) == 2
+    assert world.data_parallel_size(job_config("x", tensor_parallel=8)) == 1
+    world.check_gpus(job_config("x", tensor_parallel=2), 2)
     with pytest.raises(JobConfigError, match=r"--data-parallel 3 x --tensor-parallel 2 needs 6 GPUs.*default is 2"):
-        world.check_gpus(JobConfig("x", tensor_parallel=2), 3)
+        world.check_gpus(job_config("x", tensor_parallel=2), 3)
     with pytest.raises(JobConfigError, match=r"--tensor-parallel 2 from cuda:3 needs 5 GPUs"):
-        world.check_gpus(JobConfig("x", device="cuda:3", tensor_parallel=2))
-    world.check_gpus(JobConfig("x", device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check
+        world.check_gpus(job_config("x", device="cuda:3", tensor_parallel=2))
+    world.check_gpus(job_config("x", device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check

@@ -2,7 +2,7 @@
 import pytest
 
 from jobrunner import threads
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config import job_config, JobConfigError
 
 
 def test_free_cores_leaves_the_cores_other_threads_are_running_on(monkeypatch):
@@ -28,11 +28,11 @@ def test_without_proc_stat_every_core_is_used(monkeypatch):
 
 def test_the_user_choice_wins_and_is_checked(monkeypatch):
     monkeypatch.setattr(threads, "free_cores", lambda: 5)
-    assert JobConfig(dataset="d.csv", threads=3).cpu_threads() == 3
-    assert JobConfig(dataset="d.csv").cpu_threads() == 5
+    assert job_config(dataset="d.csv", threads=3).cpu_threads() == 3
+    assert job_config(dataset="d.csv").cpu_threads() == 5
     with pytest.raises(JobConfigError, match="--threads"):
-        JobConfig(dataset="d.csv", threads=0).validate()
+        job_config(dataset="d.csv", threads=0)
 
 
 def test_threads_do_not_change_what_a_resume_accepts():
-    assert "threads" not in JobConfig(dataset="d.csv", threads=2).fingerprint_fields()
+    assert "threads" not in job_config(dataset="d.csv", threads=2).fingerprint_fields()

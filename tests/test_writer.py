@@ -181,11 +181,11 @@ def test_a_part_is_flushed_by_time_as_well_as_by_rows(mem):
 
 
 def test_flush_seconds_is_an_option_that_changes_no_output():
-    from jobrunner.config import JobConfig, JobConfigError
-    assert JobConfig("x").flush_seconds == 60.0
-    assert JobConfig("x", flush_seconds=5).fingerprint_fields() == JobConfig("x").fingerprint_fields()  # resumable
+    from jobrunner.config import job_config, JobConfigError
+    assert job_config("x").output.flush_seconds == 60.0
+    assert job_config("x", flush_seconds=5).fingerprint_fields() == job_config("x").fingerprint_fields()  # resumable
     with pytest.raises(JobConfigError, match="--flush-seconds"):
-        JobConfig("x", flush_seconds=0).validate()
+        job_config("x", flush_seconds=0)
 
 
 def test_first_part_waits_for_a_row_without_error(mem):

@@ -45,7 +45,7 @@ def run_parallel(cfg: JobConfig) -> JobResult:
     Raises JobConfigError for a configuration that can't run (nothing written)."""
     env = distributed_env()
     if env is not None:
-        if cfg.data_parallel not in (None, env["world"]):
-            log.warning("--data-parallel %s ignored: WORLD_SIZE=%d decides", cfg.data_parallel, env["world"])
+        if cfg.parallel.data_parallel not in (None, env["world"]):
+            log.warning("--data-parallel %s ignored: WORLD_SIZE=%d decides", cfg.parallel.data_parallel, env["world"])
         return run_distributed(cfg, env)
     return launch(cfg, data_parallel_size(cfg))

@@ -63,7 +63,7 @@ class Coordinator:
             self._abort(EXIT_FAILED)
             return self._fail("no worker started; see the workers' logs above")
         try:
-            prepare_output(cfg.output_url, {"config": cfg.fingerprint_fields()}, overwrite=cfg.overwrite)
+            prepare_output(cfg.output_url, {"config": cfg.fingerprint_fields()}, overwrite=cfg.output.overwrite)
         except OutputError as e:
             self._abort(EXIT_CONFIG)
             raise JobConfigError(str(e)) from None
@@ -187,7 +187,7 @@ class Coordinator:
             m = {"config": cfg.fingerprint_fields(), **{k: v for k, v in manifest.items() if k != "error"}}
             # the workers wrote the parts: a listing, not a scan of every part, marks the job complete
             mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
-            if cfg.output_format == "openai-batch":
+            if cfg.output.output_format == "openai-batch":
                 finish_openai_output(cfg.output_url, summary)
         else:
             write_stats(cfg.output_url, summary)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import JobResult
@@ -37,24 +36,24 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     """The job over n worker processes on this machine, coordinated from this one."""
     import torch.distributed as dist
 
-    preflight(cfg)
-    gpus = cuda_count(cfg.device)
-    on_gpu = gpus > 0 and cfg.device != "cpu"
-    if cfg.device.startswith("cuda:"):
-        raise JobConfigError(f"--device {cfg.device} names one GPU; use --device cuda --data-parallel {n} "
+    resolved = preflight(cfg)
+    gpus = cuda_count(cfg.engine.device)
+    on_gpu = gpus > 0 and cfg.engine.device != "cpu"
+    if cfg.engine.device.startswith("cuda:"):
+        raise JobConfigError(f"--device {cfg.engine.device} names one GPU; use --device cuda --data-parallel {n} "
                              "(or CUDA_VISIBLE_DEVICES) to spread the job over several")
-    if cfg.device == "cuda" and not on_gpu:
+    if cfg.engine.device == "cuda" and not on_gpu:
         raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
     if on_gpu:
         check_gpus(cfg, n)
-    tp = cfg.tensor_parallel
+    tp = cfg.parallel.tensor_parallel
     groups = gpu_groups(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus, n, tp)
     # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
     # free // n // tp == free // (n * tp) threads for each of the n * tp processes
-    threads = cfg.threads or max(1, free_cores() // n)
+    threads = cfg.engine.threads or max(1, free_cores() // n)
     server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     store = protocol.namespace(server)
-    procs = _start_workers(cfg, n, server.port, groups if on_gpu else None, threads)
+    procs = _start_workers(cfg, resolved, n, server.port, groups if on_gpu else None, threads)
     engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
     log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
              else f"CPU, {max(1, threads // tp)} threads a process")
@@ -80,20 +79,21 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     return coord.raise_or(result)
 
 
-def _start_workers(cfg: JobConfig, n: int, port: int, gpus: list[str] | None,
+def _start_workers(cfg: JobConfig, resolved, n: int, port: int, gpus: list[str] | None,
                    threads: int) -> dict[int, subprocess.Popen]:
     """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
     tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
-    worker_cfg = json.dumps(asdict(cfg), default=sorted)     # `given`, a set: a list
+    worker_cfg = json.dumps({**cfg.options(), "given": sorted(cfg.given)})
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
         env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
+                   JOBRUNNER_WORKER_RESOLVED=resolved.to_json(),
                    RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         else:
-            per_process = str(max(1, threads // cfg.tensor_parallel))
+            per_process = str(max(1, threads // cfg.parallel.tensor_parallel))
             env.update(OMP_NUM_THREADS=per_process, RAYON_NUM_THREADS=per_process, JOBRUNNER_THREADS=str(threads))
         # A session of its own: a Ctrl-C on the terminal reaches the launcher only, which forwards one SIGTERM.
         procs[rank] = subprocess.Popen(WORKER_COMMAND, env=env, start_new_session=True)
@@ -115,14 +115,16 @@ def worker_process_main() -> int:
     import torch.distributed as dist
 
     _setup_worker_logging(int(os.environ["RANK"]))
+    from jobrunner.resolve import Resolved
     cfg = config_from_json(os.environ["JOBRUNNER_WORKER_CONFIG"])
+    resolved = Resolved.from_json(os.environ["JOBRUNNER_WORKER_RESOLVED"])     # the launcher's, not again
     parent = int(os.environ["JOBRUNNER_LAUNCHER_PID"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, False,
                            timeout=STORE_TIMEOUT)
     threads = int(os.environ.get("JOBRUNNER_THREADS") or 0) or None
-    return worker_loop(cfg, rank, world, protocol.namespace(client), threads=threads)
+    return worker_loop(cfg, resolved, rank, world, protocol.namespace(client), threads=threads)
 
 
 def _orphan_watch(parent: int) -> None:
@@ -133,11 +135,12 @@ def _orphan_watch(parent: int) -> None:
 
 
 def config_from_json(text: str) -> JobConfig:
+    """The launcher's JobConfig, from its flat options as JSON (lists back to tuples)."""
+    from jobrunner.config import field_value
     d = json.loads(text)
-    for key in ("stop", "labels"):
-        d[key] = tuple(d.get(key) or ())
-    d["given"] = frozenset(d.get("given") or ())
-    return JobConfig(**d)
+    given = d.pop("given", ())
+    return JobConfig.from_options({**{k: v if v is None else field_value(k, v) for k, v in d.items()},
+                                   "given": given})
 
 
 def _setup_worker_logging(rank: int) -> None:

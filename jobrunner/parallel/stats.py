@@ -36,10 +36,10 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     s.update(wall_s=max(wall_s, 1e-9), model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries),
                                                         default=0.0),
              device=",".join(sorted({v["device"] for v in results})) or None,
-             devices=devices * cfg.tensor_parallel,         # each worker's engine spans tensor_parallel devices
+             devices=devices * cfg.parallel.tensor_parallel,         # each worker's engine spans tensor_parallel devices
              device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
              model_weight_bytes=first.get("model_weight_bytes", 0),
-             quantization=first.get("quantization", cfg.quantization),      # as the workers resolved it (auto)
+             quantization=first.get("quantization", cfg.engine.quantization),      # as the workers resolved it (auto)
              interrupted=any(x.get("interrupted") for _, x in summaries))
     for name in ("queue", "prefill", "decode"):
         points = [(q, v["sketch"][name]["n"] / len(v["sketch"][name]["q"]))
@@ -51,7 +51,7 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     engines = [x["engine"] for _, x in summaries if isinstance(x.get("engine"), dict)]
     if engines:
         s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
-    s.update(rates(s, cfg.device_hourly_cost))
+    s.update(rates(s, cfg.output.device_hourly_cost))
     workers = {}
     for v in sorted(results, key=lambda v: (v["rank"], v["round"])):
         x = v.get("summary") or {}

@@ -33,33 +33,33 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     import torch.distributed as dist
 
     rank, world = env["rank"], env["world"]
-    on_gpu = cuda_count(cfg.device) > 0 and cfg.device != "cpu"
+    on_gpu = cuda_count(cfg.engine.device) > 0 and cfg.engine.device != "cpu"
     threads = None
     if on_gpu:
         # each rank's engine spans tensor_parallel GPUs of its own node: local rank L has cuda:L*T and its
         # engine's followers the next T-1 (engine.parallel.launch), so a tensor-parallel group never spans
         # nodes; `torchrun --nproc-per-node GPUS/T`
         check_gpus(cfg, env["local_world"])
-        cfg = replace(cfg, device=f"cuda:{env['local_rank'] * cfg.tensor_parallel}")
+        cfg = replace(cfg, engine=replace(cfg.engine, device=f"cuda:{env['local_rank'] * cfg.parallel.tensor_parallel}"))
     else:   # the other local ranks are ours; this rank's share is its engine's, split among its processes
-        threads = cfg.threads or max(1, available_cores() // env["local_world"])
-    preflight(cfg)
+        threads = cfg.engine.threads or max(1, available_cores() // env["local_world"])
+    resolved = preflight(cfg)       # each rank is its own process: it resolves once, for all its rounds
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    log.info("rank %d of %d (%s)", rank, world, cfg.device if on_gpu else f"CPU, {threads} threads")
+    log.info("rank %d of %d (%s)", rank, world, cfg.engine.device if on_gpu else f"CPU, {threads} threads")
     beat = _Heartbeat(ns.clone(), rank)
     beat.start()
     try:
         if rank == 0:
-            return _coordinate_and_work(cfg, ns, world, threads)
+            return _coordinate_and_work(cfg, resolved, ns, world, threads)
         # once this rank has acknowledged the end (`exited`), rank 0 may destroy the store: stop beating first
-        code = worker_loop(cfg, rank, world, ns, threads=threads, before_exit=beat.stop)
+        code = worker_loop(cfg, resolved, rank, world, ns, threads=threads, before_exit=beat.stop)
         return JobResult(code, {}, cfg.output_url)
     finally:
         beat.stop()     # joined: no thread of ours is inside a store call when the interpreter exits
 
 
-def _coordinate_and_work(cfg: JobConfig, ns, world: int, threads: int | None) -> JobResult:
+def _coordinate_and_work(cfg: JobConfig, resolved, ns, world: int, threads: int | None) -> JobResult:
     """Rank 0: the coordinator in a thread, this process's worker in the main thread."""
     monitor = _HeartbeatMonitor(ns.clone())
     # the local worker counts as gone once worker_loop has returned without acknowledging the end (e.g.
@@ -70,7 +70,7 @@ def _coordinate_and_work(cfg: JobConfig, ns, world: int, threads: int | None) ->
     thread.start()
     acked: list[bool] = []
     try:
-        worker_loop(cfg, 0, world, ns, threads=threads, before_exit=lambda: acked.append(True))
+        worker_loop(cfg, resolved, 0, world, ns, threads=threads, before_exit=lambda: acked.append(True))
     finally:
         coord.local_done = not acked
     thread.join()       # it uses the store until every live worker has acknowledged the end

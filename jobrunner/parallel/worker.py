@@ -10,11 +10,12 @@ import itertools
 import logging
 import signal
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine import EngineFailure
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE, Job
+from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
+from jobrunner.job_parts import open_job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
 from jobrunner.planner import spread_units
@@ -23,9 +24,10 @@ from jobrunner.parallel.stats import worker_sketch
 log = logging.getLogger("jobrunner")
 
 
-def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | None = None,
+def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads: int | None = None,
                 before_exit=lambda: None) -> int:
     """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code.
+    `resolved`: the launcher's (or this torchrun rank's) jobrunner.resolve, shared by every round.
     `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
     it stops the process's other users of the store."""
     from jobrunner.checks import load_engine
@@ -39,9 +41,10 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     # the coordinator alone prepares (and overwrites) the output; the launcher shares the cores out
-    cfg = replace(cfg, overwrite=False, threads=threads or cfg.threads)
+    cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
+                  engine=replace(cfg.engine, threads=threads or cfg.engine.threads))
     try:
-        engine = load_engine(cfg)
+        engine = load_engine(cfg, resolved)
     except JobConfigError as e:
         protocol.set_loaded(store, rank, error=str(e))
         return EXIT_CONFIG
@@ -53,7 +56,7 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
                 before_exit()
                 protocol.ack_exit(store)
                 return rnd.exit_code
-            _run_round(cfg, engine, store, r, rank, rnd.slots[rank], world, stop, members=len(rnd.slots))
+            _run_round(cfg, resolved, engine, store, r, rank, rnd.slots[rank], world, stop, members=len(rnd.slots))
     except Stop as e:
         return e.args[0]
     except EngineFailure as e:
@@ -66,9 +69,10 @@ def worker_loop(cfg: JobConfig, rank: int, world: int, store, threads: int | Non
         engine.close()          # its tensor-parallel ranks, if any
 
 
-class _WorkerJob(Job):
-    """A data-parallel worker's Job: each planning window's units are spread over the workers, then
-    come out largest first.
+@dataclass(frozen=True)
+class SharedUnits:
+    """A data-parallel worker's work source: each planning window's units are spread over the workers,
+    then come out largest first, each claimed or not (`claim(index)`).
 
     A window of fewer units than workers (a small job sharing one prefix is one unit) would leave
     workers idle, so its largest units are halved until each worker can get one (spread_units); each
@@ -78,38 +82,46 @@ class _WorkerJob(Job):
     big ones. Across workers the locality is lost anyway; within a unit nothing changes. Both steps are
     deterministic, so every worker agrees on the units and their order.
     """
+    claim: object           # index -> whether this worker runs the unit (_Claim)
+    rank: int
+    world: int
+    out_tokens: int         # tokens a row generates at most: n * max_tokens
 
-    def _units(self):
+    def units(self, units, tokens_of):
+        index = 0
+        for batch in self._spread_windows(units, tokens_of):
+            for unit in batch:
+                yield unit, self.claim(index)
+                index += 1
+
+    def _spread_windows(self, units, tokens_of):
+        # a window's rows all wait in the job's pending rows, token ids packed: none is submitted yet
         window = []
-        for unit in super()._units():
+        for unit in units:
             window.append(unit)
             if unit.window_end:
-                yield from self._spread(window)
+                yield self._spread(window, tokens_of)
                 window = []
-        yield from self._spread(window)
+        yield self._spread(window, tokens_of)
 
-    def _spread(self, window):
-        # the window's rows all wait in self.pending, token ids packed: none is yielded (submitted) yet
-        def tokens_of(key):
-            return memoryview(self.pending[key][1].prompt_token_ids).cast("I")
-        return self._largest_first(spread_units(window, self.world, tokens_of, self._cost))
+    def _spread(self, window, tokens_of):
+        return sorted(spread_units(window, self.world, tokens_of, self._cost), key=self._cost, reverse=True)
 
     def _cost(self, u) -> int:
-        """Tokens the engine computes for a unit: the shared prefix once, the rest, the outputs."""
+        """Tokens the engine computes for a unit: the shared prefix once, the rest, the outputs. Sorted
+        by it, stable: ties keep the planner's order."""
         n = len(u.items)
-        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.cfg.n * self.cfg.max_tokens
-
-    def _largest_first(self, units):
-        return sorted(units, key=self._cost, reverse=True)     # stable: ties keep the planner's order
+        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.out_tokens
 
 
-def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, stop: list, members: int) -> None:
+def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world: int, stop: list,
+               members: int) -> None:
     claim = _Claim(store, r, slot, members)     # members: this round's workers
-    job = _WorkerJob(cfg, rank=slot, world=world, claim=claim)
-    job.max_in_flight = engine.info.max_num_seqs    # claim a unit only when the engine has room: dynamic balance
-    job.progress_factory = lambda total, counters=None: _StoreProgress(store, r, rank, total)
+    work = SharedUnits(claim, slot, world, cfg.sampling.n * cfg.sampling.max_tokens)
     try:
-        job.prepare(engine=engine)
+        # claim a unit only when the engine has room (max_in_flight): dynamic balance
+        job = open_job(cfg, resolved, engine=engine, work=work, max_in_flight=engine.info.max_num_seqs,
+                       progress=_StoreProgress(store, r, rank, _total_rows(cfg, resolved)))
     except JobConfigError as e:
         protocol.set_ready(store, r, rank, error=str(e))
         raise Stop(EXIT_CONFIG) from None
@@ -123,8 +135,17 @@ def _run_round(cfg, engine, store, r: int, rank: int, slot: int, world: int, sto
     except OSError as e:
         log.error("writing the output failed: %s", e)
         payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
-    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(getattr(job, "stats", None)))
+    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(job.stats))
     protocol.set_result(store, r, rank, payload)
+
+
+def _total_rows(cfg, resolved) -> int | None:
+    from jobrunner.dataset import count_rows
+    try:
+        n = count_rows(cfg.input.dataset, resolved.fmt)
+    except Exception:
+        return None
+    return min(n, cfg.input.limit) if (n is not None and cfg.input.limit) else n
 
 
 class _Claim:

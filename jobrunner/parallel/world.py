@@ -40,11 +40,11 @@ def cuda_count(device: str) -> int:
 def data_parallel_size(cfg: JobConfig) -> int:
     """--data-parallel, or by default as many engines of --tensor-parallel GPUs as the visible GPUs hold
     (1 on CPU or with --device cuda:N)."""
-    if cfg.data_parallel is not None:
-        return cfg.data_parallel
-    if cfg.device.startswith("cuda:") or cfg.device == "cpu":
+    if cfg.parallel.data_parallel is not None:
+        return cfg.parallel.data_parallel
+    if cfg.engine.device.startswith("cuda:") or cfg.engine.device == "cpu":
         return 1
-    return max(1, cuda_count(cfg.device) // cfg.tensor_parallel)
+    return max(1, cuda_count(cfg.engine.device) // cfg.parallel.tensor_parallel)
 
 
 def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[str]:
@@ -57,11 +57,11 @@ def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[s
 def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
     """JobConfigError unless `workers` engines of --tensor-parallel GPUs each fit the visible GPUs (from
     cuda:N's N with --device cuda:N). Nothing to check on CPU."""
-    gpus = cuda_count(cfg.device)
-    if gpus == 0 or cfg.device == "cpu":
+    gpus = cuda_count(cfg.engine.device)
+    if gpus == 0 or cfg.engine.device == "cpu":
         return
-    base = int(cfg.device.split(":")[1]) if cfg.device.startswith("cuda:") else 0
-    need, tp = workers * cfg.tensor_parallel, cfg.tensor_parallel
+    base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
+    need, tp = workers * cfg.parallel.tensor_parallel, cfg.parallel.tensor_parallel
     if base + need <= gpus:
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -71,15 +71,12 @@ def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
     if workers > 1:
         raise JobConfigError(f"--data-parallel {workers} x --tensor-parallel {tp} needs {need} GPUs, but there "
                              f"are {seen}; lower --data-parallel (the default is {max(1, gpus // tp)})")
-    where = f" from {cfg.device}" if base else ""
+    where = f" from {cfg.engine.device}" if base else ""
     raise JobConfigError(f"--tensor-parallel {tp}{where} needs {base + tp} GPUs, but there are {seen}")
 
 
-def preflight(cfg: JobConfig) -> None:
-    """What can fail without a model, before any process starts."""
-    from jobrunner import checks
-    cfg.validate()
-    fmt, columns = checks.check_dataset(cfg)
-    checks.check_template(cfg, columns)
-    checks.check_not_empty(cfg, fmt)
-    checks.check_output(cfg)
+def preflight(cfg: JobConfig):
+    """What can fail without a model, before any process starts, and what the job's workers share:
+    jobrunner.resolve's Resolved (the model's path and precision, the input's format, ...)."""
+    from jobrunner.resolve import resolve
+    return resolve(cfg, parallel=True)

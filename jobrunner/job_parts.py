@@ -1,0 +1,152 @@
+"""A Job's parts, made from its configuration and what jobrunner.resolve found, and the Job built of
+them in one constructor call (`open_job`). A data-parallel worker is the same Job with another work
+source (jobrunner/parallel/worker.py: SharedUnits) and progress; `jobrunner.generate` the same Job
+with another reader."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from jobrunner import checks
+from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.job import Job, JobResult, exit_code_of
+from jobrunner.planner import PrefixStats, WorkUnit, plan, prefix_stats
+from jobrunner.planner.window import split_windows
+from jobrunner.resolve import Resolved, resolve
+
+log = logging.getLogger("jobrunner")
+
+# A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
+# (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
+# its encoding for the planner and its packed token ids; ~0.5 GB at 64M tokens).
+WINDOW_ROWS = 50_000
+WINDOW_TOKENS = 64_000_000
+
+
+@dataclass
+class JobPlanner:
+    """Plan items -> work units: ordered so shared prefixes run back to back (--plan), or in dataset
+    order; either way the prefix figures of each window are measured into `prefix`."""
+    ordered: bool
+    block_size: int
+    prefix: PrefixStats = field(init=False)
+
+    def __post_init__(self):
+        self.prefix = PrefixStats(block_size=self.block_size)
+
+    def units(self, items):
+        if self.ordered:
+            yield from plan(items, window_rows=WINDOW_ROWS, block_size=self.block_size, stats=self.prefix,
+                            window_tokens=WINDOW_TOKENS)
+            return
+        for window in split_windows(items, WINDOW_ROWS, WINDOW_TOKENS, lambda it: len(it.tokens)):
+            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=self.block_size))
+            for i, it in enumerate(window, 1):
+                yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
+
+
+class AllUnits:
+    """The work source of a job in one process: every unit, in the planner's order."""
+    rank, world = 0, 1
+
+    def units(self, units, tokens_of):
+        for unit in units:
+            yield unit, True
+
+
+def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
+             reader=None, max_in_flight: int | None = None) -> Job:
+    """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
+    the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
+    AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows)."""
+    from jobrunner.dataset import read_rows
+    from jobrunner.job_manifest import job_manifest
+    from jobrunner.output import ResultWriter
+    from jobrunner.stats import JobStats
+    resolved = resolved or resolve(cfg, output_state=False)
+    work = work or AllUnits()
+    loaded = engine is None
+    engine = engine or checks.load_engine(cfg, resolved)
+    try:
+        kind, builder = job_kind(cfg, resolved, engine)
+        manifest = job_manifest(cfg, engine.info, engine.config.model, resolved.fmt, work.rank)
+        checks.check_same_commit(cfg, manifest)
+        prefix = "part" if work.world == 1 else f"part-r{work.rank}"
+        writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine)
+        stats = JobStats()
+        reuse = _reuse(cfg, resolved, engine, stats)
+    except BaseException:
+        if loaded:
+            engine.close()
+        raise
+    i = cfg.input
+    return Job(cfg, reader=reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column,
+                                                         batch_rows=1024)),
+               kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size),
+               engine=engine, reuse=reuse, writer=writer, work=work,
+               progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
+               fmt=resolved.fmt, max_in_flight=max_in_flight)
+
+
+def job_kind(cfg: JobConfig, resolved: Resolved, engine):
+    """(the job kind, the prompt builder) of cfg on this engine's tokenizer and checkpoint."""
+    from jobrunner.openai_kinds import job_for
+    from jobs import PromptBuilder
+    from jobs.template import PromptTemplate
+    checks.check_dimensions(cfg, engine.info)
+    # unset sampling options: the checkpoint's; the context: for truncation
+    spec = replace(cfg.job_spec(engine.info.generation.sampling), context=engine.info.max_model_len)
+    try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
+        kind = job_for(resolved.fmt, cfg, spec, engine.tokenizer, engine.info.pooling, engine.config.model)
+    except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
+        raise JobConfigError(str(e)) from None
+    template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
+    return kind, PromptBuilder(spec, engine.tokenizer, template)
+
+
+def _reuse(cfg: JobConfig, resolved: Resolved, engine, stats):
+    from jobrunner.cache import job_model_key
+    from jobrunner.reuse import Reuse
+    store, model = open_cache(resolved.cache_url), None
+    if store is not None:
+        model = job_model_key(engine.config.model, engine.info, engine.config.quantization, cfg.engine.kv_cache_dtype)
+    return Reuse(stats, cfg.kind.name, dedup=cfg.reuse.dedup, window_rows=WINDOW_ROWS, store=store,
+                 mode=cfg.reuse.cache_mode, model=model)
+
+
+def open_cache(url: str | None):
+    """The result cache's store (None without one); a URL that cannot be opened exits 2."""
+    from jobrunner.cache import open_store
+    try:
+        return open_store(url)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
+
+
+def _progress(cfg: JobConfig, resolved: Resolved, engine):
+    from jobrunner.dataset import count_rows
+    from jobrunner.progress import Progress
+    try:
+        n = count_rows(cfg.input.dataset, resolved.fmt)
+    except Exception:
+        n = None
+    limit = cfg.input.limit
+    return Progress(total=min(n, limit) if (n is not None and limit) else n, counters=engine.counters)
+
+
+def finish_done(cfg: JobConfig, rows_done: int) -> JobResult:
+    """The JobResult of a rerun with nothing left to do (Resolved.rows_done): the whole output's summary
+    and exit code, no model loaded. An output whose run was killed after its last part is marked
+    complete now."""
+    from jobrunner.output import mark_complete, read_manifest
+    from jobrunner.stats import JobStats
+    from jobrunner.summary import job_summary
+    stats = JobStats()
+    stats.rows_skipped = rows_done
+    log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)", rows_done, cfg.output_url)
+    summary = job_summary(cfg.output_url, cfg.fingerprint_fields())
+    manifest = read_manifest(cfg.output_url) or {}
+    if not manifest.get("complete"):
+        mark_complete(cfg.output_url, summary, manifest)
+    code, why = exit_code_of(cfg, summary, stats)        # over the whole output (a failed job stays failed)
+    return JobResult(code, summary, cfg.output_url, error=why)
