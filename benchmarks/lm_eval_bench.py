@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--hf-batch-size", default="32")
     ap.add_argument("--jobrunner-args", default="", help="more model args for ours, e.g. threads=2")
+    ap.add_argument("--tasks", default="bench_mc,bench_ppl")
     args = ap.parse_args(argv)
     model = float32_model_dir()
     common = f"pretrained={model},dtype=float32,max_length=256"
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="lm-eval-bench-") as tmp:
         root = Path(tmp)
         write_tasks(root, args.questions, args.docs)
-        for task in ("bench_mc", "bench_ppl"):
+        for task in args.tasks.split(","):
             ours_args = f"{common},{args.jobrunner_args}".rstrip(",")
             ours = run("jobrunner", ours_args, task, root, root / f"jr-{task}", "auto")
             hf = run("hf", common, task, root, root / f"hf-{task}", args.hf_batch_size)
