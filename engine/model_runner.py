@@ -52,7 +52,9 @@ class RunnerOutput:
     sampled: dict[int, list[int]] = field(default_factory=dict)                 # seq_id -> tokens (one per sample)
     sample_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     token_logprobs: dict[int, list[float]] = field(default_factory=dict)        # seq_id -> scored tokens' logprobs
+    token_greedy: dict[int, list[bool]] = field(default_factory=dict)           # seq_id -> each scored token is the argmax
     candidate_first: dict[int, list[float]] = field(default_factory=dict)       # seq_id -> logprob of each candidate's first token
+    candidate_first_greedy: dict[int, list[bool]] = field(default_factory=dict)   # seq_id -> each first token is the argmax
     embeddings: dict[int, list[float]] = field(default_factory=dict)            # seq_id -> its pooled vector (EMBED)
     num_tokens: int = 0
     # host seconds: building inputs, enqueueing the forward, enqueueing logits + sampling, waiting for the results
@@ -70,8 +72,10 @@ class LaunchedStep:
     sampled: DeviceSample | None = None
     sample_owners: list[int] = field(default_factory=list)                  # seq_id of each sampled row
     candidate_lp: torch.Tensor | None = None                                # [sum of counts]
+    candidate_greedy: torch.Tensor | None = None                            # [sum of counts] bool: token == argmax
     candidate_owners: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, number of candidates)
     score_lp: torch.Tensor | None = None                                    # [len(score_owners)]
+    score_greedy: torch.Tensor | None = None                                # [len(score_owners)] bool: token == argmax
     score_owners: list[int] = field(default_factory=list)
     pooled: torch.Tensor | None = None                                      # [sum of sizes] float32 (engine/pooling.py)
     pooled_owners: list[tuple[int, int]] = field(default_factory=list)      # (seq_id, size)
@@ -256,7 +260,8 @@ class ModelRunner:
 
     def _fetch(self, step: LaunchedStep) -> None:
         """Starts copying what the host needs of a launched step (collect waits for it)."""
-        wanted = [t for t in (step.candidate_lp, step.score_lp, step.pooled) if t is not None]
+        wanted = [t for t in (step.candidate_lp, step.candidate_greedy, step.score_lp, step.score_greedy, step.pooled)
+                  if t is not None]
         step.fetch = HostCopy([*(step.sampled.tensors() if step.sampled else []), *wanted])
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
@@ -273,13 +278,15 @@ class ModelRunner:
                 out.sampled.setdefault(seq_id, []).append(tok)
                 out.sample_logprobs.setdefault(seq_id, []).append(lp)
         if step.candidate_lp is not None:
-            values, i = next(host).tolist(), 0
+            values, greedy, i = next(host).tolist(), next(host).tolist(), 0
             for seq_id, count in step.candidate_owners:
                 out.candidate_first[seq_id] = values[i:i + count]
+                out.candidate_first_greedy[seq_id] = greedy[i:i + count]
                 i += count
         if step.score_lp is not None:
-            for seq_id, value in zip(step.score_owners, next(host).tolist()):
+            for seq_id, value, greedy in zip(step.score_owners, next(host).tolist(), next(host).tolist()):
                 out.token_logprobs.setdefault(seq_id, []).append(value)
+                out.token_greedy.setdefault(seq_id, []).append(greedy)
         if step.pooled is not None:
             out.embeddings = split(next(host).tolist(), step.pooled_owners)
         return out
@@ -356,6 +363,7 @@ class ModelRunner:
             if cand_rows:
                 r, t = (to_device(v, logits.device, np.int64) for v in (cand_rows, cand_tokens))
                 step.candidate_lp = logits[r, t] - torch.logsumexp(logits, dim=-1)[r]
+                step.candidate_greedy = logits.argmax(dim=-1)[r] == t       # lm-eval's is_greedy, per token
         if step.sampled is not None:       # the next launch's placeholder inputs come from these
             self._last_tokens = step.sampled.tokens
             for row, seq_id in enumerate(step.sample_owners):
@@ -363,12 +371,13 @@ class ModelRunner:
 
     def _score(self, hidden, passes, score_rows, step: LaunchedStep) -> None:
         """passes: the score rows' token rows, LOGITS_ROWS_PER_PASS at a time (_logit_passes)."""
-        parts = []
+        parts, greedy = [], []
         for lo, rows in zip(range(0, len(score_rows), LOGITS_ROWS_PER_PASS), passes):
             targets = to_device([t for _, t, _ in score_rows[lo:lo + LOGITS_ROWS_PER_PASS]], hidden.device, np.int64)
             logits = self._logits(hidden, rows)
             parts.append(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
-        step.score_lp = torch.cat(parts)
+            greedy.append(logits.argmax(dim=-1) == targets)
+        step.score_lp, step.score_greedy = torch.cat(parts), torch.cat(greedy)
         step.score_owners = [seq_id for _, _, seq_id in score_rows]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -46,7 +46,9 @@ class _RequestState:
     cached_tokens: int = 0
     completions: dict[int, Completion] = field(default_factory=dict)
     candidate_logprobs: list[list[float] | None] | None = None
+    candidate_greedy: list[list[bool] | None] | None = None
     prompt_logprobs: list[float] | None = None
+    prompt_greedy: list[bool] | None = None
     embeddings: list[list[float] | None] | None = None
     error: str | None = None
 
@@ -128,7 +130,7 @@ class OutputProcessor:
                 continue
             state = self._seq_state[seq.seq_id]
             if seq.seq_id in out.token_logprobs:
-                seq.record_token_logprobs(chunk.start, out.token_logprobs[seq.seq_id])
+                seq.record_token_logprobs(chunk.start, out.token_logprobs[seq.seq_id], out.token_greedy[seq.seq_id])
             if not chunk.completes:
                 continue
             if state.prefill_done is None and chunk.end >= state.prompt_tokens:
@@ -138,7 +140,8 @@ class OutputProcessor:
             elif seq.kind is SeqKind.EMBED:
                 self._finish_embedding(seq, state, out.embeddings[seq.seq_id])
             elif seq.kind is SeqKind.CANDIDATES:
-                self._branch_candidates(seq, state, out.candidate_first[seq.seq_id])
+                self._branch_candidates(seq, state, out.candidate_first[seq.seq_id],
+                                        out.candidate_first_greedy[seq.seq_id])
             else:
                 generated += self._sampled(seq, state, out.sampled[seq.seq_id], out.sample_logprobs[seq.seq_id])
         return generated
@@ -153,6 +156,7 @@ class OutputProcessor:
                             logprobs_from=max(req.score_from, 1), seed=state.seed)
         if req.candidates is not None:
             state.candidate_logprobs = [None] * len(req.candidates)
+            state.candidate_greedy = [None] * len(req.candidates)
             return Sequence(req.id, prompt, len(prompt), p, kind=SeqKind.CANDIDATES,
                             candidate_first_tokens=[c[0] for c in req.candidates], seed=state.seed)
         if p.max_tokens == 0 and not p.prompt_logprobs:
@@ -217,21 +221,23 @@ class OutputProcessor:
             seq.num_reasoning_tokens if seq.sampling.reasoning_markers is not None else None,
             constrained=seq.matcher is not None)
         if seq.logprobs_from:                   # prompt logprobs
-            state.prompt_logprobs = list(seq.token_logprobs)
+            state.prompt_logprobs, state.prompt_greedy = list(seq.token_logprobs), list(seq.token_greedy)
         self._untrack(seq, state)
 
     def _finish_scoring(self, seq: Sequence, state: _RequestState) -> None:
         if state.request.score_from is not None:
-            state.prompt_logprobs = list(seq.token_logprobs)
+            state.prompt_logprobs, state.prompt_greedy = list(seq.token_logprobs), list(seq.token_greedy)
         else:                                   # a candidate's tokens after its first
             state.candidate_logprobs[seq.sample_index] += seq.token_logprobs
+            state.candidate_greedy[seq.sample_index] += seq.token_greedy
         self.scheduler.finish(seq, "stop")
         self._untrack(seq, state)
 
-    def _branch_candidates(self, parent: Sequence, state: _RequestState, first: list[float]) -> None:
+    def _branch_candidates(self, parent: Sequence, state: _RequestState, first: list[float],
+                           first_greedy: list[bool]) -> None:
         """Every candidate continues from the prompt's cached KV; the prompt is never recomputed."""
-        for i, (cand, lp) in enumerate(zip(state.request.candidates, first)):
-            state.candidate_logprobs[i] = [lp]
+        for i, (cand, lp, greedy) in enumerate(zip(state.request.candidates, first, first_greedy)):
+            state.candidate_logprobs[i], state.candidate_greedy[i] = [lp], [greedy]
             if len(cand) > 1:
                 self._spawn(parent, parent.candidate_child(cand, i), state)
         self.scheduler.finish(parent, "stop")
@@ -319,6 +325,7 @@ class OutputProcessor:
             queue_s=first - state.arrival, prefill_s=max(prefill_done - first, 0.0),
             decode_s=max(now - prefill_done, 0.0), error=state.error,
             prompt_logprobs=state.prompt_logprobs, candidate_logprobs=state.candidate_logprobs,
+            prompt_greedy=state.prompt_greedy, candidate_greedy=state.candidate_greedy,
             embeddings=state.embeddings))
         del self._states[state.request.id]
 

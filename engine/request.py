@@ -151,6 +151,10 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[float] | None = None       # from token 1 (prompt_logprobs) or score_from on
     candidate_logprobs: list[list[float]] | None = None  # per candidate, per token
+    # beside prompt_logprobs and candidate_logprobs: whether each scored token is the argmax of the
+    # logits that score it (lm-eval's is_greedy is `all` of a continuation's)
+    prompt_greedy: list[bool] | None = None
+    candidate_greedy: list[list[bool]] | None = None
     embeddings: list[list[float]] | None = None      # embedding mode: one vector per input, the prompt's first
 
     @property

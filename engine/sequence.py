@@ -74,6 +74,7 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # scored tokens' logprobs, from logprobs_from
+    token_greedy: list[bool] = field(default_factory=list)      # whether each scored token is its position's argmax
     matcher: object | None = None  # constrained: its grammar matcher (engine/constraints.py), fed every sampled
                                    # token; it outlives preemption, since the sequence keeps its tokens
     # Reasoning models (sampling.reasoning_markers set): where the answer starts, as a token count
@@ -147,11 +148,12 @@ class Sequence:
         last = self.num_tokens - 1 if self.is_scoring else self.num_prompt_tokens - 1
         return range(max(start, self.logprobs_from - 1), min(end, last))
 
-    def record_token_logprobs(self, start: int, values: list[float]) -> None:
-        """Stores the scored logprobs of a chunk that began at position start, by position: a sequence
-        preempted and recomputed scores the same tokens again and overwrites them."""
+    def record_token_logprobs(self, start: int, values: list[float], greedy: list[bool]) -> None:
+        """Stores the scored logprobs (and argmax flags) of a chunk that began at position start, by
+        position: a sequence preempted and recomputed scores the same tokens again and overwrites them."""
         first = max(start, self.logprobs_from - 1) - (self.logprobs_from - 1)
         self.token_logprobs[first:] = values
+        self.token_greedy[first:] = greedy
 
     # --- tokens and the async placeholder --------------------------------------------------------
 

@@ -93,7 +93,8 @@ OPTION_GROUPS: dict[str, list] = {
     "Job kind": [
         click.option("--kind", type=click.Choice(tuple(KINDS)), default=D.kind, show_default=True,
                      help="generate text, classify by label scoring, score a completion's log-likelihood, "
-                          "or embed each prompt as a vector."),
+                          "embed each prompt as a vector, or run rows of token ids (tokens: context_ids and "
+                          "continuation_ids, as the lm-eval backend sends them)."),
         click.option("--labels", help="classify: comma-separated labels, e.g. positive,negative,neutral."),
         click.option("--labels-column", help="classify: column with each row's list of labels."),
         click.option("--normalize", type=click.Choice(NORMALIZE_MODES), default=D.normalize, show_default=True,

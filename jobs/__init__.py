@@ -6,10 +6,12 @@ from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob
 from jobs.generate import GenerateJob
 from jobs.score import ScoreJob
+from jobs.tokens import TokensJob
 from jobs.spec import ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
 # The job kinds, by name: the one list of them (the CLI's --kind choices are its keys).
-KINDS = {"generate": GenerateJob, "classify": ClassifyJob, "score": ScoreJob, "embed": EmbedJob}
+KINDS = {"generate": GenerateJob, "classify": ClassifyJob, "score": ScoreJob, "embed": EmbedJob,
+         "tokens": TokensJob}        # rows of token ids: the lm-eval backend's (jobrunner/lm_eval_model.py)
 
 
 def make_job(spec: JobSpec, tokenizer, checkpoint_pooling=None):
