@@ -200,8 +200,15 @@ class EmbedKind:
             _bad("--dimensions must be >= 1 (the embedding's first N values are kept)")
 
 
-KindOptions = GenerateKind | ClassifyKind | ScoreKind | EmbedKind
-KIND_OPTIONS: dict[str, type] = {k.name: k for k in (GenerateKind, ClassifyKind, ScoreKind, EmbedKind)}
+@dataclass(frozen=True)
+class TokensKind:
+    """Rows of token ids (jobs/tokens.py, the lm-eval backend's): scored continuations, or generation with
+    the sampling section's options. No options of its own."""
+    name: ClassVar[str] = "tokens"
+
+
+KindOptions = GenerateKind | ClassifyKind | ScoreKind | EmbedKind | TokensKind
+KIND_OPTIONS: dict[str, type] = {k.name: k for k in (GenerateKind, ClassifyKind, ScoreKind, EmbedKind, TokensKind)}
 
 # An option of another kind than the job's, given: the message (None: ignored, as it always was)
 FOREIGN_KIND_OPTION = {

@@ -226,7 +226,7 @@ class _Jobs:
     def __init__(self, options: dict):
         from jobrunner.api import build_config
         self.options = {k: v for k, v in options.items() if v is not None}
-        build_config("memory://lm-eval.jsonl", self.options).validate()     # unknown or bad options: now
+        build_config("memory://lm-eval.jsonl", self.options)     # unknown or bad options: now (JobConfigError)
 
     def tokenizer_and_context(self):
         """The model's tokenizer and context length, without loading its weights."""
