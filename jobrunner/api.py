@@ -99,6 +99,10 @@ def run(cfg: JobConfig) -> JobResult:
     runs under torchrun). Errors as `submit`'s."""
     from jobrunner.job import Job
     from jobrunner.parallel import run_parallel, wants_parallel
+    if cfg.ray is not None:     # workers as Ray actors: jobrunner/parallel/ray_driver.py
+        from jobrunner.parallel.ray_driver import run_ray
+        with _errors(running=True):
+            return run_ray(cfg)
     if wants_parallel(cfg):     # one worker per engine, or a rank under torchrun: jobrunner.parallel
         with _errors(running=True):
             return run_parallel(cfg)

@@ -195,6 +195,27 @@ OPTION_GROUPS: dict[str, list] = {
                      help="Devices one engine spans, its model split across them (for a model larger than one "
                           "GPU); its processes share --threads on CPU. With --data-parallel M: M x N devices."),
     ],
+    "Ray": [        # one section of JobConfig: `ray` (jobrunner/ray_options.py; cli.build_config folds these)
+        click.option("--ray", "ray", is_flag=False, flag_value="auto", metavar="[ADDRESS]",
+                     help="Run the workers as Ray actors on a Ray cluster: auto (the default value) joins the "
+                          "cluster this process runs in, ray://head:10001 connects as a client, host:port to "
+                          "a head, local starts a private one-node cluster. --data-parallel is then the most "
+                          "workers."),
+        click.option("--ray-min-workers", type=int,
+                     help="Exit 2 unless this many workers are placed within --ray-timeout (default 1)."),
+        click.option("--ray-max-workers", type=int,
+                     help="Workers at most (default --data-parallel, else the cluster's GPUs // "
+                          "--tensor-parallel, else 1); workers placed late join the job."),
+        click.option("--ray-resources", metavar="JSON",
+                     help='Each worker\'s resources, a JSON object: CPU, GPU, memory (bytes) and custom '
+                          'resources, e.g. \'{"CPU": 4, "accelerator_type:A100": 0.001}\'. Default: '
+                          '--tensor-parallel GPUs on a GPU cluster, --threads (else 1) CPUs.'),
+        click.option("--ray-timeout", type=float,
+                     help="Seconds to wait for the first workers to be placed and loaded (default 300)."),
+        click.option("--ray-max-restarts", type=int,
+                     help="Times Ray restarts a dead worker's actor (default 1); its units go to the others "
+                          "meanwhile."),
+    ],
 }
 
 

@@ -19,6 +19,7 @@ from jobrunner.cache import CACHE_MODES
 from jobrunner.constraint_options import job_constraint, validate_constraint_options
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai_request import MAX_TOP_LOGPROBS
+from jobrunner.ray_options import RayOptions, RayOptionsError
 from jobs import KINDS
 from jobs.reasoning import REASONING_PARSERS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
@@ -113,6 +114,7 @@ class JobConfig:
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     data_parallel: int | None = None
     tensor_parallel: int = 1                # devices (processes) one engine spans; its ranks share --threads
+    ray: RayOptions | None = None           # --ray: workers are Ray actors (jobrunner/ray_options.py)
     # output
     part_rows: int = 10_000
     flush_seconds: float = 60.0             # a part is written at least this often: what a kill can lose
@@ -238,7 +240,7 @@ class JobConfig:
         # tensor_parallel, like data_parallel and the batch limits, changes where and in what order sums are
         # taken (a float's last bits), not what the job asks for: a job may resume on another split
         skip = {"output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel",
-                "tensor_parallel", "allow_all_failed",
+                "tensor_parallel", "allow_all_failed", "ray",
                 "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "async_scheduling",
                 "kv_cache_memory", "limit", "device", "block_size", "show_prompt",
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout",
@@ -309,6 +311,11 @@ class JobConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         validate_constraint_options(self)
+        if self.ray is not None:
+            try:
+                self.ray.validate()
+            except RayOptionsError as e:
+                bad(str(e))
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
@@ -434,6 +441,11 @@ def field_value(key: str, value):
     with the command line's conversions: a string `stop` is one stop string, a string `labels` is
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
     want = _field_types()[key]
+    if key == "ray":
+        try:
+            return RayOptions.from_value(value)
+        except RayOptionsError as e:
+            raise JobConfigError(str(e)) from None
     if key == "chat_template_kwargs" and isinstance(value, dict):
         return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):
