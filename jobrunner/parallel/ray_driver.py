@@ -37,9 +37,9 @@ PROGRESS_LOG_S = 10.0       # the driver's progress line when not on a terminal
 
 
 def import_ray(address: str):
-    """Ray, or JobConfigError naming the extra. A private local cluster stays on loopback: Ray reads
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import (0: every address 127.0.0.1, no external listener)."""
-    if address == "local":
+    """Ray, or JobConfigError naming the extra. A private local cluster (or one on a loopback address) stays
+    on loopback: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import (0: every address 127.0.0.1)."""
+    if address == "local" or address.split("://")[-1].startswith(("127.", "localhost")):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
