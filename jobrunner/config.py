@@ -19,7 +19,7 @@ from jobrunner.cache import CACHE_MODES
 from jobrunner.constraint_options import job_constraint, validate_constraint_options
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai_request import MAX_TOP_LOGPROBS
-from jobrunner.ray_options import RayOptions, RayOptionsError
+from jobrunner.ray_options import RayOptions
 from jobs import KINDS
 from jobs.reasoning import REASONING_PARSERS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
@@ -312,10 +312,7 @@ class JobConfig:
             bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         validate_constraint_options(self)
         if self.ray is not None:
-            try:
-                self.ray.validate()
-            except RayOptionsError as e:
-                bad(str(e))
+            self.ray.validate()
         if self.data_parallel is not None and self.data_parallel < 1:
             bad("--data-parallel must be >= 1")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
@@ -442,10 +439,7 @@ def field_value(key: str, value):
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
     want = _field_types()[key]
     if key == "ray":
-        try:
-            return RayOptions.from_value(value)
-        except RayOptionsError as e:
-            raise JobConfigError(str(e)) from None
+        return RayOptions.from_value(value)
     if key == "chat_template_kwargs" and isinstance(value, dict):
         return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):

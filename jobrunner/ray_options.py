@@ -24,8 +24,10 @@ CLI_PARAMS = {"ray": "address", "ray_min_workers": "min_workers", "ray_max_worke
 SPECIAL_RESOURCES = ("CPU", "GPU", "memory")     # actor options, not custom resources
 
 
-class RayOptionsError(ValueError):
-    """A Ray option that cannot run (config.field_value and JobConfig.validate raise it as JobConfigError)."""
+def _bad(message: str):
+    """A Ray option that cannot run: JobConfigError (exit 2). config.py imports this module, so it is found late."""
+    from jobrunner.config import JobConfigError
+    raise JobConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,11 @@ class RayOptions:
         if isinstance(value, str):
             value = {"address": value}
         if not isinstance(value, dict):
-            raise RayOptionsError(f"ray must be an address (e.g. \"auto\") or a table of {', '.join(_names())}, "
+            _bad(f"ray must be an address (e.g. \"auto\") or a table of {', '.join(_names())}, "
                                   f"not {value!r}")
         unknown = sorted(set(value) - set(_names()))
         if unknown:
-            raise RayOptionsError(f"ray: unknown keys {', '.join(unknown)} (known: {', '.join(_names())})")
+            _bad(f"ray: unknown keys {', '.join(unknown)} (known: {', '.join(_names())})")
         d = dict(value)
         if "resources" in d:
             d["resources"] = parse_resources(d["resources"])
@@ -57,14 +59,14 @@ class RayOptions:
             v = d.get(key)
             if v is None or isinstance(v, bool):
                 if v is not None:
-                    raise RayOptionsError(f"ray {key} must be a number, not {v!r}")
+                    _bad(f"ray {key} must be a number, not {v!r}")
                 continue
             if want is float and isinstance(v, int):
                 d[key] = float(v)
             elif not isinstance(v, want):
-                raise RayOptionsError(f"ray {key} must be {'an integer' if want is int else 'a number'}, not {v!r}")
+                _bad(f"ray {key} must be {'an integer' if want is int else 'a number'}, not {v!r}")
         if not isinstance(d.get("address", "auto"), str) or not d.get("address", "auto").strip():
-            raise RayOptionsError("--ray ADDRESS must be auto, local, ray://host:port or host:port")
+            _bad("--ray ADDRESS must be auto, local, ray://host:port or host:port")
         return cls(**d)
 
     @property
@@ -73,14 +75,14 @@ class RayOptions:
 
     def validate(self) -> None:
         if self.min_workers < 1:
-            raise RayOptionsError("--ray-min-workers must be >= 1")
+            _bad("--ray-min-workers must be >= 1")
         if self.max_workers is not None and self.max_workers < self.min_workers:
-            raise RayOptionsError(f"--ray-max-workers {self.max_workers} is below --ray-min-workers "
+            _bad(f"--ray-max-workers {self.max_workers} is below --ray-min-workers "
                                   f"{self.min_workers}")
         if not self.timeout_s > 0:
-            raise RayOptionsError("--ray-timeout must be > 0 seconds")
+            _bad("--ray-timeout must be > 0 seconds")
         if self.max_restarts < 0:
-            raise RayOptionsError("--ray-max-restarts must be >= 0 (-1 is not allowed: a worker that keeps "
+            _bad("--ray-max-restarts must be >= 0 (-1 is not allowed: a worker that keeps "
                                   "dying would restart forever)")
 
 
@@ -90,28 +92,28 @@ def parse_resources(value) -> tuple[tuple[str, float], ...]:
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise RayOptionsError(f"--ray-resources is not valid JSON ({e}); write e.g. "
-                                  "'{\"CPU\": 4, \"accelerator_type:A100\": 0.001}'") from None
+            _bad(f"--ray-resources is not valid JSON ({e}); write e.g. "
+                 "'{\"CPU\": 4, \"accelerator_type:A100\": 0.001}'")
     if isinstance(value, (list, tuple)):
         value = dict(value)
     if not isinstance(value, dict):
-        raise RayOptionsError('--ray-resources must be a JSON object, e.g. \'{"CPU": 4}\'')
+        _bad('--ray-resources must be a JSON object, e.g. \'{"CPU": 4}\'')
     for k, v in value.items():
         if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise RayOptionsError(f"--ray-resources: {k!r} must be a non-negative number, not {v!r}")
+            _bad(f"--ray-resources: {k!r} must be a non-negative number, not {v!r}")
     return tuple(sorted((k, float(v)) for k, v in value.items()))
 
 
 def fold_cli(params: dict) -> dict:
     """The command line's --ray* parameters (given ones only) as one `ray` value (a dict for from_value);
-    RayOptionsError when a --ray-* option comes without --ray."""
+    JobConfigError when a --ray-* option comes without --ray."""
     params = dict(params)
     given = {CLI_PARAMS[k]: params.pop(k) for k in list(params) if k in CLI_PARAMS}
     if not given:
         return params
     if "address" not in given:
         names = ", ".join("--" + k.replace("_", "-") for k, f in CLI_PARAMS.items() if f in given)
-        raise RayOptionsError(f"{names} need --ray [ADDRESS]")
+        _bad(f"{names} need --ray [ADDRESS]")
     params["ray"] = given
     return params
 
