@@ -20,6 +20,8 @@ from collections import Counter
 
 import pytest
 
+# this process joins the cluster too (the Ray Data test): loopback only, no token; Ray reads these at import
+os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
 ray = pytest.importorskip("ray")
 
 from jobrunner.config import JobConfig  # noqa: E402
@@ -222,3 +224,19 @@ def test_a_cluster_without_the_resources_exits_2_within_the_timeout(cluster, dat
     assert time.time() - started < 60
     assert "placed 0 of the 1 workers needed within 3 s" in d.log and "'TPU': 1.0" in d.log
     assert not _parts(out)
+
+
+def test_a_ray_data_pipeline_hands_off_to_a_job_and_reads_the_results_back(cluster, data):
+    from jobrunner.ray_data import read_results_dataset, submit_dataset
+    rows = [json.loads(line) for line in open(data["path"])][:40]
+    ray.init(address=cluster["address"], logging_level="WARNING", log_to_driver=False)
+    try:
+        res = submit_dataset(ray.data.from_items(rows), str(data["root"] / "ray-data"), model=data["model"],
+                             max_tokens=8, max_num_seqs=2, part_rows=4, device="cpu", ray=cluster["address"],
+                             data_parallel=2)
+        assert res.exit_code == EXIT_OK
+        back = read_results_dataset(res.output).take_all()
+    finally:
+        ray.shutdown()
+    assert sorted(r["id"] for r in back) == sorted(r["id"] for r in rows)      # _stats.parquet not read
+    assert {r["id"]: r["output"] for r in back} == {r["id"]: data["reference"][r["id"]][0] for r in rows}

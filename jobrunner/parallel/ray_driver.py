@@ -67,11 +67,16 @@ def run_ray(cfg: JobConfig) -> JobResult:
         raise JobConfigError(f"--device {cfg.device} names one GPU; on Ray use --device cuda (Ray picks the GPUs)")
     preflight(cfg)
     ray = import_ray(cfg.ray.address)
-    connect(ray, cfg.ray.address)
+    joined = not ray.is_initialized()       # else: a caller already connected (a Ray Data pipeline) keeps it
+    if joined:
+        connect(ray, cfg.ray.address)
+    driver = RayDriver(cfg, ray)
     try:
-        return RayDriver(cfg, ray).run()
+        return driver.run()
     finally:
-        ray.shutdown()      # the job's actors end with their owner
+        driver.end()
+        if joined:
+            ray.shutdown()
 
 
 class RayDriver:
@@ -169,6 +174,14 @@ class RayDriver:
                 f"{self.opts.timeout_s:g} s (--ray-timeout); each asks for {self.asks}, the cluster has {have}. "
                 "Lower --ray-resources or --tensor-parallel, add nodes, or raise --ray-timeout")
         return sorted(ready)
+
+    def end(self) -> None:
+        """The job's actors go (their engines with them), whether or not this process stays connected."""
+        for actor in [*getattr(self, "workers", {}).values(), self.queue]:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     # -- the job
 

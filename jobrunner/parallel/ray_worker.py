@@ -25,7 +25,7 @@ from jobrunner.parallel.worker import _WorkerJob
 
 log = logging.getLogger("jobrunner")
 
-CLAIM_BATCH = 1         # tickets a worker draws at once: 1 keeps the balance exact; see docs/RAY.md
+CLAIM_BATCH = 1         # tickets a worker draws at once (one more draw is always in flight); docs/RAY.md
 REPORT_EVERY_S = 1.0    # a worker's progress to the queue actor; the stop flag comes back with it
 
 
@@ -36,6 +36,7 @@ class QueueClaim:
     def __init__(self, queue, r: int, worker: int, slot: int, members: int, batch: int = CLAIM_BATCH):
         self.queue, self.r, self.worker, self.slot, self.members, self.batch = queue, r, worker, slot, members, batch
         self.tickets: deque[int] = deque()
+        self.ahead = None       # the next draw, already asked for: the actor's round trip hides behind a unit
         self.units = 0
 
     def claim(self, index: int) -> bool:
@@ -44,7 +45,8 @@ class QueueClaim:
             mine = index == self.slot
         else:
             if not self.tickets:
-                drawn = ray.get(self.queue.next_tickets.remote(self.r, self.worker, self.batch))
+                drawn = ray.get(self.ahead if self.ahead is not None else self._draw())
+                self.ahead = self._draw()       # reserved for this worker: it reaches that unit (or the plan ends)
                 self.tickets.extend(t + self.members for t in drawn)
             mine = self.tickets[0] == index     # held tickets are >= index: the plan is walked in order
             if mine:
@@ -53,6 +55,9 @@ class QueueClaim:
         return mine
 
     __call__ = claim        # Job's `claim(index)`
+
+    def _draw(self):
+        return self.queue.next_tickets.remote(self.r, self.worker, self.batch)
 
     def complete(self) -> None:
         import ray
