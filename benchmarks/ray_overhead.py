@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-local", action="store_true", help="skip --ray local")
+    ap.add_argument("--no-first-row", action="store_true", help="skip the first-row runs and the queue figures")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="jr-raybench-")
     os.makedirs(f"{work}/model")
@@ -109,6 +111,8 @@ def main() -> None:
         base = [sys.executable, "-m", "jobrunner.cli", "submit", f"{work}/data.jsonl", "-m", f"dummy:{work}/model",
                 "--max-tokens", str(args.max_tokens), "--max-num-seqs", "8", "--device", "cpu", "--data-parallel", "2"]
         modes = {"data-parallel 2": [], "ray (running cluster)": ["--ray", address], "ray local": ["--ray", "local"]}
+        if args.no_local:
+            del modes["ray local"]
         results: dict[str, list] = {m: [] for m in modes}
         for rep in range(args.repeats):
             for name, extra in modes.items():
@@ -118,12 +122,13 @@ def main() -> None:
                 results[name].append(run(base + extra + ["-o", out, "--part-rows", "100"], out))
                 print(name, results[name][-1], file=sys.stderr, flush=True)
         first = {}
-        for name, extra in modes.items():
+        for name, extra in ({} if args.no_first_row else modes).items():
             out = f"{work}/first-{len(os.listdir(work))}"
             first[name] = run(base + extra + ["-o", out, "--part-rows", "1", "--limit", "40"], out)["first_part_s"]
             print(name, "first row", first[name], file=sys.stderr, flush=True)
         figures = {"runs": results, "first_row_s": first, "uptime": os.popen("uptime").read().strip(),
-                   **queue_figures(address), "snapshot_bytes_per_1M_ids": snapshot_bytes()}
+                   **({} if args.no_first_row else queue_figures(address)),
+                   "snapshot_bytes_per_1M_ids": snapshot_bytes()}
         print(json.dumps(figures, indent=1))
     finally:
         stop_head(head)
