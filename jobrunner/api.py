@@ -91,11 +91,15 @@ def submit(dataset: str, output: str | None = None, *, config: str | None = None
 
 
 def run(cfg: JobConfig) -> JobResult:
-    """Run cfg's job: in this process, or over data-parallel workers when it asks for several (or
-    runs under torchrun). Errors as `submit`'s."""
+    """Run cfg's job: in this process, over data-parallel workers when it asks for several (or runs
+    under torchrun), or over Ray actors (--ray). Errors as `submit`'s."""
     from jobrunner.job_parts import finish_done, open_job
     from jobrunner.parallel import run_parallel, wants_parallel
     from jobrunner.resolve import resolve
+    if cfg.parallel.ray is not None:    # workers as Ray actors: jobrunner/parallel/ray_driver.py
+        from jobrunner.parallel.ray_driver import run_ray
+        with _errors(running=True):
+            return run_ray(cfg)
     if wants_parallel(cfg):     # one worker per engine, or a rank under torchrun: jobrunner.parallel
         with _errors(running=True):
             return run_parallel(cfg)

@@ -158,7 +158,8 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
                              f"or keep the old model with -m {repo}@{before} and another --output")
 
 
-def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", job=None, engine=None):
+def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", job=None, engine=None,
+                done_ids=None):
     """The job's writer; given the job kind and its engine, with the output schema declared up front
     (jobrunner.result_schema), so that every part has the kind's columns whatever rows it holds."""
     from jobrunner.output import OutputError
@@ -168,6 +169,7 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
         schema = result_schema(cfg.input.dataset, cfg.input.format, cfg.input.id_column, job, engine.info.hidden_size)
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.output.part_rows, overwrite=cfg.output.overwrite,
-                          part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema)
+                          part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema,
+                          done_ids=done_ids)
     except OutputError as e:
         raise JobConfigError(str(e)) from None

@@ -21,10 +21,12 @@ def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
     """Command line over TOML file over JobConfig's defaults (which the options' defaults show):
     the options given on the command line, through the API's build_config."""
     from jobrunner.api import build_config as build
+    from jobrunner.ray_options import fold_cli
     known = config_fields()
     given = {name: value for name, value in params.items()
-             if name in known and ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
-    return build(dataset, given, params.get("config_file"))
+             if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
+    given = fold_cli(given)         # --ray and --ray-*: the one `ray` option (JobConfigError: exit 2)
+    return build(dataset, {k: v for k, v in given.items() if k in known}, params.get("config_file"))
 
 
 def _setup_logging(verbose: bool) -> None:

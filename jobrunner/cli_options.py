@@ -10,11 +10,13 @@ import click
 
 from jobrunner.config import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
                               JOB_QUANTIZATIONS, POOLINGS, option_defaults)
+from jobrunner.ray_options import RayOptions
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
 from jobs.truncation import TRUNCATE_MODES
 
 D = SimpleNamespace(**option_defaults())    # the defaults, read from the config's sections
+R = RayOptions()                            # --ray-*'s defaults
 
 # Section title -> its options, in the order `--help` lists them; "Other" takes any option not here.
 OPTION_GROUPS: dict[str, list] = {
@@ -197,6 +199,29 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--tensor-parallel", type=int, default=D.tensor_parallel, show_default=True,
                      help="Devices one engine spans, its model split across them (for a model larger than one "
                           "GPU); its processes share --threads on CPU. With --data-parallel M: M x N devices."),
+    ],
+    # the parallel section's one `ray` option, a RayOptions (jobrunner/ray_options.py): cli.build_config folds
+    # these into it (ray_options.fold_cli), the value TOML `ray` and the API's `ray=` give; defaults: RayOptions'
+    "Ray": [
+        click.option("--ray", "ray", is_flag=False, flag_value="auto", metavar="[ADDRESS]",
+                     help="Run the workers as Ray actors on a Ray cluster: auto (the default value) joins the "
+                          "cluster this process runs in, ray://head:10001 connects as a client, host:port to "
+                          "a head, local starts a private one-node cluster. --data-parallel is then the most "
+                          "workers."),
+        click.option("--ray-min-workers", type=int,
+                     help=f"Exit 2 unless this many workers are placed within --ray-timeout (default {R.min_workers})."),
+        click.option("--ray-max-workers", type=int,
+                     help="Workers at most (default --data-parallel, else the cluster's GPUs // "
+                          "--tensor-parallel, else 1); workers placed late join the job."),
+        click.option("--ray-resources", metavar="JSON",
+                     help='Each worker\'s resources, a JSON object: CPU, GPU, memory (bytes) and custom '
+                          'resources, e.g. \'{"CPU": 4, "accelerator_type:A100": 0.001}\'. Default: '
+                          '--tensor-parallel GPUs on a GPU cluster, --threads (else 1) CPUs.'),
+        click.option("--ray-timeout", type=float,
+                     help=f"Seconds to wait for the first workers to be placed and loaded (default {R.timeout_s:g})."),
+        click.option("--ray-max-restarts", type=int,
+                     help=f"Times Ray restarts a dead worker's actor (default {R.max_restarts}); its units go to the others "
+                          "meanwhile."),
     ],
 }
 

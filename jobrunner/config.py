@@ -25,6 +25,7 @@ from jobrunner.config_sections import (FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZ
                                        OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions,
                                        ScoreKind)
 from jobrunner.config_values import JobConfigError, check_device, parse_size, split_labels
+from jobrunner.ray_options import RayOptions
 from jobs import KINDS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
@@ -205,7 +206,8 @@ _NOT_FINGERPRINTED = {
     "output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel", "tensor_parallel",
     "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs",
     "async_scheduling", "kv_cache_memory", "limit", "device", "block_size", "show_prompt", "fail_on_empty",
-    "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines"}
+    "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines",
+    "ray"}      # where the workers run (Ray), like how many, never what a row gets
 # Options added after outputs were written with the fingerprint that lacks them (issues 17, 23 and 29).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
@@ -267,6 +269,8 @@ def field_value(key: str, value):
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
     import json
     want = _field_types()[key]
+    if key == "ray":
+        return RayOptions.from_value(value)
     if key == "chat_template_kwargs" and isinstance(value, dict):
         return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):

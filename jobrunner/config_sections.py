@@ -16,6 +16,7 @@ from jobrunner.cache import CACHE_MODES
 from jobrunner.config_values import JobConfigError, check_device, either
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai_request import MAX_TOP_LOGPROBS
+from jobrunner.ray_options import RayOptions
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES
@@ -300,8 +301,12 @@ class ReuseOptions:
 class ParallelOptions:
     data_parallel: int | None = None        # None: visible GPUs // tensor_parallel; 1 on CPU
     tensor_parallel: int = 1                # devices (processes) one engine spans; its ranks share --threads
+    ray: RayOptions | None = None           # --ray: the workers are Ray actors (jobrunner/ray_options.py)
 
     def __post_init__(self):
+        if self.ray is not None and not isinstance(self.ray, RayOptions):
+            _bad(f"ray must be a RayOptions (config.field_value makes one of an address or a table), "
+                 f"not {self.ray!r}")
         if self.data_parallel is not None and self.data_parallel < 1:
             _bad("--data-parallel must be >= 1")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \

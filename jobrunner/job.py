@@ -66,7 +66,7 @@ class Job:
     its own parts; only rank 0 writes rows that never reach the planner."""
 
     def __init__(self, cfg: JobConfig, *, reader, kind, builder, planner, engine, reuse, writer, work, progress,
-                 stats, manifest: dict, fmt: str, max_in_flight: int | None = None):
+                 stats, manifest: dict, fmt: str, max_in_flight: int | None = None, stop=None):
         self.cfg, self.fmt, self.manifest = cfg, fmt, manifest
         self.reader = reader                # () -> batches of Rows (jobrunner.dataset.read_rows, or rows in memory)
         self.kind, self.builder, self.planner = kind, builder, planner
@@ -78,7 +78,7 @@ class Job:
         self.input_names: dict[tuple, dict[str, str]] = {}
         self.pending: dict[str, PendingRow] = {}   # row id -> the row, while in the planner or the engine
         self.seen = IdSet()                 # ids read in this run, bar those done at open (writer.done_ids)
-        self.stop = threading.Event()       # a signal asked the job to stop
+        self.stop = stop if stop is not None else threading.Event()   # a signal asked the job to stop (or a Ray driver: ray_worker.py)
         self.counters_before = engine.counters()   # an engine may serve several jobs
 
     @property

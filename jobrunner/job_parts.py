@@ -55,10 +55,12 @@ class AllUnits:
 
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
-             reader=None, max_in_flight: int | None = None) -> Job:
+             reader=None, max_in_flight: int | None = None, done_ids=None, stop=None) -> Job:
     """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
     the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
-    AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows)."""
+    AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows),
+    `done_ids` (the ids to skip, else those in the output's parts), `stop` (the threading.Event that
+    stops the job, else its own: its signal handlers set it)."""
     from jobrunner.dataset import read_rows
     from jobrunner.job_manifest import job_manifest
     from jobrunner.output import ResultWriter
@@ -72,7 +74,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
         manifest = job_manifest(cfg, engine.info, engine.config.model, resolved.fmt, work.rank)
         checks.check_same_commit(cfg, manifest)
         prefix = "part" if work.world == 1 else f"part-r{work.rank}"
-        writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine)
+        writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
         stats = JobStats()
         reuse = _reuse(cfg, resolved, engine, stats)
     except BaseException:
@@ -85,7 +87,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
                kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size),
                engine=engine, reuse=reuse, writer=writer, work=work,
                progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
-               fmt=resolved.fmt, max_in_flight=max_in_flight)
+               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop)
 
 
 def job_kind(cfg: JobConfig, resolved: Resolved, engine):

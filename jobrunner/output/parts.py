@@ -3,7 +3,8 @@
 Invariants:
 - done_ids = ids in all readable part*.parquet files found at open (what a resumed
   job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
-  since the caller knows them.  A part that can't be read is renamed _corrupt-<name>
+  since the caller knows them. Given (`done_ids=`), the caller's snapshot instead: every
+  worker of a Ray round skips the same ids, whatever others wrote since (parallel/ray_driver.py).  A part that can't be read is renamed _corrupt-<name>
   and its ids are not done.
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
@@ -71,7 +72,7 @@ class ResultWriter:
 
     def __init__(self, output_url: str, manifest: dict, part_rows: int = 10000,
                  overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0,
-                 schema: pa.Schema | None = None):
+                 schema: pa.Schema | None = None, done_ids: IdSet | None = None):
         if part_rows < 1:
             raise ValueError("part_rows must be >= 1")
         if not flush_seconds > 0:
@@ -95,6 +96,8 @@ class ResultWriter:
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
         self._scan()
+        if done_ids is not None:       # a Ray round's snapshot, read once by its driver for every worker
+            self.done_ids = done_ids
         if self._schema is None and schema is not None:
             assert kinds_of(schema) is not None, "a declared schema records its kinds (values.arrow_schema)"
             self._schema = schema

@@ -83,7 +83,7 @@ def _start_workers(cfg: JobConfig, resolved, n: int, port: int, gpus: list[str] 
                    threads: int) -> dict[int, subprocess.Popen]:
     """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
     tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
-    worker_cfg = json.dumps({**cfg.options(), "given": sorted(cfg.given)})
+    worker_cfg = config_to_json(cfg)
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
         env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
@@ -132,6 +132,12 @@ def _orphan_watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(EXIT_FAILED)
+
+
+def config_to_json(cfg: JobConfig) -> str:
+    """cfg's flat options as JSON, for its workers (config_from_json); `ray` as its table."""
+    from dataclasses import asdict
+    return json.dumps({**cfg.options(), "given": sorted(cfg.given)}, default=asdict)
 
 
 def config_from_json(text: str) -> JobConfig:

@@ -121,7 +121,7 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
     try:
         # claim a unit only when the engine has room (max_in_flight): dynamic balance
         job = open_job(cfg, resolved, engine=engine, work=work, max_in_flight=engine.info.max_num_seqs,
-                       progress=_StoreProgress(store, r, rank, _total_rows(cfg, resolved)))
+                       progress=_StoreProgress(store, r, rank, total_rows(cfg, resolved)))
     except JobConfigError as e:
         protocol.set_ready(store, r, rank, error=str(e))
         raise Stop(EXIT_CONFIG) from None
@@ -139,7 +139,8 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
     protocol.set_result(store, r, rank, payload)
 
 
-def _total_rows(cfg, resolved) -> int | None:
+def total_rows(cfg, resolved) -> int | None:
+    """The rows the job reads (the dataset's, at most --limit); None when it cannot be counted cheaply."""
     from jobrunner.dataset import count_rows
     try:
         n = count_rows(cfg.input.dataset, resolved.fmt)

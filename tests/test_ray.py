@@ -1,0 +1,245 @@
+"""`--ray`: a job whose workers are Ray actors, on a real local Ray cluster bound to loopback only.
+
+One head node for the module (`ray start --head --block`, 127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+which keeps every Ray listener on loopback; a second node would need its own network namespace), with
+two workers on it. Each job runs as `jobrunner submit --ray 127.0.0.1:PORT` in a subprocess, so that a
+worker's process or the driver can be killed mid-job. The rows: a tiny random Llama (dummy weights, byte
+tokenizer), one shared-prefix group and many small unique prompts; the reference is a local run.
+"""
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+# this process joins the cluster too (the Ray Data test): loopback only, no token; Ray reads these at import
+os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+ray = pytest.importorskip("ray")
+
+from jobrunner.config import job_config  # noqa: E402
+from jobrunner.job import EXIT_OK  # noqa: E402
+from jobrunner.job_parts import open_job  # noqa: E402
+from jobrunner.output import read_results, read_stats  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+        "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": 258}
+OPTIONS = ["--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "4", "--device", "cpu"]
+# loopback only; no token (a private test cluster: a token left in ~/.ray by another cluster would not match)
+ENV = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=ROOT, RAY_DISABLE_USAGE_STATS="1",
+           RAY_AUTH_MODE="disabled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A one-node Ray cluster on 127.0.0.1 with 3 CPUs (two workers and room), ended with its process group."""
+    port = _free_port()
+    temp = f"/tmp/jr-ray-{os.getpid()}"        # Ray's socket paths must stay short
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--port", str(port), "--node-ip-address",
+                             "127.0.0.1", "--num-cpus", "3", "--include-dashboard", "false", "--disable-usage-stats",
+                             "--temp-dir", temp, "--object-store-memory", str(100 * 2**20)],
+                            env=ENV, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    started = time.time()
+    for line in head.stdout:
+        if "Ray runtime started" in line:
+            break
+        assert time.time() - started < 120, "ray start took over 2 minutes"
+    else:
+        pytest.fail(f"ray start failed (exit {head.wait()})")
+    threading.Thread(target=lambda: [None for _ in head.stdout], daemon=True).start()     # keep the pipe drained
+    yield {"address": f"127.0.0.1:{port}", "sid": head.pid}     # a session leader: its sid is its pid
+    for pid in [head.pid] + _session_pids(head.pid):      # every Ray process of this node is in its session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    head.wait()
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:       # stat fields after the name: state ppid pgrp session ...
+                pids.append(int(name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(TINY))
+    rnd = random.Random(0)
+    context = "Context: " + " ".join(f"fact {i} is {i * 7 % 13}." for i in range(16))
+    rows = [{"id": f"big{i}", "prompt": f"{context} Which fact is {i}? {rnd.choice('abcdefgh')}"} for i in range(20)]
+    rows += [{"id": f"s{i}", "prompt": "".join(rnd.choice("abcdefghij ") for _ in range(10 + i % 17))}
+             for i in range(260)]
+    rnd.shuffle(rows)
+    path = root / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = f"dummy:{root / 'model'}"
+    cfg = job_config(str(path), model=model, max_tokens=8, max_num_seqs=2, part_rows=4, device="cpu",
+                     output=str(root / "local"))
+    job = open_job(cfg)     # the reference: a local run in this process
+    try:
+        assert job.run().exit_code == EXIT_OK
+    finally:
+        job.engine.close()
+    return {"root": root, "path": str(path), "model": model, "ids": sorted(r["id"] for r in rows),
+            "reference": _outputs(cfg.output_url)}
+
+
+def _outputs(output: str) -> dict:
+    rows = read_results(output).to_pylist()
+    twice = [k for k, v in Counter(r["id"] for r in rows).items() if v > 1]
+    assert not twice, f"ids written twice: {twice}"
+    return {r["id"]: (r["output"], r["completion_tokens"], r["error"]) for r in rows}
+
+
+def _command(cluster, data, out, *extra) -> list[str]:
+    return [sys.executable, "-m", "jobrunner.cli", "submit", data["path"], "-m", data["model"], "-o", str(out),
+            *OPTIONS, "--ray", cluster["address"], *extra]
+
+
+class Driver:
+    """`jobrunner submit --ray ...` in a subprocess, its log read as it comes (the workers' pids are in it)."""
+
+    def __init__(self, cmd):
+        self.proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def worker_pid(self, rank: int) -> int | None:
+        m = re.search(rf"ray: worker {rank} loaded on \S+ \(node \w+, pid (\d+)\)", self.log)
+        return int(m.group(1)) if m else None
+
+    def wait(self, timeout: float = 240) -> int:
+        rc = self.proc.wait(timeout)
+        self.reader.join(10)
+        return rc
+
+
+def _wait_for(condition, timeout: float = 120, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _parts(out, prefix: str = "part-") -> list[str]:
+    return [n for n in os.listdir(out) if n.startswith(prefix) and n.endswith(".parquet")] if out.is_dir() else []
+
+
+def test_two_workers_write_the_rows_of_a_local_run(cluster, data):
+    out = data["root"] / "two"
+    d = Driver(_command(cluster, data, out, "--data-parallel", "2", "--ray-min-workers", "2"))
+    assert d.wait() == 0, d.log[-4000:]
+    assert _outputs(str(out)) == data["reference"]
+    s = read_stats(str(out))
+    assert s["rows"] == s["rows_ok"] == len(data["ids"]) and s["devices"] == 2
+    assert set(s["workers"]) == {"rank0", "rank1"}
+    assert all(w["rows"] > 0 and w["units"] > 0 for w in s["workers"].values()), s["workers"]
+    assert sum(w["rows"] for w in s["workers"].values()) == len(data["ids"])
+    assert s["data_parallel"]["rounds"] == 1 and s["data_parallel"]["balance"] > 0
+    assert {n.split("-")[1] for n in _parts(out)} == {"r0", "r1"}      # each worker's own parts
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["model_source"].startswith("dummy:")
+    assert re.fullmatch(r"[0-9a-f]+", manifest["ray"]["job_id"]) and manifest["ray"]["workers"] == 2
+    assert "round 0:" in d.log or s["wall_s"] < 10      # the driver's progress line (every 10 s)
+
+
+def test_the_cluster_listens_on_loopback_only(cluster):
+    listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ours = set(_session_pids(cluster["sid"]))
+    seen = 0
+    for line in listing.splitlines():
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if pids & ours:
+            seen += 1
+            local = line.split()[3]
+            assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")), line
+    assert seen >= 2        # the GCS and the raylet at least
+
+
+def test_a_worker_killed_mid_job_loses_only_its_unwritten_rows(cluster, data):
+    out = data["root"] / "killed"
+    d = Driver(_command(cluster, data, out, "--data-parallel", "2", "--ray-min-workers", "2"))
+    _wait_for(lambda: d.worker_pid(1) and _parts(out, "part-r1-"), what="worker 1's first part")
+    os.kill(d.worker_pid(1), signal.SIGKILL)
+    assert d.wait() == 0, d.log[-4000:]
+    assert _outputs(str(out)) == data["reference"]       # every id once, as a local run wrote it
+    s = read_stats(str(out))
+    assert s["rows"] == len(data["ids"])
+    assert s["data_parallel"]["lost_workers"] == [1] and s["data_parallel"]["rounds"] >= 2, s["data_parallel"]
+    assert "worker 1 stopped in round 0" in d.log
+
+
+def test_the_driver_killed_mid_job_then_the_same_command_resumes(cluster, data):
+    out = data["root"] / "driver"
+    cmd = _command(cluster, data, out, "--data-parallel", "2")
+    d = Driver(cmd)
+    _wait_for(lambda: len(_parts(out)) >= 3, what="three parts")
+    d.proc.kill()
+    d.wait()
+    written = len(read_results(str(out)))
+    assert 0 < written < len(data["ids"])
+    assert json.loads((out / "_manifest.json").read_text())["complete"] is False
+    again = Driver(cmd)
+    assert again.wait() == 0, again.log[-4000:]
+    assert _outputs(str(out)) == data["reference"]      # every id exactly once
+    s = read_stats(str(out))
+    assert s["runs"][-1]["rows_skipped_done"] >= written and s["rows"] == len(data["ids"])
+
+
+def test_a_cluster_without_the_resources_exits_2_within_the_timeout(cluster, data):
+    out = data["root"] / "unplaced"
+    started = time.time()
+    d = Driver(_command(cluster, data, out, "--ray-resources", '{"TPU": 1}', "--ray-timeout", "3"))
+    assert d.wait(120) == 2, d.log[-4000:]
+    assert time.time() - started < 60
+    assert "placed 0 of the 1 workers needed within 3 s" in d.log and "'TPU': 1.0" in d.log
+    assert not _parts(out)
+
+
+def test_a_ray_data_pipeline_hands_off_to_a_job_and_reads_the_results_back(cluster, data):
+    from jobrunner.ray_data import read_results_dataset, submit_dataset
+    rows = [json.loads(line) for line in open(data["path"])][:40]
+    ray.init(address=cluster["address"], logging_level="WARNING", log_to_driver=False)
+    try:
+        res = submit_dataset(ray.data.from_items(rows), str(data["root"] / "ray-data"), model=data["model"],
+                             max_tokens=8, max_num_seqs=2, part_rows=4, device="cpu", ray=cluster["address"],
+                             data_parallel=2)
+        assert res.exit_code == EXIT_OK
+        back = read_results_dataset(res.output).take_all()
+    finally:
+        ray.shutdown()
+    assert sorted(r["id"] for r in back) == sorted(r["id"] for r in rows)      # _stats.parquet not read
+    assert {r["id"]: r["output"] for r in back} == {r["id"]: data["reference"][r["id"]][0] for r in rows}
