@@ -125,8 +125,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         tp = followers.tp
     try:
         model, num_blocks, weight_bytes = _build_shard(config, bundle, device, dtype, kv_dtype, tp or SINGLE)
-        # on the CPU every adapter stays resident; on a GPU max_loras bounds the slots
-        loras = apply_loras(model, adapters, config.max_loras if device.type == "cuda" else None)
+        # max_loras bounds the device slots (None: every adapter resident)
+        loras = apply_loras(model, adapters, config.max_loras)
     except BaseException as e:
         if followers is None:
             raise

@@ -11,7 +11,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def make_adapter(hf, path: Path, seed: int, r: int = 4, targets=None, alpha: int = 16, rslora: bool = False,
-                 **config):
+                 gain: float = 3.0, **config):
     """Saves a random LoRA adapter of `hf` (B non-zero) under path; returns transformers + peft with it active."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
@@ -21,6 +21,6 @@ def make_adapter(hf, path: Path, seed: int, r: int = 4, targets=None, alpha: int
     with torch.no_grad():       # peft's random B is small; scaled so the adapter changes the greedy tokens
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.mul_(3.0)
+                p.mul_(gain)
     peft_model.save_pretrained(str(path))
     return peft_model
