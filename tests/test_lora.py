@@ -153,3 +153,20 @@ def test_a_target_the_model_lacks_is_refused(family, tmp_path):
     (tmp_path / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
     with pytest.raises(ConfigError, match="experts.0.gate_proj has no counterpart"):
         _engine(path, {"x": (tmp_path, None)})
+
+
+def test_two_tensor_parallel_ranks_equal_one(family):
+    """Each rank holds its slices of the adapters (A by the input side of o_proj and down_proj, B by the
+    output side of the others); a mixed batch gives one process's tokens."""
+    _, path, adapters = family
+    rows = list(zip(prompts(5, lengths=(7, 19, 12, 30)), ["a", "b", None, "c"]))
+    one = _run(_engine(path, adapters, num_threads=1), rows, 12)
+    engine = _engine(path, adapters, tensor_parallel=2, num_threads=1)
+    try:
+        two = _run(engine, rows, 12)
+        assert engine.rt.tp.size == 2
+        qkv = engine.rt.model.layers[0].self_attn.qkv_proj
+        assert qkv.b[0].shape[1] == qkv.slices[0] == engine.rt.model_config.num_heads // 2 * 16
+    finally:
+        engine.close()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
