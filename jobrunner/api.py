@@ -23,6 +23,7 @@ from dataclasses import replace
 from jobrunner.cache import ENV_URL
 from jobrunner.api_messages import api_message, check_known
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
+from jobrunner.lora_options import fold_lora
 from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
 from jobrunner.storage import CredentialsError
 
@@ -52,7 +53,7 @@ def read_toml(path: str) -> dict:
             values = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise JobConfigError(f"cannot read --config {path}: {e}") from None
-    values = {k.replace("-", "_"): v for k, v in values.items()}
+    values = fold_lora({k.replace("-", "_"): v for k, v in values.items()})
     unknown = sorted(set(values) - set(config_fields()))
     if unknown:
         raise JobConfigError(f"--config: unknown keys {', '.join(unknown)}")
@@ -67,7 +68,7 @@ def build_config(dataset: str | None, options: Mapping | None = None, config: st
     JobConfig's defaults. Raises JobConfigError naming an unknown option or a value of the wrong type;
     the values' own checks (ranges, combinations) come with JobConfig.validate, when the job prepares."""
     values = read_toml(config) if config else {}
-    options = {k: v for k, v in (options or {}).items() if v is not None}
+    options = fold_lora({k: v for k, v in (options or {}).items() if v is not None}, values.get("lora"))
     check_known(options, ("dataset",))
     values.update((name, field_value(name, value)) for name, value in options.items())
     values["dataset"] = dataset or values.get("dataset", "")

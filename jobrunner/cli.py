@@ -15,13 +15,14 @@ import click
 from jobrunner.cache.cli import cache as cache_commands
 from jobrunner.cli_options import GroupedCommand, job_options
 from jobrunner.config import JobConfig, JobConfigError, config_fields
+from jobrunner.lora_options import KEYS as LORA_KEYS
 
 
 def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
     """Command line over TOML file over JobConfig's defaults (which the options' defaults show):
     the options given on the command line, through the API's build_config."""
     from jobrunner.api import build_config as build
-    known = config_fields()
+    known = {*config_fields(), *LORA_KEYS}       # --lora, --lora-column, --max-loras: one JobConfig section
     given = {name: value for name, value in params.items()
              if name in known and ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
     return build(dataset, given, params.get("config_file"))

@@ -17,6 +17,7 @@ from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS
 from engine import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
 from jobrunner.constraint_options import job_constraint, validate_constraint_options
+from jobrunner.lora_options import LoraConfigError, LoraOptions
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai_request import MAX_TOP_LOGPROBS
 from jobs import KINDS
@@ -130,6 +131,7 @@ class JobConfig:
     cache: str | None = None                # result cache URL (api.build_config: $JOBRUNNER_CACHE_URL by default)
     cache_mode: str = "read-write"          # read-write | read-only | write-only | refresh
     csv_max_lines: int = 10_000             # a CSV record over more lines: an unclosed quote (exit 2)
+    lora: LoraOptions = LoraOptions()       # LoRA adapters per row (jobrunner/lora_options.py)
     given: frozenset = frozenset()          # the options the user set (CLI, TOML, API); not an option
 
     # --- the one place the job's configuration becomes the engine's and the job kind's ----------
@@ -156,7 +158,15 @@ class JobConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.prefix_cache, cuda_graphs=self.cuda_graphs,
             async_scheduling=self.async_scheduling, seed=self.seed or 0, num_threads=self.cpu_threads(),
-            grammar_timeout_s=self.grammar_timeout, tensor_parallel=self.tensor_parallel)
+            grammar_timeout_s=self.grammar_timeout, tensor_parallel=self.tensor_parallel,
+            loras=self._resolved_loras(), max_loras=self.lora.max_loras)
+
+    def _resolved_loras(self) -> tuple[tuple[str, str], ...]:
+        from engine import ModelError
+        try:
+            return self.lora.resolved()
+        except ModelError as e:
+            raise JobConfigError(str(e)) from None
 
     def cpu_threads(self) -> int:
         """Threads of each process of the engine: --threads (else the free cores) shared by its
@@ -244,6 +254,7 @@ class JobConfig:
                 "fail_on_empty", "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout",
                 "csv_max_lines", "given"} | ({"label_delimiter"} if self.kind != "classify" else set())
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k not in skip}
+        d["lora"] = {"adapters": self.lora.content_hashes(), "column": self.lora.column} if self.lora.adapters else None
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
             if d[k] == _DEFAULT_FINGERPRINT[k]:
                 del d[k]
@@ -321,6 +332,10 @@ class JobConfig:
         if self.cache_mode not in CACHE_MODES:
             bad(f"--cache-mode must be {_either(CACHE_MODES)}, not {self.cache_mode!r}")
         check_device(self.device)
+        try:
+            self.lora.validate()
+        except LoraConfigError as e:
+            bad(str(e))
 
 
     def _validate_embed(self, bad) -> None:
@@ -360,8 +375,9 @@ _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
-                "json_schema_mode")  # 29
-_DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(JobConfig("")).items()}
+                "json_schema_mode", "lora")  # 29, 33
+_DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(JobConfig("")).items()} | {
+    "lora": None}
 
 
 def _either(choices: tuple[str, ...]) -> str:

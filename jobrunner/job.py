@@ -305,7 +305,7 @@ class Job:
             self._sampling = req.sampling
             tokens, req.prompt_token_ids = req.prompt_token_ids, array("I", req.prompt_token_ids).tobytes()
             self.pending[row.id] = (row, req)
-            yield PlanItem(row.id, tokens)
+            yield PlanItem(row.id, self.cfg.lora.plan_tokens(req.adapter, tokens))     # grouped by LoRA adapter
 
     def _submit(self, req) -> None:
         tokens = array("I")
@@ -379,7 +379,7 @@ class Job:
             model = job_model_key(self.engine.config.model, self.engine.info, self.engine.config.quantization,
                                   cfg.kv_cache_dtype)
         return Reuse(self.stats, cfg.kind, dedup=cfg.dedup, window_rows=WINDOW_ROWS, store=self.cache,
-                     mode=cfg.cache_mode, model=model)
+                     mode=cfg.cache_mode, model=model, adapters=cfg.lora.content_hashes())
 
     def _base(self, row) -> dict:
         """The id and the row's input columns, renamed where a result column takes the name."""

@@ -13,6 +13,8 @@ def job_manifest(cfg, info, engine_model: str, fmt: str, rank: int = 0) -> dict:
     from jobrunner.models import describe, model_record
     manifest = {"config": cfg.fingerprint_fields(), "model_source": describe(cfg.model, info.source),
                 "dataset_format": fmt}
+    if cfg.lora.adapters:
+        manifest["lora"] = cfg.lora.records()      # name, path and content hash of each adapter
     if (hub := model_record(cfg.model, engine_model)) is not None:
         manifest["hub"] = hub       # repo, revision asked, commit resolved
     if cfg.kind == "generate":
