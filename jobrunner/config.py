@@ -450,6 +450,11 @@ def field_value(key: str, value):
     with the command line's conversions: a string `stop` is one stop string, a string `labels` is
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
     want = _field_types()[key]
+    if key == "lora" and not isinstance(value, LoraOptions):      # {name: path}: the adapters alone
+        try:
+            return LoraOptions.parse({"lora": value})
+        except (LoraConfigError, TypeError) as e:
+            raise JobConfigError(f"lora: {e}") from None
     if key == "chat_template_kwargs" and isinstance(value, dict):
         return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):

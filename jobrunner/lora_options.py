@@ -46,6 +46,11 @@ class LoraOptions:
             raise LoraConfigError(f"max_loras must be an integer, not {max_loras!r}")
         return cls(adapters, column, max_loras)
 
+    @classmethod
+    def from_json(cls, d: dict) -> LoraOptions:
+        """From dataclasses.asdict's dict after a JSON round trip (data-parallel workers' configs)."""
+        return cls(tuple((n, p) for n, p in d.get("adapters") or ()), d.get("column"), d.get("max_loras"))
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.adapters)

@@ -134,3 +134,16 @@ def test_bad_lora_options_exit_2(tmp_path, tiny, args, message):
     ds = jsonl(tmp_path / "d.jsonl", [{"id": "0", "prompt": "hi"}])
     r, _ = submit(tmp_path, ds, *opts, *args)
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_data_parallel_workers_each_load_the_adapters(tmp_path, tiny):
+    opts, adapters = tiny
+    ds = jsonl(tmp_path / "d.jsonl", _rows(8))
+    args = [*opts, *_lora_args(adapters), "--lora-column", "which"]
+    r, one = submit(tmp_path, ds, *args)
+    assert r.exit_code == 0, r.output
+    r, two = submit(tmp_path, ds, *args, "--data-parallel", "2", out="dp")
+    assert r.exit_code == 0, r.output
+    key = lambda row: row["id"]
+    assert [(x["adapter"], x["output"]) for x in sorted(two, key=key)] == \
+        [(x["adapter"], x["output"]) for x in sorted(one, key=key)]

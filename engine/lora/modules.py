@@ -125,7 +125,7 @@ def apply_loras(model, specs: list[AdapterSpec], max_loras: int | None = None) -
     for path in sorted({p for w in weights for p in w}):
         parent, _, attr = path.rpartition(".")
         base = modules[path]
-        in_features = base.weight.shape[1] if hasattr(base, "weight") else base.in_features
+        in_features = base.in_features        # nn.Linear and the quantized linears (engine/quant) alike
         wrapped[path] = LoraLinear(base, _slice_sizes(modules[parent], attr, base), rank, slots, batch,
                                    ref.dtype, ref.device, in_features)
         setattr(modules[parent], attr, wrapped[path])
@@ -140,7 +140,7 @@ def apply_loras(model, specs: list[AdapterSpec], max_loras: int | None = None) -
 
 
 def _slice_sizes(parent: nn.Module, attr: str, base: nn.Module) -> list[int]:
-    out = base.weight.shape[0] if hasattr(base, "weight") else base.out_features
+    out = base.out_features
     if attr == "qkv_proj":
         return [parent.q_size, parent.kv_size, parent.kv_size]
     if attr == "gate_up_proj":

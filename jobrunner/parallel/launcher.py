@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import JobResult
+from jobrunner.lora_options import LoraOptions
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
@@ -137,6 +138,8 @@ def config_from_json(text: str) -> JobConfig:
     for key in ("stop", "labels"):
         d[key] = tuple(d.get(key) or ())
     d["given"] = frozenset(d.get("given") or ())
+    if "lora" in d:         # each worker loads the job's adapters itself
+        d["lora"] = LoraOptions.from_json(d["lora"])
     return JobConfig(**d)
 
 
