@@ -17,7 +17,7 @@ from kernels.triton_utils import check, check_float, check_last_contiguous, chec
 
 @triton.jit
 def _sgmv_kernel(x_ptr, w_ptr, out_ptr, seg_ptr, num_segs, N, K, stride_x, stride_ws, stride_wn, stride_o,
-                 ROW_BLOCKS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 ROW_BLOCKS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     seg = pid // ROW_BLOCKS
     start = tl.load(seg_ptr + seg).to(tl.int64)
@@ -38,7 +38,10 @@ def _sgmv_kernel(x_ptr, w_ptr, out_ptr, seg_ptr, num_segs, N, K, stride_x, strid
         k_ok = ks < K
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)    # [BK, BN] = w[slot].T
-        acc += tl.dot(a, b.to(a.dtype), out_dtype=tl.float32)
+        if IEEE:        # float32: IEEE products, not TF32 (the reference's precision)
+            acc += tl.dot(a, b.to(a.dtype), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b.to(a.dtype))
     o_ptrs = out_ptr + (start + rows.to(tl.int64))[:, None] * stride_o + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     prev = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -65,5 +68,6 @@ def sgmv_triton(x: torch.Tensor, w: torch.Tensor, segments: Segments, out: torch
     row_blocks = triton.cdiv(m, BM)
     grid = (len(segments.spans) * row_blocks, triton.cdiv(n, BN))
     launch(_sgmv_kernel, grid, x.device, x, w, out, segments.tensors(), len(segments.spans), n, k,
-           x.stride(0), w.stride(0), w.stride(1), out.stride(0), row_blocks, BM=BM, BN=BN, BK=BK)
+           x.stride(0), w.stride(0), w.stride(1), out.stride(0), row_blocks, BM=BM, BN=BN, BK=BK,
+           IEEE=x.dtype == torch.float32)
     return out

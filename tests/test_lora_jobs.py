@@ -147,3 +147,29 @@ def test_data_parallel_workers_each_load_the_adapters(tmp_path, tiny):
     key = lambda row: row["id"]
     assert [(x["adapter"], x["output"]) for x in sorted(two, key=key)] == \
         [(x["adapter"], x["output"]) for x in sorted(one, key=key)]
+
+
+def test_the_planner_groups_rows_by_adapter():
+    """Rows of two adapters and the base share a 40-token prefix: each unit holds one adapter's rows, so
+    the engine computes the prefix once per adapter (tests/test_lora.py counts it)."""
+    from jobrunner.lora_options import LoraOptions
+    from jobrunner.planner import PlanItem, plan
+    lora = LoraOptions((("a", "/a"), ("b", "/b")))
+    shared = list(range(100, 140))
+    names = ["a", "b", None, "b", "a", None]
+    items = [PlanItem(i, lora.plan_tokens(n, shared + [i])) for i, n in enumerate(names)]
+    units = list(plan(items, block_size=16))
+    groups = [{names[k] for k in u.items} for u in units]
+    assert sorted(map(sorted, groups), key=str) == sorted([["a"], ["b"], [None]], key=str)
+    assert all(u.shared_prefix_len >= 40 for u in units)
+
+
+def test_cache_keys_hash_the_adapter_content_not_its_name():
+    from engine import Request
+    from jobrunner.cache.key import request_key
+    req = Request("1", [1, 2, 3], adapter="a")
+    base = request_key(b"m", "generate", Request("1", [1, 2, 3]))
+    one, same = (request_key(b"m", "generate", req, {"a": h}) for h in ("h1", "h1"))
+    other = request_key(b"m", "generate", req, {"a": "h2"})
+    renamed = request_key(b"m", "generate", Request("1", [1, 2, 3], adapter="z"), {"z": "h1"})
+    assert one == same == renamed and len({base, one, other}) == 3
