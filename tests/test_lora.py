@@ -170,3 +170,23 @@ def test_two_tensor_parallel_ranks_equal_one(family):
     finally:
         engine.close()
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+def test_fused_targets_of_phi3(tmp_path):
+    """Phi-3 names its fused projections qkv_proj and gate_up_proj: one A for all slices, B split by rows."""
+    import transformers
+
+    from tests.test_dense_families import _COMMON
+    torch.manual_seed(0)        # a plain rope (the dense families' longrope switches factors past 16 positions)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**_COMMON),
+                                                       dtype=torch.float32).eval()
+    hf.save_pretrained(str(tmp_path / "base"))
+    save_tiny_tokenizer(tmp_path / "base")
+    hf.generation_config.eos_token_id = None
+    ref = make_adapter(hf, tmp_path / "a", seed=4, targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                       gain=1.0)
+    ids = prompts(6, lengths=(13,))[0]
+    out = _run(_engine(tmp_path / "base", {"a": (tmp_path / "a", ref)}), [(ids, "a")])[0]
+    tokens, lps = hf_greedy(ref, ids, N)
+    assert out.token_ids == tokens and tokens != hf_greedy(hf, ids, N)[0]
+    assert max(abs(a - b) for a, b in zip(_logprobs(out), lps)) < 1e-4
