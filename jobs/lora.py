@@ -19,6 +19,8 @@ class LoraJob:
         self.result_columns = {**inner.result_columns, "adapter": "string"}
 
     def __getattr__(self, attr):            # the rest of the kind's face (vector_size, ...) is the inner kind's
+        if attr == "inner":                 # not set yet (a copy being built): no recursion
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def adapter(self, data: dict) -> str | None:

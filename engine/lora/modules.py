@@ -190,10 +190,10 @@ def _stacked(m: LoraLinear, pieces: dict, spec: AdapterSpec, rank: int):
         r = pa.shape[0]
         for s in (range(len(m.slices)) if slice_ is None else [slice_]):
             rows = pb[m.offsets[s]:m.offsets[s] + m.slices[s]] if slice_ is None else pb
-            if pa.shape[1] != a.shape[1] or rows.shape[0] != m.slices[s]:
+            if pa.shape[1] != a.shape[1] or rows.shape[0] != m.slices[s] or r > rank:
                 raise ConfigError(f"LoRA adapter {spec.name!r}: shapes A {tuple(pa.shape)}, B {tuple(pb.shape)} "
                                   f"do not fit the model's projection")
             a[s * rank:s * rank + r] = pa.to(dtype)
-            b[s][:, :r] = (pb if slice_ is not None else rows).to(dtype) * spec.scaling
+            b[s][:, :r] = rows.to(dtype) * spec.scaling
     pin = device.type == "cuda"
     return (a.pin_memory() if pin else a), [x.pin_memory() if pin else x for x in b]
