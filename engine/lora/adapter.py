@@ -14,8 +14,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # projections an adapter may target: the HF names of what the shared layers fuse or keep
