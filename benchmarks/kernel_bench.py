@@ -295,7 +295,7 @@ def _time_prefill(rows: list, s: _Shapes, quick: bool, tiny: bool) -> None:
         print(f"  {'prefill':28s} {shape:34s} {t_ms * 1e3:9.1f} us  {flops / t_ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
-GROUPS = ("pointwise", "store_kv", "decode", "prefill", "fused_moe")
+GROUPS = ("pointwise", "store_kv", "decode", "prefill", "fused_moe", "lora")
 
 
 def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False, only: str | None = None) -> list[tuple]:
@@ -306,11 +306,28 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False, o
     add = _row_adder(rows, quick)
     groups = {"pointwise": lambda: _time_pointwise(add, s), "store_kv": lambda: _time_store_kv(add, s),
               "decode": lambda: _time_decode(add, s, quick, tiny),
-              "prefill": lambda: _time_prefill(rows, s, quick, tiny), "fused_moe": lambda: _time_moe(add, s, tiny)}
+              "prefill": lambda: _time_prefill(rows, s, quick, tiny), "fused_moe": lambda: _time_moe(add, s, tiny),
+              "lora": lambda: _time_lora(add, s)}
     for name in GROUPS:
         if only in (None, name):
             groups[name]()
     return rows
+
+
+def _time_lora(add, s: _Shapes) -> None:
+    """The segmented gather matmul of batched LoRA: shrink (H -> rank 16) and expand (16 -> H) over
+    four adapters' segments of the step's tokens."""
+    from kernels.lora import Segments, sgmv_ref
+    from kernels.triton_lora import sgmv_triton
+    T, H, dev, dt, r = s.T, s.H, s.dev, s.dt, 16
+    seg = Segments([(i * (T // 4), T // 4, i) for i in range(4)], torch.device(dev))
+    x, a = torch.randn(T, H, device=dev, dtype=dt), torch.randn(4, r, H, device=dev, dtype=dt)
+    h, b = torch.zeros(T, r, device=dev, dtype=dt), torch.randn(4, H, r, device=dev, dtype=dt)
+    y = torch.zeros(T, H, device=dev, dtype=dt)
+    add("sgmv shrink (4 adapters)", f"[{T}, {H}] -> r {r}", lambda: sgmv_triton(x, a, seg, h),
+        lambda: sgmv_ref(x, a, seg, h), (T * H + 4 * r * H + T * r) * 2)
+    add("sgmv expand (4 adapters)", f"[{T}, {r}] -> {H}", lambda: sgmv_triton(h, b, seg, y),
+        lambda: sgmv_ref(h, b, seg, y), (T * r + 4 * r * H + 2 * T * H) * 2)
 
 
 def _time_moe(add, s: _Shapes, tiny: bool) -> None:

@@ -22,6 +22,7 @@ from engine.errors import EngineFailure, ModelError
 from engine.generation_config import SAMPLING_KEYS, GenerationDefaults
 from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import common_prefix
+from engine.lora.adapter import AdapterSpec, check_adapter
 from engine.numerics import NUMERICS_VERSION
 from engine.request import (CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, Request, RequestOutput,
                             SamplingParams, TokenLogprob)
@@ -43,7 +44,7 @@ _LAZY = {
     "rank_plan": "engine.parallel.shards",
 }
 
-__all__ = ["CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS",
+__all__ = ["AdapterSpec", "check_adapter", "CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS",
            "SAMPLING_KEYS", "CheckpointPooling", "Completion", "ConfigError", "Constraint", "EmbedParams",
            "EngineConfig", "EngineCounters", "EngineFailure", "EngineInfo", "GenerationDefaults", "ModelError",
            "Request", "RequestOutput", "SamplingParams", "TokenLogprob", "Tokenizer", "cache_root", "common_prefix",

@@ -33,6 +33,8 @@ class EngineConfig:
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)
     moe_split: str = "auto"             # tensor parallelism: routed experts split by experts or by columns
                                         # (auto: by the layer's shape, engine/parallel/shards.py)
+    loras: tuple[tuple[str, str], ...] = ()   # (name, local PEFT adapter directory): Request.adapter picks one
+    max_loras: int | None = None        # adapters resident on the device at once (None: all); the rest wait on the host
 
 
 class ConfigError(ValueError):

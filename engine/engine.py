@@ -48,13 +48,15 @@ class Engine:
         self.rt = runtime or build_runtime(config)
         self.tokenizer: Tokenizer = self.rt.tokenizer
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens)
+        loras = self.rt.loras
+        self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens,
+                                   max_loras=loras.num_slots if loras.num_slots < len(loras.names) else None)
         channel = StepChannel(self.rt.tp, self.rt.device) if self.rt.tp.size > 1 else None
         self.runner = ModelRunner(self.rt.model, self.rt.num_blocks, config.block_size, self.rt.kv_dtype,
-                                  self.rt.device, self.rt.eos_token_ids, channel=channel)
+                                  self.rt.device, self.rt.eos_token_ids, channel=channel, loras=self.rt.loras)
         self.max_model_len = max_model_len(self.rt, config)
         self.graph_capture_s = 0.0
-        if config.cuda_graphs and self.rt.device.type == "cuda":
+        if config.cuda_graphs and self.rt.device.type == "cuda" and not config.loras:   # LoRA steps run eagerly
             self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
         self.stop_checker = StopChecker(self.tokenizer, self.rt.eos_token_ids)
         self._counters = EngineCounters()     # this engine's own: a step adds its figures
@@ -62,7 +64,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
-                                       self.max_model_len, config.seed, self.grammars)
+                                       self.max_model_len, config.seed, self.grammars, lora_names=loras.names)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
         self._quiet = _QuietGC.hold()         # released by close(): the raised threshold lasts the engines' lives

@@ -1,8 +1,10 @@
 """Per-sequence KV bookkeeping over the block pool: prefix matching, slot allocation, forks.
 
 No torch. Block hashes chain over full blocks: hash(block i) = hash((hash(block i-1), tokens of block i)),
-so equal hashes mean equal whole prefixes. Python's tuple hash is 64-bit; a collision would be a
-silent wrong answer, at odds of about n^2 / 2^64 for n cached blocks.
+so equal hashes mean equal whole prefixes. The chain starts at the sequence's LoRA adapter
+(Sequence.hash_root; 0 for the base model): equal tokens under another adapter hash apart.
+Python's tuple hash is 64-bit; a collision would be a silent wrong answer, at odds of about
+n^2 / 2^64 for n cached blocks.
 
 Reuse need not stop at a block boundary: when the prefix continues part way into a cached block
 (short prompts sharing 37 tokens with 16-token blocks), that block is copied into a fresh one and
@@ -53,8 +55,10 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hash_chain(self, tokens: list[int], num_blocks: int, start: int = 0, prev: int = 0) -> list[int]:
-        bs, hashes = self.block_size, []
+    def _hash_chain(self, seq: Sequence, num_blocks: int, start: int = 0, prev: int | None = None) -> list[int]:
+        """From the sequence's root (its adapter's: engine.sequence.hash_root) unless `prev` is given."""
+        bs, hashes, tokens = self.block_size, [], seq.token_ids
+        prev = seq.hash_root if prev is None else prev
         for i in range(start, num_blocks):
             prev = hash((prev, tuple(tokens[i * bs:(i + 1) * bs])))
             hashes.append(prev)
@@ -65,8 +69,8 @@ class KVCacheManager:
         when that prefix continues into a block another sequence has yet to compute. No change."""
         if not self.enable_prefix_caching:
             return PrefixMatch([])
-        matched, parent, bs = [], 0, self.block_size
-        for h in self._hash_chain(seq.token_ids, max_tokens // bs):
+        matched, parent, bs = [], seq.hash_root, self.block_size
+        for h in self._hash_chain(seq, max_tokens // bs):
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -154,17 +158,17 @@ class KVCacheManager:
         if first >= last:
             return
         bs, prev = self.block_size, self._prefix_hash(seq, first)
-        for i, h in enumerate(self._hash_chain(seq.token_ids, last, first, prev), first):
+        for i, h in enumerate(self._hash_chain(seq, last, first, prev), first):
             self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             prev = h
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:
         if num_blocks == 0:
-            return 0
+            return seq.hash_root
         block = self.pool.blocks[seq.block_table[num_blocks - 1]]
         if block.hash is not None:
             return block.hash
-        return self._hash_chain(seq.token_ids, num_blocks)[-1]
+        return self._hash_chain(seq, num_blocks)[-1]
 
     def end_step(self) -> None:
         """After the forward: every block written this step is computed."""

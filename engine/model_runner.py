@@ -24,6 +24,8 @@ import torch
 from engine.cpu_decode import DecodeKernels
 from engine.cuda_graphs import DecodeGraphs
 from engine.logits_process import LogitsAdjust
+from engine.lora.batching import adapter_spans, order_by_adapter
+from engine.lora.modules import LoraSet
 from engine.models.base import CausalLM
 from engine.parallel.channel import ForwardPlan, StepChannel
 from engine.parallel.group import TensorParallel
@@ -132,8 +134,9 @@ def _logit_passes(x: _StepInputs) -> list[list[int]]:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device,
-                 eos_token_ids: tuple[int, ...] = (), channel: StepChannel | None = None):
+                 eos_token_ids: tuple[int, ...] = (), channel: StepChannel | None = None, loras: LoraSet | None = None):
         self.model = model
+        self.loras = loras if loras is not None and loras.names else None   # LoRA adapters (engine/lora)
         self.eos_token_ids = eos_token_ids          # masked while a row is short of its min_tokens
         self.device = torch.device(device)
         self.block_size = block_size
@@ -186,13 +189,14 @@ class ModelRunner:
                 self._run_plan(ForwardPlan(block_copies=sched.block_copies), None)
             return step
         t0 = time.perf_counter()
-        x = self._flatten(sched.chunks)
         nd = sched.num_decodes
+        chunks = sched.chunks if self.loras is None else order_by_adapter(sched.chunks, nd)
+        x = self._flatten(chunks)
         plan = ForwardPlan(x.input_ids, x.positions, x.slots, x.query_lens, x.seq_lens, x.tables, nd,
                            logit_rows=_logit_passes(x), patch_rows=[r for r, _ in x.placeholder_rows],
                            graphed=(self.graphs is not None and nd == len(sched.chunks) and not x.score_rows
                                     and nd <= self.graphs.max_batch),
-                           block_copies=sched.block_copies)
+                           block_copies=sched.block_copies, lora_spans=adapter_spans(chunks) if self.loras else [])
         patch = self._placeholder_ids(x.placeholder_rows)
         out.graphed = plan.graphed
         t1 = time.perf_counter()
@@ -227,6 +231,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(self.block_size, plan.num_decodes, plan.query_lens, plan.seq_lens, plan.slots,
                                        plan.tables, dev, self.sliding_window, self.cpu_decode)
         ids, pos = (to_device(v, dev, np.int64) for v in (plan.input_ids, plan.positions))
+        if self.loras is not None:
+            self.loras.set_step(plan.lora_spans, dev)
         if patch is not None:
             ids.index_copy_(0, *patch)
         return self.model(ids, pos, self.kv_caches, meta)

@@ -55,12 +55,13 @@ class _RequestState:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, stop_checker: StopChecker, model_config,
-                 max_model_len: int, seed: int, grammars: Grammars | None = None):
+                 max_model_len: int, seed: int, grammars: Grammars | None = None, lora_names: tuple[str, ...] = ()):
         self.scheduler, self.kv, self.stop_checker = scheduler, kv, stop_checker
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.seed = seed
         self.grammars = grammars
+        self.lora_names = tuple(lora_names)               # the engine's LoRA adapters: 1-based on sequences
         self._states: dict[str, _RequestState] = {}       # by request id, until its output is taken
         self._seq_state: dict[int, _RequestState] = {}    # by seq_id, while the sequence lives
         self._finished: list[RequestOutput] = []
@@ -267,6 +268,8 @@ class OutputProcessor:
     # --- requests -----------------------------------------------------------------------------
 
     def _track(self, seq: Sequence, state: _RequestState) -> None:
+        adapter = state.request.adapter       # every sequence of a request runs under its adapter
+        seq.lora = 0 if adapter is None else self.lora_names.index(adapter) + 1
         self._seq_state[seq.seq_id] = state
         state.live += 1
 
@@ -280,6 +283,9 @@ class OutputProcessor:
         ids = req.prompt_token_ids
         if not ids:
             return "empty prompt"
+        if req.adapter is not None and req.adapter not in self.lora_names:
+            return f"unknown LoRA adapter {req.adapter!r}" + (f" (this engine has {', '.join(self.lora_names)})"
+                                                               if self.lora_names else " (this engine has none)")
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             return f"prompt has token ids outside the vocabulary (0..{vocab - 1})"

@@ -104,6 +104,7 @@ class Request:
     embed: EmbedParams | None = None    # embedding mode: one forward over the prompt, its pooled hidden state
     more_inputs: list[list[int]] | None = None   # embedding mode: further texts, one vector each after the prompt's
     constraint: Constraint | None = None    # generated text must match it (structured output)
+    adapter: str | None = None          # a LoRA adapter of EngineConfig.loras by name; None: the base model
 
     @property
     def tokens_needed(self) -> int:

@@ -17,6 +17,8 @@ from engine.config import ConfigError
 from engine.embedding_config import CheckpointPooling
 from engine.generation_config import GenerationDefaults
 from engine.info import Tokenizer
+from engine.lora.adapter import check_adapter
+from engine.lora.modules import LoraSet, apply_loras
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
@@ -51,6 +53,7 @@ class EngineRuntime:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # the checkpoint's sampling defaults
     tp: TensorParallel = SINGLE                 # this process's rank in its tensor-parallel group
     followers: Followers | None = None          # rank 0 of a group: the other ranks' processes
+    loras: LoraSet = field(default_factory=lambda: LoraSet([], {}, {}, 0))   # the job's LoRA adapters (engine/lora)
 
 
 def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
@@ -105,6 +108,9 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         check_quantization(config.quantization, device, dtype)
     if config.num_threads and device.type == "cpu":
         torch.set_num_threads(config.num_threads)
+    if config.max_loras is not None and config.max_loras < 1:
+        raise ConfigError(f"max_loras ({config.max_loras}) must be >= 1")
+    adapters = [check_adapter(name, path) for name, path in config.loras]   # refused before any weight is read
     if bundle is None:                 # the checkpoint's files and config, no weight read yet
         from engine.loader import load_model_bundle
         bundle = load_model_bundle(config.model)
@@ -119,6 +125,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         tp = followers.tp
     try:
         model, num_blocks, weight_bytes = _build_shard(config, bundle, device, dtype, kv_dtype, tp or SINGLE)
+        # max_loras bounds the device slots (None: every adapter resident)
+        loras = apply_loras(model, adapters, config.max_loras)
     except BaseException as e:
         if followers is None:
             raise
@@ -132,7 +140,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
                          weight_bytes, time.perf_counter() - t0, bundle.source,
                          seqs, tokens, pooling=getattr(bundle, "pooling", None),
                          generation=getattr(bundle, "generation", None) or GenerationDefaults(),
-                         tp=tp or SINGLE, followers=followers)
+                         tp=tp or SINGLE, followers=followers, loras=loras)
 
 
 def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: TensorParallel):

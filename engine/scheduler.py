@@ -47,8 +47,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None):
         self.kv = kv
+        self.max_loras = max_loras      # LoRA adapters among the running sequences at most (None: no bound)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -94,6 +96,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break
             if not seq.block_table:
                 match = self.kv.match_prefix(seq, seq.max_cacheable_prefix)
                 if match is WAIT:
@@ -113,6 +117,13 @@ class Scheduler:
         out.chunks = decodes + prefills
         out.num_decodes = len(decodes)
         return out
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether seq's adapter is resident-able: already running, or fewer than max_loras running."""
+        if self.max_loras is None or not seq.lora:
+            return True
+        running = {s.lora for s in self.running if s.lora}
+        return seq.lora in running or len(running) < self.max_loras
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -80,6 +80,7 @@ class Sequence:
     # Reasoning models (sampling.reasoning_markers set): where the answer starts, as a token count
     # (prompt included); None while the sequence is reasoning. See `reasoning_end_in_prompt`.
     reasoning_end: int | None = None
+    lora: int = 0                  # its LoRA adapter (engine/lora: 1-based index), 0: the base model
 
     def __post_init__(self):
         if self.sampling.reasoning_markers is not None and self.reasoning_end is None:
@@ -91,12 +92,17 @@ class Sequence:
     def fork(self, sample_index: int) -> Sequence:
         """Sample `sample_index` of an n > 1 request: the parent's tokens so far, its own draws from then on."""
         return Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end)
+                        sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end, lora=self.lora)
 
     def candidate_child(self, candidate: list[int], index: int) -> Sequence:
         """A SCORE sequence for the rest of candidate `index` (its first token is scored already)."""
         return Sequence(self.request_id, self.token_ids + list(candidate), self.num_prompt_tokens, self.sampling,
-                        kind=SeqKind.SCORE, logprobs_from=self.num_tokens + 1, sample_index=index)
+                        kind=SeqKind.SCORE, logprobs_from=self.num_tokens + 1, sample_index=index, lora=self.lora)
+
+    @property
+    def hash_root(self) -> int:
+        """Where its KV block hash chain starts: KV computed under one adapter is never another's."""
+        return 0 if not self.lora else hash(("lora", self.lora))
 
     # --- what the kind implies ------------------------------------------------------------------
 

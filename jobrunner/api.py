@@ -108,7 +108,7 @@ def run(cfg: JobConfig) -> JobResult:
         job = None if resolved.rows_done is not None else open_job(cfg, resolved)
     if job is None:                 # a rerun with nothing left to do: no model
         with _errors(running=True):
-            return finish_done(cfg, resolved.rows_done)
+            return finish_done(cfg, resolved)
     try:
         with _errors(running=True):
             return job.run()

@@ -67,12 +67,13 @@ def check_template(cfg: JobConfig, columns: list[str]):
     return template
 
 
-def check_output(cfg: JobConfig) -> None:
+def check_output(cfg: JobConfig, adapter_hashes: dict[str, str]) -> None:
     """The output's problems, before a model loads; creates the directory (OSError if it can't,
-    storage.CredentialsError when the object store finds no credentials)."""
+    storage.CredentialsError when the object store finds no credentials). adapter_hashes: the LoRA
+    adapters' (Resolved.adapter_hashes), for the fingerprint."""
     from jobrunner.output import OutputError, check_output
     try:
-        check_output(cfg.output_url, cfg.fingerprint_fields(), cfg.output.overwrite)
+        check_output(cfg.output_url, cfg.fingerprint_fields(adapter_hashes), cfg.output.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
     except OSError as e:        # an object store's errors may not name the URL ("Forbidden")

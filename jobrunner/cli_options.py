@@ -192,6 +192,16 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=D.cache_mode, show_default=True,
                      help="read-only: never store; write-only: never serve; refresh: recompute and replace."),
     ],
+    "LoRA": [
+        click.option("--lora", multiple=True, metavar="NAME=PATH",
+                     help="A LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors): a "
+                          "directory, fsspec URL or Hub name (repeatable; TOML: lora = {name = \"path\"}). Rows "
+                          "of every adapter and of the base model share each batch; the model loads once."),
+        click.option("--lora-column", help="Column naming each row's adapter (null: the base model; another name: "
+                                           "an error row). An OpenAI batch line names its adapter in body.model."),
+        click.option("--max-loras", type=int,
+                     help="Adapters resident on the device at once (default: all); rows of the others wait."),
+    ],
     "Parallel": [
         click.option("--data-parallel", type=int,
                      help="Worker processes, each with its own engine (default: visible GPUs // "

@@ -26,6 +26,7 @@ from jobrunner.config_sections import (FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZ
                                        ScoreKind)
 from jobrunner.config_values import JobConfigError, check_device, parse_size, split_labels
 from jobrunner.ray_options import RayOptions
+from jobrunner.lora_options import LoraOptions, lora_pairs
 from jobs import KINDS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
@@ -39,7 +40,7 @@ __all__ = ["CACHE_MODES", "FORMATS", "KINDS", "KV_CACHE_DTYPES", "MATCH_MODES", 
 # The sections but the job kind (a tagged union: KIND_OPTIONS by --kind), by JobConfig field name.
 SECTIONS: dict[str, type] = {"input": InputOptions, "prompt": PromptOptions, "sampling": SamplingOptions,
                              "engine": EngineOptions, "output": OutputOptions, "reuse": ReuseOptions,
-                             "parallel": ParallelOptions}
+                             "parallel": ParallelOptions, "lora": LoraOptions}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class JobConfig:
     output: OutputOptions = OutputOptions()
     reuse: ReuseOptions = ReuseOptions()
     parallel: ParallelOptions = ParallelOptions()
+    lora: LoraOptions = LoraOptions()           # LoRA adapters per row (jobrunner/lora_options.py)
     given: frozenset = field(default=frozenset())  # the options the user set (CLI, TOML, API): checks.check_dataset
 
     def __post_init__(self):
@@ -119,7 +121,8 @@ class JobConfig:
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_batched_tokens,
             enable_prefix_caching=e.prefix_cache, cuda_graphs=e.cuda_graphs,
             async_scheduling=e.async_scheduling, seed=self.sampling.seed or 0, num_threads=self.cpu_threads(),
-            grammar_timeout_s=e.grammar_timeout, tensor_parallel=self.parallel.tensor_parallel)
+            grammar_timeout_s=e.grammar_timeout, tensor_parallel=self.parallel.tensor_parallel,
+            loras=resolved.adapter_paths, max_loras=self.lora.max_loras)
 
     def cpu_threads(self) -> int:
         """Threads of each process of the engine: --threads (else the free cores) shared by its
@@ -183,12 +186,18 @@ class JobConfig:
             base = base.removesuffix(suffix)
         return base.replace("*", "_") + ".results"
 
-    def fingerprint_fields(self) -> dict:
+    def fingerprint_fields(self, adapter_hashes: Mapping[str, str] | None = None) -> dict:
         """What decides the rows' outputs: a different value refuses to resume into the same output. The
-        flat options (every kind's, at their defaults but this kind's), bar _NOT_FINGERPRINTED."""
+        flat options (every kind's, at their defaults but this kind's), bar _NOT_FINGERPRINTED. LoRA
+        adapters count by content: a job with adapters needs their hashes (jobrunner.resolve:
+        Resolved.adapter_hashes), so an adapter changed on disk refuses the resume."""
+        if self.lora.lora and adapter_hashes is None:
+            raise ValueError("a job with LoRA adapters is fingerprinted with their content hashes (Resolved)")
         skip = _NOT_FINGERPRINTED | ({"label_delimiter"} if self.kind.name != "classify" else set())
         d = {k: list(v) if isinstance(v, tuple) else v
              for k, v in {**option_defaults(), **self.options()}.items() if k not in skip}
+        del d["lora_column"]
+        d["lora"] = {"adapters": dict(adapter_hashes), "column": self.lora.lora_column} if self.lora.lora else None
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
             if d[k] == _DEFAULT_FINGERPRINT[k]:
                 del d[k]
@@ -206,14 +215,14 @@ _NOT_FINGERPRINTED = {
     "output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel", "tensor_parallel",
     "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs",
     "async_scheduling", "kv_cache_memory", "limit", "device", "block_size", "show_prompt", "fail_on_empty",
-    "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines",
+    "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines", "max_loras",
     "ray"}      # where the workers run (Ray), like how many, never what a row gets
-# Options added after outputs were written with the fingerprint that lacks them (issues 17, 23 and 29).
+# Options added after outputs were written with the fingerprint that lacks them (issues 17, 23, 29, 33).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
-                "json_schema_mode")  # 29
+                "json_schema_mode", "lora")  # 29, 33
 
 
 def _section_classes() -> list[tuple[str, type]]:
@@ -233,6 +242,7 @@ def option_defaults() -> dict:
 
 
 _DEFAULT_FINGERPRINT = {k: list(v) if isinstance(v, tuple) else v for k, v in option_defaults().items()}
+_DEFAULT_FINGERPRINT["lora"] = None            # the fingerprint's lora entry of a job without adapters
 
 
 @functools.cache
@@ -271,6 +281,8 @@ def field_value(key: str, value):
     want = _field_types()[key]
     if key == "ray":
         return RayOptions.from_value(value)
+    if key == "lora" and isinstance(value, (dict, list, tuple, str)):   # {name: path}, NAME=PATH strings or pairs
+        return lora_pairs(value)
     if key == "chat_template_kwargs" and isinstance(value, dict):
         return json.dumps(value)
     if key == "kv_cache_memory" and isinstance(value, (str, int)) and not isinstance(value, bool):

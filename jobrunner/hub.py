@@ -24,7 +24,8 @@ __all__ = ["ALLOW_PATTERNS", "fetch", "is_hub_name", "parse"]
 
 # The files the engine reads from an HF directory (engine/loader.py), and nothing else.
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+                  "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "model.safetensors.index.json",
+                  "adapter_config.json"]     # a LoRA adapter (jobrunner.models.resolve_adapter)
 
 # org/name[@revision]: the Hub's repo id characters; a revision is a branch, tag or commit.
 _NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")

@@ -17,7 +17,6 @@ from jobrunner.config import JobConfig
 from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
     EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, empty_verdict, rows_verdict)
 from jobrunner.idset import IdSet
-from jobrunner.planner import PlanItem
 
 log = logging.getLogger("jobrunner")
 
@@ -106,7 +105,7 @@ class Job:
                 self.writer.close()
             return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, cfg.output_url)
         from jobrunner.summary import job_summary
-        summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)     # every row in the output
+        summary = job_summary(cfg.output_url, self.manifest["config"], run)     # every row in the output
         if interrupted:
             self.writer.write_stats(summary)
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
@@ -126,7 +125,7 @@ class Job:
             raise failure
         from jobrunner.summary import job_summary
         run = self._run_record(interrupted=False)     # as for lost data-parallel workers
-        summary = job_summary(self.cfg.output_url, self.cfg.fingerprint_fields(), run)
+        summary = job_summary(self.cfg.output_url, self.manifest["config"], run)
         self.writer.write_stats(summary)
         rows = self.stats.rows
         message = (f"{failure}; the {rows} row{'s' if rows != 1 else ''} this run finished "
@@ -255,7 +254,7 @@ class Job:
             sampling = req.sampling
             tokens = array("I", req.prompt_token_ids)
             self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]))
-            yield PlanItem(row.id, req.prompt_token_ids)
+            yield self.planner.item(row.id, req.adapter, req.prompt_token_ids)    # grouped by LoRA adapter
 
     def _encode(self, ready) -> list[list[int]]:
         """Batch tokenization (all cores), grouped by whether special tokens are added."""

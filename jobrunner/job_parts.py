@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from jobrunner import checks
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.job import Job, JobResult, exit_code_of
-from jobrunner.planner import PrefixStats, WorkUnit, plan, prefix_stats
+from jobrunner.lora_options import LoraOptions
+from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
 from jobrunner.resolve import Resolved, resolve
 
@@ -29,10 +30,15 @@ class JobPlanner:
     order; either way the prefix figures of each window are measured into `prefix`."""
     ordered: bool
     block_size: int
+    lora: LoraOptions = LoraOptions()      # its adapters' rows are grouped, each apart (LoraOptions.plan_tokens)
     prefix: PrefixStats = field(init=False)
 
     def __post_init__(self):
         self.prefix = PrefixStats(block_size=self.block_size)
+
+    def item(self, key, adapter: str | None, tokens) -> PlanItem:
+        """A row's plan item: its tokens, after its LoRA adapter's mark."""
+        return PlanItem(key, self.lora.plan_tokens(adapter, tokens))
 
     def units(self, items):
         if self.ordered:
@@ -71,7 +77,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     engine = engine or checks.load_engine(cfg, resolved)
     try:
         kind, builder = job_kind(cfg, resolved, engine)
-        manifest = job_manifest(cfg, engine.info, engine.config.model, resolved.fmt, work.rank)
+        manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank)
         checks.check_same_commit(cfg, manifest)
         prefix = "part" if work.world == 1 else f"part-r{work.rank}"
         writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
@@ -84,7 +90,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     i = cfg.input
     return Job(cfg, reader=reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column,
                                                          batch_rows=1024)),
-               kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size),
+               kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora),
                engine=engine, reuse=reuse, writer=writer, work=work,
                progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
                fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop)
@@ -113,7 +119,7 @@ def _reuse(cfg: JobConfig, resolved: Resolved, engine, stats):
     if store is not None:
         model = job_model_key(engine.config.model, engine.info, engine.config.quantization, cfg.engine.kv_cache_dtype)
     return Reuse(stats, cfg.kind.name, dedup=cfg.reuse.dedup, window_rows=WINDOW_ROWS, store=store,
-                 mode=cfg.reuse.cache_mode, model=model)
+                 mode=cfg.reuse.cache_mode, model=model, adapters=resolved.adapter_hashes)
 
 
 def open_cache(url: str | None):
@@ -136,7 +142,7 @@ def _progress(cfg: JobConfig, resolved: Resolved, engine):
     return Progress(total=min(n, limit) if (n is not None and limit) else n, counters=engine.counters)
 
 
-def finish_done(cfg: JobConfig, rows_done: int) -> JobResult:
+def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
     """The JobResult of a rerun with nothing left to do (Resolved.rows_done): the whole output's summary
     and exit code, no model loaded. An output whose run was killed after its last part is marked
     complete now."""
@@ -144,9 +150,9 @@ def finish_done(cfg: JobConfig, rows_done: int) -> JobResult:
     from jobrunner.stats import JobStats
     from jobrunner.summary import job_summary
     stats = JobStats()
-    stats.rows_skipped = rows_done
+    stats.rows_skipped = rows_done = resolved.rows_done
     log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)", rows_done, cfg.output_url)
-    summary = job_summary(cfg.output_url, cfg.fingerprint_fields())
+    summary = job_summary(cfg.output_url, cfg.fingerprint_fields(resolved.adapter_hashes))
     manifest = read_manifest(cfg.output_url) or {}
     if not manifest.get("complete"):
         mark_complete(cfg.output_url, summary, manifest)

@@ -30,7 +30,7 @@ from engine import ModelError, cache_root
 from jobrunner import hub
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "KnownModel", "cache_root", "describe", "known_models", "model_path",
-           "model_record", "pull", "resolve_known", "resolve_model"]
+           "model_record", "pull", "resolve_adapter", "resolve_known", "resolve_model"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -125,6 +125,30 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
         f"model {model!r} is not a known model name, an existing path or a reachable URL. "
         f"Known models: {', '.join(sorted(KNOWN_MODELS))}; or a Hugging Face Hub name (org/name[@revision]); "
         f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
+
+
+def resolve_adapter(path: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """A LoRA adapter's local directory, as resolve_model does for checkpoints: a local directory as given;
+    an fsspec URL's adapter_config.json and adapter_model.safetensors copied under <cache>/remote/;
+    a Hub name's snapshot (this may download). ModelError when it is none of these."""
+    if os.path.isdir(path):
+        return path
+    if "://" in path or "::" in path:
+        import fsspec
+        dest = cache_root(cache_dir) / "remote" / hashlib.sha256(path.encode()).hexdigest()[:16]
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            fs, root = fsspec.core.url_to_fs(path)
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                tmp = dest / f".{name}.tmp"
+                fs.get(f"{root.rstrip('/')}/{name}", str(tmp))
+                os.replace(tmp, dest / name)        # whole or absent: a later start never reads half a file
+        except Exception as e:      # network and filesystem errors of any fsspec backend
+            raise ModelError(f"LoRA adapter {path}: cannot copy it ({type(e).__name__}: {e})") from None
+        return str(dest)
+    if hub.is_hub_name(path):
+        return str(hub.fetch(path))
+    raise ModelError(f"LoRA adapter {path!r} is not a directory, an fsspec URL or a Hugging Face Hub name")
 
 
 def describe(model: str, source: str) -> str:

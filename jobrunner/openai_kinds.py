@@ -21,7 +21,7 @@ def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | N
     from jobrunner.models import KNOWN_MODELS
     if cfg.input.any_model:
         return None
-    names = {cfg.engine.model, *cfg.input.served_model_name}
+    names = {cfg.engine.model, *cfg.input.served_model_name, *cfg.lora.names}     # a LoRA adapter's name picks it
     if cfg.engine.model in KNOWN_MODELS:
         names.add(KNOWN_MODELS[cfg.engine.model].hub_name)
     if hub.is_hub_name(cfg.engine.model):
@@ -35,8 +35,11 @@ def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | N
 def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str | None = None):
     """The job kind (ValueError as make_job's: embed on a checkpoint pooling we don't reproduce)."""
     from jobs import make_job
+    from jobs.lora import LoraJob
     if fmt != FORMAT:
-        return make_job(spec, tokenizer, pooling)
+        job = make_job(spec, tokenizer, pooling)
+        return LoraJob(job, cfg.lora.names, cfg.lora.column) if cfg.lora.adapters else job
     from jobs.routed import RoutedJob
     main = make_job(spec, tokenizer, pooling)
-    return RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))
+    routed = RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))
+    return LoraJob(routed, cfg.lora.names, by_model=True) if cfg.lora.adapters else routed

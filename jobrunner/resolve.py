@@ -1,6 +1,7 @@
 """The one step that does the IO a job's configuration implies, before any work: the dataset's format
 and columns (and every check that needs them), the output's state, the model name's local path (a
-known model or a Hub name may download here), what `--quantization auto` and the dtype default stand
+known model or a Hub name may download here), each LoRA adapter's local directory (an fsspec URL is
+copied, a Hub name downloaded) and content hash, what `--quantization auto` and the dtype default stand
 for on this machine, and the result cache's URL. What it finds is a `Resolved`, kept beside the
 JobConfig (never written into it), run once per job: by api.run in one process, by the launcher or
 each torchrun rank before its workers start (they get it with the config), by `jobrunner validate`.
@@ -28,6 +29,17 @@ class Resolved:
     quantization: str           # never "auto"
     cache_url: str | None       # the result cache: --cache, else $JOBRUNNER_CACHE_URL, else None
     rows_done: int | None = None    # a rerun with every row in the output already: the rows read; else None
+    lora: tuple[tuple[str, str, str], ...] = ()     # (name, local directory, content hash) of each adapter
+
+    @property
+    def adapter_paths(self) -> tuple[tuple[str, str], ...]:
+        """(name, local directory) of each LoRA adapter: what the engine loads."""
+        return tuple((name, path) for name, path, _ in self.lora)
+
+    @property
+    def adapter_hashes(self) -> dict[str, str]:
+        """name -> content hash: the resume fingerprint and the result cache's keys."""
+        return {name: digest for name, _, digest in self.lora}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -35,7 +47,7 @@ class Resolved:
     @classmethod
     def from_json(cls, text: str) -> Resolved:
         d = json.loads(text)
-        return cls(**{**d, "columns": tuple(d["columns"])})
+        return cls(**{**d, "columns": tuple(d["columns"]), "lora": tuple(tuple(a) for a in d.get("lora", ()))})
 
 
 def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True, dry: bool = False) -> Resolved:
@@ -57,13 +69,14 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
         preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
     model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
     preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
-    if not dry:
-        checks.check_output(cfg)            # before the model loads: loading one can take minutes
+    lora = adapters(cfg)
+    if not dry:     # before the model loads: loading one can take minutes
+        checks.check_output(cfg, {name: digest for name, _, digest in lora})
     rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
     dtype, quantization = precision(cfg)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
-                    cache_url=url, rows_done=rows_done)
+                    cache_url=url, rows_done=rows_done, lora=lora)
 
 
 def cache_url(cfg: JobConfig) -> str | None:
@@ -81,6 +94,22 @@ def model_path(name: str) -> str:
         return resolve_model(name)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
+
+
+def adapters(cfg: JobConfig) -> tuple[tuple[str, str, str], ...]:
+    """(name, local directory, content hash) of each --lora adapter: its path resolved as a base model's
+    is (jobrunner.models.resolve_adapter), its config checked by the engine (engine.check_adapter) before
+    any weight is read. JobConfigError (exit 2) when one cannot be found or is refused."""
+    from engine import ConfigError, ModelError, check_adapter
+    from jobrunner.models import resolve_adapter
+    out = []
+    for name, given in cfg.lora.adapters:
+        try:
+            path = resolve_adapter(given)
+            out.append((name, path, check_adapter(name, path).content_hash))
+        except (ModelError, ConfigError) as e:
+            raise JobConfigError(str(e)) from None
+    return tuple(out)
 
 
 def precision(cfg: JobConfig) -> tuple[str, str]:
@@ -110,4 +139,5 @@ def resolve_engine(cfg: JobConfig) -> Resolved:
     and the precision only (fmt and columns empty, no output)."""
     dtype, quantization = precision(cfg)
     return Resolved(fmt="", columns=(), model=model_path(cfg.engine.model), dtype=dtype,
-                    float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None)
+                    float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
+                    lora=adapters(cfg))

@@ -22,8 +22,9 @@ LOOKUP_ROWS = 16_384    # rows looked up in the result cache together (jobrunner
 
 class Reuse:
     def __init__(self, stats, kind: str, *, dedup: bool, window_rows: int, store=None, mode: str = "read-write",
-                 model: bytes | None = None):
+                 model: bytes | None = None, adapters: dict[str, str] | None = None):
         self.stats, self.kind = stats, kind
+        self.adapters = adapters or {}      # LoRA adapter name -> content hash: keys hash the content, not the name
         self.dedup = Dedup(window_rows) if dedup else None
         self.store = store if model is not None else None
         self.model = model or b""           # dedup alone: one job, one model
@@ -37,7 +38,7 @@ class Reuse:
         """(runs, result) for a row and its request: see Dedup.admit. Call before packing the prompt."""
         if (self.dedup is None and self.store is None) or not is_deterministic(req):
             return True, None
-        key = request_key(self.model, self.kind, req)
+        key = request_key(self.model, self.kind, req, self.adapters)
         if self.dedup is not None:
             runs, result = self.dedup.admit(row, key)
             if not runs:

@@ -10,6 +10,7 @@ from kernels.attention_metadata import choose_num_splits
 from kernels.cpu_attention import CpuDecode, DecodeKey, compile_decode_package, load_decode_package
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
+from kernels.lora import Segments, sgmv, sgmv_ref
 from kernels.moe import fused_moe, fused_moe_ref, route_topk
 from kernels.norm import rms_norm
 from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range,
@@ -34,6 +35,8 @@ __all__ = [
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert
     "fused_moe", "fused_moe_ref", "route_topk",
+    # LoRA: rows of many adapters in one batch, the segmented gather matmul
+    "Segments", "sgmv", "sgmv_ref",
     # structured output: a grammar's token bitmask on the logits
     "apply_token_bitmask",
     # host -> device

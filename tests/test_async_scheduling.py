@@ -7,7 +7,7 @@ blocks that end in a placeholder are hashed for the prefix cache once their toke
 import pytest
 
 from engine.request import Request, SamplingParams
-from engine.sequence import PLACEHOLDER
+from engine.sequence import PLACEHOLDER, Sequence
 from tests.kernel_cases import cuda_only
 from tests.tiny import engine_for, forbid_launch_syncs, hf_model, prompts
 
@@ -124,7 +124,7 @@ def test_generated_blocks_are_hashed_once_their_tokens_are_known(model):
     pool = engine.kv.pool
     assert all(PLACEHOLDER not in b.tokens for b in pool.blocks)
     computed_full = (len(tokens) - 1) // 4          # the last sampled token never ran through the model
-    chain = engine.kv._hash_chain(tokens, computed_full)
+    chain = engine.kv._hash_chain(Sequence("a", tokens, len(prompt), SamplingParams()), computed_full)
     assert all(h in pool.by_hash for h in chain)
     # a prompt that continues the completion finds all of it in the cache
     again = engine.generate([Request("b", tokens[:-1] + [3], SamplingParams(max_tokens=1))])[0]

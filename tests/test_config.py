@@ -75,7 +75,12 @@ def test_toml_value_of_the_wrong_type_exits_2_naming_the_key(tmp_path, toml, key
 
 @pytest.mark.parametrize("name", sorted(config_fields()))
 def test_every_field_is_type_checked(name):
-    if name == "chat_template_kwargs":           # the one field that takes a table: as its JSON text
+    if name == "lora":                           # a table of adapters: {name: path}
+        assert field_value(name, {"a": "/x"}) == field_value(name, ["a=/x"]) == (("a", "/x"),)
+        with pytest.raises(JobConfigError, match=name):
+            field_value(name, 3)
+        return
+    if name == "chat_template_kwargs":           # the other field that takes a table: as its JSON text
         assert json.loads(field_value(name, {"enable_thinking": False})) == {"enable_thinking": False}
         with pytest.raises(JobConfigError, match=name):
             field_value(name, 3)

@@ -29,6 +29,7 @@ class ForwardPlan:
     patch_rows: list[int] = field(default_factory=list)     # rows whose input id is a sample still on the device
     graphed: bool = False                                    # replays a CUDA graph (every rank captured the same)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    lora_spans: list[tuple[int, int, int]] = field(default_factory=list)   # (first row, rows, adapter): engine/lora
 
 
 class StepChannel:

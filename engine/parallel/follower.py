@@ -40,8 +40,8 @@ def main() -> int:
             logging.error("%s", e)
             return 2
         runner = ModelRunner(rt.model, rt.num_blocks, config.block_size, rt.kv_dtype, rt.device, rt.eos_token_ids,
-                             channel=StepChannel(tp, rt.device))
-        if config.cuda_graphs and rt.device.type == "cuda":   # rank 0 captures the same graphs, collectives and all
+                             channel=StepChannel(tp, rt.device), loras=rt.loras)
+        if config.cuda_graphs and rt.device.type == "cuda" and not config.loras:   # rank 0 captures the same graphs, collectives and all
             runner.enable_graphs(rt.max_num_seqs, max_model_len(rt, config))
         runner.follow()
     except RuntimeError as e:           # rank 0's connection closed: it is gone, and its rows are its to redo

@@ -5,7 +5,7 @@ checkpoint's content (jobrunner/cache/identity.py) and the numeric mode (dtype, 
 cache dtype, device type, torch's version, engine.numerics.NUMERICS_VERSION). The request's
 description is every field of engine.request.Request but its id and its prompt text (kept for the
 output only), plus the job kind: the prompt's token ids, the sampling parameters (seed included),
-the kind's inputs (classify's candidates, score's score_from) and any field a later change adds
+the kind's inputs (classify's candidates, score's score_from), a LoRA adapter's content hash, and any field a later change adds
 (a constraint: one more Request field is keyed with no change here). Never the row id or the
 dataset path.
 """
@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 from array import array
+from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 
 from engine import Request, SamplingParams
@@ -38,14 +39,17 @@ def model_key(checkpoint: dict, numeric_mode: dict) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
-def request_key(model: bytes, kind: str, req: Request) -> bytes:
-    """The cache key of `req` run by the model `model` (model_key) in a job of `kind`."""
+def request_key(model: bytes, kind: str, req: Request, adapters: Mapping[str, str] | None = None) -> bytes:
+    """The cache key of `req` run by the model `model` (model_key) in a job of `kind`; a LoRA adapter is
+    keyed by its content hash (`adapters`: name -> hash), never its name."""
     h = hashlib.blake2b(model, digest_size=KEY_BYTES)
     tokens = array("I", req.prompt_token_ids).tobytes()
     h.update(len(tokens).to_bytes(8, "little"))
     h.update(tokens)
     h.update(_sampling_text(req.sampling).encode())
     rest = {f.name: getattr(req, f.name) for f in fields(req) if f.name not in NOT_KEYED and f.name != "sampling"}
+    if req.adapter is not None:
+        rest["adapter"] = adapters[req.adapter]
     h.update(_canonical({"kind": kind, **rest}).encode())
     return h.digest()
 

@@ -31,8 +31,9 @@ class Coordinator:
     """Opens rounds, hands nothing out itself (the counter does), notices lost workers, and at the end
     merges the workers' stats, writes _stats.json and marks the manifest complete."""
 
-    def __init__(self, cfg: JobConfig, store, world: int, alive, retry: bool):
+    def __init__(self, cfg: JobConfig, store, world: int, alive, retry: bool, fingerprint: dict):
         self.cfg, self.store, self.world, self.alive, self.retry = cfg, store, world, alive, retry
+        self.fingerprint = fingerprint      # cfg.fingerprint_fields(resolved.adapter_hashes)
         self.stopping = False
         self.local_done = False
         self.result: JobResult | None = None
@@ -63,7 +64,7 @@ class Coordinator:
             self._abort(EXIT_FAILED)
             return self._fail("no worker started; see the workers' logs above")
         try:
-            prepare_output(cfg.output_url, {"config": cfg.fingerprint_fields()}, overwrite=cfg.output.overwrite)
+            prepare_output(cfg.output_url, {"config": self.fingerprint}, overwrite=cfg.output.overwrite)
         except OutputError as e:
             self._abort(EXIT_CONFIG)
             raise JobConfigError(str(e)) from None
@@ -100,7 +101,7 @@ class Coordinator:
                           rounds=rounds, lost=lost)
         code = self._exit_code(results, run, complete)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
-        summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)     # as one worker's job does
+        summary = job_summary(cfg.output_url, self.fingerprint, run)     # as one worker's job does
         why = None
         if code == EXIT_OK:         # over every row of the output, as one worker's job does
             code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
@@ -184,7 +185,7 @@ class Coordinator:
 
         cfg = self.cfg
         if complete:
-            m = {"config": cfg.fingerprint_fields(), **{k: v for k, v in manifest.items() if k != "error"}}
+            m = {"config": self.fingerprint, **{k: v for k, v in manifest.items() if k != "error"}}
             # the workers wrote the parts: a listing, not a scan of every part, marks the job complete
             mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
             if cfg.output.output_format == "openai-batch":

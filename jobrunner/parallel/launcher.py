@@ -57,7 +57,8 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
     log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
              else f"CPU, {max(1, threads // tp)} threads a process")
-    coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True)
+    coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True,
+                        fingerprint=cfg.fingerprint_fields(resolved.adapter_hashes))
 
     def on_signal(signum, frame):
         coord.stopping = True

@@ -1,0 +1,49 @@
+"""Rows that pick a LoRA adapter: the job's kind, with each request naming its row's adapter and an
+`adapter` result column (null: the base model).
+
+A row picks by the --lora-column's value (null: the base model; a name the job did not load: an
+error row) or, in an OpenAI batch file, by naming the adapter in its body's `model` (vLLM's
+convention; any other name the job's model answers to is the base model).
+"""
+from __future__ import annotations
+
+from engine import Request, RequestOutput
+from jobs.base import RowError
+
+
+class LoraJob:
+    def __init__(self, inner, names: tuple[str, ...], column: str | None = None, by_model: bool = False):
+        self.inner, self.names = inner, frozenset(names)
+        self.column, self.by_model = column, by_model
+        self.name = inner.name
+        self.result_columns = {**inner.result_columns, "adapter": "string"}
+
+    def __getattr__(self, attr):            # the rest of the kind's face (vector_size, ...) is the inner kind's
+        if attr == "inner":                 # not set yet (a copy being built): no recursion
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def adapter(self, data: dict) -> str | None:
+        """The row's adapter name, or None for the base model; RowError for a name the job lacks."""
+        if self.by_model:
+            model = (data or {}).get("model")
+            return model if model in self.names else None
+        if self.column is None:
+            return None
+        value = (data or {}).get(self.column)
+        if value is None:
+            return None
+        if not isinstance(value, str) or value not in self.names:
+            raise RowError(f"--lora-column {self.column}: {value!r} is not one of this job's adapters "
+                           f"({', '.join(sorted(self.names))}); null runs the base model")
+        return value
+
+    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+        name = self.adapter(data)
+        req = self.inner.request(row_id, prompt_ids, data)
+        req.adapter = name
+        return req
+
+    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+        name = self.adapter(data)
+        return [{**cols, "adapter": name} for cols in self.inner.columns(out, data)]
