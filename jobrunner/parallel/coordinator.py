@@ -20,6 +20,7 @@ from jobrunner.exit_codes import rows_verdict
 from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
+from jobrunner.parallel.ending import write_ending
 from jobrunner.parallel.stats import merge_stats
 
 log = logging.getLogger("jobrunner")
@@ -180,19 +181,8 @@ class Coordinator:
 
     def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""
-        from jobrunner.openai_batch import finish_openai_output
-        from jobrunner.output import mark_complete, prepare_output, write_stats
-
-        cfg = self.cfg
-        if complete:
-            m = {"config": self.fingerprint, **{k: v for k, v in manifest.items() if k != "error"}}
-            # the workers wrote the parts: a listing, not a scan of every part, marks the job complete
-            mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
-            if cfg.output.output_format == "openai-batch":
-                finish_openai_output(cfg.output_url, summary)
-        else:
-            write_stats(cfg.output_url, summary)
-            log.warning("%d rows written; run the same command again to resume", summary["rows"])
+        m = {"config": self.fingerprint, **{k: v for k, v in manifest.items() if k != "error"}}
+        write_ending(self.cfg, summary, m, complete)
         protocol.end_rounds(self.store, rounds, code)
         # the store may live in this process (torchrun without an agent): leave only once every worker has read it
         deadline = time.time() + 60

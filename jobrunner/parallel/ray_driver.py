@@ -27,6 +27,7 @@ import time
 from jobrunner.config import JobConfig, JobConfigError
 from jobrunner.exit_codes import rows_verdict
 from jobrunner.job import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
+from jobrunner.parallel.ending import write_ending
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.parallel.world import preflight
 
@@ -86,6 +87,7 @@ class RayDriver:
     def __init__(self, cfg: JobConfig, resolved, ray):
         from jobrunner.parallel.ray_queue import WorkQueue
         self.cfg, self.resolved, self.ray, self.opts = cfg, resolved, ray, cfg.parallel.ray
+        self.fingerprint = cfg.fingerprint_fields(resolved.adapter_hashes)
         self.tag = hashlib.blake2b(cfg.output_url.encode(), digest_size=6).hexdigest()
         self.queue = ray.remote(WorkQueue).options(name=f"{self.tag}-queue", num_cpus=0).remote()
         self.stopping = False
@@ -197,7 +199,7 @@ class RayDriver:
         self.start_workers()
         members = self.wait_placed()
         try:
-            prepare_output(cfg.output_url, {"config": cfg.fingerprint_fields()}, overwrite=cfg.output.overwrite)
+            prepare_output(cfg.output_url, {"config": self.fingerprint}, overwrite=cfg.output.overwrite)
         except OutputError as e:
             raise JobConfigError(str(e)) from None
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -244,7 +246,7 @@ class RayDriver:
         from jobrunner.output import ResultWriter
         cfg = self.cfg
         # nobody writes between rounds: the parts now are what this round skips, for every member alike
-        snapshot = ResultWriter(cfg.output_url, {"config": cfg.fingerprint_fields()}, part_prefix="part-r0").done_ids
+        snapshot = ResultWriter(cfg.output_url, {"config": self.fingerprint}, part_prefix="part-r0").done_ids
         ref = self.ray.put(snapshot)
         running = {}
 
@@ -302,8 +304,6 @@ class RayDriver:
         self.queue.stop.remote()
 
     def _finish(self, results, lost, complete, manifest, rounds, workers, start) -> JobResult:
-        from jobrunner.openai_batch import finish_openai_output
-        from jobrunner.output import mark_complete, prepare_output, write_stats
         from jobrunner.summary import job_summary
         cfg = self.cfg
         run = merge_stats(results, cfg, wall_s=time.time() - start, devices=workers, rounds=rounds, lost=lost)
@@ -311,23 +311,17 @@ class RayDriver:
         code = (EXIT_STORAGE if EXIT_STORAGE in codes else EXIT_INTERRUPTED
                 if EXIT_INTERRUPTED in codes or self.stopping else EXIT_OK if complete else EXIT_FAILED)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
-        summary = job_summary(cfg.output_url, cfg.fingerprint_fields(), run)
+        summary = job_summary(cfg.output_url, self.fingerprint, run)
         why = None
         if code == EXIT_OK:
             code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
         elif code == EXIT_FAILED:
             why = "every Ray worker was lost; the rows written are kept: run the same command again to resume"
-        if complete:
-            ctx = self.ray.get_runtime_context()
-            m = {"config": cfg.fingerprint_fields(), **(manifest or {}),
-                 "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": workers,
-                         "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID")}}
-            mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, m))
-            if cfg.output.output_format == "openai-batch":
-                finish_openai_output(cfg.output_url, summary)
-        else:
-            write_stats(cfg.output_url, summary)
-            log.warning("%d rows written; run the same command again to resume", summary["rows"])
+        ctx = self.ray.get_runtime_context()
+        m = {"config": self.fingerprint, **(manifest or {}),
+             "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": workers,
+                     "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID")}}
+        write_ending(cfg, summary, m, complete)
         return JobResult(code, summary, cfg.output_url, error=why)
 
 

@@ -22,11 +22,10 @@ from collections import deque
 from dataclasses import replace
 
 from jobrunner.config import JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_STORAGE
+from jobrunner.job import EXIT_CONFIG
 from jobrunner.job_parts import open_job
 from jobrunner.parallel.launcher import config_from_json
-from jobrunner.parallel.stats import worker_sketch
-from jobrunner.parallel.worker import SharedUnits, total_rows
+from jobrunner.parallel.worker import SharedUnits, run_claimed, total_rows
 from jobrunner.resolve import Resolved
 
 log = logging.getLogger("jobrunner")
@@ -139,14 +138,7 @@ class RayWorker:
         except JobConfigError as e:
             return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": str(e), "config_error": True}
         payload["manifest"] = {k: v for k, v in job.manifest.items() if k != "config"}
-        t0 = time.time()
-        try:
-            result = job.run()
-            payload.update(exit_code=result.exit_code, summary=result.stats)
-        except OSError as e:
-            log.error("writing the output failed: %s", e)
-            payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
-        payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(job.stats))
+        run_claimed(job, claim, payload)
         claim.complete()
         return payload
 

@@ -127,16 +127,8 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
         raise Stop(EXIT_CONFIG) from None
     protocol.set_ready(store, r, rank, manifest=job.manifest)
     protocol.wait_go(store, r, stop)
-    t0 = time.time()
     payload = {"rank": rank, "slot": slot, "round": r, "device": engine.info.device, "error": None}
-    try:
-        result = job.run()
-        payload.update(exit_code=result.exit_code, summary=result.stats)
-    except OSError as e:
-        log.error("writing the output failed: %s", e)
-        payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
-    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(job.stats))
-    protocol.set_result(store, r, rank, payload)
+    protocol.set_result(store, r, rank, run_claimed(job, claim, payload))
 
 
 def total_rows(cfg, resolved) -> int | None:
@@ -191,3 +183,17 @@ class _StoreProgress:
 
     def close(self) -> None:
         pass
+
+
+def run_claimed(job, claim, payload: dict) -> dict:
+    """Runs a worker's job over the units it claims; payload gains its exit code, summary, units, seconds
+    and the sketch of its rows' figures (a storage failure: EXIT_STORAGE and the error, no summary)."""
+    t0 = time.time()
+    try:
+        result = job.run()
+        payload.update(exit_code=result.exit_code, summary=result.stats)
+    except OSError as e:
+        log.error("writing the output failed: %s", e)
+        payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
+    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(job.stats))
+    return payload
