@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.constraint_options import check_job_constraint as check_constraint  # noqa: F401 (a check)
+from jobrunner.constraint_options import check_job_constraint as check_constraint  # noqa: F401 (a check: resolve uses it)
+from jobrunner.exit_codes import on_empty_dataset
 from jobrunner.storage import credentials_error
 
 log = logging.getLogger("jobrunner")
@@ -86,15 +87,6 @@ def check_output(cfg: JobConfig, adapter_hashes: dict[str, str]) -> None:
         raise err from None
 
 
-def on_empty_dataset(cfg: JobConfig) -> None:
-    """No rows to read: a warning (in a cron job an upstream failure looks like success), or with
-    --fail-on-empty a JobConfigError (exit 2)."""
-    what = f"dataset {cfg.input.dataset} has no rows" + (" (--limit 0)" if cfg.input.limit == 0 else "")
-    if cfg.output.fail_on_empty:
-        raise JobConfigError(f"{what}; failing, as --fail-on-empty asks")
-    log.warning("%s: nothing to do (--fail-on-empty makes this exit 2)", what)
-
-
 def check_not_empty(cfg: JobConfig, fmt: str) -> None:
     """on_empty_dataset when a count finds no rows (for a data-parallel launch, whose workers each
     see only a share); a dataset too large to count is not empty."""
@@ -105,33 +97,6 @@ def check_not_empty(cfg: JobConfig, fmt: str) -> None:
         raise JobConfigError(str(e)) from None
     if n == 0:
         on_empty_dataset(cfg)
-
-
-def load_engine(cfg: JobConfig, resolved=None):
-    """The engine of cfg, on the model and precision `resolved` found (jobrunner.resolve; without it,
-    resolve.resolve_engine: the model and precision alone)."""
-    if resolved is None:
-        from jobrunner.resolve import resolve_engine
-        resolved = resolve_engine(cfg)
-    from engine import ConfigError, Engine, ModelError
-    from jobrunner.models import describe
-    from jobrunner.parallel.world import check_gpus
-    check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
-    config = cfg.engine_config(resolved)
-    try:
-        engine = Engine(config)
-    except (ModelError, ConfigError) as e:
-        raise JobConfigError(str(e)) from None
-    info = engine.info
-    threads = f", {config.num_threads} threads" if info.device_type == "cpu" else ""
-    split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""
-    log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
-             describe(cfg.engine.model, info.source), info.device, split, threads, info.dtype.removeprefix("torch."),
-             info.num_blocks, cfg.engine.block_size, info.load_s)
-    if cfg.prompt.chat and not engine.tokenizer.has_chat_template:
-        engine.close()
-        raise JobConfigError(f"--chat was asked for but model {cfg.engine.model} has no chat template; use --no-chat")
-    return engine
 
 
 def check_dimensions(cfg: JobConfig, model_config) -> None:

@@ -16,7 +16,7 @@ CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex":
 
 
 def _bad(message: str):
-    from jobrunner.config import JobConfigError
+    from jobrunner.config_values import JobConfigError
     raise JobConfigError(message)
 
 

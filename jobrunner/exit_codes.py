@@ -39,11 +39,20 @@ def rows_verdict(cfg, summary: dict, output: str, run_rows: int, options: str = 
 def empty_verdict(cfg, code: int) -> int:
     """A job that read no row: a warning (in a cron job an upstream failure looks like success), or
     with --fail-on-empty EXIT_CONFIG (the pre-flight checks find most empty datasets before this)."""
-    from jobrunner import checks
     from jobrunner.config import JobConfigError
     try:
-        checks.on_empty_dataset(cfg)
+        on_empty_dataset(cfg)
     except JobConfigError as e:
         log.error("%s", e)
         return EXIT_CONFIG
     return code
+
+
+def on_empty_dataset(cfg) -> None:
+    """No rows to read: a warning (in a cron job an upstream failure looks like success), or with
+    --fail-on-empty a JobConfigError (exit 2)."""
+    what = f"dataset {cfg.input.dataset} has no rows" + (" (--limit 0)" if cfg.input.limit == 0 else "")
+    if cfg.output.fail_on_empty:
+        from jobrunner.config import JobConfigError
+        raise JobConfigError(f"{what}; failing, as --fail-on-empty asks")
+    log.warning("%s: nothing to do (--fail-on-empty makes this exit 2)", what)

@@ -13,7 +13,7 @@ from jobrunner.job import Job, JobResult, exit_code_of
 from jobrunner.lora_options import LoraOptions
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
-from jobrunner.resolve import Resolved, resolve
+from jobrunner.resolve import Resolved, open_cache, resolve, resolve_engine
 
 log = logging.getLogger("jobrunner")
 
@@ -74,7 +74,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     resolved = resolved or resolve(cfg, output_state=False)
     work = work or AllUnits()
     loaded = engine is None
-    engine = engine or checks.load_engine(cfg, resolved)
+    engine = engine or load_engine(cfg, resolved)
     try:
         kind, builder = job_kind(cfg, resolved, engine)
         manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank)
@@ -122,13 +122,30 @@ def _reuse(cfg: JobConfig, resolved: Resolved, engine, stats):
                  mode=cfg.reuse.cache_mode, model=model, adapters=resolved.adapter_hashes)
 
 
-def open_cache(url: str | None):
-    """The result cache's store (None without one); a URL that cannot be opened exits 2."""
-    from jobrunner.cache import open_store
+def load_engine(cfg: JobConfig, resolved=None):
+    """The engine of cfg, on the model and precision `resolved` found (jobrunner.resolve; without it,
+    resolve.resolve_engine: the model and precision alone)."""
+    if resolved is None:
+        resolved = resolve_engine(cfg)
+    from engine import ConfigError, Engine, ModelError
+    from jobrunner.models import describe
+    from jobrunner.parallel.world import check_gpus
+    check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
+    config = cfg.engine_config(resolved)
     try:
-        return open_store(url)
-    except ValueError as e:
+        engine = Engine(config)
+    except (ModelError, ConfigError) as e:
         raise JobConfigError(str(e)) from None
+    info = engine.info
+    threads = f", {config.num_threads} threads" if info.device_type == "cpu" else ""
+    split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""
+    log.info("model %s on %s%s%s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
+             describe(cfg.engine.model, info.source), info.device, split, threads, info.dtype.removeprefix("torch."),
+             info.num_blocks, cfg.engine.block_size, info.load_s)
+    if cfg.prompt.chat and not engine.tokenizer.has_chat_template:
+        engine.close()
+        raise JobConfigError(f"--chat was asked for but model {cfg.engine.model} has no chat template; use --no-chat")
+    return engine
 
 
 def _progress(cfg: JobConfig, resolved: Resolved, engine):

@@ -57,7 +57,6 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     and the output's state is the coordinator's to find). output_state False: for a job on an engine
     already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
     `jobrunner validate`, which writes nothing: the output is neither checked nor created."""
-    from jobrunner.job_parts import open_cache
     fmt, columns = checks.check_dataset(cfg)
     checks.check_template(cfg, columns)
     checks.check_constraint(cfg)
@@ -141,3 +140,12 @@ def resolve_engine(cfg: JobConfig) -> Resolved:
     return Resolved(fmt="", columns=(), model=model_path(cfg.engine.model), dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
                     lora=adapters(cfg))
+
+
+def open_cache(url: str | None):
+    """The result cache's store (None without one); a URL that cannot be opened exits 2."""
+    from jobrunner.cache import open_store
+    try:
+        return open_store(url)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None

@@ -35,12 +35,12 @@ def warmup(cfg: JobConfig) -> dict:
     """Loads the job's model (converting it once if it needs converting) and, on CPU, decodes two tokens
     with the in-place attention asked for, which builds its package when absent. Returns the figures."""
     from engine import Request, SamplingParams
-    from jobrunner import checks
+    from jobrunner.job_parts import load_engine
     from jobrunner.models import describe
     from jobrunner.resolve import resolve_engine
 
     t0 = time.perf_counter()
-    engine = checks.load_engine(cfg, resolve_engine(cfg))
+    engine = load_engine(cfg, resolve_engine(cfg))
     try:
         loaded = time.perf_counter() - t0
         info = engine.info

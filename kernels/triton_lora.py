@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import Segments
 from kernels.triton_utils import check, check_float, check_last_contiguous, check_same_device, launch, next_pow2
 
 
@@ -48,8 +47,9 @@ def _sgmv_kernel(x_ptr, w_ptr, out_ptr, seg_ptr, num_segs, N, K, stride_x, strid
     tl.store(o_ptrs, (prev + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sgmv_triton(x: torch.Tensor, w: torch.Tensor, segments: Segments, out: torch.Tensor) -> torch.Tensor:
-    """out[start:start+n] += x[start:start+n] @ w[slot].T for each segment; returns out."""
+def sgmv_triton(x: torch.Tensor, w: torch.Tensor, segments, out: torch.Tensor) -> torch.Tensor:
+    """out[start:start+n] += x[start:start+n] @ w[slot].T for each segment; returns out. segments: a
+    kernels.lora.Segments (not imported: the dispatch there imports this module)."""
     for name, t in (("x", x), ("w", w), ("out", out)):
         check_float(name, t)
         check_last_contiguous(name, t)

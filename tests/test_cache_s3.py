@@ -4,6 +4,7 @@ run it) holds a job's input, output and result cache; the job is killed -9 mid-w
 Skipped when s3fs or moto[server] is not installed (both are in the `test` extra)."""
 import json
 import os
+import urllib.request
 import signal
 import socket
 import subprocess
@@ -39,6 +40,8 @@ def s3(tmp_path_factory):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    # moto's backends are process-wide: another module's server may have left buckets behind
+    urllib.request.urlopen(urllib.request.Request(f"{options['endpoint_url']}/moto-api/reset", method="POST")).close()
     saved = fsspec.config.conf.get("s3")
     fsspec.config.conf["s3"] = dict(options)        # every s3:// URL in this process reaches the server
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -72,7 +75,7 @@ def _outputs(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     from jobrunner.config import job_config
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import checks
+from jobrunner import job_parts
 from jobrunner.cli import main
 from jobrunner.config import job_config, JobConfigError
 from jobrunner.job import EXIT_OK
@@ -50,7 +50,7 @@ def no_model(monkeypatch):
     """Loading a model fails the test: the checks must all come first."""
     def load_engine(cfg):
         raise AssertionError("the model was loaded before the failing check")
-    monkeypatch.setattr(checks, "load_engine", load_engine)
+    monkeypatch.setattr(job_parts, "load_engine", load_engine)
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_data_parallel_preflight_checks_the_output_and_emptiness(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def run_job(engine, **kw):

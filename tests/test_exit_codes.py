@@ -8,7 +8,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import checks
+from jobrunner import job_parts
 from jobrunner.cli import main
 from jobrunner.config import job_config, JobConfigError
 from jobrunner.job_parts import open_job
@@ -28,7 +28,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def _stopping_after(rows: int):
@@ -98,7 +98,7 @@ def test_exit_codes_over_job_histories(tiny_engine, tmp_path, name, shape, steps
     out = str(tmp_path / "out")
     for options, event, expected in steps:
         # a stopped job leaves its requests in flight in its engine: it gets an engine of its own
-        engine = checks.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
+        engine = job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
             else tiny_engine
         res = run_job(engine, ds, out, stop_after=1 if event else None, **options)
         if event == "kill":

@@ -106,7 +106,7 @@ def test_an_output_written_without_a_declared_schema_resumes_with_its_own(tmp_pa
 
 @pytest.fixture(scope="module")
 def engines(tiny_hf_model_dir):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     made = {}
 
     def get(arch):

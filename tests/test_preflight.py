@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import checks
+from jobrunner import checks, job_parts
 from jobrunner.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +26,7 @@ def write_jsonl(path, rows):
 def no_model(monkeypatch):
     def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(checks, "load_engine", load_engine)
+    monkeypatch.setattr(job_parts, "load_engine", load_engine)
 
 
 def invoke(*args):
@@ -133,7 +133,7 @@ def test_a_rerun_with_nothing_left_loads_no_model(tmp_path, monkeypatch):
 
     def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(checks, "load_engine", load_engine)
+    monkeypatch.setattr(job_parts, "load_engine", load_engine)
     again = invoke("submit", ds, "--max-tokens", "2", *TINY)
     assert again.exit_code == 0 and "rows         2: 2 ok" in again.output, again.output
     # one more row: the model is needed again

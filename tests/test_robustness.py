@@ -23,7 +23,7 @@ rows = st.lists(st.fixed_dictionaries({"id": st.one_of(st.sampled_from(["a", "b"
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     return load_engine(job_config("unused"))
 
 

@@ -97,7 +97,7 @@ class RayWorker:
     `resolved`: the driver's JobConfig (launcher.config_to_json) and Resolved (Resolved.to_json)."""
 
     def __init__(self, config: str, resolved: str, rank: int, threads: int):
-        from jobrunner.checks import load_engine
+        from jobrunner.job_parts import load_engine
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
                                 format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")

@@ -30,7 +30,7 @@ def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads:
     `resolved`: the launcher's (or this torchrun rank's) jobrunner.resolve, shared by every round.
     `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
     it stops the process's other users of the store."""
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
 
     stop: list = []
 
