@@ -12,7 +12,7 @@ from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_mode
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     from jobrunner.config import job_config
     model = tiny_model(tmp_path_factory.mktemp("cache-model"))
     return load_engine(job_config("unused", model=model, device="cpu"))

@@ -29,7 +29,7 @@ ROWS = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate([
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     return load_engine(job_config("unused"))
 
 
@@ -189,7 +189,7 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
 
 
 def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine, tmp_path):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
     other = load_engine(job_config("unused", max_batched_tokens=24, max_num_seqs=2))
     for params in (dict(), dict(temperature=0.9, top_p=0.95, seed=3)):
@@ -202,7 +202,7 @@ def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_bo
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
     import jobrunner.job_parts as J
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job_parts.py)
@@ -249,7 +249,7 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
     from jobrunner import job_parts
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     from jobrunner.job_parts import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))

@@ -27,7 +27,7 @@ def model_dir(tiny_hf_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     return load_engine(job_config("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
 
 

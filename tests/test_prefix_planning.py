@@ -27,7 +27,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     return load_engine(job_config("unused", kv_cache_memory=32 * 10**6, max_num_seqs=8))
 
 

@@ -86,7 +86,7 @@ def test_engine_counts_reasoning_tokens(async_scheduling):
 
 
 def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     from jobrunner.config import job_config
     from jobrunner.job_parts import open_job
     from openai.types.chat import ChatCompletion

@@ -96,7 +96,7 @@ def test_openai_lines_with_n_count_one_row_and_one_prompt(tmp_path, tiny, caplog
 
 @pytest.fixture(scope="module")
 def cache_engine(tmp_path_factory):
-    from jobrunner.checks import load_engine
+    from jobrunner.job_parts import load_engine
     from jobrunner.config import job_config
     from tests.cache_helpers import tiny_model
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("m")), device="cpu"))
