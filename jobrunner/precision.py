@@ -2,8 +2,9 @@
 
 Measured on the default model (benchmarks/RESULTS.md, issue 20; `python -m benchmarks.quant_report`):
 bfloat16 compute costs +0.2% perplexity and, on CPUs with AMX or AVX512_BF16, runs a job 2.1-2.2x
-faster than float32; w8a8 costs +1.2% and runs about 2x faster on CPUs with VNNI (int8 dot
-products); elsewhere float32 is the fastest exact choice. GGUF blocks as shipped times int8
+faster than float32; w8a8 costs +0.8% and runs 1.7-2.8x faster on CPUs with VNNI (int8 dot
+products: torch._int_mm, or fbgemm with row scales; issue 34 in RESULTS.md); on AVX2 alone fbgemm's 7-bit
+activations cost +5.9%, over the 2%, so float32 is the fastest choice there. GGUF blocks as shipped times int8
 activations (llama.cpp's Q4_1 x Q8_1; issue 20 item 3: kernels/gguf_matmul.py, "q4xq8" in the quant
 report) is no candidate: no maintained CPU kernel for it is on PyPI, and torch's paths ran it 1.3-100x
 slower than float32 on an AVX2 EPYC (benchmarks/RESULTS.md). On a GPU the model's own dtype

@@ -13,11 +13,7 @@ from click.testing import CliRunner
 
 from jobrunner.cli import main, submit
 from jobrunner.cli_options import SECTIONS
-
-
-def jsonl(path, rows):
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return str(path)
+from tests.cli_helpers import jsonl
 
 
 @pytest.mark.default_model

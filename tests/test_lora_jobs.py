@@ -5,24 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from jobrunner.cli import main
-from jobrunner.output import read_results
 from tests.lora_helpers import make_adapter
+from tests.cli_helpers import jsonl, submit
 
 pytest.importorskip("peft")
-
-
-def jsonl(path, rows):
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return str(path)
-
-
-def submit(tmp_path, ds, *args, out="out"):
-    r = CliRunner().invoke(main, ["submit", ds, "-o", str(tmp_path / out), *args])
-    rows = read_results(str(tmp_path / out)).to_pylist() if r.exit_code == 0 else None
-    return r, rows
 
 
 @pytest.fixture(scope="module")

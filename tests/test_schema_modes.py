@@ -9,15 +9,13 @@ import json
 
 import jsonschema
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("llguidance")
 
 from engine.constraints import check_constraint, integer_keywords_as_ints  # noqa: E402
 from engine.request import Constraint  # noqa: E402
-from jobrunner.cli import main  # noqa: E402
-from jobrunner.output import read_results  # noqa: E402
 from jobs.schema_check import SchemaCheck, with_mode  # noqa: E402
+from tests.cli_helpers import jsonl, submit  # noqa: E402
 
 GOOD = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}
@@ -31,20 +29,9 @@ ONE_OF = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, 
           "required": ["v"], "additionalProperties": False}
 
 
-def jsonl(path, rows):
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return str(path)
-
-
 @pytest.fixture
 def tiny(tiny_hf_model_dir):
     return ["-m", str(tiny_hf_model_dir("llama")), "--no-chat", "--temperature", "1", "--seed", "3"]
-
-
-def submit(tmp_path, ds, *args, out="out"):
-    r = CliRunner().invoke(main, ["submit", ds, "-o", str(tmp_path / out), *args])
-    rows = read_results(str(tmp_path / out)).to_pylist() if r.exit_code == 0 else None
-    return r, rows
 
 
 def test_integer_keywords_written_as_decimals_compile():

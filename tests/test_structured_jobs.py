@@ -14,21 +14,11 @@ pytest.importorskip("llguidance")
 
 from jobrunner.cli import main  # noqa: E402
 from jobrunner.output import read_results  # noqa: E402
+from tests.cli_helpers import jsonl, submit
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}
-
-
-def jsonl(path, rows):
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return str(path)
-
-
-def submit(tmp_path, ds, *args, out="out"):
-    r = CliRunner().invoke(main, ["submit", ds, "-o", str(tmp_path / out), *args])
-    rows = read_results(str(tmp_path / out)).to_pylist() if r.exit_code == 0 else None
-    return r, rows
 
 
 @pytest.fixture
