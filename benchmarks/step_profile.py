@@ -1,0 +1,181 @@
+"""Where one engine step's time goes, op by op: a decode step at N sequences and a prefill chunk.
+
+    python -m benchmarks.step_profile                      # the default model, 64 decodes, a 2048-token chunk
+    python -m benchmarks.step_profile --threads 1 --seqs 64 --prompt-len 64 --chunk 2048
+
+Each phase is timed first without the profiler (the median of --steps steps' wall), then profiled
+over the same number of steps. The table groups torch's ops by what they do (matmul, attention,
+norm, rotary, activation, residual, sampling, logits processing, KV write, other ops); "Python
+between ops" is the unprofiled wall less every op's own time (the profiler's own overhead is left out). Each matmul shape gets its GFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+
+# op name -> group; the first key contained in the name wins (lower-cased)
+GROUPS = [
+    ("cpu_attention", "attention"), ("attention", "attention"), ("sdpa", "attention"), ("flex", "attention"),
+    ("scaled_dot_product", "attention"), ("softmax", "attention"), ("bmm", "attention"),
+    ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("linear", "matmul"), ("fbgemm", "matmul"),
+    ("quantized", "matmul"), ("rms_norm", "norm"), ("aten::pow", "norm"), ("aten::rsqrt", "norm"),
+    ("aten::mean", "norm"), ("aten::sum", "norm"),
+    ("aten::sin", "rotary"), ("aten::cos", "rotary"), ("aten::neg", "rotary"), ("aten::cat", "rotary"),
+    ("silu", "activation"), ("gelu", "activation"), ("aten::mul", "elementwise mul"),
+    ("aten::add", "residual add"), ("index_copy", "KV write"), ("index_put", "KV write"),
+    ("argmax", "sampling"), ("multinomial", "sampling"), ("topk", "sampling"), ("sort", "sampling"),
+    ("exponential", "sampling"), ("log_softmax", "sampling"), ("aten::div", "logits processing"),
+    ("masked_fill", "logits processing"), ("scatter", "logits processing"), ("gather", "logits processing"),
+    ("aten::copy_", "copies"), ("index_select", "copies"), ("aten::to", "copies"), ("contiguous", "copies"),
+]
+WRAPPERS = ("aten::matmul", "aten::linear", "aten::rms_norm", "aten::_fused_rms_norm")   # totals, not own time
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for key, group in GROUPS:
+        if key in low:
+            return group
+    return "other ops"
+
+
+def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int, shared: int = 0):
+    from engine.request import Request, SamplingParams
+    rng = random.Random(seed)
+    prefix = [rng.randrange(16, vocab) for _ in range(shared)]
+    return [Request(f"r{i}", prefix + [rng.randrange(16, vocab) for _ in range(prompt_len - shared)],
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(n)]
+
+
+def _wall_per_step(engine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _profile(engine, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - t) / steps
+    groups: dict[str, float] = defaultdict(float)
+    shapes: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.key_averages(group_by_input_shape=True):
+        own = ev.self_cpu_time_total / 1e6 / steps
+        if ev.key in WRAPPERS or own <= 0:
+            continue
+        groups[group_of(ev.key)] += own
+        if ev.key == "aten::mm" and len(ev.input_shapes) >= 2 and ev.input_shapes[0] and ev.input_shapes[1]:
+            (m, k), (_, n) = ev.input_shapes[0][:2], ev.input_shapes[1][:2]
+            entry = shapes[f"{m}x{k} @ {k}x{n}"]
+            entry[0] += own
+            entry[1] = 2 * m * k * n * ev.count / steps
+    return {"profiled_wall_s": wall, "groups": dict(groups),
+            "matmuls": {s: {"ms": 1e3 * t_, "gflops": f / t_ / 1e9} for s, (t_, f) in shapes.items() if t_ > 0}}
+
+
+def decode_phase(engine, args) -> dict:
+    vocab = engine.rt.model_config.vocab_size
+    steps_needed = 2 * args.steps + 4
+    for r in _requests(args.seqs, args.prompt_len, steps_needed + 8, vocab, args.seed):
+        engine.add_request(r)
+    while len(engine.scheduler.running) < args.seqs or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    out = _with_python({"wall_s": _wall_per_step(engine, args.steps), **_profile(engine, args.steps)})
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def prefill_phase(engine, args) -> dict:
+    """Steps whose whole batch is one prompt chunk of --chunk tokens."""
+    vocab = engine.rt.model_config.vocab_size
+    walls, profiled = [], None
+    for k in range(args.steps + 1):
+        for r in _requests(1, args.chunk, 1, vocab, args.seed + 100 + k):
+            engine.add_request(r)
+        if k == args.steps:
+            profiled = _profile(engine, 1)
+        else:
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+        while engine.has_unfinished():
+            engine.step()
+    return _with_python({"wall_s": statistics.median(walls), **profiled})
+
+
+def _with_python(res: dict) -> dict:
+    """The step's wall (unprofiled) less its ops' own time (profiled): the host's Python between ops."""
+    res["groups"]["Python between ops"] = max(0.0, res["wall_s"] - sum(res["groups"].values()))
+    return res
+
+
+def print_phase(title: str, res: dict, flops: float) -> None:
+    wall = res["wall_s"]
+    print(f"\n### {title}: {wall * 1e3:.1f} ms a step ({flops / wall / 1e9:.1f} GFLOP/s of the model's matmuls), "
+          f"{res['profiled_wall_s'] * 1e3:.1f} ms profiled\n")
+    print("| part | ms a step | share |\n|---|---|---|")
+    total = sum(res["groups"].values())
+    for group, t in sorted(res["groups"].items(), key=lambda kv: -kv[1]):
+        print(f"| {group} | {t * 1e3:.1f} | {100 * t / total:.0f}% |")
+    print("\n| matmul | ms a step | GFLOP/s |\n|---|---|---|")
+    for shape, m in sorted(res["matmuls"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"| {shape} | {m['ms']:.1f} | {m['gflops']:.1f} |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-m", "--model", default="smollm2-135m-instruct", help="a model jobrunner loads")
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from jobrunner.models import resolve_model
+
+    model = resolve_model(args.model)
+    engine = Engine(EngineConfig(model=model, device="cpu", num_threads=args.threads, quantization=args.quantization,
+                                 max_num_batched_tokens=max(2048, args.chunk)))
+    try:
+        params = _matmul_params(engine)
+        results = {"decode": decode_phase(engine, args), "prefill": prefill_phase(engine, args)}
+    finally:
+        engine.close()
+    import torch
+    print(f"model {model}, {torch.get_num_threads()} threads, quantization {args.quantization}")
+    print_phase(f"decode step, {args.seqs} sequences at ~{args.prompt_len} tokens", results["decode"],
+                2 * params * args.seqs)
+    print_phase(f"prefill chunk of {args.chunk} tokens", results["prefill"], 2 * params * args.chunk)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **results}, f, indent=1)
+
+
+def _matmul_params(engine) -> int:
+    """Weights a token multiplies: every linear layer's plus the output head's."""
+    import torch
+    return sum(m.weight.numel() for m in engine.rt.model.modules()
+               if isinstance(m, torch.nn.Linear) and m.weight is not None)
+
+
+if __name__ == "__main__":
+    main()
