@@ -99,6 +99,14 @@ class Engine:
     def add_request(self, req: Request) -> None:
         self.outputs.add(req)
 
+    def set_threads(self, n: int) -> None:
+        """The CPU compute threads of the steps that follow (torch's intra-op pool; a process-wide
+        setting, as EngineConfig.num_threads). Nothing on a GPU, nor under tensor parallelism, whose
+        ranks each keep their share."""
+        if self.rt.device.type == "cpu" and self.rt.followers is None and n >= 1:
+            import torch
+            torch.set_num_threads(n)
+
     def close(self) -> None:
         """Ends the other ranks of a tensor-parallel group (at exit otherwise) and gives the process its
         garbage collector's threshold back."""

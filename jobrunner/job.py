@@ -17,6 +17,7 @@ from jobrunner.config import JobConfig
 from jobrunner.exit_codes import (  # noqa: F401 (the codes: imported from here too)
     EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, empty_verdict, rows_verdict)
 from jobrunner.idset import IdSet
+from jobrunner.threads import FixedThreads
 
 log = logging.getLogger("jobrunner")
 
@@ -65,12 +66,13 @@ class Job:
     its own parts; only rank 0 writes rows that never reach the planner."""
 
     def __init__(self, cfg: JobConfig, *, reader, kind, builder, planner, engine, reuse, writer, work, progress,
-                 stats, manifest: dict, fmt: str, max_in_flight: int | None = None, stop=None):
+                 stats, manifest: dict, fmt: str, max_in_flight: int | None = None, stop=None, threads=None):
         self.cfg, self.fmt, self.manifest = cfg, fmt, manifest
         self.reader = reader                # () -> batches of Rows (jobrunner.dataset.read_rows, or rows in memory)
         self.kind, self.builder, self.planner = kind, builder, planner
         self.engine, self.reuse, self.writer = engine, reuse, writer
         self.work, self.progress, self.stats = work, progress, stats
+        self.threads = threads or FixedThreads()     # the CPU threads, following the machine's load or fixed
         # requests queued in the engine ahead of it
         self.max_in_flight = max_in_flight or max(2 * engine.info.max_num_seqs, 64)
         self.reserved = reserved_columns(kind.result_columns)
@@ -275,6 +277,7 @@ class Job:
             self._finish(self.pending.pop(out.id).row, out)
         self.writer.maybe_flush()       # rows that finished a while ago reach a part even when few come
         self.progress.update(self.stats)
+        self.threads.tick()
 
     def _finish(self, row, out, from_cache: bool = False) -> None:
         """A row's result (from the engine or the cache), and the same result for its waiting copies."""

@@ -93,7 +93,18 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
                kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora),
                engine=engine, reuse=reuse, writer=writer, work=work,
                progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
-               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop)
+               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop, threads=_threads(cfg, engine))
+
+
+def _threads(cfg: JobConfig, engine):
+    """A governor that follows the machine's load (jobrunner/threads.py) where the threads were left to
+    the machine: a CPU engine of one process, no --threads."""
+    from jobrunner.threads import ThreadGovernor, available_cores
+    if cfg.engine.threads is not None or engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1:
+        return None
+    start = engine.config.num_threads or available_cores()
+    engine.set_threads(start)          # an engine kept between jobs (jobrunner.generate) starts where its config says
+    return ThreadGovernor(engine.set_threads, start, available_cores())
 
 
 def job_kind(cfg: JobConfig, resolved: Resolved, engine):
