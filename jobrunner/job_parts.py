@@ -104,7 +104,7 @@ def job_kind(cfg: JobConfig, resolved: Resolved, engine):
     checks.check_dimensions(cfg, engine.info)
     # unset sampling options: the checkpoint's; the context: for truncation
     spec = replace(cfg.job_spec(engine.info.generation.sampling), context=engine.info.max_model_len)
-    try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
+    try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai_routed)
         kind = job_for(resolved.fmt, cfg, spec, engine.tokenizer, engine.info.pooling, engine.config.model)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None

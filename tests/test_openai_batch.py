@@ -156,8 +156,9 @@ def test_chat_template_kwargs_reach_the_template(engine):
         spec = JobSpec("generate", PromptSpec(chat_template_kwargs=(("enable_thinking", False),)))
         builder = PromptBuilder(spec, tok)
         assert builder.render({"prompt": "hi"})[0] == "hi<think></think>"
+        from jobrunner.openai_rows import row_options
         row = {"messages": USER, "params": {"chat_template_kwargs": {"enable_thinking": True}}}
-        assert builder.render(row)[0] == "The quick brown fox"          # the row's own wins
+        assert builder.render(row, row_options(row))[0] == "The quick brown fox"          # the row's own wins
     finally:
         tok.chat_template = saved
 
