@@ -106,14 +106,13 @@ class Job:
             if not interrupted:
                 self.writer.close()
             return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, cfg.output_url)
-        from jobrunner.summary import job_summary
-        summary = job_summary(cfg.output_url, self.manifest["config"], run)     # every row in the output
+        summary = self._summary(run)        # every row in the output
         if interrupted:
             self.writer.write_stats(summary)
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
             return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
         self.writer.close(summary)
-        if cfg.output.output_format == "openai-batch":     # its files, their line counts in the summary
+        if cfg.output.output_format == "openai-batch" and not self._in_memory:     # its files, their line counts in the summary
             from jobrunner.openai_batch import finish_openai_output
             finish_openai_output(cfg.output_url, summary)
         code, why = exit_code_of(cfg, summary, self.stats)
@@ -125,9 +124,8 @@ class Job:
         hands the rows it had not written to the workers left."""
         if self.work.world > 1:
             raise failure
-        from jobrunner.summary import job_summary
         run = self._run_record(interrupted=False)     # as for lost data-parallel workers
-        summary = job_summary(self.cfg.output_url, self.manifest["config"], run)
+        summary = self._summary(run)
         self.writer.write_stats(summary)
         rows = self.stats.rows
         message = (f"{failure}; the {rows} row{'s' if rows != 1 else ''} this run finished "
@@ -163,6 +161,18 @@ class Job:
             for s, h in old.items():
                 signal.signal(s, h)
         return False
+
+    @property
+    def _in_memory(self) -> bool:
+        """The writer keeps the rows in memory (output.RowSink): no output directory."""
+        return getattr(self.writer, "in_memory", False)
+
+    def _summary(self, run: dict) -> dict:
+        """The summary of every row of the output (its parts and earlier runs; or the RowSink's rows)."""
+        from jobrunner.summary import job_summary, summary_of
+        if self._in_memory:
+            return summary_of(self.writer.tables, self.manifest["config"], [run])
+        return job_summary(self.cfg.output_url, self.manifest["config"], run)
 
     def _run_record(self, interrupted: bool) -> dict:
         """This run's own figures (time, throughput, engine counters, cost)."""

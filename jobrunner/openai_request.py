@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from engine import Constraint
-from jobs.messages import empty as _empty, text_messages  # noqa: F401 (text_messages: this module's API)
+from jobs.messages import join_text_parts
 from jobs.schema_check import SCHEMA_MODES
 
 # Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
@@ -137,6 +137,20 @@ def response_format_constraint(rf) -> Constraint | None:
     return Constraint("json_schema", json.dumps(schema))     # strict or not, the schema is enforced
 
 
+def text_messages(messages: list) -> tuple[list | None, str | None]:
+    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts); tool calls, function
+    calls, audio and tool or function messages are errors."""
+    out, error = join_text_parts(messages)
+    if error is not None:
+        return None, error
+    for m in out:
+        if isinstance(m, dict):
+            unsupported = [k for k in ("tool_calls", "function_call", "audio") if not _empty(m.get(k))]
+            if unsupported or m.get("role") in ("tool", "function"):
+                return None, f"message field {(unsupported or [m.get('role')])[0]!r} is not supported"
+    return out, None
+
+
 def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
     """A /v1/completions prompt: a string (or a list holding one string)."""
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -144,3 +158,8 @@ def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
     if isinstance(prompt, str):
         return prompt, None
     return None, "prompt must be a string (lists of prompts and token-id prompts are not supported)"
+
+
+def _empty(value: Any) -> bool:
+    """A value that asks for nothing (tools: [], functions: {}, ...)."""
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
