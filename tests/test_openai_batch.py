@@ -168,6 +168,7 @@ def test_truncate_prompt(engine, tmp_path, mode):
     long = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)     # ~400 tokens; context 256
     lines = [_line("long", url="/v1/completions", prompt=long, max_tokens=4),
              _line("long-copy", url="/v1/completions", prompt=long, max_tokens=4),    # computed once (dedup)
+             _line("longer", url="/v1/completions", prompt="More words first. " + long, max_tokens=4),
              _line("short", url="/v1/completions", prompt="Hello", max_tokens=4)]
     out, df = _run(engine, tmp_path, lines, truncate_prompt=mode)
     n = len(engine.tokenizer.encode(long))
@@ -179,6 +180,10 @@ def test_truncate_prompt(engine, tmp_path, mode):
     assert long_row["truncated_tokens"][0] == n - (256 - 4)
     copy = df.filter(pl.col("id") == "long-copy")
     assert copy["reused"][0] and copy["truncated_tokens"][0] == n - (256 - 4)     # the copy's own count
+    # cut left, a longer prompt keeps the same tokens: a copy of "long", with its own (larger) count
+    longer = df.filter(pl.col("id") == "longer")
+    assert longer["reused"][0] == (mode == "left")
+    assert longer["truncated_tokens"][0] == len(engine.tokenizer.encode("More words first. " + long)) - (256 - 4) > n - 252
     assert df.filter(pl.col("id") == "short")["truncated_tokens"][0] == 0
 
 
