@@ -6,16 +6,17 @@
 #   benchmarks/run_kinds.sh "$PWD" /tmp/kinds_after
 #   python benchmarks/compare_outputs.py /tmp/kinds_before /tmp/kinds_after
 #
-# The data is examples/reviews.jsonl (CODE_DIR's, else this checkout's) and small files written
-# under OUT_DIR/_data. Every job: --limit 8 --max-tokens 8, on CPU.
+# The data, this checkout's examples/reviews.jsonl and small files written beside it, lies in one
+# directory for every run ($RUN_KINDS_DATA, default /tmp/jobrunner-run-kinds-data), so that two runs'
+# manifests name the same datasets. Every job: --limit 8 --max-tokens 8, on CPU.
 set -euo pipefail
 CODE_DIR=$(cd "$1" && pwd)
 OUT_DIR=$2
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-REVIEWS="$CODE_DIR/examples/reviews.jsonl"
-[ -f "$REVIEWS" ] || REVIEWS="$HERE/examples/reviews.jsonl"
-DATA="$OUT_DIR/_data"
-mkdir -p "$DATA"
+DATA=${RUN_KINDS_DATA:-/tmp/jobrunner-run-kinds-data}
+mkdir -p "$DATA" "$OUT_DIR"
+REVIEWS="$DATA/reviews.jsonl"
+cp "$HERE/examples/reviews.jsonl" "$REVIEWS"
 
 # an OpenAI batch file: chat lines (one with its own sampling), a completions line
 python - "$DATA" <<'EOF'
