@@ -71,19 +71,20 @@ class EngineSession:
         except JobConfigError as e:
             raise JobConfigError(api_message(str(e))) from None
         self._key, self._engine, self._closer = None, None, None
+        self.closed = False
         self._load(cfg)
 
     def generate(self, rows, **options):
         """`jobrunner.generate` on this session's engine; options over the session's. JobConfigError
         also when they ask for another engine (another model, device, precision, KV cache size, ...)."""
-        if self.options is None:
+        if self.closed:
             raise JobConfigError("this engine session is closed; open another with jobrunner.open_engine")
         return _generate(rows, self.config, {**self.options, **options}, self)
 
     def close(self) -> None:
         """Free the engine (its model, KV cache and tensor-parallel ranks' processes)."""
         self._drop_engine()
-        self.options = None
+        self.closed = True
 
     def __enter__(self) -> EngineSession:
         return self
