@@ -1,19 +1,24 @@
 """jobrunner: batch LLM inference over datasets.
 
-The Python API (jobrunner.api), imported on first use so that `import jobrunner` stays cheap:
+The Python API (jobrunner.api, jobrunner.session), imported on first use so that `import jobrunner`
+stays cheap:
 
     jobrunner.submit(dataset, output=None, **options) -> JobResult     # as `jobrunner submit`
     jobrunner.generate(rows, **options) -> polars.DataFrame            # rows in memory, nothing on disk
+    with jobrunner.open_engine(model=..., **options) as llm:           # one engine for many calls
+        llm.generate(rows, **options) -> polars.DataFrame
 """
 from __future__ import annotations
 
-__all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "generate", "submit"]
+_MODULES = {"JobConfigError": "api", "JobFailedError": "api", "JobResult": "api", "OutputStorageError": "api",
+            "submit": "api", "EngineSession": "session", "generate": "session", "open_engine": "session"}
+__all__ = sorted(_MODULES)
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from jobrunner import api
-        return getattr(api, name)
+    if name in _MODULES:
+        from importlib import import_module
+        return getattr(import_module(f"jobrunner.{_MODULES[name]}"), name)
     raise AttributeError(f"module 'jobrunner' has no attribute {name!r}")
 
 

@@ -129,13 +129,17 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
     """The job's writer; given the job kind and its engine, with the output schema declared up front
     (jobrunner.result_schema), so that every part has the kind's columns whatever rows it holds."""
     from jobrunner.output import OutputError
-    schema = None
-    if job is not None:
-        from jobrunner.result_schema import result_schema
-        schema = result_schema(cfg.input.dataset, cfg.input.format, cfg.input.id_column, job, engine.info.hidden_size)
+    schema = declared_schema(cfg, job, engine) if job is not None else None
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.output.part_rows, overwrite=cfg.output.overwrite,
                           part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema,
                           done_ids=done_ids)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
+
+
+def declared_schema(cfg: JobConfig, job, engine):
+    """The schema of the job's output rows, declared up front (jobrunner.result_schema) from its input's
+    columns, its kind's and its engine's hidden size (the embedding column)."""
+    from jobrunner.result_schema import result_schema
+    return result_schema(cfg.input.dataset, cfg.input.format, cfg.input.id_column, job, engine.info.hidden_size)

@@ -19,12 +19,13 @@ class Dedup:
         self.window_ids: set[str] = set()               # the leaders' ids, this window
         self.results: dict[str, RequestOutput] = {}     # leader id -> result, leaders of this window done
         self.dropped: set[str] = set()                  # leaders of this window another worker runs
-        self.waiting: dict[str, list] = {}              # leader id -> copies (rows) waiting for its result
+        self.waiting: dict[str, list] = {}              # leader id -> copies (row, notes) waiting for its result
         self._count = 0
 
-    def admit(self, row, key: bytes) -> tuple[bool, RequestOutput | None]:
+    def admit(self, row, key: bytes, notes=None) -> tuple[bool, RequestOutput | None]:
         """(runs, result): runs is True for a leader (it goes on to run); a copy gets (False, the
-        leader's result) when the leader is done, else (False, None): it waits, or another worker has it."""
+        leader's result) when the leader is done, else (False, None): it waits, with `notes` (the job
+        kind's on it: jobs.row.RowNotes), or another worker has it."""
         self._count += 1
         if self._count > self.window_rows:
             self.leaders.clear()
@@ -40,11 +41,11 @@ class Dedup:
         if leader in self.results:
             return False, self.results[leader]
         if leader not in self.dropped:
-            self.waiting.setdefault(leader, []).append(row)
+            self.waiting.setdefault(leader, []).append((row, notes))
         return False, None
 
     def finish(self, leader_id: str, out: RequestOutput) -> list:
-        """A leader's result: the copies waiting for it; later copies in the window get it at admit."""
+        """A leader's result: the copies (row, notes) waiting for it; later copies in the window get it at admit."""
         if leader_id in self.window_ids:
             self.results[leader_id] = out
         return self.waiting.pop(leader_id, [])

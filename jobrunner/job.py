@@ -38,10 +38,12 @@ class JobResult:
 class PendingRow:
     """A row inside the planner or the engine: its request's parameters and, apart, its prompt's token
     ids as uint32 (4 bytes a token, not ~36 in a list of ints) while it waits; the engine gets them as a
-    list when the row is submitted."""
+    list when the row is submitted. `notes` are what the kind's request step noted for its columns step
+    (jobs.row.RowNotes): they go where the row goes, so no kind keeps per-row state."""
     row: object                     # jobrunner.dataset.Row
     tokens: array                   # array("I"): the prompt's token ids
     request: object                 # the engine Request, its prompt_token_ids empty (they are `tokens`)
+    notes: object                   # jobs.row.RowNotes
 
     def engine_request(self):
         return replace(self.request, prompt_token_ids=self.tokens.tolist())
@@ -106,14 +108,13 @@ class Job:
             if not interrupted:
                 self.writer.close()
             return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, cfg.output_url)
-        from jobrunner.summary import job_summary
-        summary = job_summary(cfg.output_url, self.manifest["config"], run)     # every row in the output
+        summary = self._summary(run)        # every row in the output
         if interrupted:
             self.writer.write_stats(summary)
             log.warning("interrupted: %d rows written; run the same command again to resume", self.stats.rows)
             return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
         self.writer.close(summary)
-        if cfg.output.output_format == "openai-batch":     # its files, their line counts in the summary
+        if cfg.output.output_format == "openai-batch" and not self._in_memory:     # its files, their line counts in the summary
             from jobrunner.openai_batch import finish_openai_output
             finish_openai_output(cfg.output_url, summary)
         code, why = exit_code_of(cfg, summary, self.stats)
@@ -125,9 +126,8 @@ class Job:
         hands the rows it had not written to the workers left."""
         if self.work.world > 1:
             raise failure
-        from jobrunner.summary import job_summary
         run = self._run_record(interrupted=False)     # as for lost data-parallel workers
-        summary = job_summary(self.cfg.output_url, self.manifest["config"], run)
+        summary = self._summary(run)
         self.writer.write_stats(summary)
         rows = self.stats.rows
         message = (f"{failure}; the {rows} row{'s' if rows != 1 else ''} this run finished "
@@ -149,7 +149,8 @@ class Job:
                 cached = self.reuse.take(unit.items)     # data-parallel: hits held for the claiming worker
                 for key in unit.items:
                     if key in cached:
-                        self._finish(self.pending.pop(key).row, cached[key], from_cache=True)
+                        p = self.pending.pop(key)
+                        self._finish(p.row, p.notes, cached[key], from_cache=True)
                     else:
                         engine.add_request(self.pending[key].engine_request())
                 while engine.num_in_flight >= self.max_in_flight:
@@ -162,6 +163,18 @@ class Job:
             for s, h in old.items():
                 signal.signal(s, h)
         return False
+
+    @property
+    def _in_memory(self) -> bool:
+        """The writer keeps the rows in memory (output.RowSink): no output directory."""
+        return getattr(self.writer, "in_memory", False)
+
+    def _summary(self, run: dict) -> dict:
+        """The summary of every row of the output (its parts and earlier runs; or the RowSink's rows)."""
+        from jobrunner.summary import job_summary, summary_of
+        if self._in_memory:
+            return summary_of(self.writer.tables, self.manifest["config"], [run])
+        return job_summary(self.cfg.output_url, self.manifest["config"], run)
 
     def _run_record(self, interrupted: bool) -> dict:
         """This run's own figures (time, throughput, engine counters, cost)."""
@@ -207,7 +220,7 @@ class Job:
                     self._write_error(row, row.error)
                     continue
                 try:
-                    text, special = self.builder.render(row.data)
+                    text, special = self.builder.render(row.data, row.options)
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
@@ -217,16 +230,16 @@ class Job:
                 ready.append((row, text, special))
             for (row, _, _), ids in zip(ready, self._encode(ready)):
                 try:
-                    req = self.kind.request(row.id, ids, row.data)
+                    req, notes = self.kind.request(row.id, ids, row.data, row.options)
                 except RowError as e:
                     self._write_error(row, str(e))
                     continue
-                runs, result = self.reuse.admit(row, req)
+                runs, result = self.reuse.admit(row, req, notes)
                 if not runs:        # a copy of an earlier row: it gets that row's result, now or when it is done
                     if result is not None:
-                        self._emit_output(row, result, reused=True)
+                        self._emit_output(row, notes, result, reused=True)
                     continue
-                held.append((row, req))
+                held.append((row, req, notes))
                 held_tokens += len(req.prompt_token_ids)
             if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
                 yield from self._past_cache(held)
@@ -238,16 +251,16 @@ class Job:
         yield from self._past_cache(held)
 
     def _past_cache(self, held: list):
-        """Rows (row, request) past the result cache, looked up together (a lookup's cost is per bucket
+        """Rows (row, request, notes) past the result cache, looked up together (a lookup's cost is per bucket
         and shard touched, so a large batch amortizes it). A hit is done at once, unless data-parallel:
         then every worker must plan the same rows, so a hit waits in the planner like any row and is
         served when its unit is claimed. The rest go on to the planner."""
-        found = self.reuse.fetch([row.id for row, _ in held])
+        found = self.reuse.fetch([row.id for row, _, _ in held])
         sampling = None
-        for row, req in held:
+        for row, req, notes in held:
             out = found.get(row.id)
             if out is not None and self.work.world == 1:
-                self._finish(row, out, from_cache=True)
+                self._finish(row, notes, out, from_cache=True)
                 continue
             if out is not None:
                 self.reuse.hold(row.id, out)
@@ -255,7 +268,7 @@ class Job:
                 req = replace(req, sampling=sampling)
             sampling = req.sampling
             tokens = array("I", req.prompt_token_ids)
-            self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]))
+            self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]), notes)
             yield self.planner.item(row.id, req.adapter, req.prompt_token_ids)    # grouped by LoRA adapter
 
     def _encode(self, ready) -> list[list[int]]:
@@ -274,28 +287,29 @@ class Job:
         if self.stop.is_set():
             raise _Interrupted
         for out in self.engine.step():
-            self._finish(self.pending.pop(out.id).row, out)
+            p = self.pending.pop(out.id)
+            self._finish(p.row, p.notes, out)
         self.writer.maybe_flush()       # rows that finished a while ago reach a part even when few come
         self.progress.update(self.stats)
         self.threads.tick()
 
-    def _finish(self, row, out, from_cache: bool = False) -> None:
-        """A row's result (from the engine or the cache), and the same result for its waiting copies."""
+    def _finish(self, row, notes, out, from_cache: bool = False) -> None:
+        """A row's result (from the engine or the cache), and the same result for its waiting copies
+        (each with its own notes)."""
         copies = self.reuse.finished(row.id, out, from_cache)
-        self._emit_output(row, out, reused=from_cache)
-        for copy in copies:
-            self._emit_output(copy, out, reused=True)
+        self._emit_output(row, notes, out, reused=from_cache)
+        for copy, copy_notes in copies:
+            self._emit_output(copy, copy_notes, out, reused=True)
 
-    def _emit_output(self, row, out, reused: bool) -> None:
-        if out.id != row.id:            # a copy: the kind keys its per-row state (truncation) by the row's id
-            out = replace(out, id=row.id)
+    def _emit_output(self, row, notes, out, reused: bool) -> None:
+        """The row's output rows: its own columns and notes (a copy's, not its leader's) over `out`."""
         base = self._base(row)
         base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
         if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
             base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
         rows = []
-        for cols in self.kind.columns(out, row.data):
+        for cols in self.kind.columns(out, row.data, row.options, notes):
             r = dict(base)
             r.update(cols)
             if r["error"] is None and r.get("finish_reason") == "error":     # every failed row says why

@@ -1,7 +1,7 @@
 """A Job's parts, made from its configuration and what jobrunner.resolve found, and the Job built of
 them in one constructor call (`open_job`). A data-parallel worker is the same Job with another work
 source (jobrunner/parallel/worker.py: SharedUnits) and progress; `jobrunner.generate` the same Job
-with another reader."""
+with another reader and its rows kept in memory (output.RowSink) instead of an output directory."""
 from __future__ import annotations
 
 import logging
@@ -61,15 +61,15 @@ class AllUnits:
 
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
-             reader=None, max_in_flight: int | None = None, done_ids=None, stop=None) -> Job:
+             reader=None, max_in_flight: int | None = None, done_ids=None, stop=None, in_memory: bool = False) -> Job:
     """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
     the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
     AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows),
     `done_ids` (the ids to skip, else those in the output's parts), `stop` (the threading.Event that
-    stops the job, else its own: its signal handlers set it)."""
+    stops the job, else its own: its signal handlers set it). in_memory: the result rows are kept in a
+    RowSink (job.writer.table()), and cfg's output directory is never touched."""
     from jobrunner.dataset import read_rows
     from jobrunner.job_manifest import job_manifest
-    from jobrunner.output import ResultWriter
     from jobrunner.stats import JobStats
     resolved = resolved or resolve(cfg, output_state=False)
     work = work or AllUnits()
@@ -78,9 +78,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     try:
         kind, builder = job_kind(cfg, resolved, engine)
         manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank)
-        checks.check_same_commit(cfg, manifest)
-        prefix = "part" if work.world == 1 else f"part-r{work.rank}"
-        writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
+        writer = _writer(cfg, manifest, kind, engine, work, done_ids, in_memory)
         stats = JobStats()
         reuse = _reuse(cfg, resolved, engine, stats)
     except BaseException:
@@ -107,6 +105,16 @@ def _threads(cfg: JobConfig, engine):
     return ThreadGovernor(engine.set_threads, start, available_cores())
 
 
+def _writer(cfg: JobConfig, manifest: dict, kind, engine, work, done_ids, in_memory: bool):
+    """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory."""
+    from jobrunner.output import ResultWriter, RowSink
+    if in_memory:
+        return RowSink(checks.declared_schema(cfg, kind, engine), cfg.output.part_rows)
+    checks.check_same_commit(cfg, manifest)
+    prefix = "part" if work.world == 1 else f"part-r{work.rank}"
+    return checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
+
+
 def job_kind(cfg: JobConfig, resolved: Resolved, engine):
     """(the job kind, the prompt builder) of cfg on this engine's tokenizer and checkpoint."""
     from jobrunner.openai_kinds import job_for
@@ -115,7 +123,7 @@ def job_kind(cfg: JobConfig, resolved: Resolved, engine):
     checks.check_dimensions(cfg, engine.info)
     # unset sampling options: the checkpoint's; the context: for truncation
     spec = replace(cfg.job_spec(engine.info.generation.sampling), context=engine.info.max_model_len)
-    try:        # an OpenAI batch file: each line's url picks its kind (jobs.routed)
+    try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai_routed)
         kind = job_for(resolved.fmt, cfg, spec, engine.tokenizer, engine.info.pooling, engine.config.model)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None

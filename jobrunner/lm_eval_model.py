@@ -221,12 +221,14 @@ def _device(device: str | None) -> str | None:
 
 class _Jobs:
     """The one place this backend meets jobrunner: rows in, result rows (dicts, input order) out,
-    through the public API (jobrunner.generate, or jobrunner.submit for data-parallel workers)."""
+    through the public API (an engine session, jobrunner.open_engine, opened at the first in-process
+    job and held while the model object lives; or jobrunner.submit for data-parallel workers)."""
 
     def __init__(self, options: dict):
         from jobrunner.api import build_config
         self.options = {k: v for k, v in options.items() if v is not None}
         build_config("memory://lm-eval.jsonl", self.options)     # unknown or bad options: now (JobConfigError)
+        self.session = None         # jobrunner.EngineSession: closed when collected with this object
 
     def tokenizer_and_context(self):
         """The model's tokenizer and context length, without loading its weights."""
@@ -240,9 +242,11 @@ class _Jobs:
         options = {**self.options, **job_options}
         if not rows:
             return []
-        if int(options.get("data_parallel") or 1) == 1:
-            return jobrunner.generate(rows, **options).to_dicts()
-        return _submit(rows, options)
+        if int(options.get("data_parallel") or 1) != 1:
+            return _submit(rows, options)
+        if self.session is None:
+            self.session = jobrunner.open_engine(**self.options)
+        return self.session.generate(rows, **job_options).to_dicts()
 
 
 def _submit(rows: list[dict], options: dict) -> list[dict]:

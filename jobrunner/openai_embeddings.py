@@ -20,11 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from jobs.base import EMBEDDINGS_ENDPOINT
-
 __all__ = ["ENDPOINT", "ENCODING_FORMATS", "parse_embeddings_body", "embeddings_body", "is_embeddings_rows"]
 
-ENDPOINT = EMBEDDINGS_ENDPOINT
+ENDPOINT = "/v1/embeddings"         # the url that the embed kind serves (jobrunner.openai_rows routes it)
 ENCODING_FORMATS = ("float", "base64")
 _BODY_KEYS = ("input", "model", "dimensions", "encoding_format", "user")
 

@@ -5,7 +5,7 @@ from a row's error text.
       -> {"code": "invalid_request", "message": "parameter 'tools' ...", "param": "tools", "line": 4}
 
 A row's error is one string (the Parquet `error` column); the body key it is about is found in the
-phrasings jobrunner.openai_request, openai_embeddings, openai_batch and jobs.routed use (a test
+phrasings jobrunner.openai_request, openai_embeddings, openai_batch and openai_routed use (a test
 holds them to it). line: the row's `line` column (openai_batch.parse_record's line number), else the
 "line N:" the reader put before a line it could not parse.
 """

@@ -1,5 +1,5 @@
 """The job kind a job runs: the --kind's (jobs.make_job), and for an OpenAI batch file the routed job
-(jobs.routed) whose lines' urls pick their kind and whose lines' body.model must name the job's model.
+(jobrunner.openai_routed) whose lines' urls pick their kind and whose lines' body.model must name the job's model.
 
     job = job_for(fmt, cfg, spec, tokenizer, pooling, source)
 
@@ -39,7 +39,7 @@ def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str
     if fmt != FORMAT:
         job = make_job(spec, tokenizer, pooling)
         return LoraJob(job, cfg.lora.names, cfg.lora.column) if cfg.lora.adapters else job
-    from jobs.routed import RoutedJob
+    from jobrunner.openai_routed import RoutedJob
     main = make_job(spec, tokenizer, pooling)
     routed = RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))
     return LoraJob(routed, cfg.lora.names, by_model=True) if cfg.lora.adapters else routed

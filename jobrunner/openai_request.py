@@ -4,16 +4,16 @@ Nothing in a body is ignored silently: each key is honoured (turned into our par
 nothing (accepted), or would change the output in a way we don't support: then the row fails
 with an error naming the parameter. Keys we don't know fail the same way.
 
-    params, error = body_params(body, chat=True)      # params: SamplingParams names (jobs.base)
+    params, error = body_params(body, chat=True)      # params: SamplingParams names (jobrunner.openai_rows)
     messages, error = text_messages(body["messages"])  # content parts joined into one string
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from jobs.base import RowError
-from jobs.constraint import response_format_constraint
-from jobs.messages import empty as _empty, text_messages  # noqa: F401 (text_messages: this module's API)
+from engine import Constraint
+from jobs.messages import join_text_parts
 from jobs.schema_check import SCHEMA_MODES
 
 # Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
@@ -32,6 +32,7 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
 NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
                   "modalities": (["text"],), "reasoning_effort": ()}
 MAX_TOP_LOGPROBS = 20
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def body_params(body: dict, chat: bool) -> tuple[dict | None, str | None]:
@@ -109,14 +110,45 @@ def _logit_bias(value: Any, params: dict) -> str | None:
 
 
 def _response_format(value: Any, params: dict) -> str | None:
-    """Checked as the row's constraint will read it (jobs/constraint.py); json_object and json_schema
-    go on to it, text changes nothing."""
+    """Checked as the row's constraint will read it (response_format_constraint); json_object and
+    json_schema go on to it, text changes nothing."""
     try:
         if response_format_constraint(value) is not None:
             params["response_format"] = value
-    except RowError as e:
+    except ValueError as e:
         return str(e)
     return None
+
+
+def response_format_constraint(rf) -> Constraint | None:
+    """OpenAI's `response_format` -> a Constraint (None for "text"); ValueError for what we can't honour."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise ValueError(f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}; "
+                         f"got {rf!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json")
+    spec = rf.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+    return Constraint("json_schema", json.dumps(schema))     # strict or not, the schema is enforced
+
+
+def text_messages(messages: list) -> tuple[list | None, str | None]:
+    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts); tool calls, function
+    calls, audio and tool or function messages are errors."""
+    out, error = join_text_parts(messages)
+    if error is not None:
+        return None, error
+    for m in out:
+        if isinstance(m, dict):
+            unsupported = [k for k in ("tool_calls", "function_call", "audio") if not _empty(m.get(k))]
+            if unsupported or m.get("role") in ("tool", "function"):
+                return None, f"message field {(unsupported or [m.get('role')])[0]!r} is not supported"
+    return out, None
 
 
 def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
@@ -126,3 +158,8 @@ def completion_prompt(prompt: Any) -> tuple[str | None, str | None]:
     if isinstance(prompt, str):
         return prompt, None
     return None, "prompt must be a string (lists of prompts and token-id prompts are not supported)"
+
+
+def _empty(value: Any) -> bool:
+    """A value that asks for nothing (tools: [], functions: {}, ...)."""
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)

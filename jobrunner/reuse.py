@@ -34,13 +34,14 @@ class Reuse:
         self.batch_rows = LOOKUP_ROWS if self.read else 1      # rows a job holds back for one lookup
         self.held: dict[str, RequestOutput] = {}        # row id -> hit, until its unit is claimed (data-parallel)
 
-    def admit(self, row, req) -> tuple[bool, RequestOutput | None]:
-        """(runs, result) for a row and its request: see Dedup.admit. Call before packing the prompt."""
+    def admit(self, row, req, notes=None) -> tuple[bool, RequestOutput | None]:
+        """(runs, result) for a row, its request and the kind's notes on it (a copy keeps its own): see
+        Dedup.admit. Call before packing the prompt."""
         if (self.dedup is None and self.store is None) or not is_deterministic(req):
             return True, None
         key = request_key(self.model, self.kind, req, self.adapters)
         if self.dedup is not None:
-            runs, result = self.dedup.admit(row, key)
+            runs, result = self.dedup.admit(row, key, notes)
             if not runs:
                 if result is not None:
                     self._saved(result, copy=True)
@@ -77,7 +78,8 @@ class Reuse:
         return {i: self.held.pop(i) for i in ids if i in self.held}
 
     def finished(self, row_id: str, out: RequestOutput, from_cache: bool = False) -> list:
-        """A leader's result (computed or from the cache): stores it, and returns the copies waiting for it."""
+        """A leader's result (computed or from the cache): stores it, and returns the copies waiting for
+        it, each as (row, its notes)."""
         key = self.keys.pop(row_id, None)
         if from_cache:
             self.stats.rows_from_cache += 1

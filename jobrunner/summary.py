@@ -5,11 +5,12 @@ the part files, so they are exact after a resume, and after a kill -9 that wrote
 throughput, engine counters and cost exist only for runs that recorded them: each run's record
 (JobStats.summary, or parallel.stats.merge_stats for a data-parallel run) is kept in `runs`, carried
 forward from the previous _stats.json, and the top level sums them; `runs_recorded` says how many
-runs that is. The parts are read a few columns and one part at a time (bounded memory).
+runs that is. The parts are read a few columns and one part at a time (bounded memory). Rows kept in
+memory (output.RowSink: jobrunner.generate) are summed the same way, over their tables (`summary_of`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -40,12 +41,21 @@ def stored_name(column: str, result_columns, present) -> str | None:
     return found
 
 
+# columns to read (a function of a table's column names, as iter_result_parts takes it) -> the tables
+Tables = Callable[[Callable[[list[str]], list[str]]], Iterable[pa.Table]]
+
+
 def job_summary(output_url: str, config: Mapping, run: dict | None = None) -> dict:
     """The summary of every row in the output. config: the job's (JobConfig.fingerprint_fields() or
     the manifest's); run: this run's record, appended to the runs the previous _stats.json holds."""
     previous = read_stats(output_url) or {}
     runs = list(previous.get("runs") or []) + ([run] if run is not None else [])
-    s = part_figures(output_url, config)
+    return summary_of(lambda columns: iter_result_parts(output_url, columns), config, runs)
+
+
+def summary_of(tables: Tables, config: Mapping, runs: list[dict]) -> dict:
+    """The summary of the rows `tables` holds (row figures, as part_figures') and of the recorded runs."""
+    s = table_figures(tables, config)
     metrics = s.pop("metrics", None)
     s.update(over_runs(runs))
     if metrics is not None:
@@ -87,6 +97,11 @@ def over_runs(runs: list[dict]) -> dict:
 def part_figures(output_url: str, config: Mapping) -> dict:
     """Row figures over every readable part (JobStats.row_figures keys), plus `metrics` when the
     job has them (classify and generate with a reference column, score)."""
+    return table_figures(lambda columns: iter_result_parts(output_url, columns), config)
+
+
+def table_figures(tables: Tables, config: Mapping) -> dict:
+    """part_figures over the tables `tables` gives (each with the columns asked for that it has)."""
     from jobs import KINDS
     from jobs.metrics import job_metrics
 
@@ -110,7 +125,7 @@ def part_figures(output_url: str, config: Mapping) -> dict:
     stats = JobStats()
     incomplete = []                 # per constrained sample: cut by max_tokens before its grammar ended
     checked = []                    # per sample under a JSON schema: did its output validate
-    for table in iter_result_parts(output_url, lambda names: wanted + [reference(names)]):
+    for table in tables(lambda names: wanted + [reference(names)]):
         _add_rows(stats, table, samples)
         if constrained:
             incomplete += [v for v in stored_values(table, CONSTRAINED_INCOMPLETE) if v is not None]

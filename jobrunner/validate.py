@@ -114,8 +114,8 @@ def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
     from jobs import RowError
     if row.error:
         raise RowError(row.error.split(": ", 1)[-1])
-    text, ids = builder.build(row.data)
-    req = job.request(row.id, ids, row.data)
+    text, ids = builder.build(row.data, row.options)
+    req, _ = job.request(row.id, ids, row.data, row.options)
     too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
     if too_long:
         raise RowError(too_long)

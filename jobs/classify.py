@@ -17,6 +17,7 @@ import math
 from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError, uses_chat
 from jobs.metrics import ClassificationMetrics
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import JobSpec
 
 
@@ -69,12 +70,14 @@ class ClassifyJob:
                 return ""
         return self.delimiter
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
         delimiter = self._delimiter(prompt_ids)
         cands = [self.encode(label, delimiter) for label in self.labels(data)]
-        return Request(row_id, prompt_ids, SamplingParams(max_tokens=0), candidates=cands)
+        return Request(row_id, prompt_ids, SamplingParams(max_tokens=0), candidates=cands), NO_NOTES
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
         if out.error is not None:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0}]
         labels = self.labels(data)

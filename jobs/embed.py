@@ -5,9 +5,10 @@ The pooling, normalization and size come from EmbedSpec over the checkpoint's se
 files. The row's `embedding` is an array('f') (4 bytes a value, not a Python float each), written as
 a fixed-size float32 list column (jobrunner.output.values).
 
-An OpenAI /v1/embeddings line (jobrunner.openai_embeddings) may set `dimensions`, and its `input` may
-be a list of texts: then the request embeds each as given (one EMBED sequence each) and the row gives
-one output row per text, `input_index` 0.., the first carrying the request's token counts.
+A row may set its own `dimensions` (RowOptions.dimensions), and give a list of texts (RowOptions.texts,
+an OpenAI /v1/embeddings line's `input` list: jobrunner.openai_rows): then the request embeds each as
+given (one EMBED sequence each) and the row gives one output row per text, `input_index` 0.., the
+first carrying the request's token counts.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from array import array
 from dataclasses import replace
 
 from engine import CheckpointPooling, Request, RequestOutput
-from jobs.base import RowError, is_embeddings_row
+from jobs.base import RowError
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import JobSpec
 
 
@@ -33,30 +35,27 @@ class EmbedJob:
         line's own `dimensions` may differ: such a vector goes to extra_json)."""
         return self.params.dimensions or hidden_size
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
         params, more = self.params, None
-        if isinstance(data.get("params"), dict):
-            if not is_embeddings_row(data):
-                raise RowError("an OpenAI chat or completions line in an embed job: --kind embed serves "
-                               "/v1/embeddings lines only")
-            dims = data["params"].get("dimensions")
-            if dims is not None:
-                try:
-                    params = replace(params, dimensions=dims)
-                except (TypeError, ValueError) as e:
-                    raise RowError(f"bad dimensions: {e}") from None
-            texts = data.get("input")
-            if isinstance(texts, list) and len(texts) > 1:      # each text as given, the first included
-                prompt_ids, *more = self.tokenizer.encode_batch(texts, add_special_tokens=True)
-        return Request(row_id, prompt_ids, embed=params, more_inputs=more)
+        if options.dimensions is not None:
+            try:
+                params = replace(params, dimensions=options.dimensions)
+            except (TypeError, ValueError) as e:
+                raise RowError(f"bad dimensions: {e}") from None
+        texts = options.texts
+        if texts is not None and len(texts) > 1:      # each text as given, the first included
+            prompt_ids, *more = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        return Request(row_id, prompt_ids, embed=params, more_inputs=more), NO_NOTES
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
         if out.error is not None or not out.embeddings:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
                      "error": out.error or "the engine returned no embedding"}]
         rows = [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "embedding": array("f", v)}
                 for v in out.embeddings]
-        if len(rows) > 1 or isinstance(data.get("input"), list):
+        if len(rows) > 1 or options.texts is not None:
             for i, row in enumerate(rows):
                 row["input_index"] = i
                 if i:

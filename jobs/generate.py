@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine import Request, RequestOutput
-from jobs.base import sampling_params
-from jobs.base import RowError
+from jobs.base import RowError, sampling_params
 from jobs.constraint import requested_constraint, row_constraint
 from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
 from jobs.reasoning import prompt_opens_reasoning, reasoning_markers, split_reasoning
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.schema_check import SchemaCheck
 from jobs.spec import JobSpec
 from jobs.truncation import truncate_prompt
@@ -32,26 +32,21 @@ class GenerateJob:
         self.evaluation = spec.evaluation
         self.accuracy = Accuracy(spec.evaluation.match) if spec.evaluation.enabled else None
         self.speller = TokenSpeller(tokenizer)
-        self._truncated: dict[str, int] = {}       # row id -> prompt tokens dropped, until its columns are made
-        self._opened: set[str] = set()              # row ids whose prompt left the reasoning open, likewise
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        sampling = sampling_params(self.sampling, data.get("params"))
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
+        sampling = sampling_params(self.sampling, options.sampling)
         ids, dropped = truncate_prompt(prompt_ids, self.spec.truncate_prompt, self.spec.context, sampling.max_tokens)
-        if dropped:
-            self._truncated[row_id] = dropped
-        if self.spec.reasoning_parser and prompt_opens_reasoning(ids, self.sampling.reasoning_markers):
-            self._opened.add(row_id)
-        constraint = row_constraint(self.constraint, self.schema_column, data, self.schema_mode)
-        return Request(row_id, ids, sampling, constraint=constraint)
+        opened = bool(self.spec.reasoning_parser) and prompt_opens_reasoning(ids, self.sampling.reasoning_markers)
+        notes = RowNotes(dropped, opened) if dropped or opened else NO_NOTES
+        constraint = row_constraint(self.constraint, self.schema_column, data, self.schema_mode, options)
+        return Request(row_id, ids, sampling, constraint=constraint), notes
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
         """One dict per sample (n > 1 gives n rows with sample_index)."""
         rows = []
-        truncated = self._truncated.pop(out.id, 0)
-        opened = out.id in self._opened
-        self._opened.discard(out.id)
-        schema = self._schema(data) if out.error is None else None
+        schema = self._schema(data, options) if out.error is None else None
         for c in out.completions:
             row = {"output": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
             if self.sampling.n > 1 or len(out.completions) > 1:
@@ -59,10 +54,10 @@ class GenerateJob:
             if c.logprobs is not None:
                 row["logprobs"] = self.speller.entries(c.logprobs)
             if self.spec.reasoning_parser:     # no reasoning in the text (no marker): none counted either
-                reasoning, row["output"] = split_reasoning(self.spec.reasoning_parser, c.text, opened)
+                reasoning, row["output"] = split_reasoning(self.spec.reasoning_parser, c.text, notes.reasoning_open)
                 row.update(reasoning=reasoning, reasoning_tokens=(c.reasoning_tokens or 0) if reasoning else 0)
             if self.spec.truncate_prompt != "none":
-                row["truncated_tokens"] = truncated
+                row["truncated_tokens"] = notes.truncated_tokens
             if c.constrained:               # cut by max_tokens before its grammar ended
                 row["constrained_incomplete"] = c.finish_reason == "length"
             if schema is not None:          # checked against the whole schema, whatever the grammar enforced
@@ -72,10 +67,10 @@ class GenerateJob:
             rows.append(row)
         return rows
 
-    def _schema(self, data: dict) -> str | None:
+    def _schema(self, data: dict, options: RowOptions) -> str | None:
         """The JSON schema the row's outputs are checked against, as written; None when it has none."""
         try:
-            c = requested_constraint(self.constraint, self.schema_column, data)
+            c = requested_constraint(self.constraint, self.schema_column, data, options)
         except RowError:
             return None
         return c.spec if c is not None and c.kind == "json_schema" else None

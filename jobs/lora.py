@@ -2,13 +2,14 @@
 `adapter` result column (null: the base model).
 
 A row picks by the --lora-column's value (null: the base model; a name the job did not load: an
-error row) or, in an OpenAI batch file, by naming the adapter in its body's `model` (vLLM's
-convention; any other name the job's model answers to is the base model).
+error row) or by naming the adapter as the model it asks for (RowOptions.model: an OpenAI batch
+body's `model`, vLLM's convention; any other name the job's model answers to is the base model).
 """
 from __future__ import annotations
 
 from engine import Request, RequestOutput
 from jobs.base import RowError
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 
 
 class LoraJob:
@@ -23,11 +24,10 @@ class LoraJob:
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
-    def adapter(self, data: dict) -> str | None:
+    def adapter(self, data: dict, options: RowOptions = NO_OPTIONS) -> str | None:
         """The row's adapter name, or None for the base model; RowError for a name the job lacks."""
         if self.by_model:
-            model = (data or {}).get("model")
-            return model if model in self.names else None
+            return options.model if options.model in self.names else None
         if self.column is None:
             return None
         value = (data or {}).get(self.column)
@@ -38,12 +38,14 @@ class LoraJob:
                            f"({', '.join(sorted(self.names))}); null runs the base model")
         return value
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        name = self.adapter(data)
-        req = self.inner.request(row_id, prompt_ids, data)
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
+        name = self.adapter(data, options)
+        req, notes = self.inner.request(row_id, prompt_ids, data, options)
         req.adapter = name
-        return req
+        return req, notes
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
-        name = self.adapter(data)
-        return [{**cols, "adapter": name} for cols in self.inner.columns(out, data)]
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
+        name = self.adapter(data, options)
+        return [{**cols, "adapter": name} for cols in self.inner.columns(out, data, options, notes)]

@@ -1,22 +1,7 @@
-"""Chat messages as a row gives them: OpenAI's content parts become one string, as vLLM joins them.
-Shared by OpenAI batch lines (jobrunner.openai_request) and --messages-column rows (jobs.base)."""
+"""Chat messages as a row gives them: content parts (a list of {"type": "text", "text": ...}, as OpenAI
+and Hugging Face chat datasets write them) become one string, as vLLM joins them. Used for
+--messages-column rows and a row's own messages (jobs.base), and by jobrunner.openai_request."""
 from __future__ import annotations
-
-from typing import Any
-
-
-def text_messages(messages: list) -> tuple[list | None, str | None]:
-    """An OpenAI line's messages: text parts joined (join_text_parts); tool calls, function calls,
-    audio and tool or function messages are errors."""
-    out, error = join_text_parts(messages)
-    if error is not None:
-        return None, error
-    for m in out:
-        if isinstance(m, dict):
-            unsupported = [k for k in ("tool_calls", "function_call", "audio") if not empty(m.get(k))]
-            if unsupported or m.get("role") in ("tool", "function"):
-                return None, f"message field {(unsupported or [m.get('role')])[0]!r} is not supported"
-    return out, None
 
 
 def join_text_parts(messages: list) -> tuple[list | None, str | None]:
@@ -34,7 +19,3 @@ def join_text_parts(messages: list) -> tuple[list | None, str | None]:
             m = {**m, "content": "\n".join(texts)}
         out.append(m)
     return out, None
-
-
-def empty(value: Any) -> bool:
-    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)

@@ -15,18 +15,10 @@ from __future__ import annotations
 
 import json
 
-from jobs.base import RowError
-
 SCHEMA_MODES = ("strict", "validate")
 # what validate asks of llguidance, in the schema's own "x-guidance" options
 LENIENT = {"coerce_one_of": True, "lenient": True}
 _MAX_VALIDATORS = 256              # compiled validators kept, by schema text
-
-
-def check_mode(mode, where: str) -> str:
-    if mode not in SCHEMA_MODES:
-        raise RowError(f"{where} must be strict or validate, not {mode!r}")
-    return mode
 
 
 def with_mode(spec: str, mode: str) -> str:

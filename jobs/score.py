@@ -5,6 +5,7 @@ import math
 
 from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import JobSpec
 
 
@@ -17,16 +18,18 @@ class ScoreJob:
         self.column = spec.score.score_column
         self.tokenizer = tokenizer
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
         text = data.get(self.column)
         if not isinstance(text, str) or not text:
             raise RowError(f"score column {self.column!r} is missing, empty or not a string")
         completion = self.tokenizer.encode(text, add_special_tokens=False)
         if not completion:
             raise RowError("the scored text encodes to no tokens")
-        return Request(row_id, prompt_ids + completion, SamplingParams(max_tokens=0), score_from=len(prompt_ids))
+        return Request(row_id, prompt_ids + completion, SamplingParams(max_tokens=0), score_from=len(prompt_ids)), NO_NOTES
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
         if out.error is not None or not out.prompt_logprobs:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
                      "error": out.error or "the engine returned no log-probabilities to score"}]

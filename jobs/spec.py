@@ -70,8 +70,8 @@ class EmbedSpec:
 @dataclass(frozen=True)
 class JobSpec:
     """One job kind's whole instructions. `classify` is set for kind classify only, `score` for
-    kind score only, `embed` for kind embed only; `sampling` is what generate samples with (an OpenAI batch row's body
-    parameters override it row by row: jobs.base.sampling_params)."""
+    kind score only, `embed` for kind embed only; `sampling` is what generate samples with (a row's own
+    settings override it row by row: jobs.row.RowOptions.sampling, jobs.base.sampling_params)."""
     kind: str                               # a name of jobs.KINDS
     prompt: PromptSpec = PromptSpec()
     sampling: SamplingParams = SamplingParams()

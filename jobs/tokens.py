@@ -17,6 +17,7 @@ from __future__ import annotations
 from engine import Request, RequestOutput, SamplingParams
 from jobs.base import RowError
 from jobs.generate import GenerateJob
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import JobSpec
 
 CONTEXT, CONTINUATIONS = "context_ids", "continuation_ids"
@@ -30,23 +31,25 @@ class TokensJob:
     def __init__(self, spec: JobSpec, tokenizer):
         self.generate = GenerateJob(spec, tokenizer)
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
         context = _ids(data.get(CONTEXT), CONTEXT)
         if not context:
             raise RowError(f"{CONTEXT} is empty (lm-eval puts a prefix token before an empty context)")
         if data.get(CONTINUATIONS) is None:
-            return self.generate.request(row_id, context, data)
+            return self.generate.request(row_id, context, data, options)
         continuations = data[CONTINUATIONS]
         if not isinstance(continuations, list) or not continuations:
             raise RowError(f"{CONTINUATIONS} must be a non-empty list of token id lists")
         cands = [_ids(c, CONTINUATIONS) for c in continuations]
         if any(not c for c in cands):
             raise RowError(f"every continuation in {CONTINUATIONS} needs at least one token")
-        return Request(row_id, context, SamplingParams(max_tokens=0), candidates=cands)
+        return Request(row_id, context, SamplingParams(max_tokens=0), candidates=cands), NO_NOTES
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
         if data.get(CONTINUATIONS) is None:
-            return self.generate.columns(out, data)
+            return self.generate.columns(out, data, options, notes)
         if out.error is not None or out.candidate_logprobs is None or out.candidate_greedy is None:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
                      "error": out.error or "the engine returned no continuation log-probabilities"}]

@@ -308,12 +308,3 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_the_api_engine():
-    """jobrunner.generate keeps its engine for the next call in the process; a test module leaves none
-    behind (a tensor-parallel one holds the process group a later module's engine needs)."""
-    yield
-    import sys
-    api = sys.modules.get("jobrunner.api")
-    if api is not None:
-        api.clear_engine_cache()

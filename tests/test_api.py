@@ -1,5 +1,5 @@
-"""The Python API (jobrunner.api): submit over a file with the CLI's options and errors, generate over
-rows in memory (nothing on disk, rows back in input order, the engine kept for the next call)."""
+"""The Python API (jobrunner.api, jobrunner.session): submit over a file with the CLI's options and errors,
+generate over rows in memory (nothing on disk, rows back in input order), once or on an engine session."""
 import json
 import os
 import subprocess
@@ -19,13 +19,6 @@ SMALL = dict(device="cpu", kv_cache_memory="16MB", max_tokens=3)
 @pytest.fixture
 def model(tiny_hf_model_dir):
     return str(tiny_hf_model_dir("llama"))
-
-
-@pytest.fixture(autouse=True)
-def no_cached_engine():
-    api.clear_engine_cache()
-    yield
-    api.clear_engine_cache()
 
 
 def memory_roots() -> set[str]:
@@ -53,19 +46,57 @@ def test_generate_returns_one_row_per_input_row_in_order_and_touches_no_disk(mod
     assert df["finish_reason"].to_list()[0] in ("stop", "length")
     assert os.listdir(tmp_path) == [] and memory_roots() == set()
 
-    # The same engine options: the engine loaded once serves the next call. A polars DataFrame
-    # without ids: row numbers, in order.
-    (engine,) = api._engine_cache.values()
+    # A polars DataFrame without ids: row numbers, in order.
     table = pl.DataFrame({"prompt": ["one", "two", "three", "four"], "n_words": [1, 1, 1, 1]})
     df = jobrunner.generate(table, model=model, **SMALL)
     assert df["id"].to_list() == ["0", "1", "2", "3"] and df["prompt"].to_list() == table["prompt"].to_list()
-    assert list(api._engine_cache.values()) == [engine]
-    # Other engine options load another engine, and only it is kept.
-    jobrunner.generate(rows[:1], model=model, **{**SMALL, "kv_cache_memory": "8MB"})
-    assert len(api._engine_cache) == 1 and list(api._engine_cache.values()) != [engine]
-    jobrunner.generate(rows[:1], model=model, reuse_engine=False, **SMALL)
-    assert not api._engine_cache
     assert os.listdir(tmp_path) == [] and memory_roots() == set()
+
+
+def test_generate_closes_the_engine_it_loads(model, monkeypatch):
+    from engine import Engine
+    closed, close = [], Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(self), close(self))[-1])
+    jobrunner.generate([{"prompt": "Hello"}], model=model, **SMALL)
+    jobrunner.generate([{"prompt": "Hello"}], model=model, **SMALL)
+    assert len(closed) == 2 and closed[0] is not closed[1]
+
+
+def test_an_engine_session_serves_many_calls_on_one_engine(model, monkeypatch, tmp_path):
+    from engine import Engine
+    loaded, init = [], Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: (loaded.append(self), init(self, *a, **k))[-1])
+    rows = [{"id": "b", "prompt": "The quick brown fox"}, {"id": "a", "prompt": "Hello world!"}]
+    with jobrunner.open_engine(model=model, **SMALL) as llm:
+        first = llm.generate(rows)
+        assert first["id"].to_list() == ["b", "a"] and all(n <= 3 for n in first["completion_tokens"])
+        shorter = llm.generate(rows, max_tokens=1)                    # a call's own options win
+        assert shorter["completion_tokens"].to_list() == [1, 1]
+        labels = llm.generate(rows, kind="classify", labels="yes,no")
+        assert set(labels["label"]) <= {"yes", "no"}
+        with pytest.raises(jobrunner.JobConfigError, match="another engine than this session's"):
+            llm.generate(rows, kv_cache_memory="8MB")
+        assert len(loaded) == 1
+    with pytest.raises(jobrunner.JobConfigError, match="closed"):
+        llm.generate(rows)
+    with pytest.raises(jobrunner.JobConfigError, match="no output option"):
+        jobrunner.open_engine(model=model, output=str(tmp_path / "out"))
+
+
+def test_generate_returns_the_rows_submit_writes(model, tmp_path):
+    """The in-memory results (output.RowSink) are the parts' rows, column for column and type for type."""
+    rows = [{"id": i, "prompt": p, "n": i * 1.5} for i, p in enumerate(["The quick brown fox", "Hello", "0123"])]
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for options in ({"temperature": 0.8, "n": 2, "seed": 1, "logprobs": True}, {"kind": "embed"},
+                    {"kind": "classify", "labels": "yes,no"}):
+        got = jobrunner.generate(rows, model=model, **SMALL, **options)
+        result = jobrunner.submit(str(ds), str(tmp_path / "out"), model=model, overwrite=True, **SMALL, **options)
+        want = pl.from_arrow(read_results(result.output))
+        timings = ["queue_s", "prefill_s", "decode_s"]
+        keys = ["id"] + (["sample_index"] if "sample_index" in want.columns else [])
+        assert got.drop(timings).equals(want.sort(keys).drop(timings)), options
+        assert got.schema == want.schema
 
 
 def test_generate_error_rows_samples_and_failures(model):

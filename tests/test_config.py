@@ -151,9 +151,10 @@ def test_messages_always_use_the_chat_template(kind):
     cfg = job_config("x", kind=kind, messages_column="m", chat=False, **KIND_NEEDS[kind])
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
+    from jobrunner.openai_rows import row_options
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
     spec = job_config("x", kind=kind, **KIND_NEEDS[kind]).job_spec()
-    assert PromptBuilder(spec, ChatTokenizer()).render(openai_row)[0] == "<user>hi<assistant>"
+    assert PromptBuilder(spec, ChatTokenizer()).render(openai_row, row_options(openai_row))[0] == "<user>hi<assistant>"
 
 
 def test_system_prompt_escapes_like_the_template():

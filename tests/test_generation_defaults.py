@@ -48,7 +48,7 @@ def _model_with(src, tmp_path, **generation) -> str:
 
 
 def _outputs(model, **options) -> list[tuple]:
-    df = jobrunner.generate(ROWS, model=model, reuse_engine=False, **{**SMALL, **options})
+    df = jobrunner.generate(ROWS, model=model, **{**SMALL, **options})
     return list(df.select("output", "finish_reason").iter_rows())
 
 

@@ -85,7 +85,7 @@ def test_missing_model_offline_is_a_clear_error(offline_cache, tmp_path):
 def test_submit_a_hub_name_offline(offline_cache, tiny_hf_model_dir, tmp_path):
     """The CLI, in a fresh process whose environment alone makes it offline, runs a cached Hub model:
     the same outputs as the directory itself, and the manifest names the repo and the commit."""
-    from jobrunner.api import generate
+    from jobrunner import generate
     src = tiny_hf_model_dir("qwen2")
     populate_hf_cache(offline_cache, "tiny-org/tiny-qwen2", src, COMMIT)
     rows = [{"id": str(i), "prompt": p} for i, p in enumerate(["The quick brown fox", "Numbers 0123"])]
@@ -103,7 +103,7 @@ def test_submit_a_hub_name_offline(offline_cache, tiny_hf_model_dir, tmp_path):
     import polars as pl
     from jobrunner.output import read_results
     got = dict(pl.from_arrow(read_results(str(tmp_path / "out"))).select("id", "output").iter_rows())
-    want = generate(rows, model=str(src), chat=False, max_tokens=8, kv_cache_memory="4MB", reuse_engine=False)
+    want = generate(rows, model=str(src), chat=False, max_tokens=8, kv_cache_memory="4MB")
     assert got == dict(want.select("id", "output").iter_rows())
 
 

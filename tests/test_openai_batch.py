@@ -156,8 +156,9 @@ def test_chat_template_kwargs_reach_the_template(engine):
         spec = JobSpec("generate", PromptSpec(chat_template_kwargs=(("enable_thinking", False),)))
         builder = PromptBuilder(spec, tok)
         assert builder.render({"prompt": "hi"})[0] == "hi<think></think>"
+        from jobrunner.openai_rows import row_options
         row = {"messages": USER, "params": {"chat_template_kwargs": {"enable_thinking": True}}}
-        assert builder.render(row)[0] == "The quick brown fox"          # the row's own wins
+        assert builder.render(row, row_options(row))[0] == "The quick brown fox"          # the row's own wins
     finally:
         tok.chat_template = saved
 
@@ -167,6 +168,7 @@ def test_truncate_prompt(engine, tmp_path, mode):
     long = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)     # ~400 tokens; context 256
     lines = [_line("long", url="/v1/completions", prompt=long, max_tokens=4),
              _line("long-copy", url="/v1/completions", prompt=long, max_tokens=4),    # computed once (dedup)
+             _line("longer", url="/v1/completions", prompt="More words first. " + long, max_tokens=4),
              _line("short", url="/v1/completions", prompt="Hello", max_tokens=4)]
     out, df = _run(engine, tmp_path, lines, truncate_prompt=mode)
     n = len(engine.tokenizer.encode(long))
@@ -178,6 +180,10 @@ def test_truncate_prompt(engine, tmp_path, mode):
     assert long_row["truncated_tokens"][0] == n - (256 - 4)
     copy = df.filter(pl.col("id") == "long-copy")
     assert copy["reused"][0] and copy["truncated_tokens"][0] == n - (256 - 4)     # the copy's own count
+    # cut left, a longer prompt keeps the same tokens: a copy of "long", with its own (larger) count
+    longer = df.filter(pl.col("id") == "longer")
+    assert longer["reused"][0] == (mode == "left")
+    assert longer["truncated_tokens"][0] == len(engine.tokenizer.encode("More words first. " + long)) - (256 - 4) > n - 252
     assert df.filter(pl.col("id") == "short")["truncated_tokens"][0] == 0
 
 

@@ -174,7 +174,7 @@ def _classify(**options):
 ])
 def test_classify_puts_the_delimiter_between_prompt_and_label(prompt, options, first):
     job = _classify(**options)
-    req = job.request("r", [ord(c) for c in prompt], {})
+    req, _ = job.request("r", [ord(c) for c in prompt], {})
     assert "".join(chr(i) for i in req.candidates[0]) == first
 
 

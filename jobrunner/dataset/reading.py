@@ -15,6 +15,8 @@ from jobrunner.dataset.formats import detect_format
 from jobrunner.dataset.jsonl import check_not_json_array, jsonl_columns, jsonl_types, read_jsonl
 from jobrunner.dataset.parquet import parquet_columns, parquet_schema, read_parquet
 from jobrunner.dataset.rows import LOST_ID, Row, id_str
+from jobrunner.openai_rows import row_options
+from jobs.row import NO_OPTIONS
 
 # Each format's reader yields (id value or None, data or None, error or None), one per row; read_rows
 # numbers them, gives each its key (id_str of the value) and fills default ids.
@@ -98,7 +100,8 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
                 value = str(index)
             elif isinstance(value, str) and value == LOST_ID:
                 value = f"row-{index}"      # the id column's type may not hold it: see output/values.py
-            batch.append(Row(index, id_str(value), data, err, value))
+            options = row_options(data) if data is not None and f == openai_batch.FORMAT else NO_OPTIONS
+            batch.append(Row(index, id_str(value), data, err, value, options))
             index += 1
             if len(batch) >= batch_rows:
                 yield batch

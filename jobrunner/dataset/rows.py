@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.row import NO_OPTIONS, RowOptions
 from jobrunner.output.values import id_key
 
 # A reader's marker for "the dataset has ids, this row's is unknown"; read_rows turns it into
@@ -28,6 +29,8 @@ class Row:
     error: str | None = None  # e.g. "line 17: invalid JSON: ..."
     id_value: Any = None      # the id as the output's id column holds it: the id column's value, typed
                               # as the input has it (Parquet Int64: an int); None: `id` itself
+    options: RowOptions = NO_OPTIONS    # what the row asks beyond the job's settings (an OpenAI line's
+                                        # body: jobrunner.openai_rows); the job kinds read it
 
 
 id_str = id_key     # a row's id (its key) from its id column's value (containers as canonical JSON)

@@ -1,6 +1,6 @@
 """An OpenAI batch job: each line's url picks the kind that answers it, in one job and one engine.
 
-    /v1/embeddings                         -> embed (jobs.embed)
+    /v1/embeddings                         -> embed (jobs.embed; RowOptions.kind "embed": jobrunner.openai_rows)
     /v1/chat/completions, /v1/completions  -> the job's kind: generate, or classify / score for --kind
 
 So a file that mixes embeddings and chat lines (vLLM's run-batch takes such files) runs as one job;
@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine import Request, RequestOutput
-from jobs.base import RowError, is_embeddings_row
+from jobs import RowError
 from jobs.embed import EmbedJob
+from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import EmbedSpec, JobSpec
 
 # classify and score: the body parameters (jobrunner.openai_request's names) they honour, and the values
@@ -39,17 +40,23 @@ class RoutedJob:
         """The `embedding` column's size: the embed kind's (a line's own `dimensions` may differ)."""
         return self.main.vector_size(hidden_size) if self.main.name == "embed" else hidden_size
 
-    def request(self, row_id: str, prompt_ids: list[int], data: dict) -> Request:
-        self._check_model(data)
-        if self.name in ("classify", "score") and not is_embeddings_row(data):
+    def request(self, row_id: str, prompt_ids: list[int], data: dict,
+                options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
+        self._check_model(options)
+        embeds = options.kind == "embed"
+        if self.name in ("classify", "score") and not embeds:
             _check_scoring_params(self.name, data.get("params") or {})
-        return self._kind(data).request(row_id, prompt_ids, data)
+        if self.name == "embed" and not embeds:
+            raise RowError("an OpenAI chat or completions line in an embed job: --kind embed serves "
+                           "/v1/embeddings lines only")
+        return self._kind(options).request(row_id, prompt_ids, data, options)
 
-    def columns(self, out: RequestOutput, data: dict) -> list[dict]:
-        return self._kind(data).columns(out, data)      # request() made the kind: this row's ran
+    def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
+                notes: RowNotes = NO_NOTES) -> list[dict]:
+        return self._kind(options).columns(out, data, options, notes)     # request() made the kind: this row's ran
 
-    def _kind(self, data: dict):
-        if not is_embeddings_row(data) or self.main.name == "embed":
+    def _kind(self, options: RowOptions):
+        if options.kind != "embed" or self.main.name == "embed":
             return self.main
         if self._embed is None and self._embed_error is None:
             try:
@@ -60,8 +67,8 @@ class RoutedJob:
             raise RowError(f"this model cannot embed: {self._embed_error}")
         return self._embed
 
-    def _check_model(self, data: dict) -> None:
-        model = data.get("model")
+    def _check_model(self, options: RowOptions) -> None:
+        model = options.model
         if self.model_names is None or model is None or model in self.model_names:
             return
         names = ", ".join(sorted(self.model_names))
