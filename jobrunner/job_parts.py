@@ -52,8 +52,9 @@ class JobPlanner:
 
 
 class AllUnits:
-    """The work source of a job in one process: every unit, in the planner's order."""
-    rank, world = 0, 1
+    """The work source of a job in one process: every unit, in the planner's order; a result-cache hit
+    is written as soon as it is found. A work source names its parts' prefix."""
+    rank, world, part_prefix, hits_now = 0, 1, "part", True
 
     def units(self, units, tokens_of):
         for unit in units:
@@ -79,8 +80,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
         kind, builder = job_kind(cfg, resolved, engine)
         manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank)
         checks.check_same_commit(cfg, manifest)
-        prefix = "part" if work.world == 1 else f"part-r{work.rank}"
-        writer = checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
+        writer = checks.open_writer(cfg, manifest, ResultWriter, work.part_prefix, kind, engine, done_ids)
         stats = JobStats()
         reuse = _reuse(cfg, resolved, engine, stats)
     except BaseException:
