@@ -119,6 +119,11 @@ def _outputs(output: str) -> dict:
     return {r["id"]: (r["output"], r["completion_tokens"], r["error"]) for r in rows}
 
 
+def _rows(output: str) -> list[tuple]:
+    return sorted(((r["id"], r["output"], r["completion_tokens"], r["error"]) for r in read_results(output).to_pylist()),
+                  key=repr)
+
+
 def _command(cluster, data, out, *extra) -> list[str]:
     return [sys.executable, "-m", "jobrunner.cli", "submit", data["path"], "-m", data["model"], "-o", str(out),
             *OPTIONS, "--ray", cluster["address"], *extra]
@@ -248,3 +253,36 @@ def test_a_ray_data_pipeline_hands_off_to_a_job_and_reads_the_results_back(clust
         ray.shutdown()
     assert sorted(r["id"] for r in back) == sorted(r["id"] for r in rows)      # _stats.parquet not read
     assert {r["id"]: r["output"] for r in back} == {r["id"]: data["reference"][r["id"]][0] for r in rows}
+
+
+def test_copies_cache_hits_and_error_rows_are_a_local_runs(cluster, data, tmp_path):
+    """Dedup copies go with their leader's unit; the driver writes the rows that need no engine (an error,
+    a duplicate id, result-cache hits and their copies) in its own parts; a second run is all cache hits."""
+    rnd = random.Random(1)
+    prompts = ["".join(rnd.choice("abcdefghij ") for _ in range(12 + i % 9)) for i in range(30)]
+    rows = [{"id": f"d{i}", "prompt": prompts[i % 30]} for i in range(70)]
+    rows += [{"id": "d3", "prompt": "a duplicate id"}, {"id": "bad", "prompt": None}]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dups = dict(data, path=str(path))
+    local = tmp_path / "local"
+    cfg = job_config(str(path), model=data["model"], max_tokens=8, max_num_seqs=2, part_rows=4, device="cpu",
+                     output=str(local), cache=str(tmp_path / "cache-local"))
+    job = open_job(cfg)
+    try:
+        code = job.run().exit_code
+    finally:
+        job.engine.close()
+    reference = _rows(str(local))
+    for run, out in enumerate((tmp_path / "first", tmp_path / "again")):
+        d = Driver(_command(cluster, dups, out, "--data-parallel", "2", "--cache", str(tmp_path / "cache")))
+        assert d.wait() == code, d.log[-4000:]      # the error rows: the local run's exit
+        assert _rows(str(out)) == reference     # d3 twice: its row, and the duplicate's error row
+        s = read_stats(str(out))
+        assert s["rows"] == len(reference) and s["duplicate_ids"] == 1, s
+        if run == 0:
+            assert s["rows_reused"] == 40 and s["rows_from_cache"] == 0, s     # 40 copies of 30 leaders
+        else:
+            assert s["rows_from_cache"] == 30 and s["rows_reused"] == 40, s
+            assert not _parts(out, "part-r"), "every row came from the cache: the driver wrote them all"
+        assert _parts(out, "part-plan-")        # the error rows (and hits) are the driver's
