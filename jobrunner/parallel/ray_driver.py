@@ -69,14 +69,16 @@ def run_ray(cfg: JobConfig) -> JobResult:
     device = cfg.engine.device
     if device.startswith("cuda:"):
         raise JobConfigError(f"--device {device} names one GPU; on Ray use --device cuda (Ray picks the GPUs)")
-    resolved = preflight(cfg)       # jobrunner.resolve, once for the job: its workers get it as JSON
     address = cfg.parallel.ray.address
     ray = import_ray(address)
     joined = not ray.is_initialized()       # else: a caller already connected (a Ray Data pipeline) keeps it
     if joined:
         connect(ray, address)
-    driver = RayDriver(cfg, resolved, ray)
+    driver = RayDriver(cfg, ray)
     try:
+        driver.start_workers()      # their processes start (Python, torch) while the job is checked here
+        # jobrunner.resolve, once for the job: its workers get it as JSON, and load their engine
+        driver.load_workers(preflight(cfg))
         return driver.run()
     finally:
         driver.end()
@@ -85,10 +87,9 @@ def run_ray(cfg: JobConfig) -> JobResult:
 
 
 class RayDriver:
-    def __init__(self, cfg: JobConfig, resolved, ray):
+    def __init__(self, cfg: JobConfig, ray):
         from jobrunner.parallel.ray_queue import WorkQueue
-        self.cfg, self.resolved, self.ray, self.opts = cfg, resolved, ray, cfg.parallel.ray
-        self.fingerprint = cfg.fingerprint_fields(resolved.adapter_hashes)
+        self.cfg, self.ray, self.opts = cfg, ray, cfg.parallel.ray
         self.tag = hashlib.blake2b(cfg.output_url.encode(), digest_size=6).hexdigest()
         self.queue = ray.remote(WorkQueue).options(name=f"{self.tag}-queue", num_cpus=0).remote()
         self.stop = threading.Event()       # a signal (here or in the planning Job), or no worker left
@@ -101,7 +102,7 @@ class RayDriver:
         self.lost: list[int] = []
         self.lost_rows = 0
         self.plan = None
-        self.total = total_rows(cfg, resolved)
+        self.workers, self.loading = {}, {}     # rank -> actor; load() ref -> rank
 
     # -- workers
 
@@ -125,18 +126,25 @@ class RayDriver:
     def start_workers(self) -> None:
         from jobrunner.parallel.launcher import config_to_json
         from jobrunner.parallel.ray_worker import RayWorker
-        opts, threads, n = self.worker_options()
-        config, resolved = config_to_json(self.cfg), self.resolved.to_json()
+        opts, self.threads, n = self.worker_options()
         self.asks = {k: v for k, v in opts.items() if k in ("num_cpus", "num_gpus", "resources", "memory") and v}
         self._kill_leftovers(n)
         cls = self.ray.remote(RayWorker)
-        self.workers = {k: cls.options(name=f"{self.tag}-w{k}", **opts).remote(config, resolved, k, threads)
-                        for k in range(n)}
-        self.loading = {self.workers[k].ready.remote(): k for k in range(n)}     # ready() ref -> rank
-        self.world = max(2, n)      # every round plans for this many workers (worker.SharedUnits' spread)
+        self.workers = {k: cls.options(name=f"{self.tag}-w{k}", **opts).remote(k) for k in range(n)}
+        self.world = max(2, n)      # the plan spreads each window for this many workers (worker.spread_windows)
         log.info("ray: %d workers asked for (each %s), at least %d within %.0f s", n,
                  ", ".join(f"{k} {v:g}" if not isinstance(v, dict) else str(v) for k, v in self.asks.items()),
                  self.opts.min_workers, self.opts.timeout_s)
+
+    def load_workers(self, resolved) -> None:
+        """Each worker loads its engine (a restarted one again: _lost) with the job's config and Resolved."""
+        from jobrunner.parallel.launcher import config_to_json
+        self.resolved = resolved
+        self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
+        self.total = total_rows(self.cfg, resolved)
+        self.load_args = (config_to_json(self.cfg), resolved.to_json(), self.threads)
+        for k in self.workers:
+            self.loading[self.workers[k].load.remote(*self.load_args)] = k
 
     def _kill_leftovers(self, n: int) -> None:
         """Workers of an earlier driver of this output still alive (their owner died a moment ago) would race
@@ -195,7 +203,7 @@ class RayDriver:
 
     def end(self) -> None:
         """The job's actors go (their engines with them), whether or not this process stays connected."""
-        for actor in [*getattr(self, "workers", {}).values(), self.queue]:
+        for actor in [*self.workers.values(), self.queue]:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -206,7 +214,6 @@ class RayDriver:
     def run(self) -> JobResult:
         from jobrunner.output import OutputError, prepare_output
         cfg = self.cfg
-        self.start_workers()
         members = self.wait_placed()
         try:
             prepare_output(cfg.output_url, {"config": self.fingerprint}, overwrite=cfg.output.overwrite)
@@ -307,7 +314,7 @@ class RayDriver:
         rows, bundles = refill(self.ray, self.queue, self.ray.get(self.queue.take.remote(slot)), written)
         log.warning("ray: worker %d had written %d rows; its %d unwritten rows (%d bundles) go back to the queue",
                     k, len(written), rows, bundles)
-        self.loading[self.workers[k].ready.remote()] = k       # a restarted actor loads again, then joins
+        self.loading[self.workers[k].load.remote(*self.load_args)] = k     # restarted (max_restarts), it joins
 
     def _progress(self) -> None:
         now = time.time()

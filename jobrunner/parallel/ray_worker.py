@@ -112,31 +112,33 @@ class QueueProgress:
 
 class RayWorker:
     """Plain Python: the driver wraps it with ray.remote and the worker's resources. `rank` names the actor
-    (its figures in _stats.json are `rank<rank>`); each run's slot names its parts. `config` and
+    (its figures in _stats.json are `rank<rank>`); each run's slot names its parts. load's `config` and
     `resolved`: the driver's JobConfig (launcher.config_to_json) and Resolved (Resolved.to_json)."""
 
-    def __init__(self, config: str, resolved: str, rank: int, threads: int):
-        from jobrunner.job_parts import load_engine
+    def __init__(self, rank: int):
+        import engine
+        engine.Engine           # torch and the engine's modules, while the driver checks the job
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
                                 format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")
         self.rank = rank
+        self.engine = None
+
+    def load(self, config: str, resolved: str, threads: int) -> dict:
+        """Loads the engine; returns where (or why not: a config error, exit 2)."""
+        import ray
+        from jobrunner.job_parts import load_engine
         cfg = config_from_json(config)
         # the driver alone prepares (and overwrites) the output; it shares the cores out
         self.cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
                            engine=replace(cfg.engine, threads=threads))
         self.resolved = Resolved.from_json(resolved)
-        self.engine, self.error = None, None
+        error = None
         try:
             self.engine = load_engine(self.cfg, self.resolved)
         except JobConfigError as e:
-            self.error = str(e)
-
-    def ready(self) -> dict:
-        """The engine is loaded (or why not: a config error, exit 2). Answers once __init__ is done."""
-        import ray
-        ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "error": self.error, "pid": os.getpid(), "node": ctx.get_node_id(),
+            error = str(e)
+        return {"rank": self.rank, "error": error, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "device": self.engine.info.device if self.engine is not None else None}
 
     def face(self):
