@@ -1,6 +1,6 @@
 """`--ray` against `--data-parallel 2` on one machine, same tiny-model job: wall time, time to the first row,
-and the figures docs/RAY.md bounds 100 nodes with (the queue actor's calls per second, the done-ids
-snapshot's size in the object store).
+and the figures docs/RAY.md bounds 100 nodes with (the queue actor's calls per second, the plan's size
+in the object store a row).
 
     python -m benchmarks.ray_overhead [--rows 600] [--max-tokens 24] [--repeats 2]
 
@@ -66,28 +66,38 @@ def run(cmd: list[str], out: str) -> dict:
 
 
 def queue_figures(address: str) -> dict:
-    """The queue actor's claim latency (one worker, ray.get per ticket, as QueueClaim does) and its throughput
-    (many calls in flight, as many workers together would keep it)."""
+    """The queue actor's hand-out latency (one worker, ray.get per bundle, as QueueUnits does) and its
+    throughput (many calls in flight, as many workers together would keep it), bundles being object refs."""
     import ray
     from jobrunner.parallel.ray_queue import WorkQueue
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     q = ray.remote(WorkQueue).options(num_cpus=0).remote()
-    ray.get(q.next_tickets.remote(0, 0))
     n = 2000
+    ref = ray.put(b"a bundle")
+    ray.get(q.put.remote([(k, 64, [ref]) for k in range(7 * n)]))
+    ray.get(q.next.remote(0))
     t = time.perf_counter()
     for _ in range(n):
-        ray.get(q.next_tickets.remote(0, 0))
+        ray.get(q.next.remote(0))
     latency = (time.perf_counter() - t) / n
     t = time.perf_counter()
-    ray.get([q.next_tickets.remote(1, k % 100) for k in range(5 * n)])
+    ray.get([q.next.remote(k % 100) for k in range(5 * n)])
     throughput = 5 * n / (time.perf_counter() - t)
     ray.shutdown()
-    return {"claim_latency_ms": round(latency * 1e3, 3), "queue_calls_per_s": round(throughput)}
+    return {"next_latency_ms": round(latency * 1e3, 3), "queue_calls_per_s": round(throughput)}
 
 
-def snapshot_bytes(n: int = 1_000_000) -> int:
-    from jobrunner.idset import IdSet
-    return len(pickle.dumps(IdSet(f"row-{i}" for i in range(n))))
+def plan_bytes(prompt_chars: int = 800, rows: int = 64) -> float:
+    """Pickled bytes a row of a shipped bundle (job.ShippedUnit: the row, its tokenizer ids as uint32),
+    for prompts of `prompt_chars` characters of ~4 characters a token (plus the row's own columns)."""
+    from array import array
+    from jobrunner.dataset.rows import Row
+    from jobrunner.job import ShippedRow, ShippedUnit
+    rnd = random.Random(0)
+    units = [ShippedUnit([ShippedRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),
+                                     array("I", (rnd.randrange(150_000) for _ in range(prompt_chars // 4))))], {})
+             for i in range(rows)]
+    return len(pickle.dumps(units)) / rows
 
 
 def main() -> None:
@@ -128,7 +138,7 @@ def main() -> None:
             print(name, "first row", first[name], file=sys.stderr, flush=True)
         figures = {"runs": results, "first_row_s": first, "uptime": os.popen("uptime").read().strip(),
                    **({} if args.no_first_row else queue_figures(address)),
-                   "snapshot_bytes_per_1M_ids": snapshot_bytes()}
+                   "plan_bytes_per_row_800_chars": round(plan_bytes())}
         print(json.dumps(figures, indent=1))
     finally:
         stop_head(head)

@@ -2,19 +2,21 @@
 
     driver (this process)                     Ray cluster
     ---------------------                     -----------
-    resolve once (no model), connect          RayWorker actors (ray_worker.py), one engine each,
-    start up to max_workers actors (the       placed by Ray with num_gpus = --tensor-parallel
-      config and Resolved as JSON),
-      wait for min_workers (--ray-timeout)    (GPU clusters) or CPUs, and --ray-resources
-    prepare the output once                   WorkQueue actor (ray_queue.py): tickets, progress
-    rounds: the done ids snapshot (object
-      store) -> every member's run_round      a round: every member plans the rows not in the
-    late workers join the open round          snapshot identically and claims units from the queue
-    merged _stats.json, complete manifest     parts written with today's atomic protocol
+    connect, start up to max_workers actors   RayWorker actors (ray_worker.py), one engine each,
+    resolve once (no model) meanwhile; the    placed by Ray with num_gpus = --tensor-parallel
+      actors load their engine with it        (GPU clusters) or CPUs, and --ray-resources
+    wait for min_workers (--ray-timeout)
+    prepare the output once                   WorkQueue actor (ray_queue.py): bundle refs in plan
+    plan once (ray_plan.py: a worker's          order, who holds which, progress
+      tokenizer and figures; the done ids,
+      errors and cache hits here), window     workers take bundles as their engine has room and
+      by window into the object store         write parts with today's atomic protocol
+    late workers join as they load
+    merged _stats.json, complete manifest
 
-A worker whose actor dies (node lost, OOM, kill -9) fails its run_round with RayActorError; the
-others finish the round, and the next round (with the survivors and the restarted actor, Ray's
-max_restarts) plans exactly the rows still missing from the parts. Every id is written once.
+A worker whose actor dies (node lost, OOM, kill -9) fails its run with RayActorError: the bundles it
+held go back to the queue less the rows its parts have (ray_plan.refill), and the others (or its
+restarted actor, Ray's max_restarts) run them. Every id is written once, in one pass.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ from jobrunner.parallel.worker import spread_windows
 log = logging.getLogger("jobrunner")
 
 BUNDLE_ROWS = 64            # rows of small units per object at most (docs/RAY.md: the queue's calls)
-BUNDLES_PER_WORKER = 8      # a window's bundles per worker at least, so the end of a window balances
+MIN_BUNDLE_ROWS = 16        # and at least, but in a window too small to give each worker two bundles
+BUNDLES_PER_WORKER = 8      # a window's bundles per worker, between those bounds: the end of a window balances
 
 
 @dataclass
@@ -73,7 +74,8 @@ class ShipUnits:
 
     def _ship(self, window) -> None:
         rows = sum(len(u.items) for u in window)
-        target = max(1, min(BUNDLE_ROWS, rows // (self.world * BUNDLES_PER_WORKER)))
+        floor = min(MIN_BUNDLE_ROWS, max(1, rows // (2 * self.world)))
+        target = max(floor, min(BUNDLE_ROWS, rows // (self.world * BUNDLES_PER_WORKER)))
         bundles, bundle, size = [], [], 0
         for unit in window:
             bundle.append(self._shipped(unit))
