@@ -132,8 +132,8 @@ def _command(cluster, data, out, *extra) -> list[str]:
 class Driver:
     """`jobrunner submit --ray ...` in a subprocess, its log read as it comes (the workers' pids are in it)."""
 
-    def __init__(self, cmd):
-        self.proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, cmd, env=ENV):
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
