@@ -2,7 +2,7 @@
 and the figures docs/RAY.md bounds 100 nodes with (the queue actor's calls per second, the plan's size
 in the object store a row).
 
-    python -m benchmarks.ray_overhead [--rows 600] [--max-tokens 24] [--repeats 2]
+    python -m benchmarks.ray_overhead [--rows 600] [--max-tokens 24] [--repeats 2] [--before TREE]
 
 A loopback Ray head (127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) is started first and not timed: on a
 Ray cluster the cluster is already up. `--ray local` (a private cluster started by the job) is timed too.
@@ -47,10 +47,10 @@ def start_head(temp: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("ray start failed")
 
 
-def run(cmd: list[str], out: str) -> dict:
+def run(cmd: list[str], out: str, tree: str = ROOT) -> dict:
     """The command's wall time, its first part's appearance (s after the start) and the job's own wall_s."""
     t0 = time.time()
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
     while p.poll() is None:
         if first is None and os.path.isdir(out) and any(n.startswith("part") for n in os.listdir(out)):
@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-local", action="store_true", help="skip --ray local")
     ap.add_argument("--no-first-row", action="store_true", help="skip the first-row runs and the queue figures")
+    ap.add_argument("--before", metavar="TREE", help="also run both modes from another checkout (e.g. `git worktree "
+                    "add /tmp/before <commit>`), interleaved with this one's, so that the load falls on both alike")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="jr-raybench-")
     os.makedirs(f"{work}/model")
@@ -121,6 +123,9 @@ def main() -> None:
         base = [sys.executable, "-m", "jobrunner.cli", "submit", f"{work}/data.jsonl", "-m", f"dummy:{work}/model",
                 "--max-tokens", str(args.max_tokens), "--max-num-seqs", "8", "--device", "cpu", "--data-parallel", "2"]
         modes = {"data-parallel 2": [], "ray (running cluster)": ["--ray", address], "ray local": ["--ray", "local"]}
+        if args.before:
+            modes = {f"before: {name}": modes[name] for name in list(modes)[:2]} | modes
+        tree_of = {name: args.before if name.startswith("before: ") else ROOT for name in modes}
         if args.no_local:
             del modes["ray local"]
         results: dict[str, list] = {m: [] for m in modes}
@@ -129,12 +134,13 @@ def main() -> None:
                 if name == "ray local" and rep:
                     continue            # the cluster's own start-up, once
                 out = f"{work}/out-{len(os.listdir(work))}"
-                results[name].append(run(base + extra + ["-o", out, "--part-rows", "100"], out))
+                results[name].append(run(base + extra + ["-o", out, "--part-rows", "100"], out, tree_of[name]))
                 print(name, results[name][-1], file=sys.stderr, flush=True)
         first = {}
         for name, extra in ({} if args.no_first_row else modes).items():
             out = f"{work}/first-{len(os.listdir(work))}"
-            first[name] = run(base + extra + ["-o", out, "--part-rows", "1", "--limit", "40"], out)["first_part_s"]
+            first[name] = run(base + extra + ["-o", out, "--part-rows", "1", "--limit", "40"], out,
+                              tree_of[name])["first_part_s"]
             print(name, "first row", first[name], file=sys.stderr, flush=True)
         figures = {"runs": results, "first_row_s": first, "uptime": os.popen("uptime").read().strip(),
                    **({} if args.no_first_row else queue_figures(address)),
