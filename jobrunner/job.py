@@ -24,7 +24,7 @@ log = logging.getLogger("jobrunner")
 # Rows held back for one batch lookup in the result cache are not packed yet (Python int lists, ~36
 # bytes a token): long prompts end a batch before its row count does.
 HELD_TOKENS = 4_000_000
-IDLE_S = 0.02           # a remote work source with nothing yet and an idle engine: the wait between asks
+IDLE_S = 0.005          # a remote work source with nothing yet and an idle engine: the wait between looks
 
 
 @dataclass

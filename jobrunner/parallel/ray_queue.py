@@ -13,7 +13,9 @@ have and puts the rest back (`put`, with their old numbers: they go first). So e
 written exactly once, without a second pass.
 
     put(bundles)                [(seq, rows, [ref])]: queued; returns the rows queued now
-    next(worker)                (seq, [ref]) to run, "wait" (nothing now: ask again) or None (the end)
+    next(worker, wait_s)        (seq, [ref]) to run, "wait" (nothing within wait_s: ask again) or None (the
+                                end); an empty queue answers as soon as bundles come (an async actor: waiting
+                                asks cost nothing, and no worker polls)
     confirm(worker, seqs)       these bundles' rows are in the worker's parts
     leave(worker, ran)          the worker's run ended normally: bundles it held and did not run go back
     take(worker)                the held bundles of a worker that died, for the driver to put back
@@ -24,6 +26,7 @@ written exactly once, without a second pass.
 """
 from __future__ import annotations
 
+import asyncio
 import heapq
 
 
@@ -38,14 +41,34 @@ class WorkQueue:
         self._handed = 0
         self._closed = False
         self._stop = False
+        self._gone: set[int] = set()        # slots of runs whose worker died (take)
+        self._arrived: asyncio.Event | None = None     # set when bundles come, the plan ends or the job stops
 
     def put(self, bundles: list) -> int:
         for seq, rows, ref in bundles:
             heapq.heappush(self._heap, (seq, rows, ref))
             self._queued_rows += rows
+        self._wake()
         return self._queued_rows
 
-    def next(self, worker: int):
+    async def next(self, worker: int, wait_s: float = 0.0):
+        if not self._heap and not (self._stop or self._closed) and wait_s > 0:
+            if self._arrived is None:
+                self._arrived = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._take(worker)
+
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
+    def _take(self, worker: int):
+        if worker in self._gone:        # an ask that reached the actor after its worker died: nothing for it
+            return None
         if self._stop or not self._heap:
             return None if (self._stop or self._closed) else "wait"
         bundle = heapq.heappop(self._heap)
@@ -65,10 +88,12 @@ class WorkQueue:
             self.put([held[s]])
 
     def take(self, worker: int) -> list:
+        self._gone.add(worker)          # a run's slot is never used again
         return list(self._held.pop(worker, {}).values())
 
     def close(self) -> None:
         self._closed = True
+        self._wake()
 
     def report(self, worker: int, counts: dict, seqs=()) -> bool:
         self._progress[worker] = counts
@@ -81,3 +106,4 @@ class WorkQueue:
 
     def stop(self) -> None:
         self._stop = True
+        self._wake()

@@ -29,7 +29,7 @@ from jobrunner.resolve import Resolved
 log = logging.getLogger("jobrunner")
 
 REPORT_EVERY_S = 1.0    # a worker's progress to the queue actor; the stop flag comes back with it
-MAX_WAIT_S = 1.0        # between a worker's asks while the queue is empty (docs/RAY.md: the queue's calls)
+WAIT_S = 1.0            # the queue actor holds an ask this long while it is empty (docs/RAY.md: the queue's calls)
 
 
 @dataclass
@@ -52,19 +52,17 @@ class QueueUnits:
 
     def units(self, units, tokens_of):
         import ray
-        ask, waits = self.queue.next.remote(self.rank), 0
+        ask = self.queue.next.remote(self.rank, WAIT_S)
         while True:
+            if not ray.wait([ask], timeout=0)[0]:
+                yield None, False       # the answer is not here yet: the Job steps its engine meanwhile
+                continue
             reply = ray.get(ask)
             if reply is None:
                 return
-            if reply == "wait":         # nothing planned yet: ask again later (the queue serves every worker)
-                again = time.time() + min(MAX_WAIT_S, 0.01 * 2 ** waits)
-                waits += 1
-                while time.time() < again:
-                    yield None, False   # the Job steps its engine meanwhile
-                ask = self.queue.next.remote(self.rank)
+            ask = self.queue.next.remote(self.rank, WAIT_S)
+            if reply == "wait":
                 continue
-            ask, waits = self.queue.next.remote(self.rank), 0
             seq, (ref,) = reply
             bundle = ray.get(ref)
             self.ran.append(seq)
