@@ -1,8 +1,8 @@
 """`--ray` against `--data-parallel 2` on one machine, same tiny-model job: wall time, time to the first row,
-and the figures docs/RAY.md bounds 100 nodes with (the queue actor's calls per second, the done-ids
-snapshot's size in the object store).
+and the figures docs/RAY.md bounds 100 nodes with (the queue actor's calls per second, the plan's size
+in the object store a row).
 
-    python -m benchmarks.ray_overhead [--rows 600] [--max-tokens 24] [--repeats 2]
+    python -m benchmarks.ray_overhead [--rows 600] [--max-tokens 24] [--repeats 2] [--before TREE]
 
 A loopback Ray head (127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) is started first and not timed: on a
 Ray cluster the cluster is already up. `--ray local` (a private cluster started by the job) is timed too.
@@ -47,10 +47,10 @@ def start_head(temp: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("ray start failed")
 
 
-def run(cmd: list[str], out: str) -> dict:
+def run(cmd: list[str], out: str, tree: str = ROOT) -> dict:
     """The command's wall time, its first part's appearance (s after the start) and the job's own wall_s."""
     t0 = time.time()
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=tree), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
     while p.poll() is None:
         if first is None and os.path.isdir(out) and any(n.startswith("part") for n in os.listdir(out)):
@@ -66,28 +66,38 @@ def run(cmd: list[str], out: str) -> dict:
 
 
 def queue_figures(address: str) -> dict:
-    """The queue actor's claim latency (one worker, ray.get per ticket, as QueueClaim does) and its throughput
-    (many calls in flight, as many workers together would keep it)."""
+    """The queue actor's hand-out latency (one worker, ray.get per bundle, as QueueUnits does) and its
+    throughput (many calls in flight, as many workers together would keep it), bundles being object refs."""
     import ray
     from jobrunner.parallel.ray_queue import WorkQueue
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     q = ray.remote(WorkQueue).options(num_cpus=0).remote()
-    ray.get(q.next_tickets.remote(0, 0))
     n = 2000
+    ref = ray.put(b"a bundle")
+    ray.get(q.put.remote([(k, 64, [ref]) for k in range(7 * n)]))
+    ray.get(q.next.remote(0))
     t = time.perf_counter()
     for _ in range(n):
-        ray.get(q.next_tickets.remote(0, 0))
+        ray.get(q.next.remote(0))
     latency = (time.perf_counter() - t) / n
     t = time.perf_counter()
-    ray.get([q.next_tickets.remote(1, k % 100) for k in range(5 * n)])
+    ray.get([q.next.remote(k % 100) for k in range(5 * n)])
     throughput = 5 * n / (time.perf_counter() - t)
     ray.shutdown()
-    return {"claim_latency_ms": round(latency * 1e3, 3), "queue_calls_per_s": round(throughput)}
+    return {"next_latency_ms": round(latency * 1e3, 3), "queue_calls_per_s": round(throughput)}
 
 
-def snapshot_bytes(n: int = 1_000_000) -> int:
-    from jobrunner.idset import IdSet
-    return len(pickle.dumps(IdSet(f"row-{i}" for i in range(n))))
+def plan_bytes(prompt_chars: int = 800, rows: int = 64) -> float:
+    """Pickled bytes a row of a shipped bundle (job.ShippedUnit: the row, its tokenizer ids as uint32),
+    for prompts of `prompt_chars` characters of ~4 characters a token (plus the row's own columns)."""
+    from array import array
+    from jobrunner.dataset.rows import Row
+    from jobrunner.job import ShippedRow, ShippedUnit
+    rnd = random.Random(0)
+    units = [ShippedUnit([ShippedRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),
+                                     array("I", (rnd.randrange(150_000) for _ in range(prompt_chars // 4))))], {})
+             for i in range(rows)]
+    return len(pickle.dumps(units)) / rows
 
 
 def main() -> None:
@@ -97,6 +107,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-local", action="store_true", help="skip --ray local")
     ap.add_argument("--no-first-row", action="store_true", help="skip the first-row runs and the queue figures")
+    ap.add_argument("--before", metavar="TREE", help="also run both modes from another checkout (e.g. `git worktree "
+                    "add /tmp/before <commit>`), interleaved with this one's, so that the load falls on both alike")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="jr-raybench-")
     os.makedirs(f"{work}/model")
@@ -111,6 +123,9 @@ def main() -> None:
         base = [sys.executable, "-m", "jobrunner.cli", "submit", f"{work}/data.jsonl", "-m", f"dummy:{work}/model",
                 "--max-tokens", str(args.max_tokens), "--max-num-seqs", "8", "--device", "cpu", "--data-parallel", "2"]
         modes = {"data-parallel 2": [], "ray (running cluster)": ["--ray", address], "ray local": ["--ray", "local"]}
+        if args.before:
+            modes = {f"before: {name}": modes[name] for name in list(modes)[:2]} | modes
+        tree_of = {name: args.before if name.startswith("before: ") else ROOT for name in modes}
         if args.no_local:
             del modes["ray local"]
         results: dict[str, list] = {m: [] for m in modes}
@@ -119,16 +134,17 @@ def main() -> None:
                 if name == "ray local" and rep:
                     continue            # the cluster's own start-up, once
                 out = f"{work}/out-{len(os.listdir(work))}"
-                results[name].append(run(base + extra + ["-o", out, "--part-rows", "100"], out))
+                results[name].append(run(base + extra + ["-o", out, "--part-rows", "100"], out, tree_of[name]))
                 print(name, results[name][-1], file=sys.stderr, flush=True)
         first = {}
         for name, extra in ({} if args.no_first_row else modes).items():
             out = f"{work}/first-{len(os.listdir(work))}"
-            first[name] = run(base + extra + ["-o", out, "--part-rows", "1", "--limit", "40"], out)["first_part_s"]
+            first[name] = run(base + extra + ["-o", out, "--part-rows", "1", "--limit", "40"], out,
+                              tree_of[name])["first_part_s"]
             print(name, "first row", first[name], file=sys.stderr, flush=True)
         figures = {"runs": results, "first_row_s": first, "uptime": os.popen("uptime").read().strip(),
                    **({} if args.no_first_row else queue_figures(address)),
-                   "snapshot_bytes_per_1M_ids": snapshot_bytes()}
+                   "plan_bytes_per_row_800_chars": round(plan_bytes())}
         print(json.dumps(figures, indent=1))
     finally:
         stop_head(head)

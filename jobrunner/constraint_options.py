@@ -51,10 +51,10 @@ def job_constraint(kind) -> Constraint | None:
 def check_job_constraint(cfg) -> None:
     """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
     JobConfigError naming the option and the problem."""
-    from engine import check_constraint
     kind = cfg.kind
     if kind.name != "generate" or (c := job_constraint(kind)) is None:
         return
+    from engine import check_constraint        # torch: only for a job with a constraint
     if c.kind == "json_schema":
         c = Constraint("json_schema", with_mode(c.spec, kind.json_schema_mode))
     option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name))

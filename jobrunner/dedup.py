@@ -50,6 +50,14 @@ class Dedup:
             self.results[leader_id] = out
         return self.waiting.pop(leader_id, [])
 
+    def release(self, leader_id: str, key: bytes | None) -> list:
+        """A leader whose result another process writes, with its copies (returned): forgotten, so that
+        a later copy leads anew rather than waiting for a result that never comes."""
+        if key is not None and self.leaders.get(key) == leader_id:
+            del self.leaders[key]
+        self.window_ids.discard(leader_id)
+        return self.waiting.pop(leader_id, [])
+
     def drop(self, leader_id: str) -> None:
         """A leader this worker does not run: its copies are another worker's."""
         self.waiting.pop(leader_id, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from array import array
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,7 @@ log = logging.getLogger("jobrunner")
 # Rows held back for one batch lookup in the result cache are not packed yet (Python int lists, ~36
 # bytes a token): long prompts end a batch before its row count does.
 HELD_TOKENS = 4_000_000
+IDLE_S = 0.005          # a remote work source with nothing yet and an idle engine: the wait between looks
 
 
 @dataclass
@@ -44,9 +46,32 @@ class PendingRow:
     tokens: array                   # array("I"): the prompt's token ids
     request: object                 # the engine Request, its prompt_token_ids empty (they are `tokens`)
     notes: object                   # jobs.row.RowNotes
+    raw: array | None = None        # the tokenizer's ids, where the kind's request changed them (truncation)
 
     def engine_request(self):
         return replace(self.request, prompt_token_ids=self.tokens.tolist())
+
+
+@dataclass(slots=True)
+class ShippedRow:
+    """A row planned in another process (a Ray job's driver): the row and its tokenizer ids, from which
+    the kind makes its request and notes again (None: a copy, its leader's ids); a copy carries the
+    notes the driver made for it (its own truncation)."""
+    row: object                     # jobrunner.dataset.Row
+    ids: array | None
+    notes: object = None            # jobs.row.RowNotes
+
+
+@dataclass(slots=True)
+class ShippedUnit:
+    """A work unit planned in another process, its rows with it: the leaders, in the unit's order, and
+    the copies (dedup) each leader's result is written for."""
+    rows: list[ShippedRow]
+    copies: dict[str, list[ShippedRow]]
+
+    @property
+    def items(self) -> list[str]:
+        return [s.row.id for s in self.rows]
 
 
 class _Interrupted(Exception):
@@ -141,11 +166,16 @@ class Job:
         try:
             units = self.planner.units(self._items())
             for unit, mine in self.work.units(units, lambda key: self.pending[key].tokens):
+                if unit is None:        # a remote work source has nothing yet: run what is in flight
+                    self._idle()
+                    continue
                 if not mine:
                     for key in unit.items:
                         del self.pending[key]
                         self.reuse.drop(key)
                     continue
+                if isinstance(unit, ShippedUnit):
+                    self._adopt(unit)
                 cached = self.reuse.take(unit.items)     # data-parallel: hits held for the claiming worker
                 for key in unit.items:
                     if key in cached:
@@ -175,6 +205,26 @@ class Job:
         if self._in_memory:
             return summary_of(self.writer.tables, self.manifest["config"], [run])
         return job_summary(self.cfg.output_url, self.manifest["config"], run)
+
+    def _idle(self) -> None:
+        if self.engine.has_unfinished():
+            self._step()
+        else:
+            if self.stop.is_set():
+                raise _Interrupted
+            self.progress.update(self.stats)
+            time.sleep(IDLE_S)
+
+    def _adopt(self, unit: ShippedUnit) -> None:
+        """A shipped unit's rows become this job's: each leader's request and notes (made again from the
+        tokenizer's ids, as the driver made them), its copies waiting for its result with their own notes."""
+        for s in unit.rows:
+            row = s.row
+            req, notes = self.kind.request(row.id, s.ids.tolist(), row.data, row.options)
+            notes = s.notes or notes        # a copy running alone (its leader's result was written) keeps its own
+            self.reuse.adopt(row, req, [(c.row, c.notes) for c in unit.copies.get(row.id, ())])
+            self.pending[row.id] = PendingRow(row, array("I", req.prompt_token_ids), replace(req, prompt_token_ids=[]),
+                                              notes)
 
     def _run_record(self, interrupted: bool) -> dict:
         """This run's own figures (time, throughput, engine counters, cost)."""
@@ -239,7 +289,7 @@ class Job:
                     if result is not None:
                         self._emit_output(row, notes, result, reused=True)
                     continue
-                held.append((row, req, notes))
+                held.append((row, req, notes, None if req.prompt_token_ids == ids else ids))
                 held_tokens += len(req.prompt_token_ids)
             if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
                 yield from self._past_cache(held)
@@ -251,15 +301,16 @@ class Job:
         yield from self._past_cache(held)
 
     def _past_cache(self, held: list):
-        """Rows (row, request, notes) past the result cache, looked up together (a lookup's cost is per bucket
-        and shard touched, so a large batch amortizes it). A hit is done at once, unless data-parallel:
-        then every worker must plan the same rows, so a hit waits in the planner like any row and is
-        served when its unit is claimed. The rest go on to the planner."""
-        found = self.reuse.fetch([row.id for row, _, _ in held])
+        """Rows (row, request, notes, the tokenizer's ids where the request changed them) past the result
+        cache, looked up together (a lookup's cost is per bucket and shard touched, so a large batch
+        amortizes it). A hit is done at once, unless the work source says otherwise (SharedUnits: every
+        worker must plan the same rows, so a hit waits in the planner like any row and is served when its
+        unit is claimed). The rest go on to the planner."""
+        found = self.reuse.fetch([row.id for row, *_ in held])
         sampling = None
-        for row, req, notes in held:
+        for row, req, notes, raw in held:
             out = found.get(row.id)
-            if out is not None and self.work.world == 1:
+            if out is not None and self.work.hits_now:
                 self._finish(row, notes, out, from_cache=True)
                 continue
             if out is not None:
@@ -268,7 +319,8 @@ class Job:
                 req = replace(req, sampling=sampling)
             sampling = req.sampling
             tokens = array("I", req.prompt_token_ids)
-            self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]), notes)
+            raw = array("I", raw) if raw is not None else None
+            self.pending[row.id] = PendingRow(row, tokens, replace(req, prompt_token_ids=[]), notes, raw)
             yield self.planner.item(row.id, req.adapter, req.prompt_token_ids)    # grouped by LoRA adapter
 
     def _encode(self, ready) -> list[list[int]]:

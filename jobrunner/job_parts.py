@@ -52,8 +52,9 @@ class JobPlanner:
 
 
 class AllUnits:
-    """The work source of a job in one process: every unit, in the planner's order."""
-    rank, world = 0, 1
+    """The work source of a job in one process: every unit, in the planner's order; a result-cache hit
+    is written as soon as it is found. A work source names its parts' prefix."""
+    rank, world, part_prefix, hits_now = 0, 1, "part", True
 
     def units(self, units, tokens_of):
         for unit in units:
@@ -111,8 +112,7 @@ def _writer(cfg: JobConfig, manifest: dict, kind, engine, work, done_ids, in_mem
     if in_memory:
         return RowSink(checks.declared_schema(cfg, kind, engine), cfg.output.part_rows)
     checks.check_same_commit(cfg, manifest)
-    prefix = "part" if work.world == 1 else f"part-r{work.rank}"
-    return checks.open_writer(cfg, manifest, ResultWriter, prefix, kind, engine, done_ids)
+    return checks.open_writer(cfg, manifest, ResultWriter, work.part_prefix, kind, engine, done_ids)
 
 
 def job_kind(cfg: JobConfig, resolved: Resolved, engine):

@@ -77,6 +77,20 @@ class Reuse:
             return {}
         return {i: self.held.pop(i) for i in ids if i in self.held}
 
+    def adopt(self, row, req, copies: list) -> None:
+        """A leader planned in another process (a Ray job's driver) and the copies it found for it: the
+        result cache gets the leader's result, the copies get it too (not matched again here)."""
+        if self.store is not None and is_deterministic(req):
+            self.keys[row.id] = request_key(self.model, self.kind, req, self.adapters)
+        if copies:
+            self.dedup.waiting[row.id] = list(copies)
+
+    def release(self, row_id: str) -> list:
+        """A leader that another process runs, with the copies waiting for it (returned); later copies
+        of its request lead anew (computed once more: its result never comes back here)."""
+        key = self.keys.pop(row_id, None)
+        return self.dedup.release(row_id, key) if self.dedup is not None else []
+
     def finished(self, row_id: str, out: RequestOutput, from_cache: bool = False) -> list:
         """A leader's result (computed or from the cache): stores it, and returns the copies waiting for
         it, each as (row, its notes)."""

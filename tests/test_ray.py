@@ -119,6 +119,11 @@ def _outputs(output: str) -> dict:
     return {r["id"]: (r["output"], r["completion_tokens"], r["error"]) for r in rows}
 
 
+def _rows(output: str) -> list[tuple]:
+    return sorted(((r["id"], r["output"], r["completion_tokens"], r["error"]) for r in read_results(output).to_pylist()),
+                  key=repr)
+
+
 def _command(cluster, data, out, *extra) -> list[str]:
     return [sys.executable, "-m", "jobrunner.cli", "submit", data["path"], "-m", data["model"], "-o", str(out),
             *OPTIONS, "--ray", cluster["address"], *extra]
@@ -127,8 +132,8 @@ def _command(cluster, data, out, *extra) -> list[str]:
 class Driver:
     """`jobrunner submit --ray ...` in a subprocess, its log read as it comes (the workers' pids are in it)."""
 
-    def __init__(self, cmd):
-        self.proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, cmd, env=ENV):
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -169,7 +174,8 @@ def test_two_workers_write_the_rows_of_a_local_run(cluster, data):
     assert all(w["rows"] > 0 and w["units"] > 0 for w in s["workers"].values()), s["workers"]
     assert sum(w["rows"] for w in s["workers"].values()) == len(data["ids"])
     assert s["data_parallel"]["rounds"] == 1 and s["data_parallel"]["balance"] > 0
-    assert {n.split("-")[1] for n in _parts(out)} == {"r0", "r1"}      # each worker's own parts
+    assert {n.split("-")[1] for n in _parts(out)} == {"r0", "r1"}      # each worker's own parts (no hit, no error)
+    assert "planned 280 rows in" in d.log       # once, by the driver
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["complete"] is True and manifest["model_source"].startswith("dummy:")
     assert re.fullmatch(r"[0-9a-f]+", manifest["ray"]["job_id"]) and manifest["ray"]["workers"] == 2
@@ -198,8 +204,12 @@ def test_a_worker_killed_mid_job_loses_only_its_unwritten_rows(cluster, data):
     assert _outputs(str(out)) == data["reference"]       # every id once, as a local run wrote it
     s = read_stats(str(out))
     assert s["rows"] == len(data["ids"])
-    assert s["data_parallel"]["lost_workers"] == [1] and s["data_parallel"]["rounds"] >= 2, s["data_parallel"]
-    assert "worker 1 stopped in round 0" in d.log
+    dp = s["data_parallel"]
+    assert dp["lost_workers"] == [1] and dp["rounds"] == 1, dp     # its units went back to the queue: one pass
+    assert 0 < dp["rows_by_lost_workers"] < len(data["ids"]), dp
+    assert "worker 1 stopped" in d.log and "go back to the queue" in d.log
+    # the rows it wrote are its parts' (none redone), the others' the workers' and the plan's own
+    assert sum(w["rows"] for w in s["workers"].values()) + dp["rows_by_lost_workers"] == len(data["ids"])
 
 
 def test_the_driver_killed_mid_job_then_the_same_command_resumes(cluster, data):
@@ -243,3 +253,36 @@ def test_a_ray_data_pipeline_hands_off_to_a_job_and_reads_the_results_back(clust
         ray.shutdown()
     assert sorted(r["id"] for r in back) == sorted(r["id"] for r in rows)      # _stats.parquet not read
     assert {r["id"]: r["output"] for r in back} == {r["id"]: data["reference"][r["id"]][0] for r in rows}
+
+
+def test_copies_cache_hits_and_error_rows_are_a_local_runs(cluster, data, tmp_path):
+    """Dedup copies go with their leader's unit; the driver writes the rows that need no engine (an error,
+    a duplicate id, result-cache hits and their copies) in its own parts; a second run is all cache hits."""
+    rnd = random.Random(1)
+    prompts = ["".join(rnd.choice("abcdefghij ") for _ in range(12 + i % 9)) for i in range(30)]
+    rows = [{"id": f"d{i}", "prompt": prompts[i % 30]} for i in range(70)]
+    rows += [{"id": "d3", "prompt": "a duplicate id"}, {"id": "bad", "prompt": None}]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dups = dict(data, path=str(path))
+    local = tmp_path / "local"
+    cfg = job_config(str(path), model=data["model"], max_tokens=8, max_num_seqs=2, part_rows=4, device="cpu",
+                     output=str(local), cache=str(tmp_path / "cache-local"))
+    job = open_job(cfg)
+    try:
+        code = job.run().exit_code
+    finally:
+        job.engine.close()
+    reference = _rows(str(local))
+    for run, out in enumerate((tmp_path / "first", tmp_path / "again")):
+        d = Driver(_command(cluster, dups, out, "--data-parallel", "2", "--cache", str(tmp_path / "cache")))
+        assert d.wait() == code, d.log[-4000:]      # the error rows: the local run's exit
+        assert _rows(str(out)) == reference     # d3 twice: its row, and the duplicate's error row
+        s = read_stats(str(out))
+        assert s["rows"] == len(reference) and s["duplicate_ids"] == 1, s
+        if run == 0:
+            assert s["rows_reused"] == 40 and s["rows_from_cache"] == 0, s     # 40 copies of 30 leaders
+        else:
+            assert s["rows_from_cache"] == 30 and s["rows_reused"] == 40, s
+            assert not _parts(out, "part-r"), "every row came from the cache: the driver wrote them all"
+        assert _parts(out, "part-plan-")        # the error rows (and hits) are the driver's

@@ -1,5 +1,7 @@
 """`--ray` without a cluster: the options (CLI, TOML, API), their checks, and the work queue's tickets."""
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -70,35 +72,84 @@ def test_a_ray_option_without_ray_exits_2(tmp_path):
     assert r.exit_code == 2 and "--ray-min-workers must be >= 1" in r.output     # --ray alone: auto
 
 
-def test_the_queue_hands_each_ticket_out_once():
+def test_the_queue_hands_bundles_out_in_plan_order_and_knows_who_holds_them():
     q = WorkQueue()
-    assert q.next_tickets(0, 1) == [0] and q.next_tickets(0, 2, 3) == [1, 2, 3] and q.next_tickets(0, 1) == [4]
-    assert q.next_tickets(1, 2) == [0]      # each round its own counter
-    assert q.report(0, 1, {"rows": 5}) is False
-    q.done(0, 2)
-    assert q.status(0) == {"progress": {1: {"rows": 5}}, "tickets": {1: 2, 2: 3}, "done": [2]}
+
+    class Sync:     # the actor's async next, one call at a time
+        def next(self, worker, wait_s=0.0):
+            return asyncio.run(WorkQueue.next(q, worker, wait_s))
+    q.next = Sync().next
+    assert q.next(0) == "wait"          # nothing planned yet, the plan not whole
+    assert q.put([(1, 5, ["b1"]), (0, 9, ["b0"]), (2, 1, ["b2"])]) == 15
+    assert q.next(0) == (0, ["b0"]) and q.next(1) == (1, ["b1"])    # the earliest first (largest in a window)
+    assert q.report(0, {"rows": 3}, [0]) is False       # worker 0 wrote bundle 0's rows
+    assert q.take(1) == [(1, 5, ["b1"])]                # worker 1 died: what it held, for the driver
+    assert q.next(1) is None and q.take(1) == []        # an ask it sent before dying gets nothing
+    q.put(q.take(1) or [(1, 4, ["b1 less its written rows"])])
+    assert q.next(0) == (1, ["b1 less its written rows"])       # back first: its old number
+    assert q.next(0) == (2, ["b2"])
+    q.leave(0, ran=[1])                 # bundle 2 was drawn ahead, not run: back in the queue
+    assert q.status()["queued"] == 1 and q.status()["held"] == 0 and q.status()["progress"] == {0: {"rows": 3}}
+    q.close()
+    assert q.next(2) == (2, ["b2"]) and q.next(2) is None       # the plan whole and handed out: the end
+    q.put([(3, 1, ["b3"])])
     q.stop()
-    assert q.report(0, 1, {"rows": 6}) is True
+    assert q.next(2) is None and q.report(2, {}) is True
 
 
-def test_the_claim_takes_its_slot_then_tickets_in_plan_order(monkeypatch):
-    """Two workers walk the same plan of 10 units: units 0 and 1 by slot, then tickets as each draws them;
-    every unit is claimed by exactly one, and a late worker (slot past the members) takes tickets only."""
-    ray = pytest.importorskip("ray")
-    from jobrunner.parallel.ray_worker import QueueClaim
-    monkeypatch.setattr(ray, "get", lambda value: value)
+def test_an_ask_to_an_empty_queue_is_answered_as_soon_as_bundles_come():
+    q = WorkQueue()
+
+    async def ask_then_put():
+        asked = asyncio.create_task(q.next(3, 30.0))
+        await asyncio.sleep(0.05)
+        assert not asked.done()         # held, not answered "wait"
+        q.put([(0, 2, ["b0"])])
+        return await asyncio.wait_for(asked, 5)
+    assert asyncio.run(ask_then_put()) == (0, ["b0"])
+
+    async def ask_then_close():
+        asked = asyncio.create_task(q.next(3, 30.0))
+        await asyncio.sleep(0.05)
+        q.close()
+        return await asyncio.wait_for(asked, 5)
+    assert asyncio.run(ask_then_close()) is None       # the plan is whole and handed out: the end
+    assert asyncio.run(WorkQueue().next(0, 0.05)) == "wait"    # nothing within wait_s
+
+
+def test_a_lost_workers_bundles_come_back_less_its_written_rows():
+    from array import array
+    from types import SimpleNamespace
+
+    from jobrunner.dataset.rows import Row
+    from jobrunner.idset import IdSet
+    from jobrunner.job import ShippedRow, ShippedUnit
+    from jobrunner.parallel.ray_plan import refill
+
+    def row(i):
+        return ShippedRow(Row(0, i, {"prompt": i}), array("I", [1, 2]) if not i[-1].isdigit() else None)
+    a, a1, a2, b, c = (row(i) for i in ("a", "a1", "a2", "b", "c"))
+    bundle = [ShippedUnit([a, b], {"a": [a1, a2]}), ShippedUnit([c], {})]
     queue = WorkQueue()
+    handle = SimpleNamespace(put=SimpleNamespace(remote=queue.put))
+    fake_ray = SimpleNamespace(get=lambda v: v, put=lambda v: v)
+    assert refill(fake_ray, handle, [(7, 6, [bundle])], IdSet(["a", "a1", "c"])) == (2, 1)
+    seq, (units,) = asyncio.run(queue.next(0))
+    assert seq == 7 and len(units) == 1         # unit c was written whole
+    assert [s.row.id for s in units[0].rows] == ["a2", "b"] and units[0].copies == {}    # a2 in a's place
+    assert units[0].rows[0].ids == a.ids        # a copy whose leader is written runs on the leader's ids
 
-    class Handle:           # queue.next_tickets.remote(...) -> the value (ray.get is the identity here)
-        next_tickets = type("M", (), {"remote": staticmethod(queue.next_tickets)})
-    a, b = QueueClaim(Handle, 0, 0, slot=0, members=2), QueueClaim(Handle, 0, 1, slot=1, members=2)
-    late = QueueClaim(Handle, 0, 5, slot=7, members=2)
-    owners = {}
-    for index in range(10):         # interleaved as their engines make room
-        for name, claim in (("a", a), ("b", b), ("late", late)):
-            if claim(index):
-                assert index not in owners
-                owners[index] = name
-    assert sorted(owners) == list(range(10))
-    assert owners[0] == "a" and owners[1] == "b" and "late" in owners.values()
-    assert a.units + b.units + late.units == 10
+
+def test_a_worker_confirms_a_bundle_once_its_rows_are_in_a_part():
+    pytest.importorskip("ray")
+    from jobrunner.parallel.ray_worker import QueueUnits
+    writer = SimpleNamespace(parts=["p0"], buffered=0)
+    job = SimpleNamespace(pending={"x": 1}, writer=writer)
+    work = QueueUnits(queue=None, rank=0, world=2, job=job, running={0: ["x"], 1: ["y"]})
+    writer.buffered = 3                 # y finished, its rows still buffered
+    assert work.written() == []
+    writer.parts.append("p1")           # a part written since
+    assert work.written() == [1]
+    job.pending.clear()
+    writer.buffered = 0                 # x finished and everything is in parts already
+    assert work.written() == [0]

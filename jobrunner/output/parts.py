@@ -3,9 +3,9 @@
 Invariants:
 - done_ids = ids in all readable part*.parquet files found at open (what a resumed
   job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
-  since the caller knows them. Given (`done_ids=`), the caller's snapshot instead: every
-  worker of a Ray round skips the same ids, whatever others wrote since (parallel/ray_driver.py).  A part that can't be read is renamed _corrupt-<name>
-  and its ids are not done.
+  since the caller knows them. Given (`done_ids=`), the caller's instead, and no part's ids are
+  read (a Ray job's workers: its driver read them once and planned the rest, parallel/ray_plan.py).
+  A part that can't be read is renamed _corrupt-<name> and its ids are not done.
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
 - A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
@@ -95,8 +95,8 @@ class ResultWriter:
         self.parts: list[str] = []      # all valid part files at open, plus ours since
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
-        self._scan()
-        if done_ids is not None:       # a Ray round's snapshot, read once by its driver for every worker
+        self._scan(read_ids=done_ids is None)
+        if done_ids is not None:       # the caller's: it read the parts (a Ray job's driver planned the rows)
             self.done_ids = done_ids
         if self._schema is None and schema is not None:
             assert kinds_of(schema) is not None, "a declared schema records its kinds (values.arrow_schema)"
@@ -104,8 +104,9 @@ class ResultWriter:
 
     # -- resume
 
-    def _scan(self) -> None:
-        """Read every part's id column; set damaged parts aside; find our next part number."""
+    def _scan(self, read_ids: bool = True) -> None:
+        """Read every part's id column; set damaged parts aside; find our next part number. Without
+        read_ids (the caller has the done ids), only the schema of the first part that records one."""
         names = layout.names(self.fs, self.root)
         for name in names:
             # our own stale temp part from a killed run, or anyone's stale manifest temp
@@ -118,6 +119,11 @@ class ResultWriter:
         for name in names:
             if not PART_RE.match(name):
                 continue
+            if not read_ids:
+                if self._schema is None:
+                    self._schema = self._read_schema(name)
+                self.parts.append(name)
+                continue
             ids, schema = self._read_part_ids(name)
             if ids is None:
                 self.corrupt.append(self._set_aside(name, names))
@@ -128,6 +134,28 @@ class ResultWriter:
                 self._schema = schema
         seqs = [int(m.group(1)) for n in layout.names(self.fs, self.root) if (m := self._own_re.match(n))]
         self._next = max(seqs, default=-1) + 1
+
+    def _read_schema(self, name: str) -> pa.Schema | None:
+        try:
+            with self.fs.open(storage.join(self.root, name), "rb") as f:
+                schema = pq.read_schema(f)
+        except (FileNotFoundError, pa.ArrowException, OSError):
+            return None
+        return schema if kinds_of(schema) is not None else None
+
+    def written_ids(self, part_prefix: str) -> IdSet:
+        """The ids in the parts of another writer of this directory (a lost Ray worker's: ray_plan.refill)."""
+        theirs = re.compile(rf"^{re.escape(part_prefix)}-\d+\.parquet$")
+        ids = IdSet()
+        for name in layout.names(self.fs, self.root):
+            if theirs.match(name):
+                ids.update(self._read_part_ids(name)[0] or ())
+        return ids
+
+    @property
+    def buffered(self) -> int:
+        """Rows written to this writer and not yet in a part."""
+        return len(self._buffer)
 
     def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None]:
         """(the part's row keys, its schema if it records its kinds); (None, None) when damaged.

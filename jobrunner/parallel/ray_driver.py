@@ -2,19 +2,21 @@
 
     driver (this process)                     Ray cluster
     ---------------------                     -----------
-    resolve once (no model), connect          RayWorker actors (ray_worker.py), one engine each,
-    start up to max_workers actors (the       placed by Ray with num_gpus = --tensor-parallel
-      config and Resolved as JSON),
-      wait for min_workers (--ray-timeout)    (GPU clusters) or CPUs, and --ray-resources
-    prepare the output once                   WorkQueue actor (ray_queue.py): tickets, progress
-    rounds: the done ids snapshot (object
-      store) -> every member's run_round      a round: every member plans the rows not in the
-    late workers join the open round          snapshot identically and claims units from the queue
-    merged _stats.json, complete manifest     parts written with today's atomic protocol
+    connect, start up to max_workers actors   RayWorker actors (ray_worker.py), one engine each,
+    resolve once (no model) meanwhile; the    placed by Ray with num_gpus = --tensor-parallel
+      actors load their engine with it        (GPU clusters) or CPUs, and --ray-resources
+    wait for min_workers (--ray-timeout)
+    prepare the output once                   WorkQueue actor (ray_queue.py): bundle refs in plan
+    plan once (ray_plan.py: a worker's          order, who holds which, progress
+      tokenizer and figures; the done ids,
+      errors and cache hits here), window     workers take bundles as their engine has room and
+      by window into the object store         write parts with today's atomic protocol
+    late workers join as they load
+    merged _stats.json, complete manifest
 
-A worker whose actor dies (node lost, OOM, kill -9) fails its run_round with RayActorError; the
-others finish the round, and the next round (with the survivors and the restarted actor, Ray's
-max_restarts) plans exactly the rows still missing from the parts. Every id is written once.
+A worker whose actor dies (node lost, OOM, kill -9) fails its run with RayActorError: the bundles it
+held go back to the queue less the rows its parts have (ray_plan.refill), and the others (or its
+restarted actor, Ray's max_restarts) run them. Every id is written once, in one pass.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
 
 from jobrunner.config import JobConfig, JobConfigError
@@ -30,10 +33,10 @@ from jobrunner.job import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, 
 from jobrunner.parallel.ending import write_ending
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.parallel.world import preflight
+from jobrunner.parallel.worker import total_rows
 
 log = logging.getLogger("jobrunner")
 
-MAX_ROUNDS = 8              # passes over the remaining rows after workers died
 NAMESPACE = "jobrunner"
 PROGRESS_LOG_S = 10.0       # the driver's progress line when not on a terminal
 
@@ -68,14 +71,16 @@ def run_ray(cfg: JobConfig) -> JobResult:
     device = cfg.engine.device
     if device.startswith("cuda:"):
         raise JobConfigError(f"--device {device} names one GPU; on Ray use --device cuda (Ray picks the GPUs)")
-    resolved = preflight(cfg)       # jobrunner.resolve, once for the job: its workers get it as JSON
     address = cfg.parallel.ray.address
     ray = import_ray(address)
     joined = not ray.is_initialized()       # else: a caller already connected (a Ray Data pipeline) keeps it
     if joined:
         connect(ray, address)
-    driver = RayDriver(cfg, resolved, ray)
+    driver = RayDriver(cfg, ray)
     try:
+        driver.start_workers()      # their processes start (Python, torch) while the job is checked here
+        # jobrunner.resolve, once for the job: its workers get it as JSON, and load their engine
+        driver.load_workers(preflight(cfg))
         return driver.run()
     finally:
         driver.end()
@@ -84,14 +89,22 @@ def run_ray(cfg: JobConfig) -> JobResult:
 
 
 class RayDriver:
-    def __init__(self, cfg: JobConfig, resolved, ray):
+    def __init__(self, cfg: JobConfig, ray):
         from jobrunner.parallel.ray_queue import WorkQueue
-        self.cfg, self.resolved, self.ray, self.opts = cfg, resolved, ray, cfg.parallel.ray
-        self.fingerprint = cfg.fingerprint_fields(resolved.adapter_hashes)
+        self.cfg, self.ray, self.opts = cfg, ray, cfg.parallel.ray
         self.tag = hashlib.blake2b(cfg.output_url.encode(), digest_size=6).hexdigest()
         self.queue = ray.remote(WorkQueue).options(name=f"{self.tag}-queue", num_cpus=0).remote()
-        self.stopping = False
+        self.stop = threading.Event()       # a signal (here or in the planning Job), or no worker left
+        self.stop_sent = self.no_workers = False
         self.last_log = 0.0
+        self.runs: dict = {}                # run ref -> (rank, slot)
+        self.next_slot, self.launched = 0, {}
+        self.idle: list[int] = []           # ranks whose last run ended normally
+        self.results: list[dict] = []
+        self.lost: list[int] = []
+        self.lost_rows = 0
+        self.plan = None
+        self.workers, self.loading = {}, {}     # rank -> actor; load() ref -> rank
 
     # -- workers
 
@@ -115,18 +128,25 @@ class RayDriver:
     def start_workers(self) -> None:
         from jobrunner.parallel.launcher import config_to_json
         from jobrunner.parallel.ray_worker import RayWorker
-        opts, threads, n = self.worker_options()
-        config, resolved = config_to_json(self.cfg), self.resolved.to_json()
+        opts, self.threads, n = self.worker_options()
         self.asks = {k: v for k, v in opts.items() if k in ("num_cpus", "num_gpus", "resources", "memory") and v}
         self._kill_leftovers(n)
         cls = self.ray.remote(RayWorker)
-        self.workers = {k: cls.options(name=f"{self.tag}-w{k}", **opts).remote(config, resolved, k, threads)
-                        for k in range(n)}
-        self.loading = {self.workers[k].ready.remote(): k for k in range(n)}     # ready() ref -> rank
-        self.world = max(2, n)      # every round plans for this many workers (worker.SharedUnits' spread)
+        self.workers = {k: cls.options(name=f"{self.tag}-w{k}", **opts).remote(k) for k in range(n)}
+        self.world = max(2, n)      # the plan spreads each window for this many workers (worker.spread_windows)
         log.info("ray: %d workers asked for (each %s), at least %d within %.0f s", n,
                  ", ".join(f"{k} {v:g}" if not isinstance(v, dict) else str(v) for k, v in self.asks.items()),
                  self.opts.min_workers, self.opts.timeout_s)
+
+    def load_workers(self, resolved) -> None:
+        """Each worker loads its engine (a restarted one again: _lost) with the job's config and Resolved."""
+        from jobrunner.parallel.launcher import config_to_json
+        self.resolved = resolved
+        self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
+        self.total = total_rows(self.cfg, resolved)
+        self.load_args = (config_to_json(self.cfg), resolved.to_json(), self.threads)
+        for k in self.workers:
+            self.loading[self.workers[k].load.remote(*self.load_args)] = k
 
     def _kill_leftovers(self, n: int) -> None:
         """Workers of an earlier driver of this output still alive (their owner died a moment ago) would race
@@ -185,7 +205,7 @@ class RayDriver:
 
     def end(self) -> None:
         """The job's actors go (their engines with them), whether or not this process stays connected."""
-        for actor in [*getattr(self, "workers", {}).values(), self.queue]:
+        for actor in [*self.workers.values(), self.queue]:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -196,7 +216,6 @@ class RayDriver:
     def run(self) -> JobResult:
         from jobrunner.output import OutputError, prepare_output
         cfg = self.cfg
-        self.start_workers()
         members = self.wait_placed()
         try:
             prepare_output(cfg.output_url, {"config": self.fingerprint}, overwrite=cfg.output.overwrite)
@@ -204,112 +223,144 @@ class RayDriver:
             raise JobConfigError(str(e)) from None
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return self._rounds(members)
+            return self._job(members)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def _rounds(self, members: list[int]) -> JobResult:
-        results, lost, complete, manifest, rounds, start = [], [], False, None, 0, time.time()
-        ever = set(members)
-        for r in range(MAX_ROUNDS):
-            members = sorted(set(members) | set(self.poll_loaded(0)))
-            if not members:         # every worker died: wait for a restarted one
-                members = self.poll_loaded(self.opts.timeout_s) if self.loading else []
-            if self.stopping or not members:
-                break
-            rounds = r + 1
-            done, gone = self._round(r, members)
-            ever |= set(done) | set(gone)
-            results += done.values()
-            lost += gone
-            errors = [v["error"] for v in done.values() if v.get("config_error")]
-            if errors:
-                raise JobConfigError(errors[0])
-            manifest = next((v["manifest"] for v in done.values() if v.get("manifest")), manifest)
-            codes = {v["exit_code"] for v in done.values()}
-            if self.stopping or codes & {EXIT_INTERRUPTED, EXIT_STORAGE}:
-                break
-            if not gone:
-                complete = True
-                break
-            log.warning("ray: worker%s %s lost; the rows %s not written go to another round", "s" * (len(gone) > 1),
-                        ", ".join(map(str, gone)), "they had" if len(gone) > 1 else "it had")
-            members = sorted(done)
-            for k in gone:          # a restarted actor (max_restarts) loads again, then joins
-                self.loading[self.workers[k].ready.remote()] = k
-        return self._finish(results, lost, complete, manifest, rounds, len(ever), start)
+    def _job(self, members: list[int]) -> JobResult:
+        """Plans here (the workers run meanwhile), then watches the workers until every unit is written."""
+        from jobrunner.job_parts import WINDOW_ROWS, open_job
+        from jobrunner.parallel.ray_plan import EngineFace, ShipUnits
+        cfg, start = self.cfg, time.time()
+        face = EngineFace(*self.ray.get(self.workers[members[0]].face.remote()))
+        self.ship = ShipUnits(self.ray, self.queue, self.world, cfg.sampling.n * cfg.sampling.max_tokens,
+                              WINDOW_ROWS, self.wait_room)
+        # the driver's Job reads the done ids (the one scan of the parts) and writes the rows that need no
+        # engine (errors, result-cache hits): in `part-plan` parts
+        self.plan = open_job(cfg, self.resolved, engine=face, work=self.ship, progress=_Silent(), stop=self.stop)
+        self.ship.job = self.plan
+        for k in members:
+            self.launch(k)
+        planned = self.plan.run()
+        self.queue.close.remote()
+        log.info("ray: planned %d rows in %d bundles in %.1f s", self.ship.shipped_rows, self.ship.bundles,
+                 time.time() - start)
+        while self.runs or (self.queued() and not self.stop.is_set() and self._relaunch()):
+            self.watch(1.0)
+        return self._finish(planned.stats, start)
 
-    def _round(self, r: int, members: list[int]) -> tuple[dict[int, dict], list[int]]:
-        """Round r with `members` (rank -> slot by order); workers that finish loading meanwhile join it
-        with a slot past every member's. Returns (rank -> payload, ranks lost)."""
-        from jobrunner.output import ResultWriter
-        cfg = self.cfg
-        # nobody writes between rounds: the parts now are what this round skips, for every member alike
-        snapshot = ResultWriter(cfg.output_url, {"config": self.fingerprint}, part_prefix="part-r0").done_ids
-        ref = self.ray.put(snapshot)
-        running = {}
+    def launch(self, k: int) -> None:
+        slot = self.next_slot
+        self.next_slot += 1
+        self.runs[self.workers[k].run.remote(self.launched.get(k, 0), slot, self.world, self.queue)] = (k, slot)
+        self.launched[k] = self.launched.get(k, 0) + 1
 
-        def launch(k: int, slot: int) -> None:
-            running[self.workers[k].run_round.remote(r, slot, len(members), self.world, self.queue, ref)] = k
-        for slot, k in enumerate(members):
-            launch(k, slot)
-        done, gone, joined = {}, [], 0
-        while running:
-            for k in self.poll_loaded(0):
-                log.info("ray: worker %d joins round %d", k, r)
-                launch(k, self.world + joined)
-                joined += 1
-            finished, _ = self.ray.wait(list(running), num_returns=len(running), timeout=1.0)
-            for f in finished:
-                k = running.pop(f)
-                try:
-                    done[k] = self.ray.get(f)
-                except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
-                    log.error("ray: worker %d stopped in round %d: %s", k, r, _first_line(e))
-                    gone.append(k)
-                    if not isinstance(e, self.ray.exceptions.RayActorError):    # alive, its engine broken
-                        self.ray.kill(self.workers[k], no_restart=False)       # Ray restarts it (max_restarts)
-            self._progress(r)
-        return done, gone
+    def _relaunch(self) -> bool:
+        """Units came back after the workers left (a lost worker's): the idle ones run again, else a
+        restarted one within --ray-timeout. False: none is left (the job ends, exit 1)."""
+        if not self.idle and self.loading:
+            self.idle += self.poll_loaded(self.opts.timeout_s)
+        for k in self.idle:
+            self.launch(k)
+        self.idle = []
+        return bool(self.runs)
 
-    def _progress(self, r: int) -> None:
+    def queued(self) -> int:
+        return self.ray.get(self.queue.status.remote())["queued"]
+
+    def wait_room(self, rows: int) -> None:
+        """ShipUnits' wait: until the queue holds under `rows` (or the job stops: no worker is left)."""
+        while self.ray.get(self.queue.status.remote())["queued_rows"] >= rows and not self.stop.is_set():
+            if not self.runs and not self._relaunch():
+                self.no_workers = True
+                self.stop.set()
+                break
+            self.watch(0.5)
+        self.watch(0)
+
+    def watch(self, timeout: float) -> None:
+        """Late workers join, ended runs are collected, a lost worker's unwritten rows go back to the
+        queue, progress is logged; waits up to `timeout` s for a run to end."""
+        if self.stop.is_set() and not self.stop_sent:
+            self.stop_sent = True
+            self.queue.stop.remote()
+        for k in self.poll_loaded(0):
+            log.info("ray: worker %d joins", k)
+            self.launch(k)
+        finished = []
+        if self.runs:
+            finished, _ = self.ray.wait(list(self.runs), num_returns=len(self.runs), timeout=timeout)
+        for f in finished:
+            k, slot = self.runs.pop(f)
+            try:
+                v = self.ray.get(f)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
+                self._lost(k, slot, e)
+                continue
+            if v.get("config_error"):
+                raise JobConfigError(v["error"])
+            self.results.append(v)
+            if v["exit_code"] == EXIT_OK:
+                self.idle.append(k)
+        self._progress()
+
+    def _lost(self, k: int, slot: int, e: Exception) -> None:
+        from jobrunner.parallel.ray_plan import refill
+        log.error("ray: worker %d stopped: %s", k, _first_line(e))
+        if not isinstance(e, self.ray.exceptions.RayActorError):    # alive, its engine broken: it wrote nothing since
+            self.ray.kill(self.workers[k], no_restart=False)       # Ray restarts it (max_restarts)
+        self.lost.append(k)
+        written = self.plan.writer.written_ids(f"part-r{slot}")
+        self.lost_rows += len(written)
+        rows, bundles = refill(self.ray, self.queue, self.ray.get(self.queue.take.remote(slot)), written)
+        log.warning("ray: worker %d had written %d rows; its %d unwritten rows (%d bundles) go back to the queue",
+                    k, len(written), rows, bundles)
+        self.loading[self.workers[k].load.remote(*self.load_args)] = k     # restarted (max_restarts), it joins
+
+    def _progress(self) -> None:
         now = time.time()
         if now - self.last_log < PROGRESS_LOG_S:
             return
         first = self.last_log == 0.0
         self.last_log = now
         try:
-            status = self.ray.get(self.queue.status.remote(r), timeout=5)
+            status = self.ray.get(self.queue.status.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - the queue's answer is informative only
             return
-        p = status["progress"].values()
+        p = list(status["progress"].values())
+        plan = self.plan.stats if getattr(self, "plan", None) is not None else None
         rows, failed, tokens = (sum(x[k] for x in p) for k in ("rows", "failed", "tokens"))
-        skipped = max((x["skipped"] for x in p), default=0)
-        total = next((x["total"] for x in p if x.get("total")), None)
-        if not hasattr(self, "_t0") or first:
+        if plan is not None:
+            rows += plan.rows
+        skipped = plan.rows_skipped if plan is not None else 0
+        if first:
             self._t0, self._rows0 = now, rows
         rate = (rows - self._rows0) / max(now - self._t0, 1e-9)
-        left = (total - rows - skipped) if total else None
+        left = (self.total - rows - skipped) if self.total else None
         eta = f", ETA {left / rate:.0f} s" if left is not None and rate > 0 else ""
-        log.info("round %d: %d%s rows, %d failed, %d tokens, %.1f rows/s%s, %d workers, %d units handed out",
-                 r, rows + skipped, f"/{total}" if total else "", failed, tokens, rate, eta, len(p),
-                 sum(status["tickets"].values()))
+        log.info("%d%s rows, %d failed, %d tokens, %.1f rows/s%s, %d workers, %d bundles handed out, %d queued",
+                 rows + skipped, f"/{self.total}" if self.total else "", failed, tokens, rate, eta, len(self.runs),
+                 status["handed"], status["queued"])
 
     def _on_signal(self, signum, frame):
-        if self.stopping:
+        if self.stop.is_set():
             raise KeyboardInterrupt
-        self.stopping = True
+        self.stop.set()
         log.warning("signal %d: workers finish what is written, then stop", signum)
         self.queue.stop.remote()
 
-    def _finish(self, results, lost, complete, manifest, rounds, workers, start) -> JobResult:
+    def _finish(self, planned: dict, start: float) -> JobResult:
         from jobrunner.summary import job_summary
-        cfg = self.cfg
-        run = merge_stats(results, cfg, wall_s=time.time() - start, devices=workers, rounds=rounds, lost=lost)
+        cfg, results = self.cfg, self.results
+        ever = {v["rank"] for v in results} | set(self.lost)
+        run = merge_stats(results, cfg, wall_s=time.time() - start, devices=len(ever), rounds=1, lost=self.lost,
+                          planner=planned, lost_rows=self.lost_rows)
         codes = {v["exit_code"] for v in results}
-        code = (EXIT_STORAGE if EXIT_STORAGE in codes else EXIT_INTERRUPTED
-                if EXIT_INTERRUPTED in codes or self.stopping else EXIT_OK if complete else EXIT_FAILED)
+        interrupted = self.stop.is_set() and not self.no_workers       # a signal, here or in the plan's Job
+        complete = not self.stop.is_set() and not self.queued()
+        code = (EXIT_STORAGE if EXIT_STORAGE in codes else EXIT_INTERRUPTED if interrupted
+                else EXIT_OK if complete else EXIT_FAILED)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
         summary = job_summary(cfg.output_url, self.fingerprint, run)
         why = None
@@ -318,11 +369,21 @@ class RayDriver:
         elif code == EXIT_FAILED:
             why = "every Ray worker was lost; the rows written are kept: run the same command again to resume"
         ctx = self.ray.get_runtime_context()
-        m = {"config": self.fingerprint, **(manifest or {}),
-             "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": workers,
+        m = {**{k: v for k, v in self.plan.manifest.items()}, "config": self.fingerprint,
+             "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": len(ever),
                      "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID")}}
         write_ending(cfg, summary, m, complete)
         return JobResult(code, summary, cfg.output_url, error=why)
+
+
+class _Silent:
+    """The driver's planning Job reports nothing itself: the driver's progress line has its rows."""
+
+    def update(self, stats, force: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _first_line(e: Exception) -> str:

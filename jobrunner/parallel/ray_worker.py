@@ -1,15 +1,13 @@
-"""A Ray job's worker: an actor with one engine, loaded once, running the rounds its driver opens.
+"""A Ray job's worker: an actor with one engine, loaded once, running the units its driver planned.
 
-A round is a data-parallel worker's Job (job_parts.open_job with worker.SharedUnits: the same plan
-as every other worker's, each window's units largest first), its units claimed from the queue actor
-(QueueClaim), its progress sent there too (QueueProgress), and the round's one snapshot of done ids
-as the ids its writer skips. Its parts are written with the usual atomic protocol under its own
-prefix (`part-r<slot>`), so the output is a local run's. The config and jobrunner.resolve's Resolved
-are the driver's, as JSON (as the data-parallel launcher passes them): resolved once per job.
-
-The Job meets Ray only through QueueClaim, its work source's claim:
-    claim(index) -> bool    run unit `index` of the plan? (called for every unit, in order)
-    complete()              every unit claimed is written (the round ended normally)
+A run is a data-parallel worker's Job (job_parts.open_job) whose work source is QueueUnits: bundles
+of planned units (job.ShippedUnit: rows, tokenizer ids, copies) fetched from the object store by the
+refs the queue actor (ray_queue.py) hands out, as the engine has room. Nothing is read or planned
+here. Its progress goes to the queue too (QueueProgress), with the bundles whose rows are all in its
+parts, which the queue then forgets (a lost worker's other bundles go back to the queue). Parts are
+written with the usual atomic protocol under the run's prefix (`part-r<slot>`), so the output is a
+local run's. The config and jobrunner.resolve's Resolved are the driver's, as JSON (as the
+data-parallel launcher passes them): resolved once per job.
 """
 from __future__ import annotations
 
@@ -18,63 +16,82 @@ import os
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from jobrunner.config import JobConfigError
+from jobrunner.idset import IdSet
 from jobrunner.job import EXIT_CONFIG
 from jobrunner.job_parts import open_job
 from jobrunner.parallel.launcher import config_from_json
-from jobrunner.parallel.worker import SharedUnits, run_claimed, total_rows
+from jobrunner.parallel.worker import run_claimed
 from jobrunner.resolve import Resolved
 
 log = logging.getLogger("jobrunner")
 
-CLAIM_BATCH = 1         # tickets a worker draws at once (one more draw is always in flight); docs/RAY.md
 REPORT_EVERY_S = 1.0    # a worker's progress to the queue actor; the stop flag comes back with it
+WAIT_S = 1.0            # the queue actor holds an ask this long while it is empty (docs/RAY.md: the queue's calls)
 
 
-class QueueClaim:
-    """The work source: units 0 .. members-1 by slot, then tickets from the queue actor (ray_queue.py).
-    A late worker (slot >= members) starts on tickets only."""
+@dataclass
+class QueueUnits:
+    """The work source: the queue's bundles, in the order handed out; the next ask is always in flight
+    (its round trip hides behind a bundle). `job` is set once the Job is open."""
+    queue: object
+    rank: int               # the run's slot: its parts' prefix
+    world: int
+    hits_now = False        # the driver wrote the hits
+    job: object = None
+    ran: list[int] = field(default_factory=list)        # bundles taken, in order
+    running: dict[int, list[str]] = field(default_factory=dict)     # bundle -> leader ids, rows not all done
+    finished: dict[int, int] = field(default_factory=dict)          # bundle -> parts the writer had then
+    count: int = 0          # units taken
 
-    def __init__(self, queue, r: int, worker: int, slot: int, members: int, batch: int = CLAIM_BATCH):
-        self.queue, self.r, self.worker, self.slot, self.members, self.batch = queue, r, worker, slot, members, batch
-        self.tickets: deque[int] = deque()
-        self.ahead = None       # the next draw, already asked for: the actor's round trip hides behind a unit
-        self.units = 0
+    @property
+    def part_prefix(self) -> str:
+        return f"part-r{self.rank}"
 
-    def claim(self, index: int) -> bool:
+    def units(self, units, tokens_of):
         import ray
-        if index < self.members:
-            mine = index == self.slot
-        else:
-            if not self.tickets:
-                drawn = ray.get(self.ahead if self.ahead is not None else self._draw())
-                self.ahead = self._draw()       # reserved for this worker: it reaches that unit (or the plan ends)
-                self.tickets.extend(t + self.members for t in drawn)
-            mine = self.tickets[0] == index     # held tickets are >= index: the plan is walked in order
-            if mine:
-                self.tickets.popleft()
-        self.units += mine
-        return mine
+        ask = self.queue.next.remote(self.rank, WAIT_S)
+        while True:
+            if not ray.wait([ask], timeout=0)[0]:
+                yield None, False       # the answer is not here yet: the Job steps its engine meanwhile
+                continue
+            reply = ray.get(ask)
+            if reply is None:
+                return
+            ask = self.queue.next.remote(self.rank, WAIT_S)
+            if reply == "wait":
+                continue
+            seq, (ref,) = reply
+            bundle = ray.get(ref)
+            self.ran.append(seq)
+            self.running[seq] = [r.row.id for u in bundle for r in u.rows]
+            self.count += len(bundle)
+            for unit in bundle:
+                yield unit, True
 
-    __call__ = claim        # SharedUnits' `claim(index)`
-
-    def _draw(self):
-        return self.queue.next_tickets.remote(self.r, self.worker, self.batch)
-
-    def complete(self) -> None:
-        import ray
-        ray.get(self.queue.done.remote(self.r, self.worker))
+    def written(self) -> list[int]:
+        """Bundles whose rows are all in parts (a unit's copies are written with its leader): those
+        finished while the writer held nothing, or before a part it has written since."""
+        pending, writer = self.job.pending, self.job.writer
+        parts, empty = len(writer.parts), writer.buffered == 0
+        for seq, ids in list(self.running.items()):
+            if not any(i in pending for i in ids):
+                self.finished[seq] = parts
+                del self.running[seq]
+        done = [s for s, p in self.finished.items() if empty or parts > p]
+        for s in done:
+            del self.finished[s]
+        return done
 
 
 class QueueProgress:
-    """Job's progress object: counts to the queue actor every REPORT_EVERY_S; once the driver asks to
-    stop (a signal), sets the job's `stop` event: the job stops at its next step, keeping what is written."""
+    """Job's progress object: counts and written bundles to the queue actor every REPORT_EVERY_S; once
+    the driver asks to stop (a signal), sets the job's `stop` event: it stops at its next step."""
 
-    def __init__(self, queue, r: int, worker: int, total: int | None, stop: threading.Event):
-        self.queue, self.r, self.worker, self.total, self.stop = queue, r, worker, total, stop
+    def __init__(self, queue, work: QueueUnits, stop: threading.Event):
+        self.queue, self.work, self.stop = queue, work, stop
         self.last = 0.0
 
     def update(self, stats, force: bool = False) -> None:
@@ -82,9 +99,9 @@ class QueueProgress:
         now = time.time()
         if force or now - self.last >= REPORT_EVERY_S:
             self.last = now
-            counts = {"rows": stats.rows, "skipped": stats.rows_skipped, "failed": stats.rows_failed,
-                      "tokens": stats.prompt_tokens + stats.completion_tokens, "total": self.total}
-            if ray.get(self.queue.report.remote(self.r, self.worker, counts)):
+            counts = {"rows": stats.rows, "failed": stats.rows_failed,
+                      "tokens": stats.prompt_tokens + stats.completion_tokens}
+            if ray.get(self.queue.report.remote(self.work.rank, counts, self.work.written())):
                 self.stop.set()
 
     def close(self) -> None:
@@ -93,53 +110,56 @@ class QueueProgress:
 
 class RayWorker:
     """Plain Python: the driver wraps it with ray.remote and the worker's resources. `rank` names the actor
-    (its figures in _stats.json are `rank<rank>`); the part prefix follows the round's slot. `config` and
+    (its figures in _stats.json are `rank<rank>`); each run's slot names its parts. load's `config` and
     `resolved`: the driver's JobConfig (launcher.config_to_json) and Resolved (Resolved.to_json)."""
 
-    def __init__(self, config: str, resolved: str, rank: int, threads: int):
-        from jobrunner.job_parts import load_engine
+    def __init__(self, rank: int):
+        import engine
+        engine.Engine           # torch and the engine's modules, while the driver checks the job
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
                                 format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")
         self.rank = rank
+        self.engine = None
+
+    def load(self, config: str, resolved: str, threads: int) -> dict:
+        """Loads the engine; returns where (or why not: a config error, exit 2)."""
+        import ray
+        from jobrunner.job_parts import load_engine
         cfg = config_from_json(config)
         # the driver alone prepares (and overwrites) the output; it shares the cores out
         self.cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
                            engine=replace(cfg.engine, threads=threads))
         self.resolved = Resolved.from_json(resolved)
-        self.engine, self.error = None, None
+        error = None
         try:
             self.engine = load_engine(self.cfg, self.resolved)
         except JobConfigError as e:
-            self.error = str(e)
-
-    def ready(self) -> dict:
-        """The engine is loaded (or why not: a config error, exit 2). Answers once __init__ is done."""
-        import ray
-        ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "error": self.error, "pid": os.getpid(), "node": ctx.get_node_id(),
+            error = str(e)
+        return {"rank": self.rank, "error": error, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "device": self.engine.info.device if self.engine is not None else None}
 
-    def run_round(self, r: int, slot: int, members: int, world: int, queue, done_ids) -> dict:
-        """One pass over the rows not in `done_ids` (the round's snapshot, the same for every member); the
-        result payload is parallel.stats.merge_stats' record of this worker, plus its manifest."""
+    def face(self):
+        """What the driver plans with: this engine's (info, tokenizer, config)."""
+        return self.engine.info, self.engine.tokenizer, self.engine.config
+
+    def run(self, run: int, slot: int, world: int, queue) -> dict:
+        """Runs bundles from the queue until it ends; the result payload is parallel.stats.merge_stats'
+        record of this run."""
         cfg, engine = self.cfg, self.engine
-        claim = QueueClaim(queue, r, self.rank, slot, members)
-        work = SharedUnits(claim, slot, world, cfg.sampling.n * cfg.sampling.max_tokens)
+        work = QueueUnits(queue, slot, world)
         stop = threading.Event()
-        payload = {"rank": self.rank, "slot": slot, "round": r, "device": engine.info.device,
-                   "error": None, "manifest": None}
+        payload = {"rank": self.rank, "slot": slot, "round": run, "device": engine.info.device, "error": None}
         try:
-            # claim a unit only when the engine has room (max_in_flight); parts written since the round
-            # opened are this round's own work, so the writer skips the snapshot's ids, not the parts'
+            # the driver read the done ids and planned the rest: no part's ids are read here
             job = open_job(cfg, self.resolved, engine=engine, work=work, max_in_flight=engine.info.max_num_seqs,
-                           progress=QueueProgress(queue, r, self.rank, total_rows(cfg, self.resolved), stop),
-                           done_ids=done_ids, stop=stop)
+                           progress=QueueProgress(queue, work, stop), done_ids=IdSet(), stop=stop, reader=list)
         except JobConfigError as e:
             return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": str(e), "config_error": True}
-        payload["manifest"] = {k: v for k, v in job.manifest.items() if k != "config"}
-        run_claimed(job, claim, payload)
-        claim.complete()
+        work.job = job
+        run_claimed(job, payload, lambda: work.count)
+        import ray
+        ray.get(queue.leave.remote(slot, work.ran))     # its parts are closed: every bundle it ran is written
         return payload
 
     def close(self) -> None:

@@ -24,12 +24,15 @@ def worker_sketch(stats) -> dict:
 
 
 def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: int, rounds: int,
-                lost: list[int]) -> dict:
+                lost: list[int], planner: dict | None = None, lost_rows: int | None = None) -> dict:
     """One run's record from its workers' records (JobStats.summary keys, over the run's wall time), plus
-    `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance."""
+    `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance.
+    `planner`: the record of a plan made apart (a Ray job's driver: the rows it wrote, its plan's figures);
+    `lost_rows`: the rows lost workers wrote, where the caller counted them."""
     summaries = [(v, v["summary"]) for v in results if v.get("summary")]
     first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
-    s = summed([x for _, x in summaries], ROW_SUMS + REUSE_SUMS)
+    first = planner or first
+    s = summed([x for _, x in summaries] + ([planner] if planner else []), ROW_SUMS + REUSE_SUMS)
     s["started_at"] = min((x["started_at"] for _, x in summaries if x.get("started_at")), default=None)
     s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
@@ -67,6 +70,7 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
         w["tokens_per_s"] = (w["prompt_tokens"] + w["completion_tokens"]) / max(w["run_s"], 1e-9)
     s["workers"] = workers
     runs = [w["run_s"] for w in workers.values()]
+    lost_rows_given = lost_rows
     # rows a lost worker wrote before it died: the next round found them done, and nobody reported them
     by_round: dict[int, list[dict]] = {}
     for v, x in summaries:
@@ -75,7 +79,7 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
         x.get("rows_skipped_done", 0) for x in by_round[r - 1]) - sum(x["rows"] for x in by_round[r - 1])
         for r in by_round if r - 1 in by_round)
     s["data_parallel"] = {"workers": devices, "rounds": rounds, "lost_workers": sorted(lost),
-                          "rows_by_lost_workers": lost_rows,
+                          "rows_by_lost_workers": lost_rows if lost_rows_given is None else lost_rows_given,
                           "units": sum(w["units"] for w in workers.values()),
                           "balance": min(runs) / max(runs) if runs and max(runs) > 0 else None}
     return s

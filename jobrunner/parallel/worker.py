@@ -86,32 +86,38 @@ class SharedUnits:
     rank: int
     world: int
     out_tokens: int         # tokens a row generates at most: n * max_tokens
+    hits_now = False        # a result-cache hit waits in the plan for the worker that claims its unit
+
+    @property
+    def part_prefix(self) -> str:
+        return f"part-r{self.rank}"
 
     def units(self, units, tokens_of):
         index = 0
-        for batch in self._spread_windows(units, tokens_of):
+        for batch in spread_windows(units, self.world, tokens_of, self.out_tokens):
             for unit in batch:
                 yield unit, self.claim(index)
                 index += 1
 
-    def _spread_windows(self, units, tokens_of):
-        # a window's rows all wait in the job's pending rows, token ids packed: none is submitted yet
-        window = []
-        for unit in units:
-            window.append(unit)
-            if unit.window_end:
-                yield self._spread(window, tokens_of)
-                window = []
-        yield self._spread(window, tokens_of)
 
-    def _spread(self, window, tokens_of):
-        return sorted(spread_units(window, self.world, tokens_of, self._cost), key=self._cost, reverse=True)
-
-    def _cost(self, u) -> int:
+def spread_windows(units, world: int, tokens_of, out_tokens: int):
+    """Each planning window's units (a window's rows all wait in the job's pending rows, token ids packed:
+    none is submitted yet), spread over `world` workers, largest first (SharedUnits)."""
+    def cost(u) -> int:
         """Tokens the engine computes for a unit: the shared prefix once, the rest, the outputs. Sorted
         by it, stable: ties keep the planner's order."""
         n = len(u.items)
-        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * self.out_tokens
+        return u.prompt_tokens - u.shared_prefix_len * (n - 1) + n * out_tokens
+
+    def spread(window):
+        return sorted(spread_units(window, world, tokens_of, cost), key=cost, reverse=True)
+    window = []
+    for unit in units:
+        window.append(unit)
+        if unit.window_end:
+            yield spread(window)
+            window = []
+    yield spread(window)
 
 
 def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world: int, stop: list,
@@ -128,7 +134,7 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
     protocol.set_ready(store, r, rank, manifest=job.manifest)
     protocol.wait_go(store, r, stop)
     payload = {"rank": rank, "slot": slot, "round": r, "device": engine.info.device, "error": None}
-    protocol.set_result(store, r, rank, run_claimed(job, claim, payload))
+    protocol.set_result(store, r, rank, run_claimed(job, payload, lambda: claim.units))
 
 
 def total_rows(cfg, resolved) -> int | None:
@@ -185,7 +191,7 @@ class _StoreProgress:
         pass
 
 
-def run_claimed(job, claim, payload: dict) -> dict:
+def run_claimed(job, payload: dict, units_of) -> dict:
     """Runs a worker's job over the units it claims; payload gains its exit code, summary, units, seconds
     and the sketch of its rows' figures (a storage failure: EXIT_STORAGE and the error, no summary)."""
     t0 = time.time()
@@ -195,5 +201,5 @@ def run_claimed(job, claim, payload: dict) -> dict:
     except OSError as e:
         log.error("writing the output failed: %s", e)
         payload.update(exit_code=EXIT_STORAGE, summary=None, error=str(e))
-    payload.update(units=claim.units, run_s=time.time() - t0, sketch=worker_sketch(job.stats))
+    payload.update(units=units_of(), run_s=time.time() - t0, sketch=worker_sketch(job.stats))
     return payload
