@@ -27,7 +27,7 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     window = meta.sliding_window if sliding else None
     if nd:
         out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
-    if meta._prefill is not None:
+    if meta.num_prefills:
         out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     return out
 
@@ -41,7 +41,7 @@ def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, soft
 
 def _prefill_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
     """The prefill rows q: [T - nd, Hq, D] as a padded batch of chunks over their gathered blocks."""
-    blocks, _, q_index, q_valid, _ = meta._prefill
+    blocks, _, q_index, q_valid, _ = meta.prefill_part()
     n = q_index.shape[0]
     qp = q[q_index]                                                                  # [B, qmax, Hq, D]
     k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)

@@ -1,0 +1,147 @@
+"""Prefill attention on CPU without a padded mask: every chunk's attention in two unmasked or causal parts
+through torch's fused CPU flash kernel, merged exactly by their logsumexps.
+
+A chunk of L new tokens after c cached ones (kernels/attention.py has the layout) sees, per query row i,
+the c context keys (all of them) and its own keys 0..i. So:
+
+    context part   queries over the keys [0, c)            no mask: every query sees every key
+    own part       queries over the chunk's keys [c, c+L)  causal, top-left aligned (is_causal, Lq == Lk)
+    out            (o_ctx * e^lse_ctx + o_own * e^lse_own) / (e^lse_ctx + e^lse_own)
+
+Chunks whose contexts are the same physical blocks (a shared prefix) run their context parts as one query
+batch over one copy of those keys; a context in consecutive blocks is a view of the pool, not a gather.
+Own parts of similar lengths are padded into one batch at the end: under is_causal a padded key sits past
+every real query of its row, so no real query sees it. GQA is the kernel's own (fewer key heads than query
+heads). The padded boolean mask of the reference (kernels/attention_ref.py) makes SDPA take its math path;
+here no mask is evaluated at all.
+
+Not covered (the reference serves): sliding windows that cut a chunk's keys, soft-capping, int8 caches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass
+class ContextGroup:
+    """Chunks whose contexts are the same c keys in the same blocks: their query rows as one batch."""
+    rows: torch.Tensor | slice       # rows of the prefill queries (a slice when they are consecutive)
+    blocks: torch.Tensor | int       # the context's blocks; an int: the first of consecutive blocks
+    num_blocks: int
+    length: int                      # c: keys of the context
+
+
+@dataclass
+class OwnBatch:
+    """Chunks padded to one length for their own (causal) part."""
+    q_index: torch.Tensor            # [B, Lmax] rows of the prefill queries (padding repeats a real row)
+    slots: torch.Tensor              # [B, Lmax] cache slots of the chunks' own keys (padding likewise)
+    valid: torch.Tensor              # [B, Lmax] True at real rows
+    rows: torch.Tensor | slice       # where the real rows go in the prefill output, in valid's order
+
+
+@dataclass
+class PrefillPlan:
+    """A step's prefill chunks as context groups and own batches: built once a step, shared by all layers."""
+    num_rows: int
+    groups: list[ContextGroup]
+    own: list[OwnBatch]
+
+    @classmethod
+    def build(cls, block_size: int, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+              slots: torch.Tensor) -> "PrefillPlan":
+        """The prefill chunks only: query_lens, seq_lens, block tables (lists) and the chunks' new slots [T]."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(starts[-1], _context_groups(block_size, query_lens, seq_lens, tables, starts),
+                   _own_batches(query_lens, starts, slots))
+
+
+def _context_groups(bs, query_lens, seq_lens, tables, starts) -> list[ContextGroup]:
+    by_context: dict[tuple, list[int]] = {}
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        c = sl - ql
+        if c:
+            by_context.setdefault((c, tuple(tables[i][:-(-c // bs)])), []).append(i)
+    groups = []
+    for (c, blocks), members in by_context.items():
+        rows = [r for i in members for r in range(starts[i], starts[i] + query_lens[i])]
+        first = blocks[0]
+        consecutive = list(blocks) == list(range(first, first + len(blocks)))
+        groups.append(ContextGroup(_rows(rows), first if consecutive else torch.tensor(blocks), len(blocks), c))
+    return groups
+
+
+def _own_batches(query_lens, starts, slots, waste: float = 2.0) -> list[OwnBatch]:
+    """Longest first; a chunk joins the open batch while the batch's length is within `waste` of its own."""
+    order = sorted(range(len(query_lens)), key=lambda i: -query_lens[i])
+    batches, open_ = [], []
+    for i in order:
+        if open_ and query_lens[open_[0]] > waste * query_lens[i]:
+            batches.append(open_)
+            open_ = []
+        open_.append(i)
+    batches.append(open_)
+    return [_own_batch(members, query_lens, starts, slots) for members in batches]
+
+
+def _own_batch(members, query_lens, starts, slots) -> OwnBatch:
+    lmax = query_lens[members[0]]
+    j = torch.arange(lmax)
+    lens = torch.tensor([query_lens[i] for i in members])
+    first = torch.tensor([starts[i] for i in members])
+    valid = j[None, :] < lens[:, None]
+    q_index = first[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)
+    rows = [r for i in members for r in range(starts[i], starts[i] + query_lens[i])]
+    return OwnBatch(q_index, slots[q_index], valid, _rows(rows))
+
+
+def _rows(rows: list[int]) -> torch.Tensor | slice:
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows)
+
+
+def prefill_attention_cpu(q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
+    """q: the prefill rows [T, Hq, D] -> [T, Hq, D], over float caches [NB, BS, Hk, D]."""
+    out = q.new_empty(q.shape)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    k_slots, v_slots = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    for b in plan.own:
+        o, l = _flash(_heads_first(q[b.q_index]), _heads_first(k_slots[b.slots]), _heads_first(v_slots[b.slots]),
+                      is_causal=True, scale=scale)
+        out[b.rows] = o.transpose(1, 2)[b.valid]
+        lse[b.rows] = l.transpose(1, 2)[b.valid]
+    for g in plan.groups:
+        k, v = _context(k_cache, g), _context(v_cache, g)
+        o, l = _flash(q[g.rows].transpose(0, 1)[None], k, v, scale=scale)
+        _merge(out, lse, g.rows, o[0].transpose(0, 1), l[0].transpose(0, 1))
+    return out
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, D] -> [B, H, L, D] (a view)."""
+    return x.transpose(1, 2)
+
+
+def _context(cache: torch.Tensor, g: ContextGroup) -> torch.Tensor:
+    """The group's context keys (or values) as [1, Hk, c, D]: a view of the pool when the blocks are consecutive."""
+    if isinstance(g.blocks, int):
+        x = cache[g.blocks:g.blocks + g.num_blocks]
+    else:
+        x = cache.index_select(0, g.blocks)
+    return x.reshape(-1, *cache.shape[2:])[:g.length].transpose(0, 1)[None]
+
+
+def _merge(out, lse, rows, o_ctx, lse_ctx) -> None:
+    """out[rows], lse[rows] (the own part) joined with the context part, exactly: weights e^(lse - total)."""
+    own, own_lse = out[rows], lse[rows]
+    total = torch.logaddexp(own_lse, lse_ctx)
+    w_own, w_ctx = torch.exp(own_lse - total)[..., None], torch.exp(lse_ctx - total)[..., None]
+    out[rows] = (own.float() * w_own + o_ctx.float() * w_ctx).to(out.dtype)
+    lse[rows] = total
