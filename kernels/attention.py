@@ -51,7 +51,7 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         out[:nd] = _decodes_cpu(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
     if meta.num_prefills:
         if softcap is None and not _window_cuts(meta, window):
-            out[nd:] = prefill_attention_cpu(q[nd:], k_cache, v_cache, meta.prefill_plan(), scale)
+            prefill_attention_cpu(q[nd:], k_cache, v_cache, meta.prefill_plan(), scale, out=out[nd:])
         else:
             out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
     return out

@@ -89,4 +89,4 @@ def test_plan_shares_a_prefix_and_reads_consecutive_blocks_in_place(gen):
     assert isinstance(plan, PrefillPlan) and plan.num_rows == sum(q for q, _ in seqs)
     assert len(plan.groups) == 1 and plan.groups[0].length == 48 and plan.groups[0].blocks == 0
     assert plan.groups[0].rows == slice(0, plan.num_rows)
-    assert sorted(b.q_index.shape[0] for b in plan.own) == [1, 1, 3]     # 100 | 17, 9, 9 | 3
+    assert sorted(b.shape[0] for b in plan.own) == [1, 1, 3]     # 100 | 17, 9, 9 | 3
