@@ -1,6 +1,7 @@
 """The pure-torch reference of paged attention (kernels/attention.py has the layout): each sequence's
-blocks gathered out of the pool, padded, and SDPA over them. The CPU path of prefill chunks, of int8
-caches (kernels/kv_int8.py) and of decodes when the in-place CPU kernel is not loaded."""
+blocks gathered out of the pool, padded, and SDPA over them. The CPU path of int8 caches
+(kernels/kv_int8.py), of decodes when the in-place CPU kernel is not loaded, and of prefill chunks that
+kernels/cpu_prefill.py does not cover (a sliding window that cuts, soft-capping)."""
 from __future__ import annotations
 
 import torch

@@ -50,6 +50,7 @@ CASES = {
     "shared-prefix-shuffled": ([(9, 57), (3, 51), (17, 65), (40, 88)], 0, (8, 2, 32, 16), 48, False),
     "partial-block-contexts": ([(5, 13), (1, 2), (8, 9), (16, 33), (2, 40)], 0, (4, 1, 8, 4), 8, False),
     "long-and-short-chunks": ([(130, 200), (3, 11), (64, 64), (4, 4)], 0, (4, 2, 16, 16), 0, False),
+    "chunks-inside-one-block": ([(1, 9), (20, 20), (3, 25), (24, 30), (40, 70)], 1, (4, 2, 16, 32), 0, False),
 }
 
 
@@ -82,11 +83,18 @@ def test_sliding_window_and_softcap(window, gen):
 
 def test_plan_shares_a_prefix_and_reads_consecutive_blocks_in_place(gen):
     """Chunks over the same cached prefix make one context group; consecutive blocks are a slice, not a gather;
-    chunks of similar lengths share one padded own batch, a much longer one gets its own."""
+    long chunks run alone, short ones of similar lengths share a padded batch."""
     seqs = [(9, 57), (3, 51), (17, 65), (9, 57), (100, 148)]
     _, _, _, meta = paged_step(seqs, 0, 2, 1, 8, 16, gen, prefix=48, consecutive=True)
     plan = meta.prefill_plan()
     assert isinstance(plan, PrefillPlan) and plan.num_rows == sum(q for q, _ in seqs)
     assert len(plan.groups) == 1 and plan.groups[0].length == 48 and plan.groups[0].blocks == 0
     assert plan.groups[0].rows == slice(0, plan.num_rows)
-    assert sorted(b.shape[0] for b in plan.own) == [1, 1, 3]     # 100 | 17, 9, 9 | 3
+    assert [(c.start, c.end) for c in plan.singles] == [(12, 29), (38, 138)]   # 16 tokens or more: alone
+    assert sorted(b.shape for b in plan.own) == [(1, 3), (2, 9)]              # 9, 9 | 3: padded batches
+
+
+def test_a_chunk_in_consecutive_slots_reads_its_keys_in_place(gen):
+    _, _, _, meta = paged_step(CASES["chunks-inside-one-block"][0], 1, 4, 2, 16, 32, gen)
+    in_place = [c.first_slot is not None for c in meta.prefill_plan().singles]
+    assert in_place[:2] == [True, True]         # 20 and 24 new tokens inside one block each (40 span two)
