@@ -11,9 +11,9 @@ the c context keys (all of them) and its own keys 0..i. So:
 Chunks whose contexts are the same physical blocks (a shared prefix) run their context parts as one query
 batch over one copy of those keys; a context in consecutive blocks is a view of the pool, not a gather.
 Own parts: a chunk of at least SINGLE_MIN tokens runs alone over views (its queries' rows, its keys' slots
-when consecutive: no padding, no gather of q); shorter chunks, where a call's overhead would dominate, are
-padded into batches of similar lengths: under is_causal a padded key sits past every real query of its
-row, so no real query sees it. GQA is the kernel's own (fewer key heads than query
+when consecutive: no padding, no gather of q); shorter chunks are padded into batches of similar lengths
+(under is_causal a padded key sits past every real query of its row, so no real query sees it): a few
+large calls, since on a shared machine every call's parallel region waits for descheduled threads. GQA is the kernel's own (fewer key heads than query
 heads). The padded boolean mask of the reference (kernels/attention_ref.py) makes SDPA take its math path;
 here no mask is evaluated at all.
 
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-SINGLE_MIN = 16      # measured: 64 chunks of 16-48 tokens alone 4.8 ms a layer, padded into batches 8.5 ms
+# Measured on 64 chunks of 16-48 tokens: alone 4.8 ms a layer and padded into two batches 8.5 ms on a
+# quiet machine, but 307 ms against 176 ms at load average 4 on 2 cores: alone only where a call is long.
+SINGLE_MIN = 256
 
 
 @dataclass
@@ -100,7 +102,7 @@ def _single(start: int, end: int, slots: torch.Tensor) -> Single:
     return Single(start, end, first if consecutive else None)
 
 
-def _own_batches(chunks, query_lens, starts, slots, waste: float = 2.0) -> list[OwnBatch]:
+def _own_batches(chunks, query_lens, starts, slots, waste: float = 4.0) -> list[OwnBatch]:
     """Longest first; a chunk joins the open batch while the batch's length is within `waste` of its own."""
     order = sorted(chunks, key=lambda i: -query_lens[i])
     batches, open_ = [], []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
+from kernels import cpu_prefill
 from kernels.cpu_prefill import PrefillPlan
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -54,8 +55,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("single_min", [1, 16, 10**9], ids=["all-alone", "16-alone", "all-batched"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_matches_reference(case, gen):
+def test_prefill_matches_reference(case, single_min, gen, monkeypatch):
+    monkeypatch.setattr(cpu_prefill, "SINGLE_MIN", single_min)
     seqs, nd, (Hq, Hk, D, BS), prefix, consecutive = CASES[case]
     q, k, v, meta = paged_step(seqs, nd, Hq, Hk, D, BS, gen, prefix=prefix, consecutive=consecutive)
     torch.testing.assert_close(paged_attention(q, k, v, meta, 0.3), paged_attention_ref(q, k, v, meta, 0.3),
@@ -81,9 +84,10 @@ def test_sliding_window_and_softcap(window, gen):
                                    **TOL[torch.float32])
 
 
-def test_plan_shares_a_prefix_and_reads_consecutive_blocks_in_place(gen):
+def test_plan_shares_a_prefix_and_reads_consecutive_blocks_in_place(gen, monkeypatch):
     """Chunks over the same cached prefix make one context group; consecutive blocks are a slice, not a gather;
     long chunks run alone, short ones of similar lengths share a padded batch."""
+    monkeypatch.setattr(cpu_prefill, "SINGLE_MIN", 16)
     seqs = [(9, 57), (3, 51), (17, 65), (9, 57), (100, 148)]
     _, _, _, meta = paged_step(seqs, 0, 2, 1, 8, 16, gen, prefix=48, consecutive=True)
     plan = meta.prefill_plan()
@@ -91,10 +95,11 @@ def test_plan_shares_a_prefix_and_reads_consecutive_blocks_in_place(gen):
     assert len(plan.groups) == 1 and plan.groups[0].length == 48 and plan.groups[0].blocks == 0
     assert plan.groups[0].rows == slice(0, plan.num_rows)
     assert [(c.start, c.end) for c in plan.singles] == [(12, 29), (38, 138)]   # 16 tokens or more: alone
-    assert sorted(b.shape for b in plan.own) == [(1, 3), (2, 9)]              # 9, 9 | 3: padded batches
+    assert sorted(b.shape for b in plan.own) == [(3, 9)]                      # 9, 9, 3: one padded batch
 
 
-def test_a_chunk_in_consecutive_slots_reads_its_keys_in_place(gen):
+def test_a_chunk_in_consecutive_slots_reads_its_keys_in_place(gen, monkeypatch):
+    monkeypatch.setattr(cpu_prefill, "SINGLE_MIN", 16)
     _, _, _, meta = paged_step(CASES["chunks-inside-one-block"][0], 1, 4, 2, 16, 32, gen)
     in_place = [c.first_slot is not None for c in meta.prefill_plan().singles]
     assert in_place[:2] == [True, True]         # 20 and 24 new tokens inside one block each (40 span two)
