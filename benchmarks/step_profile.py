@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_profile                      # the default model, 64 decodes, a 2048-token chunk
     python -m benchmarks.step_profile --threads 1 --seqs 64 --prompt-len 64 --chunk 2048
+    python -m benchmarks.step_profile --prefix-len 320     # also a step of --seqs chunks over a cached prefix
 
 Each phase is timed first without the profiler (the median of --steps steps' wall), then profiled
 over the same number of steps. The table groups torch's ops by what they do (matmul, attention,
@@ -116,6 +117,33 @@ def prefill_phase(engine, args) -> dict:
     return _with_python({"wall_s": statistics.median(walls), **profiled})
 
 
+def shared_prefix_phase(engine, args) -> dict:
+    """The first step after --seqs rows sharing a cached --prefix-len prefix arrive, each with --prompt-len
+    tokens of its own: as many chunks as the step's token budget packs, each over the cached prefix."""
+    vocab = engine.rt.model_config.vocab_size
+    walls, profiled = [], None
+    for k in range(args.steps + 1):
+        seed = args.seed + 200 + k
+        shared = args.prefix_len
+        for r in _requests(1, shared, 1, vocab, seed, shared=shared):     # caches the prefix
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+        for r in _requests(args.seqs, shared + args.prompt_len, 1, vocab, seed, shared=shared):
+            engine.add_request(r)
+        before = engine.counters()
+        if k == args.steps:
+            profiled = _profile(engine, 1)
+        else:
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+        tokens = (engine.counters() - before).tokens_computed
+        while engine.has_unfinished():
+            engine.step()
+    return _with_python({"wall_s": statistics.median(walls), "tokens": tokens, **profiled})
+
+
 def _with_python(res: dict) -> dict:
     """The step's wall (unprofiled) less its ops' own time (profiled): the host's Python between ops."""
     res["groups"]["Python between ops"] = max(0.0, res["wall_s"] - sum(res["groups"].values()))
@@ -141,6 +169,8 @@ def main(argv=None) -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="also profile a step of --seqs chunks of --prompt-len tokens over a cached prefix this long")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quantization", default="none")
@@ -158,6 +188,8 @@ def main(argv=None) -> None:
     try:
         params = _matmul_params(engine)
         results = {"decode": decode_phase(engine, args), "prefill": prefill_phase(engine, args)}
+        if args.prefix_len:
+            results["shared_prefix"] = shared_prefix_phase(engine, args)
     finally:
         engine.close()
     import torch
@@ -165,6 +197,10 @@ def main(argv=None) -> None:
     print_phase(f"decode step, {args.seqs} sequences at ~{args.prompt_len} tokens", results["decode"],
                 2 * params * args.seqs)
     print_phase(f"prefill chunk of {args.chunk} tokens", results["prefill"], 2 * params * args.chunk)
+    if args.prefix_len:
+        res = results["shared_prefix"]
+        print_phase(f"prefill step over a cached {args.prefix_len}-token prefix: {res['tokens']} new tokens "
+                    f"in chunks of {args.prompt_len}", res, 2 * params * res["tokens"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **results}, f, indent=1)

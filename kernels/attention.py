@@ -21,6 +21,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_ref import _decode_ref, _prefill_ref, paged_attention_ref, store_kv_ref
+from kernels.cpu_prefill import prefill_attention_cpu
 from kernels.triton_utils import use_triton
 
 
@@ -28,9 +29,8 @@ def _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key, cp
     """The decode rows through the in-place package; False (and the package set aside) when it fails: a
     package from an older build of this code, say. The gather path then serves."""
     from kernels.cpu_attention import decode_attention_cpu
-    nd = mask.part_num.shape[0]
     try:
-        out[:nd] = decode_attention_cpu(q[:nd], k_cache, v_cache, mask, scale, softcap, runner)
+        out[:] = decode_attention_cpu(q, k_cache, v_cache, mask, scale, softcap, runner)
         return True
     except Exception as e:  # noqa: BLE001 - any failure of a compiled package: fall back, say so once
         cpu_decode.set_aside(key, e)
@@ -41,28 +41,43 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
                         softcap: float | None = None) -> torch.Tensor:
     """The torch path for a float cache: decode rows through kernels/cpu_attention.py (blocks read in place)
     when the step's meta.cpu_decode hands out a loaded package, else gathered (_decode_ref); prefill rows
-    always gathered (_prefill_ref)."""
-    cpu_decode = meta.cpu_decode
-    nd = meta.num_decodes
-    if cpu_decode is None or not nd:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding=sliding, softcap=softcap)
-    from kernels.cpu_attention import decode_key
+    through kernels/cpu_prefill.py where it covers the layer, else gathered (_prefill_ref)."""
     if not meta._prepared:
         meta.prepare()
     window = meta.sliding_window if sliding else None
+    nd = meta.num_decodes
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = _decodes_cpu(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+    if meta.num_prefills:
+        if softcap is None and not _window_cuts(meta, window):
+            prefill_attention_cpu(q[nd:], k_cache, v_cache, meta.prefill_plan(), scale, out=out[nd:])
+        else:
+            out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
+    return out
+
+
+def _window_cuts(meta: AttentionMetadata, window: int | None) -> bool:
+    """Whether a sliding window hides any key from a prefill row (a window at least every sequence's
+    length hides none)."""
+    return bool(window) and max(meta.seq_lens[meta.num_decodes:]) > window
+
+
+def _decodes_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
+    """The decode rows q: [nd, Hq, D]: through the in-place package when one is loaded, else gathered."""
+    cpu_decode = meta.cpu_decode
+    if cpu_decode is None:
+        return _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
+    from kernels.cpu_attention import decode_key
     key = decode_key(q, k_cache, softcap)
     runner = cpu_decode.runner(key)
     mask = meta.decode_mask(k_cache.shape[0], window) if runner is not None else None
     out = torch.empty_like(q)
-    if mask is not None and not _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key,
-                                             cpu_decode):
-        mask = None
-    if mask is None:
-        t0 = time.perf_counter()
-        out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, None, None, window, softcap)
-        cpu_decode.note_gather(key, time.perf_counter() - t0)
-    if meta._prefill is not None:
-        out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
+    if mask is not None and _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key, cpu_decode):
+        return out
+    t0 = time.perf_counter()
+    out = _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
+    cpu_decode.note_gather(key, time.perf_counter() - t0)
     return out
 
 

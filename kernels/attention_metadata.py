@@ -30,6 +30,7 @@ class AttentionMetadata:
     _prepared: bool = False
     _decode: tuple | None = None
     _prefill: tuple | None = None
+    _prefill_plan: object | None = None  # kernels.cpu_prefill.PrefillPlan, made on first use
     _window_masks: dict | None = None  # (part, window) -> mask, made on first use by a sliding layer
     _decode_masks: dict | None = None  # (pool blocks, window) -> kernels.cpu_attention.DecodeMask or None
 
@@ -56,13 +57,31 @@ class AttentionMetadata:
         return meta
 
     def prepare(self) -> None:
-        """Gather indices and masks for the torch path: one padded batch for prefills now, one for decodes
-        when decode_part() first asks."""
-        nd = self.num_decodes
+        """The torch path's per-step state starts empty: each part's gather indices and masks are built when
+        decode_part() / prefill_part() first asks, the CPU prefill plan when prefill_plan() does."""
         self._window_masks = {}
         self._prepared = True
-        if len(self.query_lens) > nd:
-            self._prefill = self._gather(nd, len(self.query_lens), self.block_tables.device)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.query_lens) - self.num_decodes
+
+    def prefill_part(self) -> tuple:
+        """The prefill rows' gather indices and masks, as one padded batch (built on first use, then shared)."""
+        if self._prefill is None:
+            self._prefill = self._gather(self.num_decodes, len(self.query_lens), self.block_tables.device)
+        return self._prefill
+
+    def prefill_plan(self):
+        """The prefill rows as kernels/cpu_prefill.py's plan (built on first use, then shared by all layers)."""
+        if self._prefill_plan is None:
+            from kernels.cpu_prefill import PrefillPlan
+            nd, n = self.num_decodes, len(self.query_lens)
+            first_slot = int(self.query_start_loc[nd])
+            self._prefill_plan = PrefillPlan.build(self.block_size, self.query_lens[nd:], self.seq_lens[nd:],
+                                                   self.block_tables[nd:n].tolist(),
+                                                   self.slot_mapping[first_slot:])
+        return self._prefill_plan
 
     def decode_part(self) -> tuple:
         """The decode rows' gather indices and masks (built on first use, then shared by all layers)."""
@@ -73,7 +92,7 @@ class AttentionMetadata:
     def mask(self, part: str, window: int | None) -> torch.Tensor:
         """The causal mask of `part` ("decode" or "prefill"), narrowed to the last `window` keys when
         one is given: [B, 1, qmax, keys], True where a query sees a key."""
-        _, causal, _, q_valid, q_pos = self.decode_part() if part == "decode" else self._prefill
+        _, causal, _, q_valid, q_pos = self.decode_part() if part == "decode" else self.prefill_part()
         if not window:
             return causal
         key = (part, window)

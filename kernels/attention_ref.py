@@ -1,6 +1,7 @@
 """The pure-torch reference of paged attention (kernels/attention.py has the layout): each sequence's
-blocks gathered out of the pool, padded, and SDPA over them. The CPU path of prefill chunks, of int8
-caches (kernels/kv_int8.py) and of decodes when the in-place CPU kernel is not loaded."""
+blocks gathered out of the pool, padded, and SDPA over them. The CPU path of int8 caches
+(kernels/kv_int8.py), of decodes when the in-place CPU kernel is not loaded, and of prefill chunks that
+kernels/cpu_prefill.py does not cover (a sliding window that cuts, soft-capping)."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     window = meta.sliding_window if sliding else None
     if nd:
         out[:nd] = _decode_ref(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
-    if meta._prefill is not None:
+    if meta.num_prefills:
         out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     return out
 
@@ -41,7 +42,7 @@ def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, soft
 
 def _prefill_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
     """The prefill rows q: [T - nd, Hq, D] as a padded batch of chunks over their gathered blocks."""
-    blocks, _, q_index, q_valid, _ = meta._prefill
+    blocks, _, q_index, q_valid, _ = meta.prefill_part()
     n = q_index.shape[0]
     qp = q[q_index]                                                                  # [B, qmax, Hq, D]
     k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)

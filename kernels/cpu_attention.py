@@ -21,7 +21,7 @@ processes and the build's background process belong to the engine (engine/cpu_de
 step's AttentionMetadata a `CpuDecode` (below) to ask for the loaded runner.
 
 Not covered (the reference serves): int8 KV caches (FlexAttention wants one dtype for q, k and v),
-prefill chunks (SDPA over gathered blocks runs near the matmul rate there), and a step where one
+prefill chunks (kernels/cpu_prefill.py serves those, no compile needed), and a step where one
 physical block sits at two logical positions (never, with prefix sharing from position 0).
 """
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""CPU prefill attention, one layer: the padded-SDPA reference against kernels/cpu_prefill.py (issue 34 item 3).
+
+    python -m benchmarks.cpu_prefill_bench                 # the default model's heads, 2 threads
+    python -m benchmarks.cpu_prefill_bench --threads 1     # CPU time is then the least disturbed by load
+
+Layouts: one 2048-token chunk; 64 chunks of 16-48 tokens over one cached 320-token prefix (the shared-
+prefix workload's steps), its blocks consecutive in the pool or shuffled; a 2048-token chunk after 2048
+cached tokens. 9 query heads over 3 KV heads, head_dim 64, block size 16. The two run in turn, round
+after round; each figure is a median (wall and process CPU time) and the ratio new / reference.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+H_Q, H_K, D, BS = 9, 3, 64, 16
+
+
+def layout(seqs, prefix: int, consecutive: bool, rng: random.Random):
+    """q, k_cache, v_cache, AttentionMetadata for prefill chunks seqs [(query_len, seq_len)]; the first
+    `prefix` positions (whole blocks) of every sequence are the same blocks."""
+    from kernels.attention import AttentionMetadata
+    shared_n = prefix // BS
+    need = [-(-L // BS) for _, L in seqs]
+    pool = list(range(shared_n + sum(need) + 3))
+    shared = pool[:shared_n] if consecutive else rng.sample(pool, shared_n)
+    free = [b for b in pool if b not in shared]
+    rng.shuffle(free)
+    tables, slots = [], []
+    for (ql, L), n in zip(seqs, need):
+        keep = min(shared_n, (L - ql) // BS)
+        table = shared[:keep] + [free.pop() for _ in range(n - keep)]
+        tables.append(table)
+        slots += [table[p // BS] * BS + p % BS for p in range(L - ql, L)]
+    meta = AttentionMetadata.build(BS, 0, [q for q, _ in seqs], [L for _, L in seqs], slots, tables, "cpu")
+    shape = (len(pool), BS, H_K, D)
+    return torch.randn(sum(q for q, _ in seqs), H_Q, D), torch.randn(shape), torch.randn(shape), meta
+
+
+def _timed(fn) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kernels.attention_ref import _prefill_ref
+    from kernels.cpu_prefill import prefill_attention_cpu
+    rng = random.Random(args.seed)
+    short = [(n, 320 + n) for n in (rng.randint(16, 48) for _ in range(64))]
+    cases = [("one 2048-token chunk", [(2048, 2048)], 0, True),
+             ("64 chunks over a 320-token prefix, consecutive blocks", short, 320, True),
+             ("64 chunks over a 320-token prefix, shuffled blocks", short, 320, False),
+             ("a 2048-token chunk after 2048 cached", [(2048, 4096)], 0, False)]
+    print(f"{torch.get_num_threads()} threads; ms a layer, median of {args.rounds} rounds (wall / CPU)\n")
+    print("| layout | reference | cpu_prefill | ratio (CPU) |\n|---|---|---|---|")
+    for name, seqs, prefix, consecutive in cases:
+        q, k, v, meta = layout(seqs, prefix, consecutive, rng)
+        ref = lambda: _prefill_ref(q, k, v, meta, D ** -0.5, None, None, None, None)  # noqa: E731
+        new = lambda: prefill_attention_cpu(q, k, v, meta.prefill_plan(), D ** -0.5)  # noqa: E731
+        torch.testing.assert_close(new(), ref(), atol=1e-5, rtol=1e-5)
+        rounds = [(_timed(ref), _timed(new)) for _ in range(args.rounds)]
+        (rw, rc), (nw, nc) = [[1e3 * statistics.median(r[i][j] for r in rounds) for j in (0, 1)] for i in (0, 1)]
+        print(f"| {name} | {rw:.1f} / {rc:.1f} | {nw:.1f} / {nc:.1f} | {nc / rc:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
