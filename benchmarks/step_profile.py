@@ -99,6 +99,16 @@ def decode_phase(engine, args) -> dict:
     return out
 
 
+def _time_or_profile(engine, profile: bool, walls: list) -> dict | None:
+    """One step: profiled (its figures returned), or timed (its wall appended to `walls`)."""
+    if profile:
+        return _profile(engine, 1)
+    t = time.perf_counter()
+    engine.step()
+    walls.append(time.perf_counter() - t)
+    return None
+
+
 def prefill_phase(engine, args) -> dict:
     """Steps whose whole batch is one prompt chunk of --chunk tokens."""
     vocab = engine.rt.model_config.vocab_size
@@ -106,12 +116,7 @@ def prefill_phase(engine, args) -> dict:
     for k in range(args.steps + 1):
         for r in _requests(1, args.chunk, 1, vocab, args.seed + 100 + k):
             engine.add_request(r)
-        if k == args.steps:
-            profiled = _profile(engine, 1)
-        else:
-            t = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t)
+        profiled = _time_or_profile(engine, k == args.steps, walls) or profiled
         while engine.has_unfinished():
             engine.step()
     return _with_python({"wall_s": statistics.median(walls), **profiled})
@@ -132,12 +137,7 @@ def shared_prefix_phase(engine, args) -> dict:
         for r in _requests(args.seqs, shared + args.prompt_len, 1, vocab, seed, shared=shared):
             engine.add_request(r)
         before = engine.counters()
-        if k == args.steps:
-            profiled = _profile(engine, 1)
-        else:
-            t = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t)
+        profiled = _time_or_profile(engine, k == args.steps, walls) or profiled
         tokens = (engine.counters() - before).tokens_computed
         while engine.has_unfinished():
             engine.step()
