@@ -45,6 +45,9 @@ class EngineFace:
     def add_request(self, request):
         raise AssertionError("the driver's plan runs no row")
 
+    def set_threads(self, n: int) -> None:
+        """The driver computes nothing: its threads are not the workers' to follow."""
+
     def close(self) -> None:
         pass
 
