@@ -73,6 +73,11 @@ class ShippedUnit:
     def items(self) -> list[str]:
         return [s.row.id for s in self.rows]
 
+    @property
+    def size(self) -> int:
+        """Its rows to write: the leaders and their copies."""
+        return len(self.rows) + sum(map(len, self.copies.values()))
+
 
 class _Interrupted(Exception):
     pass

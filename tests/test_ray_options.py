@@ -153,3 +153,24 @@ def test_a_worker_confirms_a_bundle_once_its_rows_are_in_a_part():
     job.pending.clear()
     writer.buffered = 0                 # x finished and everything is in parts already
     assert work.written() == [0]
+
+
+def test_a_bundle_is_not_confirmed_while_the_job_has_not_taken_all_its_units():
+    # the Job takes a bundle's units one at a time; a unit it has not taken is in no pending set, and
+    # confirming the bundle then lost its rows when the worker died (kill -9 test, CI)
+    pytest.importorskip("ray")
+    from jobrunner.parallel.ray_worker import QueueUnits
+    unit = lambda *ids: SimpleNamespace(rows=[SimpleNamespace(row=SimpleNamespace(id=i)) for i in ids])  # noqa: E731
+    job = SimpleNamespace(pending={}, writer=SimpleNamespace(parts=[], buffered=0))
+    work = QueueUnits(queue=None, rank=0, world=2, job=job)
+    handed = work.hand_out(7, [unit("a"), unit("b", "c")])
+    first, _ = next(handed)
+    job.pending.update(a=1)             # the Job adopts the unit it got
+    del job.pending["a"]                # a finished and is in a part; b and c are not the Job's yet
+    assert work.written() == []
+    second, mine = next(handed)
+    assert mine and [r.row.id for r in second.rows] == ["b", "c"]
+    job.pending.update(b=1, c=1)
+    assert work.written() == []
+    job.pending.clear()
+    assert work.written() == [7] and work.ran == [7] and work.count == 2

@@ -358,7 +358,9 @@ class RayDriver:
                           planner=planned, lost_rows=self.lost_rows)
         codes = {v["exit_code"] for v in results}
         interrupted = self.stop.is_set() and not self.no_workers       # a signal, here or in the plan's Job
-        complete = not self.stop.is_set() and not self.queued()
+        # every row shipped comes back in a part: the live runs' rows and the lost workers' parts
+        unwritten = self.ship.shipped_rows - (run["rows"] - planned.get("rows", 0)) - self.lost_rows
+        complete = not self.stop.is_set() and not self.queued() and unwritten <= 0
         code = (EXIT_STORAGE if EXIT_STORAGE in codes else EXIT_INTERRUPTED if interrupted
                 else EXIT_OK if complete else EXIT_FAILED)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
@@ -366,6 +368,10 @@ class RayDriver:
         why = None
         if code == EXIT_OK:
             code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
+        elif code == EXIT_FAILED and unwritten > 0 and not self.no_workers:
+            why = (f"{unwritten} of the {self.ship.shipped_rows} rows shipped to the Ray workers came back in no "
+                   "part; the rows written are kept: run the same command again to write the others")
+            log.error("ray: %s", why)
         elif code == EXIT_FAILED:
             why = "every Ray worker was lost; the rows written are kept: run the same command again to resume"
         ctx = self.ray.get_runtime_context()

@@ -53,7 +53,8 @@ class EngineFace:
 
 
 class ShipUnits:
-    """The driver's work source: every unit shipped to the queue, none run here (Job drops its rows).
+    """The driver's work source: every unit shipped to the queue, none run here (Job drops its rows);
+    `shipped_rows` counts the rows shipped, copies included: each must come back written in a part.
     `wait_room(rows)` is the driver's: it returns once the queue holds under `rows` (watching the
     workers meanwhile); `job` is set once the Job is open (its pending rows and reuse are read)."""
     rank, hits_now, part_prefix = 0, True, "part-plan"
@@ -81,8 +82,9 @@ class ShipUnits:
         target = max(floor, min(BUNDLE_ROWS, rows // (self.world * BUNDLES_PER_WORKER)))
         bundles, bundle, size = [], [], 0
         for unit in window:
-            bundle.append(self._shipped(unit))
-            size += len(unit.items)
+            shipped = self._shipped(unit)
+            bundle.append(shipped)
+            size += shipped.size
             if size >= target:
                 bundles.append((bundle, size))
                 bundle, size = [], 0
@@ -93,7 +95,7 @@ class ShipUnits:
             queued.append((self.seq, n, [self.ray.put(units)]))
             self.seq += 1
         self.ray.get(self.queue.put.remote(queued))
-        self.shipped_rows += rows
+        self.shipped_rows += sum(n for _, n, _ in queued)
         self.bundles += len(bundles)
 
     def _shipped(self, unit) -> ShippedUnit:
@@ -118,7 +120,7 @@ def refill(ray, queue, held: list, written) -> tuple[int, int]:
             unit = _unwritten(unit, written)
             if unit.rows:
                 units.append(unit)
-        n = sum(len(u.rows) + sum(map(len, u.copies.values())) for u in units)
+        n = sum(u.size for u in units)
         if units:
             back.append((seq, n, [ray.put(units)]))
             rows += n

@@ -64,12 +64,18 @@ class QueueUnits:
             if reply == "wait":
                 continue
             seq, (ref,) = reply
-            bundle = ray.get(ref)
-            self.ran.append(seq)
-            self.running[seq] = [r.row.id for u in bundle for r in u.rows]
-            self.count += len(bundle)
-            for unit in bundle:
-                yield unit, True
+            yield from self.hand_out(seq, ray.get(ref))
+
+    def hand_out(self, seq: int, bundle: list):
+        """A bundle's units to the Job one by one, as its engine has room. Its rows count as running only
+        once its last unit is the Job's (the Job adopts a unit as it gets it): before, a later unit's rows
+        are in no pending set, and the bundle would be confirmed written while they were never run."""
+        self.ran.append(seq)
+        self.count += len(bundle)
+        for i, unit in enumerate(bundle):
+            if i == len(bundle) - 1:
+                self.running[seq] = [r.row.id for u in bundle for r in u.rows]
+            yield unit, True
 
     def written(self) -> list[int]:
         """Bundles whose rows are all in parts (a unit's copies are written with its leader): those
