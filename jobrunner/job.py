@@ -83,9 +83,10 @@ class _Interrupted(Exception):
     pass
 
 
-def exit_code_of(cfg: JobConfig, summary: dict, stats) -> tuple[int, str | None]:
-    """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns."""
-    code, why = rows_verdict(cfg, summary, cfg.output_url, stats.rows)
+def exit_code_of(cfg: JobConfig, summary: dict, stats, where: str | None = None) -> tuple[int, str | None]:
+    """(code, why not ok) over every row of the output (exit_codes.rows_verdict); an empty dataset warns.
+    where: the failed rows' place, for the warning (the output directory unless the rows are in memory)."""
+    code, why = rows_verdict(cfg, summary, where or cfg.output_url, stats.rows)
     if not stats.rows and not stats.rows_skipped:     # no row read: an empty dataset
         code = empty_verdict(cfg, code)
     return code, why
@@ -147,7 +148,7 @@ class Job:
         if cfg.output.output_format == "openai-batch" and not self._in_memory:     # its files, their line counts in the summary
             from jobrunner.openai_batch import finish_openai_output
             finish_openai_output(cfg.output_url, summary)
-        code, why = exit_code_of(cfg, summary, self.stats)
+        code, why = exit_code_of(cfg, summary, self.stats, "the results" if self._in_memory else None)
         return JobResult(code, summary, cfg.output_url, error=why)
 
     def _lost(self, failure: Exception) -> JobResult:

@@ -99,9 +99,12 @@ def test_generate_returns_the_rows_submit_writes(model, tmp_path):
         assert got.schema == want.schema
 
 
-def test_generate_error_rows_samples_and_failures(model):
+def test_generate_error_rows_samples_and_failures(model, caplog):
     rows = [{"id": 1, "prompt": "Hello world!"}, {"id": 2, "prompt": None}, {"id": 3, "prompt": "fox"}]
     df = jobrunner.generate(rows, model=model, temperature=0.8, n=2, seed=1, **SMALL)
+    # the rows are in memory: the warning names no output directory (there is none)
+    assert "1 of 3 rows failed; their errors are in the `error` column of the results" in caplog.text
+    assert "memory://" not in caplog.text
     assert df["id"].to_list() == [1, 1, 2, 3, 3]       # ids keep the input's type (issue 28)
     assert df["sample_index"].to_list()[:2] == [0, 1] and df["sample_index"].to_list()[3:] == [0, 1]
     assert df["error"].to_list()[2] is not None and df["error"].to_list()[0] is None

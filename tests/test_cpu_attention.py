@@ -15,10 +15,8 @@ import torch
 
 from engine import cpu_decode as cd
 from kernels import cpu_attention as ca
-from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
-
-# Output against the float32 reference computed from the same inputs
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+from tests.attention_helpers import TOL, paged_tensors
+from kernels.attention import paged_attention, paged_attention_ref
 
 
 def make_step(seqs, num_decodes, Hq, Hk, D, BS, dtype, gen, window=None, spare=3, share=False):
@@ -28,18 +26,9 @@ def make_step(seqs, num_decodes, Hq, Hk, D, BS, dtype, gen, window=None, spare=3
     nb = sum(need) + spare
     free = torch.randperm(nb, generator=gen).tolist()
     common = free.pop()
-    tables, slots = [], []
-    for (ql, L), n in zip(seqs, need):
-        table = [common] + [free.pop() for _ in range(n - 1)] if share else [free.pop() for _ in range(n)]
-        tables.append(table)
-        slots += [table[p // BS] * BS + p % BS for p in range(L - ql, L)]
-    meta = AttentionMetadata.build(BS, num_decodes, [q for q, _ in seqs], [L for _, L in seqs], slots, tables,
-                                   "cpu", window)
-    T = sum(q for q, _ in seqs)
-    q = torch.randn(T, Hq, D, generator=gen).to(dtype)
-    k = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
-    v = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
-    return q, k, v, meta
+    tables = [[common] + [free.pop() for _ in range(n - 1)] if share else [free.pop() for _ in range(n)]
+              for n in need]
+    return paged_tensors(seqs, num_decodes, tables, nb, Hq, Hk, D, BS, gen, dtype, window)
 
 
 def eager_runner(args, softcap=None):

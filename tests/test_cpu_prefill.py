@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
+from tests.attention_helpers import TOL, paged_tensors
+from kernels.attention import paged_attention, paged_attention_ref
 from kernels import cpu_prefill
 from kernels.cpu_prefill import PrefillPlan
-
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.fixture
@@ -28,19 +27,11 @@ def paged_step(seqs, num_decodes, Hq, Hk, D, BS, gen, dtype=torch.float32, prefi
     free = torch.randperm(nb, generator=gen).tolist()
     shared = list(range(shared_blocks)) if consecutive else [free.pop() for _ in range(shared_blocks)]
     free = [b for b in free if b not in shared]
-    tables, slots = [], []
+    tables = []
     for (ql, L), n in zip(seqs, need):
         own_from = min(shared_blocks, (L - ql) // BS)           # the chunk's own tokens are never shared
-        table = shared[:own_from] + [free.pop() for _ in range(n - own_from)]
-        tables.append(table)
-        slots += [table[p // BS] * BS + p % BS for p in range(L - ql, L)]
-    meta = AttentionMetadata.build(BS, num_decodes, [q for q, _ in seqs], [L for _, L in seqs], slots, tables,
-                                   "cpu", window)
-    T = sum(q for q, _ in seqs)
-    q = torch.randn(T, Hq, D, generator=gen).to(dtype)
-    k = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
-    v = torch.randn(nb, BS, Hk, D, generator=gen).to(dtype)
-    return q, k, v, meta
+        tables.append(shared[:own_from] + [free.pop() for _ in range(n - own_from)])
+    return paged_tensors(seqs, num_decodes, tables, nb, Hq, Hk, D, BS, gen, dtype, window)
 
 
 CASES = {
