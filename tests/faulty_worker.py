@@ -1,8 +1,8 @@
 """A worker that dies like a crash: `python tests/faulty_worker.py RANK:ROWS [ARGS...]` (see command()).
 
-The worker of rank RANK wraps its first round's claim: once it has written ROWS rows, the next claim,
-with requests still in its engine, ends the process (os._exit(DIE_CODE)) holding unfinished units:
-they and its unflushed rows are lost. Other ranks run normally.
+The worker of rank RANK ends its process (os._exit(DIE_CODE)) in its first round as soon as it has
+finished ROWS rows, with the requests still in its engine: they and its unflushed rows are lost.
+Other ranks run normally.
 
 Without ARGS it is a launcher's worker (point jobrunner.parallel.launcher.WORKER_COMMAND at it); with
 them it runs `jobrunner ARGS...`, as each rank does under torchrun.
@@ -23,21 +23,26 @@ def command(rank: int, rows: int) -> list[str]:
 
 
 def die_after_rows(rows: int) -> None:
-    """Wrap the claim of the first Job a worker opens (round 0: every worker's first round) in this process."""
-    from dataclasses import replace
+    """Wrap the progress of the first Job a worker opens (round 0: every worker's first round) in this
+    process: the step that finishes its ROWS-th row ends the process. Not a claim: a rank whose units
+    were all claimed before its first row finished makes no claim after it, and lived (a flaky test)."""
     real = worker.open_job
 
-    def faulty_open_job(cfg, resolved, *, work, **kw):
-        worker.open_job = real          # later rounds run as they would
-        built = []
+    class DyingProgress:
+        def __init__(self, progress):
+            self.progress = progress
 
-        def claim_or_die(index: int) -> bool:
-            job = built[0]
-            if job.stats.rows >= rows and job.engine.num_in_flight:
+        def update(self, stats, force: bool = False) -> None:
+            if stats.rows >= rows:
                 os._exit(DIE_CODE)
-            return work.claim(index)
-        built.append(real(cfg, resolved, work=replace(work, claim=claim_or_die), **kw))
-        return built[0]
+            self.progress.update(stats, force)
+
+        def close(self) -> None:
+            self.progress.close()
+
+    def faulty_open_job(cfg, resolved, *, progress, **kw):
+        worker.open_job = real          # later rounds run as they would
+        return real(cfg, resolved, progress=DyingProgress(progress), **kw)
 
     worker.open_job = faulty_open_job
 

@@ -131,12 +131,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobrunner=None):
+def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobrunner=None, part_rows=None):
     """Each rank runs `jobrunner submit` (or `jobrunner`: a command to run instead of the CLI's module)."""
     cfg = setup["cfg"]
     port = _free_port()
     args = ["submit", cfg.input.dataset, "-m", cfg.engine.model, "-o", out, "--max-tokens", str(cfg.sampling.max_tokens),
-            "--max-num-seqs", str(cfg.engine.max_num_seqs), "--part-rows", str(cfg.output.part_rows), "--device", "cpu"]
+            "--max-num-seqs", str(cfg.engine.max_num_seqs), "--part-rows", str(part_rows or cfg.output.part_rows),
+            "--device", "cpu"]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -161,12 +162,13 @@ def test_two_ranks_launched_the_torchrun_way_share_one_job(setup, tmp_path):
 def test_torchrun_rank_lost_then_resume(setup):
     """Under torchrun a lost rank ends the job (exit 1) with what was written kept; the rerun finishes it."""
     out = str(setup["root"] / "torchrun-lost")
+    # rank 1 dies once it finished a row, which is still in its writer's buffer (parts of 100 rows): lost
     codes, logs = _torchrun_way(setup, out, 2, {"JOBRUNNER_HEARTBEAT_TIMEOUT": "3"},
-                                jobrunner=faulty_worker.command(rank=1, rows=1))   # rank 1 dies once it wrote a row
+                                jobrunner=faulty_worker.command(rank=1, rows=1), part_rows=100)
     assert codes[1] == faulty_worker.DIE_CODE and codes[0] == 1, logs
     assert json.loads(open(os.path.join(out, "_manifest.json")).read())["complete"] is False
     before = len(read_results(out))
-    assert 0 < before < len(setup["ids"])
+    assert 0 < before < len(setup["ids"]), logs
     job = open_job(setup["cfg"].with_options(output=out))      # the resume: any number of workers; one here
     assert job.run().exit_code == EXIT_OK
     _check_same(setup, out)
