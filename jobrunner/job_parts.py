@@ -101,9 +101,10 @@ def _threads(cfg: JobConfig, engine):
     from jobrunner.threads import ThreadGovernor, available_cores
     if cfg.engine.threads is not None or engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1:
         return None
-    start = engine.config.num_threads or available_cores()
+    cores = available_cores()
+    start = engine.config.num_threads or cores
     engine.set_threads(start)          # an engine kept between jobs (jobrunner.generate) starts where its config says
-    return ThreadGovernor(engine.set_threads, start, available_cores())
+    return ThreadGovernor(engine.set_threads, start, cores)
 
 
 def _writer(cfg: JobConfig, manifest: dict, kind, engine, work, done_ids, in_memory: bool):
