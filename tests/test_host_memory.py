@@ -1,0 +1,45 @@
+"""engine/host_memory.py: a CPU engine's freed activations stay mapped, so a step does not fault them in again."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# In a fresh interpreter, a step's pattern ten times: four 24 MiB activations (a 2048-token chunk's MLP
+# output) live at once, then freed; prints the page faults of the last nine steps (the first maps them)
+_FAULTS = textwrap.dedent("""
+    import resource, sys, torch
+    from engine.host_memory import keep_freed_memory
+    kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+    def step():
+        live = [torch.empty(6 << 20).fill_(1.0) for _ in range(4)]
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(9):
+        step()
+    print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def _faults(mode: str, env: dict | None = None) -> tuple[bool, int]:
+    out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc's mallopt")
+def test_freed_activations_are_reused_without_faulting_again():
+    kept, faults = _faults("keep")
+    assert kept
+    _, faults_default = _faults("default")
+    pages = 9 * 4 * (24 << 20) // 4096
+    assert faults_default > pages // 20       # glibc's default: some returned to the OS and faulted in again
+    # kept in the heap: the same pages each step (seen: 0, or one tensor's 6,144 once, against 30,699)
+    assert faults < faults_default // 3
+
+
+def test_a_users_malloc_tunables_are_left_as_they_are():
+    kept, _ = _faults("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert not kept
