@@ -174,6 +174,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quantization", default="none")
+    p.add_argument("--dtype", default="auto", help="the engine's compute dtype (float32, bfloat16; auto: float32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
@@ -184,6 +185,7 @@ def main(argv=None) -> None:
 
     model = resolve_model(args.model)
     engine = Engine(EngineConfig(model=model, device="cpu", num_threads=args.threads, quantization=args.quantization,
+                                 dtype=args.dtype,
                                  max_num_batched_tokens=max(2048, args.chunk)))
     try:
         params = _matmul_params(engine)
@@ -193,7 +195,7 @@ def main(argv=None) -> None:
     finally:
         engine.close()
     import torch
-    print(f"model {model}, {torch.get_num_threads()} threads, quantization {args.quantization}")
+    print(f"model {model}, {torch.get_num_threads()} threads, dtype {args.dtype}, quantization {args.quantization}")
     print_phase(f"decode step, {args.seqs} sequences at ~{args.prompt_len} tokens", results["decode"],
                 2 * params * args.seqs)
     print_phase(f"prefill chunk of {args.chunk} tokens", results["prefill"], 2 * params * args.chunk)

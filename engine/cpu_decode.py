@@ -6,7 +6,8 @@ one cache-directory rule), one per (torch version, CPU, dtype, heads, head_dim, 
 building one takes one to several minutes. `jobrunner warmup` builds it in the foreground (mode flex,
 below). A job never builds it on the cores it runs on (its threads already take every core a 2-core
 machine has: a background build there cost the first job minutes at 1-2 tokens/s); it loads a package
-that is there, else the gather reference serves and one line says how to build it.
+that is there, else the gather reference serves and one line says how to build it. bfloat16 caches
+always gather (GATHER_DTYPES: faster there).
 
 JOBRUNNER_CPU_DECODE: auto (that policy, the default), flex (build now, in this process's wait, if
 absent: warmup and benchmarks), gather (the reference only). JOBRUNNER_CPU_DECODE_BUILD_AFTER: seconds
@@ -34,6 +35,10 @@ from kernels import DecodeKey, compile_decode_package, load_decode_package
 BUILD_AFTER_S = float("inf")   # seconds of gather-path decode attention before a job builds the package:
                                # never by default (`jobrunner warmup` does); $JOBRUNNER_CPU_DECODE_BUILD_AFTER opts in
 MODES = ("auto", "flex", "gather")
+# bfloat16 caches decode faster through the gather path: its SDPA runs bfloat16 natively, the package does
+# not (a 64-sequence decode step at ~224 tokens, default model, AMX CPU: 116 ms gather, 167 ms package;
+# benchmarks/RESULTS.md, issue 34). No package is built, loaded or suggested for them.
+GATHER_DTYPES = frozenset({"bfloat16"})
 log = logging.getLogger("jobrunner")
 
 
@@ -82,7 +87,7 @@ class DecodeKernels:
 
     def runner(self, key: DecodeKey):
         mode = decode_mode()
-        if mode == "gather" or key in self.failed:
+        if mode == "gather" or key in self.failed or key.dtype in GATHER_DTYPES:
             return None
         if key in self.runners:
             return self.runners[key]
@@ -114,7 +119,7 @@ class DecodeKernels:
 
     def note_gather(self, key: DecodeKey, seconds: float) -> None:
         """Counts gather-path decode time (mode auto); past BUILD_AFTER_S starts the build in a child."""
-        if decode_mode() != "auto":
+        if decode_mode() != "auto" or key.dtype in GATHER_DTYPES:
             return
         self.gather_s += seconds
         after = float(os.environ.get("JOBRUNNER_CPU_DECODE_BUILD_AFTER", BUILD_AFTER_S))

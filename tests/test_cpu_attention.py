@@ -154,6 +154,24 @@ def test_gather_mode_hands_out_no_package(monkeypatch, tmp_path):
     assert kernels.runner(key) is None
 
 
+@pytest.mark.parametrize("mode", ["auto", "flex"])
+def test_bfloat16_caches_gather_even_with_a_package_at_hand(monkeypatch, tmp_path, caplog, mode):
+    """The gather path decodes bfloat16 faster than the package (RESULTS.md): none is loaded, built or suggested."""
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("JOBRUNNER_CPU_DECODE", mode)
+    kernels = cd.DecodeKernels()
+    key = ca.DecodeKey("bfloat16", 1, 2, 8, 4, 0.0)
+    kernels.runners[key] = eager_runner
+    monkeypatch.setattr(cd, "build_package", lambda *a: pytest.fail("built a bfloat16 package"))
+    with caplog.at_level("INFO", logger="jobrunner"):
+        assert kernels.runner(key) is None
+        kernels.note_gather(key, 1e9)
+    assert not kernels.children and "warmup" not in caplog.text
+    float32 = ca.DecodeKey("float32", 1, 2, 8, 4, 0.0)
+    kernels.runners[float32] = eager_runner
+    assert kernels.runner(float32) is eager_runner           # float32 caches still take theirs
+
+
 def test_packages_live_under_the_one_cache_root(monkeypatch, tmp_path):
     from engine.config import cache_root
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
