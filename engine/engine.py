@@ -29,6 +29,7 @@ from typing import NamedTuple
 from engine.config import EngineConfig
 from engine.constraints import Grammars
 from engine.counters import EngineCounters
+from engine import host_memory
 from engine.errors import EngineFailure
 from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import KVCacheManager
@@ -68,6 +69,7 @@ class Engine:
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
         self._quiet = _QuietGC.hold()         # released by close(): the raised threshold lasts the engines' lives
+        self._heap = self.rt.device.type == "cpu" and host_memory.hold()     # the same for the C heap
 
     # --- public ----------------------------------------------------------------------------
 
@@ -109,11 +111,13 @@ class Engine:
 
     def close(self) -> None:
         """Ends the other ranks of a tensor-parallel group (at exit otherwise) and gives the process its
-        garbage collector's threshold back."""
+        garbage collector's threshold and C heap back (engine/host_memory.py)."""
         if self.rt.followers is not None:
             self.rt.followers.close()
         if self._quiet:
             self._quiet = _QuietGC.release()
+        if self._heap:
+            self._heap = host_memory.release()
 
     def step(self) -> list[RequestOutput]:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one

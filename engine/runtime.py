@@ -16,7 +16,6 @@ from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.config import ConfigError
 from engine.embedding_config import CheckpointPooling
 from engine.generation_config import GenerationDefaults
-from engine.host_memory import keep_freed_memory
 from engine.info import Tokenizer
 from engine.lora.adapter import check_adapter
 from engine.lora.modules import LoraSet, apply_loras
@@ -107,10 +106,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     if config.quantization != "none":  # quantization: refuse an impossible scheme before opening anything
         from engine.quant import check_quantization
         check_quantization(config.quantization, device, dtype)
-    if device.type == "cpu":
-        keep_freed_memory()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    if config.num_threads and device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
     if config.max_loras is not None and config.max_loras < 1:
         raise ConfigError(f"max_loras ({config.max_loras}) must be >= 1")
     adapters = [check_adapter(name, path) for name, path in config.loras]   # refused before any weight is read

@@ -1,4 +1,5 @@
-"""engine/host_memory.py: a CPU engine's freed activations stay mapped, so a step does not fault them in again."""
+"""engine/host_memory.py: while a CPU engine is open its freed activations stay mapped, so a step does not
+fault them in again; the last engine to close gives the heap back."""
 import os
 import subprocess
 import sys
@@ -10,8 +11,11 @@ import pytest
 # output) live at once, then freed; prints the page faults of the last nine steps (the first maps them)
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
-    from engine.host_memory import keep_freed_memory
-    kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+    from engine import host_memory
+    kept = host_memory.hold() if sys.argv[1] != "default" else False
+    if sys.argv[1] == "released":
+        host_memory.hold()                  # two engines open, both closed
+        host_memory.release(), host_memory.release()
     def step():
         live = [torch.empty(6 << 20).fill_(1.0) for _ in range(4)]
     step()
@@ -38,6 +42,14 @@ def test_freed_activations_are_reused_without_faulting_again():
     assert faults_default > pages // 20       # glibc's default: some returned to the OS and faulted in again
     # kept in the heap: the same pages each step (seen: 0, or one tensor's 6,144 once, against 30,699)
     assert faults < faults_default // 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc's mallopt")
+def test_the_last_engine_to_close_gives_the_heap_back():
+    _, faults = _faults("released")
+    _, faults_default = _faults("default")
+    assert faults > faults_default // 2      # trimmed and unmapped again, as before any engine
 
 
 def test_a_users_malloc_tunables_are_left_as_they_are():
