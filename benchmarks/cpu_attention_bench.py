@@ -3,11 +3,12 @@
     python -m benchmarks.cpu_attention_bench                        # float32, 64 sequences
     python -m benchmarks.cpu_attention_bench --dtype bfloat16 --batch 8 --compile-ref
 
-One decode step of one layer: B sequences of 64..384 tokens (free generation's range) in a shuffled
-pool (--layout shuffled), or each sequence's blocks consecutive, as a job's pool hands them out in order
-(--layout job: the gather copies runs of memory; bfloat16's package drops from 0.75x to 0.99x the
-reference there, and engine steps, not this bench, chose gather for bfloat16: RESULTS.md, issue 34), 9 query heads over 3 KV heads, head_dim 64, block size 16. The candidates run in turn, round
-after round, and each is reported as its median and its ratio to the gather reference measured in the
+One decode step of one layer: B sequences of 64..384 tokens (free generation's range), 9 query heads
+over 3 KV heads, head_dim 64, block size 16, each sequence's blocks scattered over the pool
+(--layout shuffled) or consecutive, as a job's pool hands them out (--layout job: the gather then copies
+runs of memory). The engine's choice for bfloat16 (gather) came from its steps, not from here
+(RESULTS.md, issue 34). The candidates run in turn, round after round, and each is reported as its
+median and its ratio to the gather reference measured in the
 same rounds (the machine is shared: ratios, not absolute times, are what compare):
 
     gather+sdpa         kernels.attention's reference: index_select of the blocks, SDPA at one row
