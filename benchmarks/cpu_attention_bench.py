@@ -8,8 +8,8 @@ over 3 KV heads, head_dim 64, block size 16, each sequence's blocks scattered ov
 (--layout shuffled) or consecutive, as a job's pool hands them out (--layout job: the gather then copies
 runs of memory). The engine's choice for bfloat16 (gather) came from its steps, not from here
 (RESULTS.md, issue 34). The candidates run in turn, round after round, and each is reported as its
-median and its ratio to the gather reference measured in the
-same rounds (the machine is shared: ratios, not absolute times, are what compare):
+median and its ratio to the gather reference measured in the same rounds (the machine is shared:
+ratios, not absolute times, are what compare):
 
     gather+sdpa         kernels.attention's reference: index_select of the blocks, SDPA at one row
     gather only         its copy alone
