@@ -53,8 +53,9 @@ class JobPlanner:
 
 class AllUnits:
     """The work source of a job in one process: every unit, in the planner's order; a result-cache hit
-    is written as soon as it is found. A work source names its parts' prefix."""
-    rank, world, part_prefix, hits_now = 0, 1, "part", True
+    is written as soon as it is found. A work source names its parts' prefix, and whether its engine
+    runs rows (runs_rows: the Ray driver's ships every unit and runs none)."""
+    rank, world, part_prefix, hits_now, runs_rows = 0, 1, "part", True, True
 
     def units(self, units, tokens_of):
         for unit in units:
@@ -92,15 +93,16 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
                kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora),
                engine=engine, reuse=reuse, writer=writer, work=work,
                progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
-               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop, threads=_threads(cfg, engine))
+               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop, threads=_threads(cfg, engine, work))
 
 
-def _threads(cfg: JobConfig, engine):
+def _threads(cfg: JobConfig, engine, work):
     """A governor that follows the machine's load (jobrunner/threads.py) where the threads were left to
-    the machine: a CPU engine of one process, no --threads."""
-    from jobrunner.threads import ThreadGovernor, available_cores
-    if cfg.engine.threads is not None or engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1:
-        return None
+    the machine: a CPU engine of one process that runs rows, no --threads; else the threads stay fixed."""
+    from jobrunner.threads import FixedThreads, ThreadGovernor, available_cores
+    if (cfg.engine.threads is not None or engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1
+            or not work.runs_rows):
+        return FixedThreads()
     cores = available_cores()
     start = engine.config.num_threads or cores
     engine.set_threads(start)          # an engine kept between jobs (jobrunner.generate) starts where its config says

@@ -45,9 +45,6 @@ class EngineFace:
     def add_request(self, request):
         raise AssertionError("the driver's plan runs no row")
 
-    def set_threads(self, n: int) -> None:
-        """The driver computes nothing: its threads are not the workers' to follow."""
-
     def close(self) -> None:
         pass
 
@@ -57,7 +54,7 @@ class ShipUnits:
     `shipped_rows` counts the rows shipped, copies included: each must come back written in a part.
     `wait_room(rows)` is the driver's: it returns once the queue holds under `rows` (watching the
     workers meanwhile); `job` is set once the Job is open (its pending rows and reuse are read)."""
-    rank, hits_now, part_prefix = 0, True, "part-plan"
+    rank, hits_now, part_prefix, runs_rows = 0, True, "part-plan", False
 
     def __init__(self, ray, queue, world: int, out_tokens: int, window_rows: int, wait_room):
         self.ray, self.queue, self.world, self.out_tokens = ray, queue, world, out_tokens

@@ -40,6 +40,7 @@ class QueueUnits:
     rank: int               # the run's slot: its parts' prefix
     world: int
     hits_now = False        # the driver wrote the hits
+    runs_rows = True
     job: object = None
     ran: list[int] = field(default_factory=list)        # bundles taken, in order
     running: dict[int, list[str]] = field(default_factory=dict)     # bundle -> leader ids, rows not all done

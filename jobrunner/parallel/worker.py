@@ -87,6 +87,7 @@ class SharedUnits:
     world: int
     out_tokens: int         # tokens a row generates at most: n * max_tokens
     hits_now = False        # a result-cache hit waits in the plan for the worker that claims its unit
+    runs_rows = True
 
     @property
     def part_prefix(self) -> str:
