@@ -46,7 +46,8 @@ class PendingRow:
     tokens: array                   # array("I"): the prompt's token ids
     request: object                 # the engine Request, its prompt_token_ids empty (they are `tokens`)
     notes: object                   # jobs.row.RowNotes
-    raw: array | None = None        # the tokenizer's ids, where the kind's request changed them (truncation)
+    raw: array | None = None        # the tokenizer's ids, where the kind's request changed them (truncation),
+                                    # kept only by a work source that ships its rows (the Ray driver's)
 
     def engine_request(self):
         return replace(self.request, prompt_token_ids=self.tokens.tolist())
@@ -295,8 +296,10 @@ class Job:
                     if result is not None:
                         self._emit_output(row, notes, result, reused=True)
                     continue
-                held.append((row, req, notes, None if req.prompt_token_ids == ids else ids))
-                held_tokens += len(req.prompt_token_ids)
+                # the tokenizer's ids go along only to be shipped (a worker makes the request again from them)
+                raw = ids if not self.work.runs_rows and req.prompt_token_ids != ids else None
+                held.append((row, req, notes, raw))
+                held_tokens += len(req.prompt_token_ids) + (len(raw) if raw is not None else 0)
             if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
                 yield from self._past_cache(held)
                 held, held_tokens = [], 0
@@ -307,11 +310,11 @@ class Job:
         yield from self._past_cache(held)
 
     def _past_cache(self, held: list):
-        """Rows (row, request, notes, the tokenizer's ids where the request changed them) past the result
-        cache, looked up together (a lookup's cost is per bucket and shard touched, so a large batch
-        amortizes it). A hit is done at once, unless the work source says otherwise (SharedUnits: every
-        worker must plan the same rows, so a hit waits in the planner like any row and is served when its
-        unit is claimed). The rest go on to the planner."""
+        """Rows (row, request, notes, the tokenizer's ids where a shipped row's request changed them) past
+        the result cache, looked up together (a lookup's cost is per bucket and shard touched, so a large
+        batch amortizes it). A hit is done at once, unless the work source says otherwise (SharedUnits:
+        every worker must plan the same rows, so a hit waits in the planner like any row and is served
+        when its unit is claimed). The rest go on to the planner."""
         found = self.reuse.fetch([row.id for row, *_ in held])
         sampling = None
         for row, req, notes, raw in held:

@@ -279,3 +279,26 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
     # a window closes at the row that brings it to 200 tokens: it holds 200 .. 199 + the longest prompt
     total, longest = sum(whole["prompt_tokens"]), max(whole["prompt_tokens"])
     assert total / (199 + longest) <= sum(windows) <= total / 200 + 1 and windows[-1]
+
+
+@pytest.mark.parametrize("ships", [False, True])
+def test_a_truncated_prompt_keeps_its_full_ids_only_when_its_row_is_shipped(tmp_path, tiny_hf_model_dir, ships):
+    """The tokenizer's ids of a prompt the request cut are kept only for the Ray driver (its workers make
+    the request again from them); a job that runs its rows holds the cut ids alone."""
+    from jobrunner.job_parts import AllUnits
+
+    class Work(AllUnits):
+        runs_rows = not ships
+    ds = write_jsonl(tmp_path / "long.jsonl", [{"id": "long", "prompt": "word " * 2000}, {"id": "short", "prompt": "hi"}])
+    job = open_job(job_config(ds, model=str(tiny_hf_model_dir("llama")), truncate_prompt="left", max_tokens=4,
+                              output=str(tmp_path / "out")), work=Work())
+    try:
+        list(job._items())
+        long, short = job.pending["long"], job.pending["short"]
+        assert len(long.tokens) < 512 and short.raw is None
+        if ships:
+            assert len(long.raw) > 2000 and list(long.raw[-len(long.tokens):]) == list(long.tokens)
+        else:
+            assert long.raw is None
+    finally:
+        job.engine.close()
