@@ -100,8 +100,10 @@ def _threads(cfg: JobConfig, engine, work):
     """A governor that follows the machine's load (jobrunner/threads.py) where the threads were left to
     the machine: a CPU engine of one process that runs rows, no --threads; else the threads stay fixed."""
     from jobrunner.threads import FixedThreads, ThreadGovernor, available_cores
-    if (cfg.engine.threads is not None or engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1
-            or not work.runs_rows):
+    if engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1 or not work.runs_rows:
+        return FixedThreads()
+    if cfg.engine.threads is not None:      # an engine kept between jobs may have followed an earlier one's load
+        engine.set_threads(cfg.engine.threads)
         return FixedThreads()
     cores = available_cores()
     start = engine.config.num_threads or cores

@@ -131,6 +131,10 @@ def test_a_job_follows_the_load_unless_its_threads_are_fixed(monkeypatch, tmp_pa
     try:
         fixed = open_job(job_config(dataset=str(data), model=model, threads=2, max_tokens=2, output=str(tmp_path / "f")))
         assert isinstance(fixed.threads, threads.FixedThreads)
+        torch.set_num_threads(1)            # as a governor of an earlier job on the same engine may leave it
+        again = open_job(job_config(dataset=str(data), model=model, threads=2, max_tokens=2, output=str(tmp_path / "g")),
+                         engine=fixed.engine)
+        assert isinstance(again.threads, threads.FixedThreads) and torch.get_num_threads() == 2
         fixed.engine.close()
         job = open_job(job_config(dataset=str(data), model=model, max_tokens=2, output=str(tmp_path / "out")))
         gov = job.threads
