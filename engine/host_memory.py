@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -29,8 +30,9 @@ TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _holders = 0
 
 
+@functools.cache
 def _libc():
-    """glibc's mallopt and malloc_trim, or None."""
+    """glibc's mallopt and malloc_trim, or None (looked up once)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt, trim = libc.mallopt, libc.malloc_trim

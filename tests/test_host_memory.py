@@ -7,6 +7,8 @@ import textwrap
 
 import pytest
 
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                           reason="glibc's mallopt")
 # In a fresh interpreter, a step's pattern ten times: four 24 MiB activations (a 2048-token chunk's MLP
 # output) live at once, then freed; prints the page faults of the last nine steps (the first maps them)
 _FAULTS = textwrap.dedent("""
@@ -32,8 +34,7 @@ def _faults(mode: str, env: dict | None = None) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc's mallopt")
+@glibc
 def test_freed_activations_are_reused_without_faulting_again():
     kept, faults = _faults("keep")
     assert kept
@@ -44,8 +45,7 @@ def test_freed_activations_are_reused_without_faulting_again():
     assert faults < faults_default // 3
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc's mallopt")
+@glibc
 def test_the_last_engine_to_close_gives_the_heap_back():
     _, faults = _faults("released")
     _, faults_default = _faults("default")
