@@ -13,6 +13,7 @@ the keyword arguments win over it; an option left None is not given. The CLI's `
 """
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -20,7 +21,9 @@ from contextlib import contextmanager
 from jobrunner.api_messages import api_message, check_known
 from jobrunner.config import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.job import JobResult
-from jobrunner.storage import CredentialsError
+from jobrunner.storage import CredentialsError, credentials_error
+
+log = logging.getLogger("jobrunner")
 
 __all__ = ["JobConfigError", "JobFailedError", "JobResult", "OutputStorageError", "build_config", "read_toml",
            "run", "submit"]
@@ -90,7 +93,38 @@ def submit(dataset: str, output: str | None = None, *, config: str | None = None
 
 def run(cfg: JobConfig) -> JobResult:
     """Run cfg's job: in this process, over data-parallel workers when it asks for several (or runs
-    under torchrun), or over Ray actors (--ray). Errors as `submit`'s."""
+    under torchrun), or over Ray actors (--ray), holding the output's lease throughout (one writer at a
+    time: jobrunner/output/lease.py). Errors as `submit`'s; an output another job holds: JobConfigError."""
+    with output_lease(cfg):
+        return _run(cfg)
+
+
+@contextmanager
+def output_lease(cfg: JobConfig):
+    """The output's lease for this job, once for all its workers: under torchrun rank 0 takes it."""
+    from jobrunner.output.lease import OutputBusyError, OutputLease
+    from jobrunner.parallel import distributed_env
+    env = distributed_env()
+    if env is not None and env["rank"] != 0:
+        yield None
+        return
+    try:
+        lease = OutputLease(cfg.output_url).acquire()
+    except OutputBusyError as e:
+        raise JobConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a store that refuses it: resolve's checks say why (exit 2 or 4)
+        if credentials_error(cfg.output_url, e) is None and not isinstance(e, PermissionError):
+            log.warning("output %s: cannot take its lease (%s: %s); the job runs without one, and a second job "
+                        "on this output would not be stopped", cfg.output_url, type(e).__name__, e)
+        yield None
+        return
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def _run(cfg: JobConfig) -> JobResult:
     from jobrunner.job_parts import finish_done, open_job
     from jobrunner.parallel import run_parallel, wants_parallel
     from jobrunner.resolve import resolve

@@ -1,4 +1,4 @@
-"""The command line: `jobrunner submit | validate | stats | models | cache`.
+"""The command line: `jobrunner submit | validate | repair | warmup | stats | models | cache`.
 
 Option defaults come from JobConfig's sections (jobrunner/config_sections.py); `--config job.toml` supplies any option, and the
 command line wins over the file.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import signal
 import sys
 
 import click
@@ -50,6 +51,15 @@ def _interrupted() -> None:
     _fail(130, "interrupted; the parts already written are kept: run the same command again to resume")
 
 
+def _sigterm_interrupts() -> None:
+    """SIGTERM before the job sets its own handlers (while the model loads, say) ends the command as
+    Ctrl-C does: exit 130 with its line, not a silent 143. The job's handlers replace this one while it
+    runs (Job.run, the launchers) and put it back after."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="jobrunner")
 def main():
@@ -87,6 +97,7 @@ def submit(ctx, dataset, **params):
       jobrunner submit batch.jsonl --format openai-batch --output-format openai-batch
     """
     _setup_logging(params["verbose"])
+    _sigterm_interrupts()
     from jobrunner.api import OutputStorageError, run
     from jobrunner.job import EXIT_STORAGE
     try:
@@ -128,6 +139,33 @@ def validate(ctx, dataset, **params):
         click.echo(f"{k:28s} {v}")
     if prompt is not None:      # verbatim, so a stray \n or a missing chat template shows
         click.echo(f"first prompt, exactly as the tokenizer gets it, between the ---- lines:\n----\n{prompt}\n----")
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("dataset")
+@job_options
+@click.pass_context
+def repair(ctx, dataset, **params):
+    """Rebuild an output's damaged _manifest.json from its part files and this job's options: the
+    submit command's dataset and options, with `repair` for `submit`. Then submit again to resume.
+    Reads no part and loads no model; refuses an output with an intact manifest or files not ours.
+
+    \b
+    Example:
+      jobrunner repair reviews.parquet -o out/ --kind classify --labels yes,no
+    """
+    _setup_logging(params["verbose"])
+    from jobrunner.job_manifest import repair_manifest
+    from jobrunner.output import OutputError
+    try:
+        cfg = build_config(ctx, dataset, params)
+        manifest = repair_manifest(cfg)
+    except (JobConfigError, OutputError) as e:
+        _fail_config(e)
+    except OSError as e:
+        _fail(4, f"cannot write the manifest of {params.get('output') or dataset}: {e}")
+    click.echo(f"rebuilt {cfg.output_url}/_manifest.json over {len(manifest['parts'])} part files; "
+               "submit the same job again to resume it")
 
 
 @main.command(cls=GroupedCommand)

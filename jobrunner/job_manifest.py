@@ -26,3 +26,18 @@ def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0) -> dict:
                 for key, why in info.generation.ignored.items():
                     log.warning("the model's generation_config.json: %s ignored (%s)", key, why)
     return manifest
+
+
+def repair_manifest(cfg) -> dict:
+    """`jobrunner repair`: the output's damaged manifest rebuilt from its parts and cfg's fingerprint, under
+    the output's lease (no job may write meanwhile). OutputError for an output it refuses."""
+    from jobrunner.output import OutputError
+    from jobrunner.output.lease import OutputLease
+    from jobrunner.output.manifest import rebuild_manifest
+    from jobrunner.resolve import adapters
+    hashes = {name: digest for name, _, digest in adapters(cfg)}
+    lease = OutputLease(cfg.output_url)
+    if not lease.fs.isdir(lease.root):      # before the lease, which would create it
+        raise OutputError(f"output {cfg.output_url} not found; nothing to repair")
+    with lease:
+        return rebuild_manifest(cfg.output_url, cfg.fingerprint_fields(hashes))

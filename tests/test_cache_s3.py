@@ -133,3 +133,18 @@ def _parts(fs, path: str) -> list:
         return [n for n in fs.ls(path, detail=False) if n.rsplit("/", 1)[-1].startswith("part-")]
     except FileNotFoundError:
         return []
+
+
+def test_an_output_on_s3_has_one_writer_at_a_time(s3):
+    """The lease by a conditional create (If-None-Match), as S3 serves it."""
+    from jobrunner.output.lease import OutputBusyError, OutputLease
+    fs, _ = s3
+    url = f"s3://{BUCKET}/leased/out"
+    first = OutputLease(url).acquire()
+    with pytest.raises(OutputBusyError, match="being written by another job"):
+        OutputLease(url).acquire()
+    assert json.loads(fs.cat_file(f"{BUCKET}/leased/out/_lease.json"))["holder"] == first.record["holder"]
+    first.release()
+    assert not fs.exists(f"{BUCKET}/leased/out/_lease.json")
+    with OutputLease(url) as second:
+        assert second.held

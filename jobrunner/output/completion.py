@@ -53,13 +53,12 @@ def _stat_cell(v: Any) -> tuple[Any, str]:
     return (None if v is None else to_json(v)), "string"
 
 
-def mark_complete(output_url: str, stats: Mapping[str, Any], manifest: dict | None = None,
-                  stacklevel: int = 2) -> dict:
+def mark_complete(output_url: str, stats: Mapping[str, Any], manifest: dict | None = None) -> dict:
     """Write the job's stats, then rewrite _manifest.json as complete; returns the manifest.
 
     manifest: the one to write (a ResultWriter's own, or prepare_output's for a launcher whose
     workers wrote the parts), updated in place; None: the one on disk.  No part is read.  A failed
-    manifest update only warns (stacklevel as warnings.warn's, counted from the caller).
+    manifest update only warns.
     """
     fs, root = storage.url_fs(output_url)
     if manifest is None:
@@ -67,5 +66,5 @@ def mark_complete(output_url: str, stats: Mapping[str, Any], manifest: dict | No
         if manifest is None:
             raise layout.OutputError(f"no jobrunner output at {output_url}")
     write_stats(output_url, stats)
-    write_manifest(fs, root, output_url, manifest, complete=True, stacklevel=stacklevel + 1)
+    write_manifest(fs, root, output_url, manifest, complete=True)
     return manifest

@@ -3,6 +3,7 @@
 Layout of an output directory:
 
     _manifest.json              job configuration, fingerprint, parts (informative; manifest.py)
+    _lease.json                 the one job writing here now: host, pid, heartbeat (lease.py)
     part-00000.parquet          result rows; written as _tmp-... then renamed (parts.py)
     part-r1-00000.parquet       parts of another process (part_prefix="part-r1")
     _corrupt-part-00007.parquet a damaged part set aside on resume (its rows are redone)
@@ -26,15 +27,17 @@ from typing import Any
 from jobrunner import storage
 
 MANIFEST = "_manifest.json"
+LEASE = "_lease.json"
 STATS_JSON = "_stats.json"
 STATS_PARQUET = "_stats.parquet"
 FORMAT_MARK = "jobrunner-output"            # the manifest's "format": this directory is ours
 
 PART_RE = re.compile(r"^part[^/]*\.parquet$")
 MANIFEST_TMP_RE = re.compile(r"^_tmp-_manifest\.json\.[0-9a-f]+$")
+LEASE_RE = re.compile(r"^(?:_tmp-)?_lease\.json(?:\.[0-9a-f]+)?$")    # the lease, or its rewrite's temporary
 PREFIX_RE = re.compile(r"^part[A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")   # a writer's part_prefix
 # every name jobrunner writes in an output directory (what --overwrite may delete)
-OURS_RE = re.compile(r"^(?:_manifest\.json|_stats\.json|_stats\.parquet|(?:results|errors)\.openai\.jsonl"
+OURS_RE = re.compile(r"^(?:_manifest\.json|_lease\.json|_stats\.json|_stats\.parquet|(?:results|errors)\.openai\.jsonl"
                      r"|(?:_corrupt-(?:\d+-)?)?part[^/]*\.parquet|_tmp-.+)$")
 
 

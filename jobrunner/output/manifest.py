@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from jobrunner.output import layout
-from jobrunner.output.layout import FORMAT_MARK, MANIFEST, MANIFEST_TMP_RE, OURS_RE, PART_RE, OutputError
+from jobrunner.output.layout import FORMAT_MARK, LEASE_RE, MANIFEST, MANIFEST_TMP_RE, OURS_RE, PART_RE, OutputError
 from jobrunner.output.values import json_default, to_json, to_json_pretty
 from jobrunner.storage import atomic_write, join
 
-__all__ = ["fingerprint", "load_manifest", "check_output", "prepare_output", "write_manifest"]
+__all__ = ["ManifestDamagedError", "fingerprint", "load_manifest", "check_output", "prepare_output", "rebuild_manifest",
+           "write_manifest"]
+log = logging.getLogger("jobrunner")
 
 
 def fingerprint(config: Mapping[str, Any]) -> str:
@@ -62,6 +64,10 @@ def _config_diff(old: Any, new: Any, limit: int = 8) -> str:
     return "; ".join(diffs[:limit]) + more if diffs else "(configurations differ)"
 
 
+class ManifestDamagedError(OutputError):
+    """_manifest.json is there but cannot be read (truncated, empty); `jobrunner repair` rebuilds it."""
+
+
 def load_manifest(fs: Any, root: str) -> dict | None:
     """root's manifest; None when it has none; OutputError when it is unreadable or not ours."""
     path = join(root, MANIFEST)
@@ -71,8 +77,10 @@ def load_manifest(fs: Any, root: str) -> dict | None:
     except FileNotFoundError:
         return None
     except (ValueError, OSError) as e:
-        raise OutputError(f"{path} is unreadable ({e}); it can't be resumed. Choose another "
-                          "--output, or delete the directory yourself") from e
+        raise ManifestDamagedError(
+            f"{path} is damaged ({e}); the parts beside it are intact. Run `jobrunner repair` with the "
+            "job's dataset and options (the submit command with `repair` for `submit`) to rebuild it from "
+            "the parts, then submit again to resume") from e
     if not isinstance(m, dict) or m.get("format") != FORMAT_MARK:
         raise OutputError(f"{path} is not a jobrunner manifest; choose another --output")
     return m
@@ -90,7 +98,7 @@ def _check_existing(fs: Any, root: str, output_url: str, config: Mapping[str, An
         return None, []
     if not fs.isdir(root):
         raise OutputError(f"output {output_url} exists and is a file; choose a directory for --output")
-    entries = layout.entries(fs, root)
+    entries = {n: t for n, t in layout.entries(fs, root).items() if not LEASE_RE.match(n)}   # the lease: ours, held
     names = sorted(entries)
     old = load_manifest(fs, root) if MANIFEST in entries else None
     if old is None:
@@ -168,12 +176,11 @@ def manifest_bytes(m: Mapping[str, Any]) -> bytes:
     return to_json_pretty(m).encode("utf-8", errors="replace")
 
 
-def write_manifest(fs: Any, root: str, output_url: str, manifest: dict, complete: bool,
-                   stacklevel: int = 2) -> None:
+def write_manifest(fs: Any, root: str, output_url: str, manifest: dict, complete: bool) -> None:
     """Rewrite _manifest.json atomically with `complete`; its parts list comes from the listing.
 
-    Updates `manifest` in place.  A failure only warns (stacklevel as warnings.warn's, counted
-    from the caller): the manifest is informative, the part files are the truth.
+    Updates `manifest` in place.  A failure only warns: the manifest is informative, the part files
+    are the truth.
     """
     manifest["parts"] = [n for n in layout.names(fs, root) if PART_RE.match(n)]
     manifest["complete"] = complete
@@ -181,5 +188,40 @@ def write_manifest(fs: Any, root: str, output_url: str, manifest: dict, complete
     try:
         atomic_write(fs, join(root, MANIFEST), manifest_bytes(manifest))
     except Exception as e:  # noqa: BLE001 - informative only: the listing is the truth
-        warnings.warn(f"updating {MANIFEST} in {output_url} failed: {e}",
-                      RuntimeWarning, stacklevel=stacklevel + 1)
+        log.warning("updating %s in %s failed (%s); the parts written are kept, and the next update "
+                    "rewrites it", MANIFEST, output_url, e)
+
+
+def rebuild_manifest(output_url: str, config: Mapping[str, Any]) -> dict:
+    """A damaged or missing _manifest.json written anew from the part files and the job's configuration
+    (`jobrunner repair`); returns it. Refuses (OutputError) a directory with no part, a readable manifest of
+    another job, or files that are not ours: repair never adopts what jobrunner did not write."""
+    fs, root = layout.output_fs(output_url)
+    if not fs.exists(root) or not fs.isdir(root):
+        raise OutputError(f"output {output_url} not found; nothing to repair")
+    entries = {n: t for n, t in layout.entries(fs, root).items() if not LEASE_RE.match(n)}
+    foreign = [n for n, t in entries.items() if t != "file" or not OURS_RE.match(n)]
+    if foreign:
+        raise OutputError(f"output {output_url} holds files jobrunner did not write ({', '.join(sorted(foreign)[:5])}); "
+                          "it is not repaired")
+    if MANIFEST in entries:
+        try:
+            old = load_manifest(fs, root)
+        except ManifestDamagedError:
+            old = None
+        if old is not None:
+            if old.get("fingerprint") == fingerprint(config):
+                raise OutputError(f"{join(root, MANIFEST)} is intact and matches this job; nothing to repair: "
+                                  "submit again to resume")
+            raise OutputError(f"{join(root, MANIFEST)} is intact and holds a different job: "
+                              f"{_config_diff(old.get('config'), config)}; it is not replaced")
+    if not any(PART_RE.match(n) for n in entries):
+        raise OutputError(f"output {output_url} has no part files; nothing to repair (submit starts it afresh "
+                          f"once {MANIFEST} is deleted)")
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fresh = {"config": json.loads(to_json(config)), "format": FORMAT_MARK, "version": 1,
+             "fingerprint": fingerprint(config), "created_at": now, "updated_at": now, "repaired_at": now,
+             "parts": [n for n in sorted(entries) if PART_RE.match(n)], "complete": False,
+             "run_salt": secrets.token_hex(8)}
+    atomic_write(fs, join(root, MANIFEST), manifest_bytes(fresh))
+    return fresh

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import re
+import logging
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +43,8 @@ from jobrunner.output.completion import mark_complete, write_stats
 from jobrunner.output.layout import MANIFEST_TMP_RE, PART_RE, PREFIX_RE, OutputError
 from jobrunner.output.manifest import prepare_output, write_manifest
 from jobrunner.output.values import EXTRA_JSON, arrow_schema, id_key, infer_kinds, kinds_of, norm_row, to_table
+
+log = logging.getLogger("jobrunner")
 
 __all__ = ["ResultWriter"]
 
@@ -182,8 +184,8 @@ class ResultWriter:
         k = 1
         while new in names:
             new, k = f"_corrupt-{k}-{name}", k + 1
-        warnings.warn(f"{self.output_url}: part {name} is damaged; set aside as {new}, "
-                      "its rows will be done again", RuntimeWarning, stacklevel=3)
+        log.warning("%s: part %s is damaged; set aside as %s, its rows will be done again", self.output_url,
+                    name, new)
         try:
             self.fs.mv(storage.join(self.root, name), storage.join(self.root, new))
         except FileNotFoundError:
@@ -233,8 +235,8 @@ class ResultWriter:
         try:
             storage.atomic_write(self.fs, storage.join(self.root, name), data)
         except Exception as e:
-            raise OutputError(f"writing {name} to {self.output_url} failed: {e}; rows written "
-                              "before are safe and the job can be resumed") from e
+            # what failed, only: the caller says what to do (api_errors: fix the storage, run again to resume)
+            raise OutputError(f"writing {name} to {self.output_url} failed: {e}") from e
         self._next += 1
         self._buffer, self._oldest, self._ok_buffered = [], None, False
         self.parts.append(name)

@@ -9,7 +9,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-import warnings
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +21,8 @@ from jobrunner.output import layout
 from jobrunner.output.layout import MANIFEST, PART_RE, STATS_JSON, OutputError
 from jobrunner.output.manifest import load_manifest
 from jobrunner.output.values import EXTRA_JSON, FIXED_COLUMNS, arrow_schema, kinds_of
+
+log = logging.getLogger("jobrunner")
 
 __all__ = ["Columns", "iter_result_parts", "read_results", "stored_values", "read_stats", "read_manifest"]
 
@@ -54,7 +56,8 @@ def iter_result_parts(output_url: str, columns: Columns = None) -> Iterator[pa.T
         except FileNotFoundError:
             continue
         except (pa.ArrowException, OSError) as e:
-            warnings.warn(f"skipping damaged part {name}: {e}", RuntimeWarning, stacklevel=2)
+            log.warning("%s: part %s is damaged and is skipped (%s); a resumed job sets it aside and does its "
+                        "rows again", output_url, name, e)
 
 
 def read_results(output_url: str) -> pa.Table:
