@@ -29,9 +29,10 @@ class AttentionMetadata:
     # needs none of it) and shared by all layers:
     _prepared: bool = False
     _decode: tuple | None = None
+    _decode_groups: list | None = None  # [(rows or None: all, gather tuple)]: decode_groups()
     _prefill: tuple | None = None
     _prefill_plan: object | None = None  # kernels.cpu_prefill.PrefillPlan, made on first use
-    _window_masks: dict | None = None  # (part, window) -> mask, made on first use by a sliding layer
+    _window_masks: dict | None = None  # (part, decode group, window) -> mask, made on first use by a sliding layer
     _decode_masks: dict | None = None  # (pool blocks, window) -> kernels.cpu_attention.DecodeMask or None
 
     @classmethod
@@ -89,13 +90,32 @@ class AttentionMetadata:
             self._decode = self._gather(0, self.num_decodes, self.block_tables.device)
         return self._decode
 
-    def mask(self, part: str, window: int | None) -> torch.Tensor:
-        """The causal mask of `part` ("decode" or "prefill"), narrowed to the last `window` keys when
-        one is given: [B, 1, qmax, keys], True where a query sees a key."""
-        _, causal, _, q_valid, q_pos = self.decode_part() if part == "decode" else self.prefill_part()
+    def decode_groups(self) -> list[tuple[torch.Tensor | None, tuple]]:
+        """The decode rows in groups of like length, each gathered and padded only to its own longest (one
+        long row must not pad every short one to its length): [(rows, gather tuple)], rows None when one
+        group holds them all in order. Built on first use, then shared by all layers."""
+        if self._decode_groups is None:
+            groups = length_groups(self.seq_lens[:self.num_decodes], self.block_size)
+            if len(groups) == 1:
+                self._decode_groups = [(None, self.decode_part())]
+            else:
+                dev = self.block_tables.device
+                rows = [torch.tensor(g, device=dev) for g in groups]
+                self._decode_groups = [(r, self._gather(0, self.num_decodes, dev, r)) for r in rows]
+        return self._decode_groups
+
+    def mask(self, part: str, window: int | None, group: int | None = None) -> torch.Tensor:
+        """The causal mask of `part` ("decode" or "prefill"; for decode, of decode_groups()[group] when
+        group is given), narrowed to the last `window` keys when one is given: [B, 1, qmax, keys], True
+        where a query sees a key."""
+        if part == "prefill":
+            gathered = self.prefill_part()
+        else:
+            gathered = self.decode_part() if group is None else self.decode_groups()[group][1]
+        _, causal, _, q_valid, q_pos = gathered
         if not window:
             return causal
-        key = (part, window)
+        key = (part, group, window)
         if key not in self._window_masks:
             j = torch.arange(causal.shape[-1], device=causal.device)
             windowed = causal & (j[None, None, None, :] > (q_pos - window)[:, None, :, None])
@@ -116,14 +136,16 @@ class AttentionMetadata:
                                                        num_blocks, window)
         return self._decode_masks[key]
 
-    def _gather(self, lo: int, hi: int, dev):
+    def _gather(self, lo: int, hi: int, dev, rows: torch.Tensor | None = None):
         """Whole blocks are gathered (contiguous 16-slot runs: ~4x faster than slot by slot on CPU);
-        the mask hides the slots past each sequence's length (a sliding window: `mask`)."""
+        the mask hides the slots past each sequence's length (a sliding window: `mask`). rows: the
+        sequences of lo..hi to take (indices from lo), all of them when None."""
         bs = self.block_size
-        seq_lens = self.seq_lens_t[lo:hi].long()
-        qlens = torch.tensor(self.query_lens[lo:hi], device=dev)
+        pick = (lambda x: x[lo:hi]) if rows is None else (lambda x: x[lo:hi][rows])
+        seq_lens = pick(self.seq_lens_t).long()
+        qlens = pick(torch.tensor(self.query_lens, device=dev))
         nblk, qmax = -(-int(seq_lens.max()) // bs), int(qlens.max())
-        tables = self.block_tables[lo:hi, :nblk].long()
+        tables = pick(self.block_tables)[:, :nblk].long()
         if tables.shape[1] < nblk:
             tables = F.pad(tables, (0, nblk - tables.shape[1]))
         j = torch.arange(nblk * bs, device=dev)
@@ -132,9 +154,34 @@ class AttentionMetadata:
         q_valid = i[None, :] < qlens[:, None]
         mask = j[None, None, :] <= q_pos[:, :, None]                                 # causal, and < seq_len
         mask[:, :, 0] |= ~q_valid                                                    # padding rows see one key, never NaN
-        q_start = self.query_start_loc[lo:hi].long() - int(self.query_start_loc[lo])
+        q_start = pick(self.query_start_loc[:-1]).long() - int(self.query_start_loc[lo])
         q_index = (q_start[:, None] + i[None, :]).clamp(max=int(qlens.sum()) - 1)   # [B, qmax]
         return tables.reshape(-1), mask[:, None], q_index, q_valid, q_pos
+
+
+GROUP_OVERHEAD_BLOCKS = 32   # one more gather + SDPA call costs about as much as 32 padded block-rows (CPU)
+
+
+def length_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """The rows (indices into seq_lens) in groups of like length, shortest first: each group at most twice
+    as many blocks long as its shortest row, then neighbours merged where one call costs less than
+    the padding it adds (a step of like lengths stays one group, in order)."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and blocks[i] <= 2 * blocks[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    merged = [groups[0]]
+    for g in groups[1:]:
+        prev = merged[-1]
+        if len(prev) * (blocks[g[-1]] - blocks[prev[-1]]) < GROUP_OVERHEAD_BLOCKS:
+            prev.extend(g)
+        else:
+            merged.append(g)
+    return [list(range(len(blocks)))] if len(merged) == 1 else merged
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,

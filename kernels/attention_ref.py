@@ -34,10 +34,20 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
 
 
 def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):
-    """The decode rows q: [nd, Hq, D]: their blocks gathered, padded to the longest, one query row each."""
-    nd, blocks = q.shape[0], meta.decode_part()[0]
-    k, v = _blocks(k_cache, k_scale, blocks, nd, q.dtype), _blocks(v_cache, v_scale, blocks, nd, q.dtype)
-    return _sdpa(q[:, None], k, v, meta.mask("decode", window), scale, softcap)[:, 0]
+    """The decode rows q: [nd, Hq, D], one query row each: per group of like length (meta.decode_groups()),
+    their blocks gathered and padded to the group's longest."""
+    def attend(g, rows, blocks):
+        qg = q if rows is None else q[rows]
+        n = qg.shape[0]
+        k, v = _blocks(k_cache, k_scale, blocks, n, q.dtype), _blocks(v_cache, v_scale, blocks, n, q.dtype)
+        return _sdpa(qg[:, None], k, v, meta.mask("decode", window, g), scale, softcap)[:, 0]
+    groups = meta.decode_groups()
+    if len(groups) == 1:
+        return attend(0, None, groups[0][1][0])
+    out = torch.empty_like(q)
+    for g, (rows, gathered) in enumerate(groups):
+        out[rows] = attend(g, rows, gathered[0])
+    return out
 
 
 def _prefill_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap):

@@ -264,6 +264,45 @@ def test_mixed_step_attention(device, dtype, int8, gen):
     torch.testing.assert_close(out.float(), attention_ref_fp32(q, cache, meta, 32 ** -0.5), **ATTN_TOL[dtype])
 
 
+def attention_one_by_one(q, k, v, meta, scale, window=None, softcap=None):
+    """Each decode sequence alone, its keys read straight from its table: what grouping must not change."""
+    out = torch.empty_like(q)
+    bs, (_, _, hk, d) = meta.block_size, k.shape
+    for i in range(meta.num_decodes):
+        L = meta.seq_lens[i]
+        slots = torch.tensor([int(meta.block_tables[i, p // bs]) * bs + p % bs for p in range(L)])
+        lo = max(0, L - window) if window else 0
+        ks, vs = k.view(-1, hk, d)[slots[lo:]], v.view(-1, hk, d)[slots[lo:]]          # [L', Hk, D]
+        qi = q[i].view(hk, -1, d)                                                       # [Hk, G, D]
+        s = torch.einsum("hgd,lhd->hgl", qi, ks) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        out[i] = torch.einsum("hgl,lhd->hgd", torch.softmax(s, -1), vs).reshape(-1, d)
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 30.0)], ids=["plain", "window", "softcap"])
+def test_decode_gather_groups_rows_by_length(window, softcap, gen):
+    """One long row among short ones: the gather path pads each group of like length to its own longest,
+    not every row to the long one, and computes what each sequence alone would (issue 41)."""
+    from kernels.attention_metadata import length_groups
+    lens = [5, 900, 12, 7, 30, 33, 2000, 9]
+    q, (k, v), meta = make_step([(1, L) for L in lens], len(lens), 4, 2, 16, 16, torch.float32, "cpu", gen,
+                                window=window)
+    groups = meta.decode_groups()
+    assert len(groups) > 1 and sorted(int(r) for rows, _ in groups for r in rows) == list(range(len(lens)))
+    padded = sum(len(rows) * -(-max(lens[int(r)] for r in rows) // 16) for rows, _ in groups)
+    assert padded <= 2 * sum(-(-L // 16) for L in lens) + 32 * len(groups)               # not 8 x 125 blocks
+    out = paged_attention_ref(q, k, v, meta, 0.25, softcap=softcap)
+    torch.testing.assert_close(out, attention_one_by_one(q, k, v, meta, 0.25, window, softcap), atol=1e-5, rtol=1e-5)
+    # like lengths stay one group, in order (no extra calls, the gather path as it was)
+    assert length_groups([40, 33, 47, 35], 16) == [[0, 1, 2, 3]]
+    (kq, ks), (vq, vs) = quantize_int8_ref(k), quantize_int8_ref(v)
+    out8 = paged_attention_int8_ref(q, kq, vq, ks, vs, meta, 0.25, softcap=softcap)
+    deq = dequantize_kv_int8_ref(kq, ks, torch.float32), dequantize_kv_int8_ref(vq, vs, torch.float32)
+    torch.testing.assert_close(out8, attention_one_by_one(q, *deq, meta, 0.25, window, softcap), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @cuda_only[1]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
