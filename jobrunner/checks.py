@@ -22,9 +22,9 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     from jobrunner.dataset.csv_reader import check_quotes
     try:
         fmt = detect_format(cfg.input.dataset, cfg.input.format)
-        columns = dataset_columns(cfg.input.dataset, fmt)
+        columns = dataset_columns(cfg.input.dataset, fmt, cfg.input.csv_delimiter)
         if fmt == "csv":        # before any work: an unclosed quote would swallow the rest of the file
-            check_quotes(cfg.input.dataset, cfg.input.csv_max_lines)
+            check_quotes(cfg.input.dataset, cfg.input.csv_max_lines, cfg.input.csv_delimiter)
     except DatasetError as e:
         raise JobConfigError(str(e)) from None
     except (OSError, ValueError) as e:
@@ -49,8 +49,20 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
         column = options[name]
         if columns and column not in columns:
             raise JobConfigError(f"--{name.replace('_', '-')} {column!r} is not a column of {cfg.input.dataset}; "
-                                 f"its columns are: {', '.join(columns)}")
+                                 f"its columns are: {', '.join(columns)}{_delimiter_hint(fmt, columns)}")
     return fmt, columns
+
+
+def _delimiter_hint(fmt: str, columns: list[str]) -> str:
+    """For a CSV whose header read as one column holding another delimiter: how to say which one."""
+    from jobrunner.dataset.csv_reader import SNIFFED
+    if fmt != "csv" or len(columns) != 1:
+        return ""
+    inside = [d for d in SNIFFED if d in columns[0]]
+    if not inside:
+        return ""
+    shown = "\\t" if inside[0] == "\t" else inside[0]
+    return f" (one column: is the file {shown!r}-separated? pass --csv-delimiter '{shown}')"
 
 
 def check_template(cfg: JobConfig, columns: list[str]):
@@ -142,4 +154,4 @@ def declared_schema(cfg: JobConfig, job, engine):
     """The schema of the job's output rows, declared up front (jobrunner.result_schema) from its input's
     columns, its kind's and its engine's hidden size (the embedding column)."""
     from jobrunner.result_schema import result_schema
-    return result_schema(cfg.input.dataset, cfg.input.format, cfg.input.id_column, job, engine.info.hidden_size)
+    return result_schema(cfg.input, job, engine.info.hidden_size)

@@ -38,6 +38,9 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--limit", type=int, help="Only the first N rows."),
         click.option("--csv-max-lines", type=int, default=D.csv_max_lines, show_default=True,
                      help="CSV: a record over more lines than this is an unclosed quote (exit 2, naming its line)."),
+        click.option("--csv-delimiter",
+                     help="CSV: the field delimiter (one character, e.g. ';'); default: a tab for .tsv, else "
+                          "sniffed from the header line (, ; tab |)."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False),
                      help="TOML job file; any option by name (e.g. max_tokens = 64); the command line wins."),
     ],

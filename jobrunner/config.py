@@ -222,7 +222,7 @@ _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
-                "json_schema_mode", "lora")  # 29, 33
+                "json_schema_mode", "lora", "csv_delimiter")  # 29, 33, 41
 
 
 def _section_classes() -> list[tuple[str, type]]:

@@ -42,6 +42,7 @@ class InputOptions:
     any_model: bool = False                 # OpenAI batch: serve every line whatever its body.model names
     limit: int | None = None                # only the first N rows (for trying a job out)
     csv_max_lines: int = 10_000             # a CSV record over more lines: an unclosed quote (exit 2)
+    csv_delimiter: str | None = None        # None: a tab for .tsv, else sniffed from the header (csv_reader)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -50,6 +51,9 @@ class InputOptions:
             _bad("--limit must be >= 0 (a number of rows)")
         if self.csv_max_lines < 1:
             _bad("--csv-max-lines must be >= 1 (the lines a CSV record may span)")
+        if self.csv_delimiter is not None and (len(self.csv_delimiter) != 1 or self.csv_delimiter in '"\r\n'):
+            _bad(f"--csv-delimiter must be one character other than a quote or newline (a tab: $'\\t'), "
+                 f"not {self.csv_delimiter!r}")
 
 
 @dataclass(frozen=True)

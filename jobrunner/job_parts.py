@@ -89,7 +89,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
         raise
     i = cfg.input
     return Job(cfg, reader=reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column,
-                                                         batch_rows=1024)),
+                                                         batch_rows=1024, csv_delimiter=i.csv_delimiter)),
                kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora),
                engine=engine, reuse=reuse, writer=writer, work=work,
                progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,

@@ -76,7 +76,8 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
         if done is None:
             return None
         read = 0
-        for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, columns=[cfg.input.id_column]):
+        for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, columns=[cfg.input.id_column],
+                             csv_delimiter=cfg.input.csv_delimiter):
             batch = batch[:n - read]
             read += len(batch)
             if not all(done.contains_many([row.id for row in batch])):

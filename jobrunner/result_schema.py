@@ -35,11 +35,13 @@ def declared_schema(id_type: pa.DataType, inputs: dict[str, pa.DataType | None],
     return arrow_schema(kinds, types)
 
 
-def result_schema(dataset: str, fmt: str, id_column: str | None, job, hidden_size: int | None) -> pa.Schema:
-    """The declared schema of a job of kind `job` (jobs.KINDS) over the dataset; hidden_size: the
-    model's, the size of an embedding unless the job says otherwise (--dimensions)."""
+def result_schema(inputs, job, hidden_size: int | None) -> pa.Schema:
+    """The declared schema of a job of kind `job` (jobs.KINDS) over the dataset of `inputs` (the job's
+    InputOptions); hidden_size: the model's, the size of an embedding unless the job says otherwise
+    (--dimensions)."""
     from jobrunner.dataset import input_types
-    id_type, types = input_types(dataset, fmt, id_column)
+    id_column = inputs.id_column
+    id_type, types = input_types(inputs.dataset, inputs.format, id_column, inputs.csv_delimiter)
     columns = [c for c in types if c != id_column]
     names = input_names(columns, reserved_columns(job.result_columns))
     kinds = {n: vector_kind(job.vector_size(hidden_size)) if k == VECTOR else k

@@ -155,7 +155,7 @@ def _generate(rows, config: str | None, options: dict, session: EngineSession | 
                                  "(jobrunner.submit runs data-parallel jobs)")
         if count == 0 and cfg.output.fail_on_empty:
             raise JobConfigError("rows is empty; failing, as fail_on_empty asks")
-        positions: dict = {}        # row id -> its input row's index, as the job reads them
+        positions: dict = {}        # row id -> its input rows' indices, as the job reads them
         result, table = _run_here(cfg, session, positions)
         _raise_unless_ok(cfg, result, options)
         return _in_input_order(pl.from_arrow(table), positions)
@@ -219,8 +219,8 @@ def _arrow_table(rows):
 
 def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
     """(JobResult, the result rows' table) of cfg's job in this process: on the session's engine, else on
-    one loaded for it and closed at its end. `positions` gets each row id's place in the input as the
-    job reads it."""
+    one loaded for it and closed at its end. `positions` gets each row id's places in the input as the
+    job reads it (more than one where ids repeat)."""
     from jobrunner.dataset import read_rows
     from jobrunner.job_parts import open_job
     from jobrunner.resolve import resolve
@@ -229,9 +229,10 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
     engine = session.engine_for(cfg, resolved) if session is not None else None
 
     def reader():
-        for batch in read_rows(cfg.input.dataset, resolved.fmt, id_column=cfg.input.id_column, batch_rows=1024):
+        for batch in read_rows(cfg.input.dataset, resolved.fmt, id_column=cfg.input.id_column, batch_rows=1024,
+                               csv_delimiter=cfg.input.csv_delimiter):
             for row in batch:
-                positions.setdefault(row.id, row.index)
+                positions.setdefault(row.id, []).append(row.index)
             yield batch
     with api_errors():
         job = open_job(cfg, resolved, engine=engine, reader=reader, in_memory=True)  # closes an engine it loaded if it fails
@@ -249,12 +250,25 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
 
 
 def _in_input_order(df, positions: dict):
-    """Result rows sorted by their input row's position (by id, as the job read them), samples in order."""
+    """Result rows sorted by their input row's position (by id, as the job read them), samples in order.
+    Where an id repeats, its first row holds the first place and the later rows' error rows (job.py:
+    "duplicate id ...") the later places, in the order they were written (the order they were read)."""
     import polars as pl
 
     from jobrunner.output.values import id_key
     if df.is_empty():
         return df
-    order = pl.Series("__position", [positions.get(id_key(i), len(positions)) for i in df["id"].to_list()])
+    errors = df["error"].to_list() if "error" in df.columns else [None] * df.height
+    later: dict = {}                # id -> how many of its duplicate error rows have their place
+    order = []
+    for i, error in zip(df["id"].to_list(), errors):
+        key = id_key(i)
+        places = positions.get(key, [len(positions)])
+        if isinstance(error, str) and error.startswith("duplicate id ") and len(places) > 1:
+            k = later[key] = later.get(key, 0) + 1
+            order.append(places[min(k, len(places) - 1)])
+        else:
+            order.append(places[0])
+    order = pl.Series("__position", order)
     keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
     return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")

@@ -45,7 +45,7 @@ def validate_job(cfg: JobConfig) -> dict:
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     t = _Tally(openai=fmt == "openai-batch")
-    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column):
+    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, csv_delimiter=cfg.input.csv_delimiter):
         for row in batch[:None if cfg.input.limit is None else max(0, cfg.input.limit - t.rows)]:
             t.add(row, builder, job, bundle.config.max_position_embeddings)
     rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors

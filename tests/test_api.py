@@ -53,6 +53,17 @@ def test_generate_returns_one_row_per_input_row_in_order_and_touches_no_disk(mod
     assert os.listdir(tmp_path) == [] and memory_roots() == set()
 
 
+def test_generate_keeps_input_order_when_ids_repeat(model):
+    """A repeated id's error row takes the repeat's place, not the first row's (issue 41, item 5)."""
+    rows = [{"id": i, "prompt": f"row {n}", "n": n} for n, i in enumerate(["z", "a", "z", "m", "z"])]
+    df = jobrunner.generate(rows, model=model, max_error_rate=1.0, **SMALL)
+    assert df["id"].to_list() == ["z", "a", "z", "m", "z"]
+    assert df["n"].to_list() == [0, 1, 2, 3, 4]
+    errors = df["error"].to_list()
+    assert errors[0] is None and errors[1] is None and errors[3] is None
+    assert all(e.startswith("duplicate id 'z'") for e in (errors[2], errors[4]))
+
+
 def test_generate_closes_the_engine_it_loads(model, monkeypatch):
     from engine import Engine
     closed, close = [], Engine.close

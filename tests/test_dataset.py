@@ -121,6 +121,26 @@ def test_tsv_and_bom(tmp_path):
     assert all_rows(str(q))[0].id == "x"
 
 
+def test_csv_delimiter_sniffed_from_the_header_or_given(tmp_path):
+    """A semicolon CSV (a spreadsheet's export in many locales) reads as it is; a comma inside a quoted
+    header cell doesn't fool the sniffing; an explicit delimiter wins (issue 41, item 7)."""
+    semi = tmp_path / "semi.csv"
+    semi.write_text('id;prompt;category\n1;"hello, world";a\n2;bye;b\n')
+    assert dataset_columns(str(semi)) == ["id", "prompt", "category"]
+    assert [r.data for r in all_rows(str(semi))][0] == {"id": "1", "prompt": "hello, world", "category": "a"}
+    quoted = tmp_path / "quoted.csv"
+    quoted.write_text('"id";"prompt, long";"x"\n1;hi;y\n')
+    assert dataset_columns(str(quoted)) == ["id", "prompt, long", "x"]
+    pipes = tmp_path / "pipes.csv"
+    pipes.write_text("id|prompt\n1|a;b\n")
+    assert all_rows(str(pipes))[0].data == {"id": "1", "prompt": "a;b"}
+    forced = all_rows(str(pipes), csv_delimiter=";")[0]           # the header is then 1 field, the row 2
+    assert forced.data is None and "expected 1 fields" in forced.error
+    plain = tmp_path / "plain.csv"
+    plain.write_text("id,prompt\n1,a;b\n")
+    assert all_rows(str(plain))[0].data == {"id": "1", "prompt": "a;b"}
+
+
 def test_gzip_jsonl(tmp_path):
     p = tmp_path / "d.jsonl.gz"
     p.write_bytes(gzip.compress(jsonl(RECORDS)))

@@ -69,6 +69,20 @@ def test_toml_table_and_an_unknown_name_is_an_error_row(tmp_path, tiny):
     assert "'zzz' is not one of this job's adapters" in bad["error"]
 
 
+def test_a_lora_column_named_adapter_is_kept_as_input_adapter(tmp_path, tiny):
+    """The README's `--lora-column adapter`: the input column survives as `input_adapter` beside the result's
+    `adapter`, an unknown name and "" included (issue 41, item 6; classify's `input_label` rule)."""
+    opts, adapters = tiny
+    ds = jsonl(tmp_path / "d.jsonl", [{"id": "0", "prompt": "hi", "adapter": "a"},
+                                      {"id": "1", "prompt": "hi", "adapter": "zzz"},
+                                      {"id": "2", "prompt": "hi", "adapter": ""},
+                                      {"id": "3", "prompt": "hi", "adapter": None}])
+    r, rows = submit(tmp_path, ds, *opts, *_lora_args(adapters), "--lora-column", "adapter")
+    assert r.exit_code == 0, r.output
+    got = {row["id"]: (row["input_adapter"], row["adapter"], row["error"] is None) for row in rows}
+    assert got == {"0": ("a", "a", True), "1": ("zzz", None, False), "2": ("", None, False), "3": (None, None, True)}
+
+
 def test_an_openai_line_picks_its_adapter_by_model(tmp_path, tiny):
     opts, adapters = tiny
     def line(cid, model):

@@ -77,6 +77,22 @@ def test_an_unclosed_csv_quote_stops_naming_its_line(tmp_path, no_model, command
     assert not (tmp_path / "d.csv.results").exists()
 
 
+def test_a_csv_delimiter_option_and_a_hint_when_the_header_is_one_column(tmp_path, no_model):
+    """--csv-delimiter reads a file sniffing would misread; a header read as one column that holds a
+    delimiter says which option to pass (issue 41, item 7)."""
+    ds = tmp_path / "odd.csv"
+    ds.write_text("id:prompt\n1:hi\n")
+    r = invoke("validate", ds, *TINY)
+    assert r.exit_code == 2 and "'prompt' is not a column" in r.output and "--csv-delimiter" not in r.output
+    assert invoke("validate", ds, "--csv-delimiter", ":", *TINY).exit_code == 0
+    semi = tmp_path / "semi.csv"
+    semi.write_text("id;prompt\n1;hi\n")
+    r = invoke("validate", semi, "--csv-delimiter", ",", *TINY)
+    assert r.exit_code == 2 and "pass --csv-delimiter ';'" in r.output, r.output
+    r = invoke("validate", semi, "--csv-delimiter", ";;", *TINY)
+    assert r.exit_code == 2 and "--csv-delimiter must be one character" in r.output, r.output
+
+
 def test_a_quoted_field_over_too_many_lines_stops(tmp_path, no_model):
     ds = tmp_path / "d.csv"
     ds.write_text('id,prompt\n1,"a\nb\nc\nd"\n2,x\n')

@@ -1,5 +1,9 @@
 """CSV and TSV (by extension): a header line, then records; every cell is a string.
 
+The delimiter: the job's --csv-delimiter, else a tab for .tsv, else sniffed from the header line
+(the most frequent of , ; tab | outside quotes; a comma when none is there), so a semicolon CSV
+as spreadsheets in many locales export it reads as it is.
+
 Multi-line quoted cells are fine: a row's error names its last line.  An unclosed quote is not
 (it would swallow the rest of the file into one cell): check_quotes finds it before any row runs.
 (Named csv_reader so that `import csv` here is the standard library's.)
@@ -25,8 +29,28 @@ class _Header:
     keep: list[str] | None    # the columns read_csv keeps (None: all)
 
 
-def _delimiter(url: str) -> str:
-    return "\t" if ext(url)[0] == ".tsv" else ","
+SNIFFED = (",", ";", "\t", "|")
+
+
+def _delimiter(url: str, given: str | None) -> str:
+    if given is not None:
+        return given
+    if ext(url)[0] == ".tsv":
+        return "\t"
+    return sniff_delimiter(url)
+
+
+def sniff_delimiter(url: str) -> str:
+    """The most frequent of SNIFFED outside quotes in the first non-empty line (a comma on ties or none)."""
+    for line in lines(url):
+        text = decode(line)[0] or line.decode("utf-8", errors="replace")
+        if not text.strip():
+            continue
+        unquoted = "".join(text.split('"')[::2])
+        counts = {d: unquoted.count(d) for d in SNIFFED}
+        best = max(SNIFFED, key=lambda d: (counts[d], d == ","))
+        return best if counts[best] else ","
+    return ","
 
 
 def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
@@ -39,12 +63,12 @@ def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
         yield text
 
 
-def check_quotes(url: str, max_lines: int) -> None:
+def check_quotes(url: str, max_lines: int, delimiter: str | None = None) -> None:
     """DatasetError naming the line where a quoted field opens that runs to the end of the file, or
     over more than max_lines lines (an unclosed quote that a later quote happens to close)."""
     from jobrunner.dataset.files import list_files
     for path in list_files(url):
-        reader = csv.reader(_text_lines(path, {}), delimiter=_delimiter(path), strict=True)
+        reader = csv.reader(_text_lines(path, {}), delimiter=_delimiter(path, delimiter), strict=True)
         start = 1       # the first line of the record being read
         while True:
             try:
@@ -64,9 +88,9 @@ def check_quotes(url: str, max_lines: int) -> None:
             start = reader.line_num + 1
 
 
-def csv_header(url: str) -> list[str]:
+def csv_header(url: str, delimiter: str | None = None) -> list[str]:
     """The column names: the first non-empty record."""
-    reader = csv.reader(_text_lines(url, {}), delimiter=_delimiter(url))
+    reader = csv.reader(_text_lines(url, {}), delimiter=_delimiter(url, delimiter))
     for header in reader:
         if header:
             return header
@@ -108,11 +132,11 @@ def _row(cells: list[str], first: int, last: int, h: _Header, bad: dict[int, str
     return row_id(rec, h.id_column, h.has_id, name, last)
 
 
-def read_csv(url: str, name: str | None, id_column: str | None,
-             columns: Sequence[str] | None) -> Iterator[tuple[str | None, dict | None, str | None]]:
+def read_csv(url: str, name: str | None, id_column: str | None, columns: Sequence[str] | None,
+             delimiter: str | None = None) -> Iterator[tuple[str | None, dict | None, str | None]]:
     """(id or None, data or None, error or None) per record after the header."""
     bad: dict[int, str] = {}
-    reader = csv.reader(_text_lines(url, bad), delimiter=_delimiter(url))
+    reader = csv.reader(_text_lines(url, bad), delimiter=_delimiter(url, delimiter))
     h: _Header | None = None
     start = 1  # first line of the record being read
     while True:

@@ -26,21 +26,23 @@ _OPENAI_TYPES = {"messages": None, "params": None, "model": pa.string(), "prompt
                  "endpoint": pa.string(), "line": pa.int64()}
 
 
-def dataset_columns(url: str, fmt: str = "auto") -> list[str]:
-    """Column names, from the first file's schema/header/first records (cheap)."""
+def dataset_columns(url: str, fmt: str = "auto", csv_delimiter: str | None = None) -> list[str]:
+    """Column names, from the first file's schema/header/first records (cheap). csv_delimiter: None
+    for a CSV's own (csv_reader: by extension, else sniffed)."""
     f = detect_format(url, fmt)
     first = list_files(url)[0]
     if f == "parquet":
         return parquet_columns(first)
     if f == "csv":
-        return csv_header(first)
+        return csv_header(first, csv_delimiter)
     if f == openai_batch.FORMAT:
         return list(openai_batch.COLUMNS)
     check_not_json_array(first)
     return jsonl_columns(first)
 
 
-def input_types(url: str, fmt: str, id_column: str | None) -> tuple[pa.DataType, dict[str, pa.DataType | None]]:
+def input_types(url: str, fmt: str, id_column: str | None,
+                csv_delimiter: str | None = None) -> tuple[pa.DataType, dict[str, pa.DataType | None]]:
     """(the id column's Arrow type, each column's) as the output keeps them, from the first file:
     Parquet's own schema; CSV: strings; JSONL: as jsonl_types infers them from the first records
     (None: JSON values). Rows numbered by index (no id column) have string ids."""
@@ -51,7 +53,7 @@ def input_types(url: str, fmt: str, id_column: str | None) -> tuple[pa.DataType,
     if f == "parquet":
         types = {field.name: field.type for field in parquet_schema(first)}
     elif f == "csv":
-        types = dict.fromkeys(csv_header(first), pa.string())
+        types = dict.fromkeys(csv_header(first, csv_delimiter), pa.string())
     else:
         check_not_json_array(first)
         id_type, types = jsonl_types(first, id_column)
@@ -62,18 +64,18 @@ def input_types(url: str, fmt: str, id_column: str | None) -> tuple[pa.DataType,
 
 
 def _parsed(f: str, path: str, name: str | None, id_col: str | None, columns: Sequence[str] | None,
-            batch_rows: int, id_type: type | None) -> _Parsed:
+            batch_rows: int, id_type: type | None, csv_delimiter: str | None) -> _Parsed:
     """The rows of one file of a dataset in format f."""
     if f == "parquet":
         return read_parquet(path, name, id_col, columns, batch_rows)
     if f == "csv":
-        return read_csv(path, name, id_col, columns)
+        return read_csv(path, name, id_col, columns, csv_delimiter)
     has_id = id_col is not None and id_col in jsonl_columns(path)
     return read_jsonl(path, name, id_col, has_id, openai=(f == openai_batch.FORMAT), id_type=id_type)
 
 
 def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_rows: int = 1024,
-              columns: Sequence[str] | None = None) -> Iterator[list[Row]]:
+              columns: Sequence[str] | None = None, csv_delimiter: str | None = None) -> Iterator[list[Row]]:
     """Rows in batches of at most `batch_rows` (the last may be smaller).
 
     id_column: rows take their id from it when the dataset has that column (a null, missing or
@@ -82,6 +84,7 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
     Row.id is the id's key (a str), Row.id_value its value as the input has it.
     A caller that requires the column checks `dataset_columns` first.
     columns: keep only these (plus the id column); None keeps all.
+    csv_delimiter: a CSV's delimiter; None: its own (csv_reader: by extension, else sniffed).
     """
     if batch_rows < 1:
         raise ValueError("batch_rows must be >= 1")
@@ -93,7 +96,7 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
     index = 0
     for path in files:
         name = posixpath.basename(path) if len(files) > 1 else None
-        for value, data, err in _parsed(f, path, name, id_col, columns, batch_rows, id_type):
+        for value, data, err in _parsed(f, path, name, id_col, columns, batch_rows, id_type, csv_delimiter):
             if data is not None and columns is not None and f == "jsonl":
                 data = {k: v for k, v in data.items() if k in columns or k == id_col}
             if value is None:
