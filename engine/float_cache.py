@@ -85,6 +85,8 @@ def write(directory: Path, hf_config: dict, tokenizer: Tokenizer, weights) -> bo
                 "chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens,
                 "bos_token_id": tokenizer.bos_token_id, "eos_token_ids": list(tokenizer.eos_token_ids)}))
             (tmp / _CONFIG).write_text(json.dumps(hf_config))
+            if read(directory) is not None:     # a concurrent writer just finished it: kept (a reader may
+                return True                     # be loading it), never removed under that reader
             shutil.rmtree(directory, ignore_errors=True)     # a damaged copy (read() found none usable)
             os.replace(tmp, directory)      # fails only when a concurrent writer just won: fine
         finally:

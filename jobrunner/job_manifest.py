@@ -6,12 +6,12 @@ import logging
 log = logging.getLogger("jobrunner")
 
 
-def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0) -> dict:
-    """The job's configuration (its resume fingerprint), the model (a Hub model's repo and commit) and,
-    for generation, which sampling values came from where; rank 0 warns of what the checkpoint's
-    generation_config.json says that we ignore. resolved: jobrunner.resolve's Resolved."""
+def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0, fingerprint: dict | None = None) -> dict:
+    """The job's configuration (its resume fingerprint: `fingerprint`, else cfg's), the model (a Hub model's
+    repo and commit) and, for generation, which sampling values came from where; rank 0 warns of what the
+    checkpoint's generation_config.json says that we ignore. resolved: jobrunner.resolve's Resolved."""
     from jobrunner.models import describe, model_record
-    manifest = {"config": cfg.fingerprint_fields(resolved.adapter_hashes),
+    manifest = {"config": fingerprint if fingerprint is not None else cfg.fingerprint_fields(resolved.adapter_hashes),
                 "model_source": describe(cfg.engine.model, info.source), "dataset_format": resolved.fmt}
     if resolved.lora:       # name, path as given and content hash of each adapter
         manifest["lora"] = [{"name": name, "path": given, "content_hash": digest}

@@ -63,13 +63,15 @@ class AllUnits:
 
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
-             reader=None, max_in_flight: int | None = None, done_ids=None, stop=None, in_memory: bool = False) -> Job:
+             reader=None, max_in_flight: int | None = None, done_ids=None, stop=None, in_memory: bool = False,
+             fingerprint: dict | None = None) -> Job:
     """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
     the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
     AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows),
     `done_ids` (the ids to skip, else those in the output's parts), `stop` (the threading.Event that
     stops the job, else its own: its signal handlers set it). in_memory: the result rows are kept in a
-    RowSink (job.writer.table()), and cfg's output directory is never touched."""
+    RowSink (job.writer.table()), and cfg's output directory is never touched. fingerprint: the output's
+    (a Ray worker's: its driver's, whose paths are as given where the worker's are absolute), else cfg's."""
     from jobrunner.dataset import read_rows
     from jobrunner.job_manifest import job_manifest
     from jobrunner.stats import JobStats
@@ -79,7 +81,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     engine = engine or load_engine(cfg, resolved)
     try:
         kind, builder = job_kind(cfg, resolved, engine)
-        manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank)
+        manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank, fingerprint)
         writer = _writer(cfg, manifest, kind, engine, work, done_ids, in_memory)
         stats = JobStats()
         reuse = _reuse(cfg, resolved, engine, stats)
@@ -160,6 +162,8 @@ def load_engine(cfg: JobConfig, resolved=None):
         engine = Engine(config)
     except (ModelError, ConfigError) as e:
         raise JobConfigError(str(e)) from None
+    except OSError as e:    # a checkpoint file gone or unreadable: the model's failure, not the output's storage
+        raise JobConfigError(f"model {cfg.engine.model} failed to load: {type(e).__name__}: {e}") from None
     info = engine.info
     threads = f", {config.num_threads} threads" if info.device_type == "cpu" else ""
     split = f" x {config.tensor_parallel} tensor-parallel ranks" if config.tensor_parallel > 1 else ""

@@ -137,6 +137,21 @@ def test_every_row_failed_exits_3_on_the_command_line_unless_allowed(tmp_path):
     assert r.exit_code == EXIT_OK, r.output
 
 
+def test_a_model_that_fails_to_load_exits_2_with_its_error_not_as_storage(tmp_path, monkeypatch):
+    """A checkpoint file gone while the engine loads it (another worker's conversion, a cache cleaned) is
+    the model's failure: its error and exit 2, not "output storage failed" and exit 4 (issue 41, item 4)."""
+    import engine
+
+    def gone(self, config):
+        raise FileNotFoundError(2, "No such file or directory", "/cache/float/x/model.safetensors")
+    monkeypatch.setattr(engine.Engine, "__init__", gone)
+    ds = write_jsonl(tmp_path / "d.jsonl", _rows(2, 0))
+    r = CliRunner().invoke(main, ["submit", ds, *TINY_OPTS, "-o", str(tmp_path / "out")])
+    assert r.exit_code == EXIT_CONFIG, r.output
+    assert "failed to load: FileNotFoundError" in r.output and "model.safetensors" in r.output
+    assert "storage" not in r.output
+
+
 def test_generate_raises_when_every_row_failed(tiny_engine):
     import jobrunner
     from jobrunner.api import JobFailedError

@@ -2,7 +2,9 @@
 
 One head node for the module (`ray start --head --block`, 127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
 which keeps every Ray listener on loopback; a second node would need its own network namespace), with
-two workers on it. Each job runs as `jobrunner submit --ray 127.0.0.1:PORT` in a subprocess, so that a
+two workers on it. Its authentication is Ray's default for `ray start`: a token, the one in
+~/.ray/auth_token of the HOME it and the drivers share (a temporary one), which jobrunner finds as
+Ray's own clients do. Each job runs as `jobrunner submit --ray 127.0.0.1:PORT` in a subprocess, so that a
 worker's process or the driver can be killed mid-job. The rows: a tiny random Llama (dummy weights, byte
 tokenizer), one shared-prefix group and many small unique prompts; the reference is a local run.
 """
@@ -10,18 +12,27 @@ import json
 import os
 import random
 import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-# this process joins the cluster too (the Ray Data test): loopback only, no token; Ray reads these at import
-os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+# The cluster's token, in the HOME of the cluster and of the drivers (never the user's ~/.ray).
+TOKEN = secrets.token_hex(32)
+HOME = Path(tempfile.mkdtemp(prefix="jr-ray-home-"))
+(HOME / ".ray").mkdir()
+(HOME / ".ray" / "auth_token").write_text(TOKEN)
+# this process joins the cluster too (the Ray Data test): loopback only, with the token; Ray reads these at import
+os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
 ray = pytest.importorskip("ray")
 
 from jobrunner.config import job_config  # noqa: E402
@@ -35,9 +46,10 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
         "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": 258}
 OPTIONS = ["--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "4", "--device", "cpu"]
-# loopback only; no token (a private test cluster: a token left in ~/.ray by another cluster would not match)
-ENV = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=ROOT, RAY_DISABLE_USAGE_STATS="1",
-           RAY_AUTH_MODE="disabled")
+# loopback only; Ray's authentication as `ray start` sets it up by default (no RAY_AUTH_* variable: the token
+# file in HOME)
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+ENV.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=ROOT, RAY_DISABLE_USAGE_STATS="1", HOME=str(HOME))
 
 
 def _free_port() -> int:
@@ -57,13 +69,15 @@ def cluster(tmp_path_factory):
                              "--temp-dir", temp, "--object-store-memory", str(100 * 2**20)],
                             env=ENV, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    started = time.time()
+    started, said = time.time(), []
     for line in head.stdout:
+        said.append(line)
         if "Ray runtime started" in line:
             break
         assert time.time() - started < 120, "ray start took over 2 minutes"
     else:
         pytest.fail(f"ray start failed (exit {head.wait()})")
+    assert any("Token authentication is enabled" in line for line in said), "".join(said)    # Ray's default
     threading.Thread(target=lambda: [None for _ in head.stdout], daemon=True).start()     # keep the pipe drained
     yield {"address": f"127.0.0.1:{port}", "sid": head.pid}     # a session leader: its sid is its pid
     for pid in [head.pid] + _session_pids(head.pid):      # every Ray process of this node is in its session
@@ -72,6 +86,8 @@ def cluster(tmp_path_factory):
         except ProcessLookupError:
             pass
     head.wait()
+    shutil.rmtree(temp, ignore_errors=True)
+    shutil.rmtree(HOME, ignore_errors=True)
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -132,8 +148,9 @@ def _command(cluster, data, out, *extra) -> list[str]:
 class Driver:
     """`jobrunner submit --ray ...` in a subprocess, its log read as it comes (the workers' pids are in it)."""
 
-    def __init__(self, cmd, env=ENV):
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, cmd, env=ENV, cwd=None):
+        self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -143,7 +160,7 @@ class Driver:
         return "".join(self.lines)
 
     def worker_pid(self, rank: int) -> int | None:
-        m = re.search(rf"ray: worker {rank} loaded on \S+ \(node \w+, pid (\d+)\)", self.log)
+        m = re.search(rf"ray: worker {rank} loaded on \S+ \(node \w+, pid (\d+)[,)]", self.log)
         return int(m.group(1)) if m else None
 
     def wait(self, timeout: float = 240) -> int:
@@ -180,6 +197,25 @@ def test_two_workers_write_the_rows_of_a_local_run(cluster, data):
     assert manifest["complete"] is True and manifest["model_source"].startswith("dummy:")
     assert re.fullmatch(r"[0-9a-f]+", manifest["ray"]["job_id"]) and manifest["ray"]["workers"] == 2
     assert "round 0:" in d.log or s["wall_s"] < 10      # the driver's progress line (every 10 s)
+
+
+def test_relative_paths_and_the_drivers_cache_reach_the_workers(cluster, data, tmp_path):
+    """A dataset, output and JOBRUNNER_CACHE given relative to the driver's directory: the workers (in Ray's
+    directory) read and write the same files, and keep the driver's cache (issue 41, items 3 and 4)."""
+    shutil.copy(data["path"], tmp_path / "p.jsonl")
+    cmd = _command(cluster, dict(data, path="p.jsonl"), "rel-out", "--data-parallel", "2", "--ray-min-workers", "2")
+    d = Driver(cmd, env=dict(ENV, JOBRUNNER_CACHE="cache-here"), cwd=tmp_path)
+    assert d.wait() == 0, d.log[-4000:]
+    assert _outputs(str(tmp_path / "rel-out")) == data["reference"]
+    assert d.log.count(f"cache {tmp_path / 'cache-here'})") == 2, d.log[-4000:]
+
+
+def test_a_client_without_the_clusters_token_is_told_how_to_join(cluster, data, tmp_path):
+    env = dict(ENV, HOME=str(tmp_path))          # no ~/.ray/auth_token here
+    d = Driver(_command(cluster, data, tmp_path / "out"), env=env)
+    assert d.wait(120) == 2, d.log[-4000:]
+    assert "token authentication" in d.log and "~/.ray/auth_token" in d.log, d.log[-4000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_cluster_listens_on_loopback_only(cluster):

@@ -63,6 +63,42 @@ def test_the_config_goes_to_the_workers_as_json_and_back():
     assert config_from_json(config_to_json(cfg)) == cfg
 
 
+def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, monkeypatch):
+    """What a worker in Ray's working directory is shipped: the driver's local paths made absolute (URLs and
+    built-in dummy names as they are), its JOBRUNNER_* and HF_* variables (issue 41, items 3 and 4)."""
+    from jobrunner.parallel.ray_driver import for_workers, worker_env
+    from jobrunner.resolve import Resolved
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "lora").mkdir()
+    cfg = build_config("p.jsonl", {"ray": "127.0.0.1:6379", "output": "out"})
+    resolved = Resolved(fmt="jsonl", columns=("prompt",), model="base", dtype="auto", float_dtype="float32",
+                        quantization="none", cache_url="cache", lora=(("a", "lora", "h"),))
+    shipped, res = for_workers(cfg, resolved)
+    assert shipped.input.dataset == str(tmp_path / "p.jsonl") and shipped.output_url == str(tmp_path / "out")
+    assert res.model == str(tmp_path / "base") and res.cache_url == str(tmp_path / "cache")
+    assert res.lora == (("a", str(tmp_path / "lora"), "h"),)
+    assert cfg.input.dataset == "p.jsonl"           # the driver's own (its fingerprint) as given
+    s3 = build_config("s3://b/p.jsonl", {"ray": "127.0.0.1:6379"})
+    assert for_workers(s3, Resolved("jsonl", (), "dummy:tiny-llama", "auto", "float32", "none", None))[1].model \
+        == "dummy:tiny-llama"
+    assert for_workers(s3, resolved)[0].input.dataset == "s3://b/p.jsonl"
+    env = worker_env({"JOBRUNNER_CACHE": "c", "HF_HOME": "/hf", "JOBRUNNER_CPU_DECODE": "gather", "PATH": "/bin"})
+    assert env == {"JOBRUNNER_CACHE": str(tmp_path / "c"), "HF_HOME": "/hf", "JOBRUNNER_CPU_DECODE": "gather"}
+
+
+def test_a_workers_error_is_named_by_its_cause():
+    """Ray's own first line of a task's error (`ray::RayWorker.run() (pid=..)`) says nothing: the cause's
+    type and message are shown (issue 41, item 3)."""
+    from jobrunner.parallel.ray_driver import _first_line
+
+    class TaskError(Exception):
+        cause = FileNotFoundError("dataset not found: p.jsonl")
+    assert _first_line(TaskError("ray::RayWorker.run() (pid=1, ip=127.0.0.1)\n...")) == \
+        "FileNotFoundError: dataset not found: p.jsonl"
+    assert _first_line(ValueError("")) == "ValueError"
+
+
 def test_a_ray_option_without_ray_exits_2(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"id": 1, "prompt": "hi"}) + "\n")

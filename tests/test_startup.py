@@ -61,6 +61,18 @@ def test_damaged_conversion_is_ignored_and_rewritten(tiny_gguf_path, tmp_path, m
     assert float_cache.read(float_cache.cache_dir(path, tmp_path)) is not None   # rewritten whole
 
 
+def test_a_conversion_another_process_finished_is_kept_not_replaced(tiny_gguf_path, tmp_path):
+    """Two workers converting one model at once (Ray workers on one cache): the later writer keeps the copy
+    the first one finished, which a reader may be loading; it never removes it (issue 41, item 4)."""
+    path = tiny_gguf_path("llama", "Q8_0")
+    bundle = load_model_bundle(str(path), cache_dir=tmp_path)
+    directory = float_cache.cache_dir(path, tmp_path)
+    inode = (directory / "model.safetensors").stat().st_ino
+    assert float_cache.write(directory, bundle.hf_config, bundle.tokenizer, bundle.weights())
+    assert (directory / "model.safetensors").stat().st_ino == inode
+    assert not [p for p in directory.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_a_changed_file_is_converted_again_and_replaces_the_old_conversion(tiny_gguf_path, tmp_path):
     path = tmp_path / "model.gguf"
     shutil.copy(tiny_gguf_path("llama", "Q8_0"), path)

@@ -21,6 +21,7 @@ restarted actor, Ray's max_restarts) run them. Every id is written once, in one 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -54,15 +55,45 @@ def import_ray(address: str):
 
 
 def connect(ray, address: str) -> None:
+    """Joins the cluster as Ray's own clients do: with its token when one is there (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or the ~/.ray/auth_token that `ray start` writes) and RAY_AUTH_MODE is unset."""
     kwargs = dict(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
+    with_token = False
     try:
         if address == "local":
             ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
         else:
+            with_token = _token_auth_if_available()
             ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as e:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as e:
+        if _is_auth_failure(e) or not with_token and address != "local":
+            # Ray says a refused token only in its own log lines (InvalidAuthToken), then "Failed to connect"
+            refused = "refused this client's token" if with_token else "could not be joined"
+            raise JobConfigError(
+                f"--ray {address}: the Ray cluster {refused} ({_first_line(e)}). A cluster started with "
+                "`ray start` uses token authentication by default: give this machine its token, as "
+                "~/.ray/auth_token (`ray get-auth-token` on the head node prints it) or RAY_AUTH_TOKEN, with "
+                "RAY_AUTH_MODE=token or unset. Else check that the address is the head's (`ray start --head` "
+                "prints it), or use --ray local") from None
         raise JobConfigError(f"--ray {address}: cannot join the Ray cluster ({e}); start one with "
                              "`ray start --head`, give its address, or use --ray local") from None
+
+
+def _token_auth_if_available() -> bool:
+    """Token mode when RAY_AUTH_MODE is unset and a token is at hand: what Ray's CLI does (its ray.init alone
+    does not, and then fails against a `ray start` cluster with InvalidAuthToken). Whether in token mode."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:         # a Ray without token authentication
+        return False
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _is_auth_failure(e: Exception) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return any(s in text for s in ("AuthenticationError", "InvalidAuthToken", "Unauthenticated", "UNAUTHENTICATED",
+                                   "authentication token", "auth token"))
 
 
 def run_ray(cfg: JobConfig) -> JobResult:
@@ -103,6 +134,7 @@ class RayDriver:
         self.results: list[dict] = []
         self.lost: list[int] = []
         self.lost_rows = 0
+        self.first_error: str | None = None     # the first worker failure, type and message: in the job's error
         self.plan = None
         self.workers, self.loading = {}, {}     # rank -> actor; load() ref -> rank
 
@@ -126,9 +158,9 @@ class RayDriver:
         return opts, threads or max(1, int(num_cpus)), max(most, self.opts.min_workers)
 
     def start_workers(self) -> None:
-        from jobrunner.parallel.launcher import config_to_json
         from jobrunner.parallel.ray_worker import RayWorker
         opts, self.threads, n = self.worker_options()
+        opts["runtime_env"] = {"env_vars": worker_env()}    # the driver's cache and kernel settings
         self.asks = {k: v for k, v in opts.items() if k in ("num_cpus", "num_gpus", "resources", "memory") and v}
         self._kill_leftovers(n)
         cls = self.ray.remote(RayWorker)
@@ -144,7 +176,8 @@ class RayDriver:
         self.resolved = resolved
         self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
         self.total = total_rows(self.cfg, resolved)
-        self.load_args = (config_to_json(self.cfg), resolved.to_json(), self.threads)
+        cfg, resolved = for_workers(self.cfg, resolved)
+        self.load_args = (config_to_json(cfg), resolved.to_json(), self.threads, json.dumps(self.fingerprint))
         for k in self.workers:
             self.loading[self.workers[k].load.remote(*self.load_args)] = k
 
@@ -182,8 +215,9 @@ class RayDriver:
                 log.warning("ray: worker %d died while loading: %s", k, _first_line(e))
                 continue
             if info["error"]:
-                raise JobConfigError(info["error"])
-            log.info("ray: worker %d loaded on %s (node %s, pid %d)", k, info["device"], info["node"][:8], info["pid"])
+                raise JobConfigError(f"ray: worker {k} could not load the model: {info['error']}")
+            log.info("ray: worker %d loaded on %s (node %s, pid %d, cache %s)", k, info["device"], info["node"][:8],
+                     info["pid"], info["cache"])
             ranks.append(k)
         return ranks
 
@@ -308,6 +342,7 @@ class RayDriver:
     def _lost(self, k: int, slot: int, e: Exception) -> None:
         from jobrunner.parallel.ray_plan import refill
         log.error("ray: worker %d stopped: %s", k, _first_line(e))
+        self.first_error = self.first_error or f"worker {k}: {_first_line(e)}"
         if not isinstance(e, self.ray.exceptions.RayActorError):    # alive, its engine broken: it wrote nothing since
             self.ray.kill(self.workers[k], no_restart=False)       # Ray restarts it (max_restarts)
         self.lost.append(k)
@@ -370,10 +405,12 @@ class RayDriver:
             code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
         elif code == EXIT_FAILED and unwritten > 0 and not self.no_workers:
             why = (f"{unwritten} of the {self.ship.shipped_rows} rows shipped to the Ray workers came back in no "
-                   "part; the rows written are kept: run the same command again to write the others")
+                   "part; the rows written are kept: run the same command again to write the others"
+                   + (f" (the first worker error: {self.first_error})" if self.first_error else ""))
             log.error("ray: %s", why)
         elif code == EXIT_FAILED:
-            why = "every Ray worker was lost; the rows written are kept: run the same command again to resume"
+            why = ("every Ray worker was lost; the rows written are kept: run the same command again to resume"
+                   + (f" (the first worker error: {self.first_error})" if self.first_error else ""))
         ctx = self.ray.get_runtime_context()
         m = {**{k: v for k, v in self.plan.manifest.items()}, "config": self.fingerprint,
              "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": len(ever),
@@ -393,5 +430,56 @@ class _Silent:
 
 
 def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    """The error's type and first line; a task's error is its cause's (Ray's own first line is
+    `ray::RayWorker.run() (pid=..., ip=...)`, which says nothing)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
+
+# The driver's settings a worker's process keeps: where models, conversions and kernels are cached, and
+# how they are built (engine.config.cache_root, engine/cpu_decode.py; the Hub's cache for Hub names).
+WORKER_ENV_PREFIXES = ("JOBRUNNER_", "HF_", "HUGGINGFACE_")
+_PATH_VARS = ("JOBRUNNER_CACHE", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+
+
+def worker_env(environ=None) -> dict[str, str]:
+    """The driver's JOBRUNNER_*, HF_* variables for the workers' runtime_env; relative paths made absolute
+    (a worker's working directory is Ray's)."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k.startswith(WORKER_ENV_PREFIXES)}
+    for k in _PATH_VARS:
+        if env.get(k):
+            env[k] = os.path.abspath(os.path.expanduser(env[k]))
+    return env
+
+
+def for_workers(cfg: JobConfig, resolved):
+    """(cfg, resolved) as a worker in another working directory reads them: local paths (the dataset, the
+    output, the model, the adapters, the result cache) made absolute here. Only what is shipped: the
+    driver's own config keeps them as given (the output's fingerprint has them so)."""
+    from dataclasses import replace
+    i, o = cfg.input, cfg.output
+    cfg = replace(cfg, input=replace(i, dataset=absolute_url(i.dataset)),
+                  output=replace(o, output=absolute_url(cfg.output_url)))
+    resolved = replace(resolved, model=_absolute_if_here(resolved.model),
+                       cache_url=resolved.cache_url and absolute_url(resolved.cache_url),
+                       lora=tuple((n, _absolute_if_here(p), h) for n, p, h in resolved.lora))
+    return cfg, resolved
+
+
+def absolute_url(url: str) -> str:
+    """A local path made absolute; a URL (s3://, file://, memory://, ...) as it is."""
+    if "://" in url or not url:
+        return url
+    return os.path.abspath(os.path.expanduser(url))
+
+
+def _absolute_if_here(model: str) -> str:
+    """A model or adapter that is a local path here, made absolute (dummy:<config path> too); a URL or a
+    name (dummy:tiny-llama) as it is."""
+    if model.startswith("dummy:"):
+        return "dummy:" + _absolute_if_here(model.removeprefix("dummy:"))
+    return absolute_url(model) if "://" not in model and os.path.exists(model) else model

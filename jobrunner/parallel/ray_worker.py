@@ -11,6 +11,7 @@ data-parallel launcher passes them): resolved once per job.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from jobrunner.config import JobConfigError
+from jobrunner.dataset import DatasetError
 from jobrunner.idset import IdSet
 from jobrunner.job import EXIT_CONFIG
 from jobrunner.job_parts import open_job
@@ -129,22 +131,25 @@ class RayWorker:
         self.rank = rank
         self.engine = None
 
-    def load(self, config: str, resolved: str, threads: int) -> dict:
-        """Loads the engine; returns where (or why not: a config error, exit 2)."""
+    def load(self, config: str, resolved: str, threads: int, fingerprint: str) -> dict:
+        """Loads the engine; returns where (or why not: a config error, exit 2). fingerprint: the output's
+        (the driver's, JSON: its paths as given, where config's are made absolute for this process)."""
         import ray
+        from engine.config import cache_root
         from jobrunner.job_parts import load_engine
         cfg = config_from_json(config)
         # the driver alone prepares (and overwrites) the output; it shares the cores out
         self.cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
                            engine=replace(cfg.engine, threads=threads))
         self.resolved = Resolved.from_json(resolved)
+        self.fingerprint = json.loads(fingerprint)
         error = None
         try:
             self.engine = load_engine(self.cfg, self.resolved)
         except JobConfigError as e:
             error = str(e)
         return {"rank": self.rank, "error": error, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "device": self.engine.info.device if self.engine is not None else None}
+                "device": self.engine.info.device if self.engine is not None else None, "cache": str(cache_root())}
 
     def face(self):
         """What the driver plans with: this engine's (info, tokenizer, config)."""
@@ -160,9 +165,11 @@ class RayWorker:
         try:
             # the driver read the done ids and planned the rest: no part's ids are read here
             job = open_job(cfg, self.resolved, engine=engine, work=work, max_in_flight=engine.info.max_num_seqs,
-                           progress=QueueProgress(queue, work, stop), done_ids=IdSet(), stop=stop, reader=list)
-        except JobConfigError as e:
-            return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": str(e), "config_error": True}
+                           progress=QueueProgress(queue, work, stop), done_ids=IdSet(), stop=stop, reader=list,
+                           fingerprint=self.fingerprint)
+        except (JobConfigError, DatasetError) as e:      # the dataset as the driver read it, not found here
+            return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": f"ray: worker {self.rank}: {e}",
+                    "config_error": True}
         work.job = job
         run_claimed(job, payload, lambda: work.count)
         import ray
