@@ -264,8 +264,11 @@ class Job:
             # otherwise its first row runs and each later one becomes a duplicate error row.
             if self.writer.done_ids:
                 done = self.writer.done_ids.contains_many([row.id for row in batch])
+                skipped = [row.id for row, d in zip(batch, done) if d]
                 batch = [row for row, d in zip(batch, done) if not d]
-                self.stats.rows_skipped += len(done) - len(batch)
+                self.stats.rows_skipped += len(skipped)
+                if skipped and self.writer.failed_ids:
+                    self.stats.rows_skipped_failed += sum(self.writer.failed_ids.contains_many(skipped))
             repeats = self.seen.add_new([row.id for row in batch])
             ready = []
             for row, repeat in zip(batch, repeats):

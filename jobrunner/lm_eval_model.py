@@ -52,8 +52,13 @@ class JobrunnerLM(TemplateLM):
                  **options):
         super().__init__()
         from jobrunner.models import DEFAULT_MODEL
+        from jobrunner.config import JobConfigError
         name = model or pretrained or DEFAULT_MODEL
-        self.jobs = _Jobs({**options, "model": name, "device": _device(device)})
+        try:
+            self.jobs = _Jobs({**options, "model": name, "device": _device(device)})
+        except JobConfigError:
+            _one_line_if_uncaught()
+            raise
         self.tok, context = self.jobs.tokenizer_and_context()
         self.pretrained = name
         self._max_length = int(max_length) if max_length else context - 1
@@ -209,14 +214,34 @@ def _json(value):
     return json.loads(value) if isinstance(value, str) else value
 
 
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"      # what lm-eval passes when no --device was given (EvaluatorConfig)
+
+
 def _device(device: str | None) -> str | None:
-    """lm-eval's --device (its CLI says cuda:0 unless told) as ours; a CUDA device on a machine without one: auto."""
+    """lm-eval's --device as ours; a CUDA device on a machine without one: auto. lm-eval's own default
+    (cuda:0, passed when the user named none) goes quietly: on a CPU machine a warning of it says nothing."""
     if device and device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
-            log.warning("device %s is not available here; jobrunner picks the device (auto)", device)
+            if device != LM_EVAL_DEFAULT_DEVICE:
+                log.warning("device %s is not available here; jobrunner picks the device (auto)", device)
             return None
     return device
+
+
+def _one_line_if_uncaught() -> None:
+    """A bad --model_args value that nothing catches (the lm_eval command) ends the process with its one line,
+    not a traceback around it; a caller that catches the JobConfigError sees no difference."""
+    import sys
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        from jobrunner.config import JobConfigError
+        if issubclass(kind, JobConfigError):
+            print(f"error: --model_args: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+    sys.excepthook = hook
 
 
 class _Jobs:

@@ -27,18 +27,19 @@ class Progress:
 
     def update(self, stats) -> None:
         done = stats.rows + stats.rows_skipped
+        failed = stats.rows_failed + stats.rows_skipped_failed     # the done rows count as the summary counts them
         tokens = stats.prompt_tokens + stats.completion_tokens
         if self.counters is not None:
             tokens = self.counters().tokens_computed - self.computed_before
         elapsed = max(time.time() - self.start, 1e-9)
         if self.bar is not None:
             self.bar.n = done
-            self.bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s, {stats.rows_failed} errors", refresh=False)
+            self.bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s, {failed} errors", refresh=False)
             self.bar.refresh()
         elif time.time() - self.last_log >= LOG_EVERY_S:
             self.last_log = time.time()
             of = f"/{self.total}" if self.total else ""
-            log.info("%d%s rows, %d failed, %.0f tokens/s", done, of, stats.rows_failed, tokens / elapsed)
+            log.info("%d%s rows, %d failed, %.0f tokens/s", done, of, failed, tokens / elapsed)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -8,7 +8,9 @@ Rows whose result was reused (the `reused` column: served by the result cache or
 row, jobrunner/reuse.py) count in rows, rows_ok/rows_failed and the prompt and completion tokens (they
 are the output's), but are no work done: throughput, the prefix-cache hit rate and the latency
 percentiles are over the computed rows alone (rows_computed, computed_prompt_tokens,
-computed_completion_tokens). A row of n > 1 samples is one row: its prompt counts once.
+computed_completion_tokens). An error row the engine never saw (a duplicate id, an unreadable record,
+a prompt over the context: no prompt tokens) is not computed either. A row of n > 1 samples is one
+row: its prompt counts once.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", 
 COMPUTED_BEFORE = {"rows_computed": "rows", "computed_prompt_tokens": "prompt_tokens",
                    "computed_completion_tokens": "completion_tokens"}
 # Rows whose result was reused (jobrunner/reuse.py): a copy's, the cache's, and the tokens not computed.
+def reached_engine(error, prompt_tokens) -> bool:
+    """Whether a row that was not reused reached the engine: ok, or failed there (with its prompt's tokens)."""
+    return error is None or bool(prompt_tokens)
+
+
 REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
 
 
@@ -56,6 +63,7 @@ class JobStats:
     def __init__(self):
         self.start = time.time()
         self.rows = self.rows_ok = self.rows_failed = self.rows_skipped = self.duplicate_ids = 0
+        self.rows_skipped_failed = 0        # of rows_skipped, those an earlier run wrote as error rows (progress)
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.rows_computed = self.computed_prompt_tokens = self.computed_completion_tokens = 0
         self.latency_rows = 0
@@ -74,7 +82,7 @@ class JobStats:
         self.prompt_tokens += row.get("prompt_tokens") or 0
         self.add_sample(row)
         if not row.get("reused"):
-            self.rows_computed += 1
+            self.rows_computed += reached_engine(row.get("error"), row.get("prompt_tokens"))
             self.cached_tokens += row.get("cached_tokens") or 0
             self.computed_prompt_tokens += row.get("prompt_tokens") or 0
             if row.get("error") is None:

@@ -160,8 +160,9 @@ def _add_rows(stats: JobStats, t: pa.Table, samples: bool) -> None:
     first = pa.array([i in (None, 0) for i in stored_values(t, "sample_index")] if samples
                      else [True] * t.num_rows, pa.bool_())
     computed_sample = pc.invert(pc.fill_null(col("reused", False).cast(pa.bool_()), False))
-    computed = pc.and_(first, computed_sample)
     ok = pc.and_(first, pc.is_null(col("error", None)))
+    reached = pc.or_(pc.is_null(col("error", None)), pc.greater(pc.fill_null(col("prompt_tokens", 0), 0), 0))
+    computed = pc.and_(pc.and_(first, computed_sample), reached)     # as stats.reached_engine
     n_first, n_ok = total(first), total(ok)
     stats.rows += n_first
     stats.rows_ok += n_ok

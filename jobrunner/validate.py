@@ -68,8 +68,8 @@ def validate_job(cfg: JobConfig) -> dict:
                                        for k, v in cfg.sampling_sources(bundle.generation.sampling).items())
     if cfg.output.device_hourly_cost is not None:
         report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.output.device_hourly_cost, 4)
-    for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
-        report[f"error x{n}"] = msg
+    for i, (msg, n) in enumerate(sorted(errors.items(), key=lambda kv: -kv[1])[:5], 1):
+        report[f"error {i} (x{n})"] = msg       # two messages with one count: both shown
     report.update(t.failed_lines)       # an OpenAI batch file: every line that would fail, by its number
     if first_prompt is not None:
         report["first_prompt_id"], report["first_prompt"] = first_prompt
@@ -90,21 +90,27 @@ class _Tally:
     def add(self, row, builder, job, context: int) -> None:
         from jobs import RowError
         self.rows += 1
-        self.dup += row.id in self.seen
+        if row.id in self.seen:         # submit writes it as an error row (jobrunner/job.py): counted so here
+            self.dup += 1
+            self._failed(row, "duplicate id: an earlier row has the same id")
+            return
         self.seen.add(row.id)
         try:
             text, n_tokens, out_tokens = _check_row(builder, job, row, context)
         except RowError as e:
-            self.bad += 1
-            self.errors[str(e)[:80]] = self.errors.get(str(e)[:80], 0) + 1
-            if self.openai:
-                self.failed_lines.update([openai_failed_line(row, str(e))])
+            self._failed(row, str(e))
             return
         self.out_tokens += out_tokens
         if self.first_prompt is None:
             self.first_prompt = (row.id, text)
         self.prompt_tokens += n_tokens
         self.longest = max(self.longest, n_tokens)
+
+    def _failed(self, row, why: str) -> None:
+        self.bad += 1
+        self.errors[why[:80]] = self.errors.get(why[:80], 0) + 1
+        if self.openai:
+            self.failed_lines.update([openai_failed_line(row, why)])
 
 
 def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:

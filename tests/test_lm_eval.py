@@ -5,6 +5,7 @@ Tiny random checkpoints of three families, with max_length 32 so that the perple
 several rolling windows; the default model (as a float32 safetensors directory) on a few documents."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -151,6 +152,26 @@ def test_unknown_model_argument_is_refused(tiny_hf_model_dir):
     from jobrunner.api import JobConfigError
     with pytest.raises(JobConfigError, match="max_tokenz"):
         evaluate("jobrunner", f"pretrained={tiny_hf_model_dir('llama')},max_tokenz=3", tasks=["jr_mc"])
+
+
+def test_the_command_line_says_a_bad_model_argument_in_one_line_and_no_default_device_warning(
+        tiny_hf_model_dir, tmp_path, caplog):
+    """A bad --model_args value: its one line, no traceback; lm-eval's own default device (cuda:0, when none
+    was named) is not warned of on a CPU machine, a device the user named is (issue 41, item 8)."""
+    from jobrunner.lm_eval_model import _device
+    with caplog.at_level(logging.WARNING, logger="jobrunner.lm_eval"):
+        assert _device("cuda:0") is None and _device("cpu") == "cpu"
+        assert caplog.text == ""
+        assert _device("cuda:1") is None and "device cuda:1 is not available here" in caplog.text
+    code = "from lm_eval.__main__ import cli_evaluate; import jobrunner.lm_eval_model; cli_evaluate()"
+    args = f"pretrained={tiny_hf_model_dir('llama')},max_num_seqs=zero"
+    run = subprocess.run([sys.executable, "-c", code, "--model", "jobrunner", "--model_args", args,
+                          "--tasks", "jr_mc", "--include_path", str(TASKS_DIR), "--output_path", str(tmp_path / "o")],
+                         cwd=TASKS_DIR, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode != 0
+    assert "error: --model_args:" in run.stderr and "max_num_seqs" in run.stderr, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
 
 
 def test_command_line_finds_the_backend_through_the_pth_hook(tiny_hf_model_dir, tmp_path):

@@ -128,3 +128,36 @@ def test_reused_rows_carry_no_timings_and_stay_out_of_throughput_and_latency(cac
     assert s["prompt_tokens"] == first.stats["prompt_tokens"] and s["tokens_saved"] > 0
     rows = read_results(again.output).to_pylist()
     assert all(r["reused"] and r["prefill_s"] is None for r in rows)
+
+
+# ------------------------------------------------------------- issue 41, item 9: counts that agree
+
+def test_validate_submit_stats_and_a_resumed_progress_count_the_same_failed_rows(tmp_path, tiny, caplog):
+    """Duplicate ids fail in validate as in submit; error rows the engine never saw are not computed
+    (stats --all); a resumed run's progress counts the earlier failed rows it skips."""
+    rows = [{"id": str(i), "prompt": f"row {i} says"} for i in range(6)]
+    rows += [{"id": "1", "prompt": "again"}, {"id": "2", "prompt": "again"}, {"id": "x", "prompt": None}]
+    ds = jsonl(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "out")
+    v = CliRunner().invoke(main, ["validate", ds, *tiny])
+    assert v.exit_code == 0, v.output
+    assert re.search(r"rows_with_errors\s+3\b", v.output) and re.search(r"duplicate_ids\s+2\b", v.output), v.output
+    assert "duplicate id: an earlier row has the same id" in v.output and "prompt column" in v.output
+    r = CliRunner().invoke(main, ["submit", ds, *tiny, "--max-tokens", "2", "-o", out])
+    assert r.exit_code == 0, r.output
+    s = read_stats(out)
+    assert s["rows_failed"] == 3 and s["rows_computed"] == 6, s
+    st = CliRunner().invoke(main, ["stats", "--all", out])
+    assert re.search(r"rows_computed\s+6\b", st.output), st.output
+    # the same job resumed with more rows: its progress line starts from the 3 failed rows already written
+    more = jsonl(tmp_path / "d.jsonl", rows + [{"id": "new", "prompt": "a new row"}])
+    import jobrunner.progress as progress
+    with caplog.at_level(logging.INFO, logger="jobrunner"):
+        old, progress.LOG_EVERY_S = progress.LOG_EVERY_S, 0.0
+        try:
+            r = CliRunner().invoke(main, ["submit", more, *tiny, "--max-tokens", "2", "-o", out])
+        finally:
+            progress.LOG_EVERY_S = old
+    assert r.exit_code == 0, r.output
+    lines = re.findall(r"(\d+)/10 rows, (\d+) failed", caplog.text)
+    assert lines and all(int(f) >= 3 for _, f in lines), caplog.text

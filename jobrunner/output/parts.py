@@ -5,7 +5,8 @@ Invariants:
   job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
   since the caller knows them. Given (`done_ids=`), the caller's instead, and no part's ids are
   read (a Ray job's workers: its driver read them once and planned the rest, parallel/ray_plan.py).
-  A part that can't be read is renamed _corrupt-<name> and its ids are not done.
+  A part that can't be read is renamed _corrupt-<name> and its ids are not done. failed_ids: those of
+  done_ids with an error row (a resumed job's progress counts them failed, as the summary does).
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
 - A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
@@ -94,6 +95,7 @@ class ResultWriter:
         self._ok_buffered = False               # a buffered row has no error (see maybe_flush)
         self._schema: pa.Schema | None = None   # pinned: by the parts found at open, else `schema`
         self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
+        self.failed_ids = IdSet()       # of those, the ids with an error row
         self.parts: list[str] = []      # all valid part files at open, plus ours since
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
@@ -126,11 +128,12 @@ class ResultWriter:
                     self._schema = self._read_schema(name)
                 self.parts.append(name)
                 continue
-            ids, schema = self._read_part_ids(name)
+            ids, schema, failed = self._read_part_ids(name)
             if ids is None:
                 self.corrupt.append(self._set_aside(name, names))
                 continue
             self.done_ids.update(ids)
+            self.failed_ids.update(failed)
             self.parts.append(name)
             if self._schema is None and schema is not None:
                 self._schema = schema
@@ -159,25 +162,28 @@ class ResultWriter:
         """Rows written to this writer and not yet in a part."""
         return len(self._buffer)
 
-    def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None]:
-        """(the part's row keys, its schema if it records its kinds); (None, None) when damaged.
-        A null id's key is in extra_json (a value the id column's type can't hold: values.py)."""
+    def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None, list[str]]:
+        """(the part's row keys, its schema if it records its kinds, the keys of its error rows); (None,
+        None, []) when damaged. A null id's key is in extra_json (a value the id column's type can't hold:
+        values.py)."""
         try:
             with self.fs.open(storage.join(self.root, name), "rb") as f:
                 pf = pq.ParquetFile(f)
                 schema = pf.schema_arrow
-                cols = ["id"] + ([EXTRA_JSON] if EXTRA_JSON in schema.names else [])
+                cols = ["id"] + [c for c in (EXTRA_JSON, "error") if c in schema.names]
                 t = pf.read(columns=cols, use_threads=False)
                 if t.num_rows != pf.metadata.num_rows:
-                    return None, None
+                    return None, None, []
                 ids = [_key(v, extra) for v, extra in zip(t.column("id").to_pylist(), _extras(t))]
                 if None in ids:
-                    return None, None
-                return ids, (schema if kinds_of(schema) is not None else None)
+                    return None, None, []
+                errors = t.column("error").to_pylist() if "error" in t.column_names else [None] * len(ids)
+                failed = [k for k, e in zip(ids, errors) if e is not None]
+                return ids, (schema if kinds_of(schema) is not None else None), failed
         except FileNotFoundError:
-            return [], None  # moved aside by another writer meanwhile
+            return [], None, []  # moved aside by another writer meanwhile
         except (pa.ArrowException, OSError, KeyError, ValueError, EOFError):
-            return None, None
+            return None, None, []
 
     def _set_aside(self, name: str, names: list[str]) -> str:
         new = f"_corrupt-{name}"
