@@ -135,7 +135,7 @@ class RayWorker:
         """Loads the engine; returns where (or why not: a config error, exit 2). fingerprint: the output's
         (the driver's, JSON: its paths as given, where config's are made absolute for this process)."""
         import ray
-        from engine.config import cache_root
+        from engine import cache_root
         from jobrunner.job_parts import load_engine
         cfg = config_from_json(config)
         # the driver alone prepares (and overwrites) the output; it shares the cores out
