@@ -277,7 +277,10 @@ def test_a_cluster_without_the_resources_exits_2_within_the_timeout(cluster, dat
 
 def test_a_ray_data_pipeline_hands_off_to_a_job_and_reads_the_results_back(cluster, data):
     from jobrunner.ray_data import read_results_dataset, submit_dataset
+    from ray._private.authentication_test_utils import reset_auth_token_state
     rows = [json.loads(line) for line in open(data["path"])][:40]
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    reset_auth_token_state()        # Ray read its auth mode when first imported: maybe by another module's test
     ray.init(address=cluster["address"], logging_level="WARNING", log_to_driver=False)
     try:
         res = submit_dataset(ray.data.from_items(rows), str(data["root"] / "ray-data"), model=data["model"],
