@@ -108,20 +108,22 @@ def output_lease(cfg: JobConfig):
     if env is not None and env["rank"] != 0:
         yield None
         return
-    try:
-        lease = OutputLease(cfg.output_url).acquire()
-    except OutputBusyError as e:
-        raise JobConfigError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a store that refuses it: resolve's checks say why (exit 2 or 4)
-        if credentials_error(cfg.output_url, e) is None and not isinstance(e, PermissionError):
-            log.warning("output %s: cannot take its lease (%s: %s); the job runs without one, and a second job "
-                        "on this output would not be stopped", cfg.output_url, type(e).__name__, e)
-        yield None
-        return
-    try:
+    lease = None
+    try:            # one try from before the lease is taken: a signal at any moment still releases it
+        try:
+            lease = OutputLease(cfg.output_url)
+            lease.acquire()
+        except OutputBusyError as e:
+            raise JobConfigError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a store that refuses it: resolve's checks say why (exit 2 or 4)
+            if credentials_error(cfg.output_url, e) is None and not isinstance(e, PermissionError):
+                log.warning("output %s: cannot take its lease (%s: %s); the job runs without one, and a second "
+                            "job on this output would not be stopped", cfg.output_url, type(e).__name__, e)
+            lease = None
         yield lease
     finally:
-        lease.release()
+        if lease is not None:
+            lease.release()
 
 
 def _run(cfg: JobConfig) -> JobResult:

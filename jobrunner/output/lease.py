@@ -74,6 +74,14 @@ class OutputLease:
 
     def acquire(self) -> OutputLease:
         """Take the lease, or raise OutputBusyError naming its live holder. Creates the directory."""
+        try:
+            return self._take()
+        except BaseException:       # refused, or a signal mid-take (SIGTERM: KeyboardInterrupt): nothing of ours stays
+            self.held = True
+            self.release()
+            raise
+
+    def _take(self) -> OutputLease:
         if self.fs.exists(self.root) and not self.fs.isdir(self.root):
             return self         # not a directory: the output's own check says so (exit 2), nothing to hold
         if not self.fs.exists(self.root):
