@@ -98,7 +98,7 @@ def _check_existing(fs: Any, root: str, output_url: str, config: Mapping[str, An
         return None, []
     if not fs.isdir(root):
         raise OutputError(f"output {output_url} exists and is a file; choose a directory for --output")
-    entries = {n: t for n, t in layout.entries(fs, root).items() if not LEASE_RE.match(n)}   # the lease: ours, held
+    entries = _entries(fs, root)
     names = sorted(entries)
     old = load_manifest(fs, root) if MANIFEST in entries else None
     if old is None:
@@ -162,10 +162,7 @@ def prepare_output(output_url: str, manifest: Mapping[str, Any], overwrite: bool
             fs.rm(join(root, n))
         except FileNotFoundError:
             pass
-    fresh = {**manifest, "config": json.loads(to_json(config)), "format": FORMAT_MARK,
-             "version": 1, "fingerprint": fp, "created_at": now, "updated_at": now,
-             "parts": [], "complete": False,
-             "run_salt": secrets.token_hex(8)}     # per job, kept on resume: the OpenAI output's ids (openai_batch)
+    fresh = _fresh_manifest(manifest, config, [])
     fs.makedirs(root, exist_ok=True)
     atomic_write(fs, join(root, MANIFEST), manifest_bytes(fresh))
     return fresh
@@ -199,7 +196,7 @@ def rebuild_manifest(output_url: str, config: Mapping[str, Any]) -> dict:
     fs, root = layout.output_fs(output_url)
     if not fs.exists(root) or not fs.isdir(root):
         raise OutputError(f"output {output_url} not found; nothing to repair")
-    entries = {n: t for n, t in layout.entries(fs, root).items() if not LEASE_RE.match(n)}
+    entries = _entries(fs, root)
     foreign = [n for n, t in entries.items() if t != "file" or not OURS_RE.match(n)]
     if foreign:
         raise OutputError(f"output {output_url} holds files jobrunner did not write ({', '.join(sorted(foreign)[:5])}); "
@@ -218,10 +215,21 @@ def rebuild_manifest(output_url: str, config: Mapping[str, Any]) -> dict:
     if not any(PART_RE.match(n) for n in entries):
         raise OutputError(f"output {output_url} has no part files; nothing to repair (submit starts it afresh "
                           f"once {MANIFEST} is deleted)")
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    fresh = {"config": json.loads(to_json(config)), "format": FORMAT_MARK, "version": 1,
-             "fingerprint": fingerprint(config), "created_at": now, "updated_at": now, "repaired_at": now,
-             "parts": [n for n in sorted(entries) if PART_RE.match(n)], "complete": False,
-             "run_salt": secrets.token_hex(8)}
+    fresh = _fresh_manifest({}, config, [n for n in sorted(entries) if PART_RE.match(n)])
+    fresh["repaired_at"] = fresh["created_at"]
     atomic_write(fs, join(root, MANIFEST), manifest_bytes(fresh))
     return fresh
+
+
+def _entries(fs: Any, root: str) -> dict[str, str]:
+    """layout.entries without the lease (ours, held by the job that is looking)."""
+    return {n: t for n, t in layout.entries(fs, root).items() if not LEASE_RE.match(n)}
+
+
+def _fresh_manifest(manifest: Mapping[str, Any], config: Mapping[str, Any], parts: list[str]) -> dict:
+    """A new job's manifest: `manifest`'s records over config's fingerprint, not complete."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {**manifest, "config": json.loads(to_json(config)), "format": FORMAT_MARK, "version": 1,
+            "fingerprint": fingerprint(config), "created_at": now, "updated_at": now, "parts": parts,
+            "complete": False,
+            "run_salt": secrets.token_hex(8)}     # per job, kept on resume: the OpenAI output's ids (openai_batch)

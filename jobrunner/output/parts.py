@@ -28,13 +28,14 @@ Invariants:
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobrunner import storage
@@ -177,8 +178,8 @@ class ResultWriter:
                 ids = [_key(v, extra) for v, extra in zip(t.column("id").to_pylist(), _extras(t))]
                 if None in ids:
                     return None, None, []
-                errors = t.column("error").to_pylist() if "error" in t.column_names else [None] * len(ids)
-                failed = [k for k, e in zip(ids, errors) if e is not None]
+                failed = ([k for k, bad in zip(ids, pc.is_valid(t.column("error")).to_pylist()) if bad]
+                          if "error" in t.column_names else [])
                 return ids, (schema if kinds_of(schema) is not None else None), failed
         except FileNotFoundError:
             return [], None, []  # moved aside by another writer meanwhile

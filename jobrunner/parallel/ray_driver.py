@@ -65,7 +65,7 @@ def connect(ray, address: str) -> None:
         else:
             with_token = _token_auth_if_available()
             ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as e:
+    except (ConnectionError, RuntimeError, ValueError, getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
         if _is_auth_failure(e) or not with_token and address != "local":
             # Ray says a refused token only in its own log lines (InvalidAuthToken), then "Failed to connect"
             refused = "refused this client's token" if with_token else "could not be joined"
