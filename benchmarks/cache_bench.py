@@ -48,7 +48,7 @@ def make_dataset(path: Path, rows: range) -> None:
 
 
 def _submit(dataset: Path, out: Path, max_tokens: int, cache: Path | None, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(dataset), "-o", str(out), "-m", f"dummy:{CONFIG}",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", str(dataset), "-o", str(out), "-m", f"dummy:{CONFIG}",
            "--device", "cpu", "--max-tokens", str(max_tokens), "--ignore-eos", "--part-rows", "50000",
            "--overwrite", "--kv-cache-memory", "64MB"]
     if cache is not None:
@@ -99,7 +99,7 @@ LOOKUP_CHILD = """
 import resource, sys, time
 from benchmarks.cache_bench import _key, _rss_mb
 from jobrunner.cache.store import CacheStore
-from jobrunner.reuse import LOOKUP_ROWS
+from jobrunner.cache.reuse import LOOKUP_ROWS
 url, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 keys = [_key(size + i if i % 10 == 9 else i) for i in range(n)]      # 1 in 10 absent
 store = CacheStore(url)

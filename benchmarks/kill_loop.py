@@ -32,7 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         ds, out = os.path.join(d, "rows.jsonl"), os.path.join(d, "out")
         make_dataset(ds, a.rows)
-        cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "-m", f"dummy:{CONFIG}",
+        cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-o", out, "-m", f"dummy:{CONFIG}",
                "--max-tokens", "8", "--ignore-eos", "--no-chat", "--part-rows", "25", "--max-num-seqs", "16",
                "--kv-cache-memory", "16MB"]
         kills = 0

@@ -52,7 +52,7 @@ def write_rows(path: Path, rows: list[dict]) -> str:
 
 
 def submit(dataset: str, output: Path, *args: str) -> float:
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", dataset, "-o", str(output), "--overwrite", *args]
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", dataset, "-o", str(output), "--overwrite", *args]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0

@@ -43,7 +43,7 @@ def run(rows: int, workdir: str, max_tokens: int = 1) -> dict:
     ds = os.path.join(workdir, f"rows-{rows}.jsonl")
     make_dataset(ds, rows)
     out = os.path.join(workdir, f"out-{rows}")
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "-m", f"dummy:{CONFIG}",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-o", out, "-m", f"dummy:{CONFIG}",
            "--max-tokens", str(max_tokens), "--no-chat", "--part-rows", "50000", "--overwrite", "--kv-cache-memory", "16MB"]
     t0 = time.time()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

@@ -43,7 +43,7 @@ def _dataset(path: str, rows: int) -> None:
 
 def _run_job(model: str, dataset: str, output: str, output_len: int) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one job."""
-    from jobrunner.api import submit
+    from jobrunner.api.submit import submit
     t0, c0 = time.perf_counter(), time.process_time()
     result = submit(dataset, output, model=model, chat=False, max_tokens=output_len, ignore_eos=True,
                     overwrite=True, device="cpu", dtype="float32", kv_cache_memory="64MB")

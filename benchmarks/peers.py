@@ -113,7 +113,7 @@ def _tail(path: str | Path, n: int = 15) -> str:
 def jobrunner_cmd() -> list[str]:
     """The `jobrunner` console script of this interpreter's environment (what users run)."""
     script = Path(sys.executable).parent / "jobrunner"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "jobrunner.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "jobrunner.cli.main"]
 
 
 def run_jobrunner(dataset: Path, out_dir: Path, args: list[str], *, system: str = "jobrunner",

@@ -92,7 +92,7 @@ def plan_bytes(prompt_chars: int = 800, rows: int = 64) -> float:
     for prompts of `prompt_chars` characters of ~4 characters a token (plus the row's own columns)."""
     from array import array
     from jobrunner.dataset.rows import Row
-    from jobrunner.job import ShippedRow, ShippedUnit
+    from jobrunner.job.loop import ShippedRow, ShippedUnit
     rnd = random.Random(0)
     units = [ShippedUnit([ShippedRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),
                                      array("I", (rnd.randrange(150_000) for _ in range(prompt_chars // 4))))], {})
@@ -120,7 +120,7 @@ def main() -> None:
                     + "\n")
     head, address = start_head(f"/tmp/jr-raybench-{os.getpid()}")
     try:
-        base = [sys.executable, "-m", "jobrunner.cli", "submit", f"{work}/data.jsonl", "-m", f"dummy:{work}/model",
+        base = [sys.executable, "-m", "jobrunner.cli.main", "submit", f"{work}/data.jsonl", "-m", f"dummy:{work}/model",
                 "--max-tokens", str(args.max_tokens), "--max-num-seqs", "8", "--device", "cpu", "--data-parallel", "2"]
         modes = {"data-parallel 2": [], "ray (running cluster)": ["--ray", address], "ray local": ["--ray", "local"]}
         if args.before:

@@ -44,7 +44,7 @@ run() {     # run NAME DATASET OPTIONS...
     local name=$1 dataset=$2
     shift 2
     echo "== $name"
-    (cd "$CODE_DIR" && PYTHONPATH="$CODE_DIR" python -c "from jobrunner.cli import main; main()" submit "$dataset" --output "$OUT_DIR/$name" \
+    (cd "$CODE_DIR" && PYTHONPATH="$CODE_DIR" python -c "from jobrunner.cli.main import main; main()" submit "$dataset" --output "$OUT_DIR/$name" \
         --overwrite --limit 8 --max-tokens 8 --device cpu "$@")
 }
 

@@ -48,7 +48,7 @@ def recheck(schema: dict, output: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from engine.constraints import check_constraint
     from engine.request import Constraint
-    from jobrunner.api import submit
+    from jobrunner.api.submit import submit
     from jobrunner.output import read_results
     from jobs.schema_check import with_mode
 

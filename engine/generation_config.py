@@ -2,7 +2,7 @@
 
 Its EOS ids are the tokenizer's (engine/tokenizer.py: Tokenizer.from_hf_dir), always. Its
 sampling values are defaults, as vLLM takes them (`--generation-config auto`): a job uses them
-for each sampling option it leaves unset (jobrunner.config.JobConfig.sampling_params), and like
+for each sampling option it leaves unset (jobrunner.config.job.JobConfig.sampling_params), and like
 vLLM we read them whatever `do_sample` says.
 """
 from __future__ import annotations

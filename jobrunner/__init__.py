@@ -1,6 +1,6 @@
 """jobrunner: batch LLM inference over datasets.
 
-The Python API (jobrunner.api, jobrunner.session), imported on first use so that `import jobrunner`
+The Python API (jobrunner.api.submit, jobrunner.api.session), imported on first use so that `import jobrunner`
 stays cheap:
 
     jobrunner.submit(dataset, output=None, **options) -> JobResult     # as `jobrunner submit`
@@ -10,8 +10,8 @@ stays cheap:
 """
 from __future__ import annotations
 
-_MODULES = {"JobConfigError": "api", "JobFailedError": "api", "JobResult": "api", "OutputStorageError": "api",
-            "submit": "api", "EngineSession": "session", "generate": "session", "open_engine": "session"}
+_MODULES = {"JobConfigError": "api.submit", "JobFailedError": "api.submit", "JobResult": "api.submit", "OutputStorageError": "api.submit",
+            "submit": "api.submit", "EngineSession": "api.session", "generate": "api.session", "open_engine": "api.session"}
 __all__ = sorted(_MODULES)
 
 

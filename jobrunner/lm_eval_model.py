@@ -52,7 +52,7 @@ class JobrunnerLM(TemplateLM):
                  **options):
         super().__init__()
         from jobrunner.models import DEFAULT_MODEL
-        from jobrunner.config import JobConfigError
+        from jobrunner.config.job import JobConfigError
         name = model or pretrained or DEFAULT_MODEL
         try:
             self.jobs = _Jobs({**options, "model": name, "device": _device(device)})
@@ -236,7 +236,7 @@ def _one_line_if_uncaught() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        from jobrunner.config import JobConfigError
+        from jobrunner.config.job import JobConfigError
         if issubclass(kind, JobConfigError):
             print(f"error: --model_args: {value}", file=sys.stderr)
         else:
@@ -250,7 +250,7 @@ class _Jobs:
     job and held while the model object lives; or jobrunner.submit for data-parallel workers)."""
 
     def __init__(self, options: dict):
-        from jobrunner.api import build_config
+        from jobrunner.api.submit import build_config
         self.options = {k: v for k, v in options.items() if v is not None}
         build_config("memory://lm-eval.jsonl", self.options)     # unknown or bad options: now (JobConfigError)
         self.session = None         # jobrunner.EngineSession: closed when collected with this object

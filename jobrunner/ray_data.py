@@ -36,7 +36,7 @@ def read_results_dataset(output_url: str, **read_parquet_args):
 def submit_dataset(ds, root: str, **options):
     """Write `ds` (with an id column and the prompt's columns) under root/input once, then run a job over it
     into root/output with jobrunner.submit's options (e.g. ray="auto"). Returns the JobResult."""
-    from jobrunner.api import submit
+    from jobrunner.api.submit import submit
     fs, base = storage.url_fs(root)
     inputs, mark = storage.join(base, "input"), storage.join(storage.join(base, "input"), INPUT_DONE)
     if not fs.exists(mark):

@@ -5,7 +5,7 @@ hit rates and cost from sums, the same way for a run, for a data-parallel run ov
 (parallel/stats.py) and for a job over its recorded runs (summary).
 
 Rows whose result was reused (the `reused` column: served by the result cache or a copy of another
-row, jobrunner/reuse.py) count in rows, rows_ok/rows_failed and the prompt and completion tokens (they
+row, jobrunner/cache/reuse.py) count in rows, rows_ok/rows_failed and the prompt and completion tokens (they
 are the output's), but are no work done: throughput, the prefix-cache hit rate and the latency
 percentiles are over the computed rows alone (rows_computed, computed_prompt_tokens,
 computed_completion_tokens). An error row the engine never saw (a duplicate id, an unreadable record,
@@ -28,7 +28,7 @@ ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", 
 # A record written before reused rows were told apart counted every row as computed.
 COMPUTED_BEFORE = {"rows_computed": "rows", "computed_prompt_tokens": "prompt_tokens",
                    "computed_completion_tokens": "completion_tokens"}
-# Rows whose result was reused (jobrunner/reuse.py): a copy's, the cache's, and the tokens not computed.
+# Rows whose result was reused (jobrunner/cache/reuse.py): a copy's, the cache's, and the tokens not computed.
 def reached_engine(error, prompt_tokens) -> bool:
     """Whether a row that was not reused reached the engine: ok, or failed there (with its prompt's tokens)."""
     return error is None or bool(prompt_tokens)

@@ -1,5 +1,5 @@
 """A row's structured-output constraint: the row's own (RowOptions.constraint: an OpenAI batch body's
-`response_format`, jobrunner.openai_request), else the JSON schema in the row's --schema-column, else the
+`response_format`, jobrunner.openai.request), else the JSON schema in the row's --schema-column, else the
 job's (--json-schema, --json, --regex, --choice, --grammar). Plain data; the engine compiles it
 (engine/constraints.py), and a schema that does not compile makes the row an error. A JSON schema is
 compiled under the row's schema mode (its own, RowOptions.schema_mode, else --json-schema-mode;

@@ -6,7 +6,7 @@ files. The row's `embedding` is an array('f') (4 bytes a value, not a Python flo
 a fixed-size float32 list column (jobrunner.output.values).
 
 A row may set its own `dimensions` (RowOptions.dimensions), and give a list of texts (RowOptions.texts,
-an OpenAI /v1/embeddings line's `input` list: jobrunner.openai_rows): then the request embeds each as
+an OpenAI /v1/embeddings line's `input` list: jobrunner.openai.rows): then the request embeds each as
 given (one EMBED sequence each) and the row gives one output row per text, `input_index` 0.., the
 first carrying the request's token counts.
 """

@@ -1,6 +1,6 @@
 """Sampled tokens' logprobs as result values: one entry per generated token, in the shape of
 OpenAI's ChatCompletionTokenLogprob, so the Parquet column (jobrunner.output.values: `logprobs`)
-and the OpenAI batch output (jobrunner.openai_response) read the same:
+and the OpenAI batch output (jobrunner.openai.response) read the same:
 
     {"token": "Paris", "logprob": -0.01, "bytes": [80, 97, 114, 105, 115],
      "top_logprobs": [{"token": "Paris", "logprob": -0.01, "bytes": [...]}, ...]}

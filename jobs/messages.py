@@ -1,6 +1,6 @@
 """Chat messages as a row gives them: content parts (a list of {"type": "text", "text": ...}, as OpenAI
 and Hugging Face chat datasets write them) become one string, as vLLM joins them. Used for
---messages-column rows and a row's own messages (jobs.base), and by jobrunner.openai_request."""
+--messages-column rows and a row's own messages (jobs.base), and by jobrunner.openai.request."""
 from __future__ import annotations
 
 

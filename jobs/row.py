@@ -16,7 +16,7 @@ from engine import Constraint
 
 @dataclass(frozen=True, slots=True)
 class RowOptions:
-    """A row's own request, for rows that carry one (an OpenAI batch line: jobrunner.openai_rows turns
+    """A row's own request, for rows that carry one (an OpenAI batch line: jobrunner.openai.rows turns
     its body into these); the default asks for nothing beyond the job's settings. A row gives its
     prompt as `messages` (always through the chat template) or as raw `prompt` text (never through
     it), or neither: then the job's prompt column, template or messages column make it."""

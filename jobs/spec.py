@@ -1,5 +1,5 @@
 """What a job kind is told: small frozen specs, built once from the job's configuration by the
-CLI (jobrunner.config.JobConfig.job_spec), and the choices their fields take (the CLI offers
+CLI (jobrunner.config.job.JobConfig.job_spec), and the choices their fields take (the CLI offers
 these same tuples). The job kinds read these, never the CLI's configuration."""
 from __future__ import annotations
 

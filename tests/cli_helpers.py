@@ -5,7 +5,7 @@ import json
 
 from click.testing import CliRunner
 
-from jobrunner.cli import main
+from jobrunner.cli.main import main
 from jobrunner.output import read_results
 
 

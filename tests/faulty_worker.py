@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     if os.environ["RANK"] == str(rank):
         die_after_rows(rows)
     if argv[1:]:
-        from jobrunner.cli import main as cli
+        from jobrunner.cli.main import main as cli
         return cli(args=argv[1:], prog_name="jobrunner")
     from jobrunner.parallel.launcher import worker_process_main
     return worker_process_main()

@@ -1,4 +1,4 @@
-"""The Python API (jobrunner.api, jobrunner.session): submit over a file with the CLI's options and errors,
+"""The Python API (jobrunner.api.submit, jobrunner.api.session): submit over a file with the CLI's options and errors,
 generate over rows in memory (nothing on disk, rows back in input order), once or on an engine session."""
 import json
 import os
@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 import jobrunner
-from jobrunner import api
+from jobrunner.api import submit as api
 from jobrunner.output import read_results
 
 SMALL = dict(device="cpu", kv_cache_memory="16MB", max_tokens=3)
@@ -29,7 +29,7 @@ def test_import_is_cheap():
     code = "import sys, jobrunner; assert 'torch' not in sys.modules and 'polars' not in sys.modules, sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert {"submit", "generate", "JobResult", "JobConfigError"} <= set(dir(jobrunner))
-    assert jobrunner.JobConfigError is jobrunner.config.JobConfigError
+    assert jobrunner.JobConfigError is jobrunner.config.job.JobConfigError
     with pytest.raises(AttributeError):
         jobrunner.no_such_name
 

@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from jobrunner.job import EXIT_OK
+from jobrunner.job.loop import EXIT_OK
 from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_model, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.job_parts import load_engine
-    from jobrunner.config import job_config
+    from jobrunner.job.build import load_engine
+    from jobrunner.config.job import job_config
     model = tiny_model(tmp_path_factory.mktemp("cache-model"))
     return load_engine(job_config("unused", model=model, device="cpu"))
 
@@ -63,7 +63,7 @@ def test_rerun_over_a_grown_dataset_computes_only_the_new_rows(engine, tmp_path)
     s = json.loads((tmp_path / "t" / "_stats.json").read_text())
     assert s["tokens_saved"] == saved and s["rows_from_cache"] == 30 and s["rows_reused"] == 0
     assert s["cost_saved_usd"] > 0
-    from jobrunner.cli import summary_lines
+    from jobrunner.cli.main import summary_lines
     assert any(line.startswith("reused") and "30 rows from the cache" in line for line in summary_lines(s, "x"))
 
 
@@ -149,9 +149,9 @@ def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypat
 
 
 def test_cache_url_from_toml_and_environment(tmp_path, monkeypatch):
-    from jobrunner.api import build_config
-    from jobrunner.config import JobConfigError
-    from jobrunner.resolve import cache_url
+    from jobrunner.api.submit import build_config
+    from jobrunner.config.job import JobConfigError
+    from jobrunner.job.resolve import cache_url
     toml = tmp_path / "job.toml"
     toml.write_text('cache = "/tmp/c1"\ncache_mode = "read-only"\ndedup = false\n')
     monkeypatch.setenv("JOBRUNNER_CACHE_URL", "/tmp/env-cache")
@@ -167,7 +167,7 @@ def test_cache_url_from_toml_and_environment(tmp_path, monkeypatch):
 def test_an_unopenable_cache_url_exits_2_before_any_work(tmp_path):
     from click.testing import CliRunner
 
-    from jobrunner.cli import main
+    from jobrunner.cli.main import main
     ds = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "hi"}])
     r = CliRunner().invoke(main, ["submit", ds, "-m", "dummy:smollm2-135m", "--cache", "nosuchproto://x/y"])
     assert r.exit_code == 2 and "--cache" in r.output
@@ -177,7 +177,7 @@ def test_an_unopenable_cache_url_exits_2_before_any_work(tmp_path):
 def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
     """Workers serve cached rows and copies of the units they claim, and each stores what it computed:
     every row once, outputs as one worker's without a cache, and no entry lost."""
-    from jobrunner.config import job_config
+    from jobrunner.config.job import job_config
     from jobrunner.parallel import run_parallel
     cache = str(tmp_path / "cache")
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts(20))]
@@ -201,8 +201,8 @@ def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
 def test_long_prompts_end_a_lookup_batch_before_its_row_count(engine, tmp_path, monkeypatch):
     """Rows held for one batch lookup are unpacked token lists: their tokens bound the batch too, and
     every row is still served (from the cache on the second run)."""
-    import jobrunner.job as J
-    from jobrunner.reuse import Reuse
+    import jobrunner.job.loop as J
+    from jobrunner.cache.reuse import Reuse
     rows = [{"id": f"t{i}", "prompt": p} for i, p in enumerate(prompts(12))]
     ds = write_jsonl(tmp_path / "d.jsonl", rows)
     cache = str(tmp_path / "cache")

@@ -75,8 +75,8 @@ def _outputs(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.job_parts import load_engine
-    from jobrunner.config import job_config
+    from jobrunner.job.build import load_engine
+    from jobrunner.config.job import job_config
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
 
 
@@ -102,7 +102,7 @@ def test_kill_9_on_s3_then_resume_every_row_once_and_served_from_the_cache_after
     ds = _put_jsonl(fs, f"{BUCKET}/kill/data.jsonl", rows)
     out, cache = f"s3://{BUCKET}/kill/out", f"s3://{BUCKET}/kill/cache"
     env = {**os.environ, "FSSPEC_S3": json.dumps(options), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-m", model, "-o", out, "--cache", cache,
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-m", model, "-o", out, "--cache", cache,
            "--device", "cpu", "--max-tokens", "8", "--ignore-eos", "--max-num-seqs", "2", "--part-rows", "10000",
            "--flush-seconds", "0.3"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -134,7 +134,7 @@ def test_two_writer_processes_lose_and_tear_nothing(tmp_path):
 
 def test_cache_stats_and_prune_commands(tmp_path):
     from jobrunner.cache.maintenance import parse_duration, prune
-    from jobrunner.cli import main
+    from jobrunner.cli.main import main
     url = str(tmp_path / "c")
     w = CacheStore(url)
     for k, v in _entries(50).items():

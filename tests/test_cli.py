@@ -11,8 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import main, submit
-from jobrunner.cli_options import SECTIONS
+from jobrunner.cli.main import main, submit
+from jobrunner.config.cli_options import SECTIONS
 from tests.cli_helpers import jsonl
 
 
@@ -58,7 +58,7 @@ def test_sigterm_stops_promptly_and_resume_completes(default_gguf_path, tmp_path
     rows = [{"id": f"s{i:02d}", "prompt": f"Write a long story about the number {i}."} for i in range(8)]
     ds = jsonl(tmp_path / "s.jsonl", rows)
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "64", "--ignore-eos",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-o", out, "--max-tokens", "64", "--ignore-eos",
            "--part-rows", "1", "--max-num-seqs", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600

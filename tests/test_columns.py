@@ -4,10 +4,10 @@ import json
 import polars as pl
 import pytest
 
-from jobrunner.columns import input_names, reserved_columns
-from jobrunner.config import job_config
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.output.columns import input_names, reserved_columns
+from jobrunner.config.job import job_config
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
 from jobrunner.output import read_results
 from jobs import KINDS
 

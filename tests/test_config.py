@@ -7,8 +7,8 @@ import types
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import build_config, main, submit
-from jobrunner.config import JobConfig, job_config, JobConfigError, config_fields, field_value
+from jobrunner.cli.main import build_config, main, submit
+from jobrunner.config.job import JobConfig, job_config, JobConfigError, config_fields, field_value
 from jobs import PromptBuilder
 
 
@@ -151,7 +151,7 @@ def test_messages_always_use_the_chat_template(kind):
     cfg = job_config("x", kind=kind, messages_column="m", chat=False, **KIND_NEEDS[kind])
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
-    from jobrunner.openai_rows import row_options
+    from jobrunner.openai.rows import row_options
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
     spec = job_config("x", kind=kind, **KIND_NEEDS[kind]).job_spec()
     assert PromptBuilder(spec, ChatTokenizer()).render(openai_row, row_options(openai_row))[0] == "<user>hi<assistant>"
@@ -170,7 +170,7 @@ def test_sections_round_trip_through_flat_options_and_stay_few():
     flat options (JSON) and gets the same object, fingerprint included."""
     import json as _json
 
-    from jobrunner.config import JobConfig, job_config
+    from jobrunner.config.job import JobConfig, job_config
     from jobrunner.parallel.launcher import config_from_json
     assert len(dataclasses.fields(JobConfig)) <= 12
     cfg = job_config("d.jsonl", kind="classify", labels=("a", "b"), stop=("x",), kv_cache_memory=2**20,
@@ -191,7 +191,7 @@ def test_an_option_of_another_kind_is_refused_and_sampling_ranges_are_the_engine
 
 
 def test_resolved_round_trips_as_the_workers_get_it():
-    from jobrunner.resolve import Resolved
+    from jobrunner.job.resolve import Resolved
     r = Resolved(fmt="jsonl", columns=("id", "prompt"), model="dummy:x", dtype="auto", float_dtype="float32",
                  quantization="none", cache_url=None)
     assert Resolved.from_json(r.to_json()) == r

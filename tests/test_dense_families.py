@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_model_bundle
 from engine.request import Request, SamplingParams
-from jobrunner.cli import main
+from jobrunner.cli.main import main
 from tests.tiny import hf_greedy
 
 _COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -17,7 +17,7 @@ import torch
 import jobrunner
 from engine.embedding_config import CheckpointPooling, read_checkpoint_pooling
 from engine.request import EmbedParams, Request
-from jobrunner.config import JobConfigError
+from jobrunner.config.job import JobConfigError
 from jobrunner.output import read_results
 from jobs.spec import EmbedSpec
 from tests.kernel_cases import cuda_only

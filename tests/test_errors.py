@@ -12,11 +12,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import job_parts
-from jobrunner.cli import main
-from jobrunner.config import job_config, JobConfigError
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.job import build
+from jobrunner.cli.main import main
+from jobrunner.config.job import job_config, JobConfigError
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def no_model(monkeypatch):
     """Loading a model fails the test: the checks must all come first."""
     def load_engine(cfg):
         raise AssertionError("the model was loaded before the failing check")
-    monkeypatch.setattr(job_parts, "load_engine", load_engine)
+    monkeypatch.setattr(build, "load_engine", load_engine)
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_unknown_model_name(files, command):
 def test_bad_invocation_in_a_real_process(files):
     """No traceback on the real stderr either (click's CliRunner captures, a process prints)."""
     for argv, code in ((["--device", "gpu"], 2), (["-o", "/proc/nope/out"], 4)):
-        p = subprocess.run([sys.executable, "-m", "jobrunner.cli", "submit", files["good"], *argv],
+        p = subprocess.run([sys.executable, "-m", "jobrunner.cli.main", "submit", files["good"], *argv],
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == code and "error:" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
@@ -229,7 +229,7 @@ def test_data_parallel_preflight_checks_the_output_and_emptiness(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return build.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def run_job(engine, **kw):
@@ -280,7 +280,7 @@ def test_double_ctrl_c_exits_130_without_a_traceback(tmp_path):
     rows = [{"id": f"r{i}", "prompt": f"row {i} " * 8} for i in range(3000)]
     ds = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, *TINY_OPTS, "-o", str(out), "--max-tokens", "8",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, *TINY_OPTS, "-o", str(out), "--max-tokens", "8",
            "--ignore-eos", "--part-rows", "1", "--max-num-seqs", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

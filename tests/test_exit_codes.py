@@ -8,13 +8,13 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import job_parts
-from jobrunner.cli import main
-from jobrunner.config import job_config, JobConfigError
-from jobrunner.job_parts import open_job
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
+from jobrunner.job import build
+from jobrunner.cli.main import main
+from jobrunner.config.job import job_config, JobConfigError
+from jobrunner.job.build import open_job
+from jobrunner.job.loop import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.output import read_results
-from jobrunner.progress import Progress
+from jobrunner.job.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = f"dummy:{ROOT}/benchmarks/configs/tiny-llama.json"
@@ -28,7 +28,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
+    return build.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6))
 
 
 def _stopping_after(rows: int):
@@ -98,7 +98,7 @@ def test_exit_codes_over_job_histories(tiny_engine, tmp_path, name, shape, steps
     out = str(tmp_path / "out")
     for options, event, expected in steps:
         # a stopped job leaves its requests in flight in its engine: it gets an engine of its own
-        engine = job_parts.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
+        engine = build.load_engine(job_config("unused", model=TINY, kv_cache_memory=4 * 10**6)) if event \
             else tiny_engine
         res = run_job(engine, ds, out, stop_after=1 if event else None, **options)
         if event == "kill":
@@ -154,7 +154,7 @@ def test_a_model_that_fails_to_load_exits_2_with_its_error_not_as_storage(tmp_pa
 
 def test_generate_raises_when_every_row_failed(tiny_engine):
     import jobrunner
-    from jobrunner.api import JobFailedError
+    from jobrunner.api.submit import JobFailedError
     rows = [{"id": "a", "prompt": ""}, {"id": "b", "prompt": ""}]
     opts = dict(model=TINY, kv_cache_memory=4 * 10**6, max_tokens=2, chat=False)
     with pytest.raises(JobFailedError, match=r"every row failed \(2 of 2\).*allow_all_failed=True"):

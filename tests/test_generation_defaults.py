@@ -8,7 +8,7 @@ import pytest
 
 import jobrunner
 from engine.generation_config import GenerationDefaults
-from jobrunner.config import job_config, JobConfigError
+from jobrunner.config.job import job_config, JobConfigError
 
 SMALL = dict(chat=False, max_tokens=12, kv_cache_memory="4MB", seed=7)
 ROWS = [{"id": str(i), "prompt": p} for i, p in enumerate(["The quick brown fox", "Numbers 0123", "Hello world!"])]
@@ -69,7 +69,7 @@ def test_a_job_samples_with_the_checkpoint_defaults(tiny_hf_model_dir, tmp_path)
     assert sampling["top_k"] == {"value": 4, "source": "job"}
     assert sampling["min_p"] == {"value": 0.0, "source": "default"}
 
-    from jobrunner.validate import validate_job
+    from jobrunner.cli.validate import validate_job
     report = validate_job(job_config(str(data), model=model, top_k=4, chat=False))
     assert report["sampling"] == ("temperature 1.3 (generation_config.json), top_p 0.9 (generation_config.json), "
                                   "top_k 4 (job), min_p 0.0 (default)")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from engine.errors import ModelError
 from jobrunner import hub, models
-from jobrunner.cli import main
+from jobrunner.cli.main import main
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -93,7 +93,7 @@ def test_submit_a_hub_name_offline(offline_cache, tiny_hf_model_dir, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     options = ["--no-chat", "--max-tokens", "8", "--kv-cache-memory", "4MB"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", "tiny-org/tiny-qwen2",
+    proc = subprocess.run([sys.executable, "-m", "jobrunner.cli.main", "submit", str(data), "-m", "tiny-org/tiny-qwen2",
                            "-o", str(tmp_path / "out"), *options], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
@@ -110,7 +110,7 @@ def test_submit_a_hub_name_offline(offline_cache, tiny_hf_model_dir, tmp_path):
 def test_resume_refuses_a_moved_branch(offline_cache, tiny_hf_model_dir, tmp_path):
     """The fingerprint has the name, not the commit: a resumed job checks the commit itself."""
     import jobrunner
-    from jobrunner.config import JobConfigError
+    from jobrunner.config.job import JobConfigError
     src = tiny_hf_model_dir("qwen2")
     populate_hf_cache(offline_cache, "tiny-org/moving", src, COMMIT)
     data = tmp_path / "rows.jsonl"

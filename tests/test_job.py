@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobrunner.config import job_config
-from jobrunner.job import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.config.job import job_config
+from jobrunner.job.loop import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
+from jobrunner.job.build import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -29,7 +29,7 @@ ROWS = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate([
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.job_parts import load_engine
+    from jobrunner.job.build import load_engine
     return load_engine(job_config("unused"))
 
 
@@ -97,7 +97,7 @@ def test_resume_skips_done_rows_and_refuses_other_config(engine, tmp_path):
     assert second.stats["rows"] == 5 and second.stats["runs_recorded"] == 2      # the summary covers every row
     assert second.stats["runs"][-1]["rows"] == 3 and second.stats["runs"][-1]["rows_skipped_done"] == 2
     assert sorted(results(second.output)["id"]) == [r["id"] for r in ROWS]
-    from jobrunner.config import JobConfigError
+    from jobrunner.config.job import JobConfigError
     with pytest.raises(JobConfigError, match="max_tokens"):
         run(engine, ds, tmp_path, max_tokens=9)
     again = run(engine, ds, tmp_path, max_tokens=9, overwrite=True)
@@ -154,7 +154,7 @@ def test_kill_9_then_resume_every_id_once(default_gguf_path, tmp_path):
     rows = [{"id": f"k{i:03d}", "prompt": f"Count from {i} to {i + 20}, separated by commas."} for i in range(12)]
     ds = write_jsonl(tmp_path / "k.jsonl", rows)
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-o", out, "--max-tokens", "32", "--ignore-eos",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-o", out, "--max-tokens", "32", "--ignore-eos",
            "--part-rows", "2", "--max-num-seqs", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
@@ -181,7 +181,7 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
         [ds, "--kv-cache-memory", "lots"],
     ]
     for args in cases:
-        r = subprocess.run([sys.executable, "-m", "jobrunner.cli", "submit", *args, "-o", str(tmp_path / "o")],
+        r = subprocess.run([sys.executable, "-m", "jobrunner.cli.main", "submit", *args, "-o", str(tmp_path / "o")],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == EXIT_CONFIG, (args, r.stderr)
         assert "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -189,7 +189,7 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
 
 
 def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine, tmp_path):
-    from jobrunner.job_parts import load_engine
+    from jobrunner.job.build import load_engine
     ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
     other = load_engine(job_config("unused", max_batched_tokens=24, max_num_seqs=2))
     for params in (dict(), dict(temperature=0.9, top_p=0.95, seed=3)):
@@ -201,11 +201,11 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
 def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
-    import jobrunner.job_parts as J
-    from jobrunner.job_parts import load_engine
+    import jobrunner.job.build as J
+    from jobrunner.job.build import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
-    monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job_parts.py)
+    monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job/build.py)
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
     ds = write_jsonl(tmp_path / "dup.jsonl", rows)
 
@@ -248,9 +248,9 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
 def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
-    from jobrunner import job_parts
-    from jobrunner.job_parts import load_engine
-    from jobrunner.job_parts import JobPlanner
+    from jobrunner.job import build
+    from jobrunner.job.build import load_engine
+    from jobrunner.job.build import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}
@@ -272,7 +272,7 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
 
     whole = go("whole")
     monkeypatch.setattr(JobPlanner, "units", counting_units)
-    monkeypatch.setattr(job_parts, "WINDOW_TOKENS", 200)
+    monkeypatch.setattr(build, "WINDOW_TOKENS", 200)
     cut = go("cut")
     assert cut["id"].to_list() == sorted(r["id"] for r in rows)
     assert cut.select("id", "output", "prompt_tokens").equals(whole.select("id", "output", "prompt_tokens"))
@@ -285,7 +285,7 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
 def test_a_truncated_prompt_keeps_its_full_ids_only_when_its_row_is_shipped(tmp_path, tiny_hf_model_dir, ships):
     """The tokenizer's ids of a prompt the request cut are kept only for the Ray driver (its workers make
     the request again from them); a job that runs its rows holds the cut ids alone."""
-    from jobrunner.job_parts import AllUnits
+    from jobrunner.job.build import AllUnits
 
     class Work(AllUnits):
         runs_rows = not ships

@@ -149,7 +149,7 @@ def test_use_cache_and_result_cache_compute_nothing_the_second_time(tiny_hf_mode
 
 
 def test_unknown_model_argument_is_refused(tiny_hf_model_dir):
-    from jobrunner.api import JobConfigError
+    from jobrunner.api.submit import JobConfigError
     with pytest.raises(JobConfigError, match="max_tokenz"):
         evaluate("jobrunner", f"pretrained={tiny_hf_model_dir('llama')},max_tokenz=3", tasks=["jr_mc"])
 

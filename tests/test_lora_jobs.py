@@ -153,7 +153,7 @@ def test_data_parallel_workers_each_load_the_adapters(tmp_path, tiny):
 def test_the_planner_groups_rows_by_adapter():
     """Rows of two adapters and the base share a 40-token prefix: each unit holds one adapter's rows, so
     the engine computes the prefix once per adapter (tests/test_lora.py counts it)."""
-    from jobrunner.lora_options import LoraOptions
+    from jobrunner.config.lora import LoraOptions
     from jobrunner.planner import PlanItem, plan
     lora = LoraOptions((("a", "/a"), ("b", "/b")))
     shared = list(range(100, 140))

@@ -10,8 +10,8 @@ import pytest
 from conftest import DEFAULT_MODEL
 from engine.errors import ModelError
 from jobrunner import models
-from jobrunner.config import JobConfigError, job_config
-from jobrunner.resolve import model_path
+from jobrunner.config.job import JobConfigError, job_config
+from jobrunner.job.resolve import model_path
 
 
 def test_resolve_model_passes_checkpoints_through(tmp_path):
@@ -24,7 +24,7 @@ def test_unknown_model_lists_known_names(tmp_path):
     with pytest.raises(ModelError, match=f"'no-such-model' is not a known model name.*{DEFAULT_MODEL}.*dummy:"):
         models.resolve_model("no-such-model", tmp_path)
     with pytest.raises(JobConfigError, match=DEFAULT_MODEL):     # the CLI's exit 2
-        model_path("no-such-model")                             # jobrunner.resolve
+        model_path("no-such-model")                             # jobrunner.job.resolve
 
 
 @pytest.mark.default_model

@@ -99,7 +99,7 @@ def test_greedy_and_logprobs_match_transformers(moe_model):
 
 def test_cli_greedy_matches_transformers(moe_model, tmp_path):
     """Through `jobrunner submit --no-chat`: each row's 32 greedy tokens, as text, are transformers'."""
-    from jobrunner.cli import main
+    from jobrunner.cli.main import main
     from transformers import AutoTokenizer
 
     hf, path = moe_model
@@ -171,7 +171,7 @@ def test_dummy_qwen3_30b_a3b_counts_3b_active_of_30b():
 
 
 def test_cli_refuses_int4_for_moe_with_exit_2(tmp_path):
-    from jobrunner.cli import main
+    from jobrunner.cli.main import main
 
     ds = tmp_path / "rows.jsonl"
     ds.write_text(json.dumps({"id": "a", "prompt": "hi"}))

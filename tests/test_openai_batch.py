@@ -10,10 +10,10 @@ import torch
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
-from jobrunner.config import job_config, JobConfigError
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
-from jobrunner.openai_request import body_params, text_messages
+from jobrunner.config.job import job_config, JobConfigError
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
+from jobrunner.openai.request import body_params, text_messages
 from jobrunner.output import read_results
 from tests.test_logits_process import _reference_greedy
 
@@ -27,7 +27,7 @@ def model_dir(tiny_hf_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from jobrunner.job_parts import load_engine
+    from jobrunner.job.build import load_engine
     return load_engine(job_config("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
 
 
@@ -156,7 +156,7 @@ def test_chat_template_kwargs_reach_the_template(engine):
         spec = JobSpec("generate", PromptSpec(chat_template_kwargs=(("enable_thinking", False),)))
         builder = PromptBuilder(spec, tok)
         assert builder.render({"prompt": "hi"})[0] == "hi<think></think>"
-        from jobrunner.openai_rows import row_options
+        from jobrunner.openai.rows import row_options
         row = {"messages": USER, "params": {"chat_template_kwargs": {"enable_thinking": True}}}
         assert builder.render(row, row_options(row))[0] == "The quick brown fox"          # the row's own wins
     finally:
@@ -210,6 +210,6 @@ def test_generation_options_reach_the_sampling_parameters():
 
 
 def test_new_options_at_their_defaults_leave_the_fingerprint_as_it_was():
-    from jobrunner.config import _ADDED_LATER
+    from jobrunner.config.job import _ADDED_LATER
     assert not set(_ADDED_LATER) & set(job_config("x.jsonl").fingerprint_fields())
     assert job_config("x.jsonl", truncate_prompt="left").fingerprint_fields()["truncate_prompt"] == "left"

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from openai.types import BatchError, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from jobrunner.cli import main
-from jobrunner.config import job_config, JobConfigError
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.cli.main import main
+from jobrunner.config.job import job_config, JobConfigError
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
 from tests import openai_fixtures as fx
 from tests.test_openai_batch import engine, model_dir  # noqa: F401 (fixtures: one tiny llama engine a module)
 
@@ -165,7 +165,7 @@ def test_validate_lists_every_failing_line_and_counts_each_lines_max_tokens(mode
 
 
 def test_reasoning_is_written_under_both_names_and_an_absent_answer_is_null(tmp_path):
-    from jobrunner.openai_batch import write_openai_batch_output
+    from jobrunner.openai.batch import write_openai_batch_output
     from jobrunner.output import ResultWriter
     base = dict(prompt_tokens=3, cached_tokens=0, completion_tokens=4, error=None, finish_reason="length",
                 messages=[{"role": "user", "content": "q"}], params={})

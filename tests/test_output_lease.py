@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import main
+from jobrunner.cli.main import main
 from jobrunner.output import read_results
 from jobrunner.output.lease import OutputBusyError, OutputLease
 from tests.cache_helpers import prompts, tiny_model, write_jsonl
@@ -90,7 +90,7 @@ def job(tmp_path_factory):
     ds = write_jsonl(root / "p.jsonl", [{"id": f"p{i:03d}", "prompt": p} for i, p in enumerate(prompts(300))])
 
     def cmd(out):
-        return [sys.executable, "-m", "jobrunner.cli", "submit", ds, "-m", model, "-o", str(out), "--device", "cpu",
+        return [sys.executable, "-m", "jobrunner.cli.main", "submit", ds, "-m", model, "-o", str(out), "--device", "cpu",
                 "--max-tokens", "16", "--ignore-eos", "--max-num-seqs", "2", "--flush-seconds", "0.2",
                 "--threads", "1"]
     return model, ds, cmd

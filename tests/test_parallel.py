@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from jobrunner.config import job_config
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.config.job import job_config
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
 from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.output import read_results, read_stats
@@ -143,7 +143,7 @@ def _torchrun_way(setup, out: str, world: int, extra_env=None, timeout=180, jobr
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
         env.pop("JOBRUNNER_LAUNCHER_PID", None)
-        procs.append(subprocess.Popen((jobrunner or [sys.executable, "-m", "jobrunner.cli"]) + args, env=env,
+        procs.append(subprocess.Popen((jobrunner or [sys.executable, "-m", "jobrunner.cli.main"]) + args, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     return [p.returncode for p in procs], outs
@@ -236,7 +236,7 @@ def test_sigterm_to_the_launcher_then_resume(setup, tmp_path):
     data = tmp_path / "many.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), "-m", setup["cfg"].engine.model, "-o", str(out),
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", str(data), "-m", setup["cfg"].engine.model, "-o", str(out),
            "--max-tokens", "8", "--max-num-seqs", "2", "--part-rows", "1", "--device", "cpu", "--data-parallel", "2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120

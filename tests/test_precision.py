@@ -1,9 +1,9 @@
 """--quantization auto: the fastest mode within 2% perplexity of float, by what the CPU has."""
 import pytest
 
-from jobrunner import precision
-from jobrunner.config import JobConfigError, job_config
-from jobrunner.resolve import resolve_engine
+from jobrunner.job import precision
+from jobrunner.config.job import JobConfigError, job_config
+from jobrunner.job.resolve import resolve_engine
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -27,7 +27,7 @@ def test_a_gpu_or_a_chosen_dtype_is_left_alone(monkeypatch):
 def test_engine_config_resolves_auto(monkeypatch, tiny_hf_model_dir):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     cfg = job_config("d.csv", model=str(tiny_hf_model_dir("llama")), device="cpu", quantization="auto")
-    engine_cfg = cfg.engine_config(resolve_engine(cfg))     # jobrunner.resolve: auto, once
+    engine_cfg = cfg.engine_config(resolve_engine(cfg))     # jobrunner.job.resolve: auto, once
     assert (engine_cfg.dtype, engine_cfg.quantization) == ("bfloat16", "none")
     with pytest.raises(JobConfigError, match="--quantization"):
         job_config("d.csv", quantization="fastest")

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from jobrunner.config import job_config
-from jobrunner.job_parts import open_job
+from jobrunner.config.job import job_config
+from jobrunner.job.build import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -27,7 +27,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.job_parts import load_engine
+    from jobrunner.job.build import load_engine
     return load_engine(job_config("unused", kv_cache_memory=32 * 10**6, max_num_seqs=8))
 
 

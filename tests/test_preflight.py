@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from jobrunner import checks, job_parts
-from jobrunner.cli import main
+from jobrunner.job import checks, build
+from jobrunner.cli.main import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-m", f"dummy:{ROOT}/benchmarks/configs/tiny-llama.json", "--kv-cache-memory", "4MB", "--no-chat"]
@@ -26,7 +26,7 @@ def write_jsonl(path, rows):
 def no_model(monkeypatch):
     def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(job_parts, "load_engine", load_engine)
+    monkeypatch.setattr(build, "load_engine", load_engine)
 
 
 def invoke(*args):
@@ -61,7 +61,7 @@ def test_a_column_option_from_toml_is_checked_too(tmp_path, no_model):
 
 
 def test_the_default_id_column_may_be_absent(tmp_path):
-    from jobrunner.api import build_config
+    from jobrunner.api.submit import build_config
     ds = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     assert checks.check_dataset(build_config(ds, {}))[1] == ["prompt"]     # rows are numbered
 
@@ -127,8 +127,8 @@ def test_n_over_1_at_the_checkpoints_greedy_default_exits_before_the_model(tmp_p
 
 
 def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
-    from jobrunner import preload
-    from jobrunner.config import job_config
+    from jobrunner.job import preload
+    from jobrunner.config.job import job_config
     cfg_dir = tmp_path / "m"
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(open(f"{ROOT}/benchmarks/configs/tiny-llama.json").read())
@@ -149,7 +149,7 @@ def test_a_rerun_with_nothing_left_loads_no_model(tmp_path, monkeypatch):
 
     def load_engine(cfg, resolved=None):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(job_parts, "load_engine", load_engine)
+    monkeypatch.setattr(build, "load_engine", load_engine)
     again = invoke("submit", ds, "--max-tokens", "2", *TINY)
     assert again.exit_code == 0 and "rows         2: 2 ok" in again.output, again.output
     # one more row: the model is needed again
@@ -173,7 +173,7 @@ class _Tok:
 
 
 def _classify(**options):
-    from jobrunner.config import job_config
+    from jobrunner.config.job import job_config
     from jobs import make_job
     cfg = job_config("d.jsonl", kind="classify", labels=("positive", "negative"), **options)
     return make_job(cfg.job_spec(), _Tok())
@@ -195,7 +195,7 @@ def test_classify_puts_the_delimiter_between_prompt_and_label(prompt, options, f
 
 
 def test_the_label_delimiter_is_in_a_classify_jobs_fingerprint_only():
-    from jobrunner.config import job_config
+    from jobrunner.config.job import job_config
     a = job_config("d", kind="classify", labels=("a", "b")).fingerprint_fields()
     b = job_config("d", kind="classify", labels=("a", "b"), label_delimiter="").fingerprint_fields()
     assert a != b and a["label_delimiter"] == " "
@@ -221,7 +221,7 @@ def test_messages_column_accepts_text_parts():
 # --- 16: the progress line while a long prompt is prefilled ------------------------------------
 
 def test_progress_counts_tokens_computed_before_any_row_ends(monkeypatch, caplog):
-    from jobrunner import progress
+    from jobrunner.job import progress
     from jobrunner.stats import JobStats
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     counters = SimpleNamespace(tokens_computed=100)

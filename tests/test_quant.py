@@ -239,7 +239,7 @@ def test_fbgemm_row_scales_keep_small_rows_precise_beside_a_large_one(gen):
 
 def test_fbgemm_full_range_probe_agrees_with_the_cpu():
     """VNNI CPUs take 8-bit activations exactly; AVX2 ones saturate and must keep reduce_range."""
-    from jobrunner.precision import VNNI_FLAGS, cpu_flags
+    from jobrunner.job.precision import VNNI_FLAGS, cpu_flags
     if any(f in cpu_flags() for f in VNNI_FLAGS):
         assert qm.fbgemm_full_range()
 

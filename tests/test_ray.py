@@ -35,9 +35,9 @@ HOME = Path(tempfile.mkdtemp(prefix="jr-ray-home-"))
 os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
 ray = pytest.importorskip("ray")
 
-from jobrunner.config import job_config  # noqa: E402
-from jobrunner.job import EXIT_OK  # noqa: E402
-from jobrunner.job_parts import open_job  # noqa: E402
+from jobrunner.config.job import job_config  # noqa: E402
+from jobrunner.job.loop import EXIT_OK  # noqa: E402
+from jobrunner.job.build import open_job  # noqa: E402
 from jobrunner.output import read_results, read_stats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +141,7 @@ def _rows(output: str) -> list[tuple]:
 
 
 def _command(cluster, data, out, *extra) -> list[str]:
-    return [sys.executable, "-m", "jobrunner.cli", "submit", data["path"], "-m", data["model"], "-o", str(out),
+    return [sys.executable, "-m", "jobrunner.cli.main", "submit", data["path"], "-m", data["model"], "-o", str(out),
             *OPTIONS, "--ray", cluster["address"], *extra]
 
 

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.api import build_config
-from jobrunner.cli import main
-from jobrunner.config import JobConfigError
+from jobrunner.api.submit import build_config
+from jobrunner.cli.main import main
+from jobrunner.config.job import JobConfigError
 from jobrunner.parallel.ray_queue import WorkQueue
-from jobrunner.ray_options import RayOptions, fold_cli
+from jobrunner.config.ray import RayOptions, fold_cli
 
 
 def test_the_command_line_folds_into_one_section():
@@ -67,7 +67,7 @@ def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, mon
     """What a worker in Ray's working directory is shipped: the driver's local paths made absolute (URLs and
     built-in dummy names as they are), its JOBRUNNER_* and HF_* variables (issue 41, items 3 and 4)."""
     from jobrunner.parallel.ray_driver import for_workers, worker_env
-    from jobrunner.resolve import Resolved
+    from jobrunner.job.resolve import Resolved
     monkeypatch.chdir(tmp_path)
     (tmp_path / "base").mkdir()
     (tmp_path / "lora").mkdir()
@@ -159,7 +159,7 @@ def test_a_lost_workers_bundles_come_back_less_its_written_rows():
 
     from jobrunner.dataset.rows import Row
     from jobrunner.idset import IdSet
-    from jobrunner.job import ShippedRow, ShippedUnit
+    from jobrunner.job.loop import ShippedRow, ShippedUnit
     from jobrunner.parallel.ray_plan import refill
 
     def row(i):

@@ -17,9 +17,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from jobrunner.config import job_config  # noqa: E402
-from jobrunner.job import EXIT_OK  # noqa: E402
-from jobrunner.job_parts import open_job  # noqa: E402
+from jobrunner.config.job import job_config  # noqa: E402
+from jobrunner.job.loop import EXIT_OK  # noqa: E402
+from jobrunner.job.build import open_job  # noqa: E402
 from jobrunner.output import read_stats  # noqa: E402
 from tests.test_ray import OPTIONS, ROOT, TINY, Driver, _outputs, _session_pids  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_two_nodes_each_run_a_worker_and_the_rows_are_a_local_runs(two_nodes, tm
     finally:
         job.engine.close()
     out = tmp_path / "two-nodes"
-    d = Driver(["ip", "netns", "exec", two_nodes["ns"], sys.executable, "-m", "jobrunner.cli", "submit", str(path),
+    d = Driver(["ip", "netns", "exec", two_nodes["ns"], sys.executable, "-m", "jobrunner.cli.main", "submit", str(path),
                 "-m", model, "-o", str(out), *OPTIONS, "--ray", two_nodes["address"], "--data-parallel", "2",
                 "--ray-min-workers", "2", "--ray-timeout", "180"], env=ENV)
     assert d.wait(300) == 0, d.log[-4000:]

@@ -86,9 +86,9 @@ def test_engine_counts_reasoning_tokens(async_scheduling):
 
 
 def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path):
-    from jobrunner.job_parts import load_engine
-    from jobrunner.config import job_config
-    from jobrunner.job_parts import open_job
+    from jobrunner.job.build import load_engine
+    from jobrunner.config.job import job_config
+    from jobrunner.job.build import open_job
     from openai.types.chat import ChatCompletion
 
     engine = load_engine(job_config("unused", model=str(tiny_hf_model_dir("llama")), kv_cache_memory=8 * 2**20))

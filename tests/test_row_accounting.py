@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("llguidance")
 
-from jobrunner.cli import main  # noqa: E402
+from jobrunner.cli.main import main  # noqa: E402
 from jobrunner.output import read_results, read_stats  # noqa: E402
 
 
@@ -96,8 +96,8 @@ def test_openai_lines_with_n_count_one_row_and_one_prompt(tmp_path, tiny, caplog
 
 @pytest.fixture(scope="module")
 def cache_engine(tmp_path_factory):
-    from jobrunner.job_parts import load_engine
-    from jobrunner.config import job_config
+    from jobrunner.job.build import load_engine
+    from jobrunner.config.job import job_config
     from tests.cache_helpers import tiny_model
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("m")), device="cpu"))
 
@@ -151,7 +151,7 @@ def test_validate_submit_stats_and_a_resumed_progress_count_the_same_failed_rows
     assert re.search(r"rows_computed\s+6\b", st.output), st.output
     # the same job resumed with more rows: its progress line starts from the 3 failed rows already written
     more = jsonl(tmp_path / "d.jsonl", rows + [{"id": "new", "prompt": "a new row"}])
-    import jobrunner.progress as progress
+    import jobrunner.job.progress as progress
     with caplog.at_level(logging.INFO, logger="jobrunner"):
         old, progress.LOG_EVERY_S = progress.LOG_EVERY_S, 0.0
         try:

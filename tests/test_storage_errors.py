@@ -13,8 +13,8 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("flask")
 
-from jobrunner import job_parts  # noqa: E402
-from jobrunner.cli import main  # noqa: E402
+from jobrunner.job import build  # noqa: E402
+from jobrunner.cli.main import main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-m", f"dummy:{ROOT}/benchmarks/configs/tiny-llama.json", "--kv-cache-memory", "4MB", "--no-chat"]
@@ -57,7 +57,7 @@ def s3_env(server, monkeypatch, tmp_path):
 
     def load_engine(cfg):
         raise AssertionError("the model was loaded before the failing check")
-    monkeypatch.setattr(job_parts, "load_engine", load_engine)
+    monkeypatch.setattr(build, "load_engine", load_engine)
     yield monkeypatch
     s3fs.S3FileSystem.clear_instance_cache()
 

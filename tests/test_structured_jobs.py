@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("llguidance")
 
-from jobrunner.cli import main  # noqa: E402
+from jobrunner.cli.main import main  # noqa: E402
 from jobrunner.output import read_results  # noqa: E402
 from tests.cli_helpers import jsonl, submit
 

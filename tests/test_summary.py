@@ -6,13 +6,13 @@ import pyarrow.compute as pc
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import main
-from jobrunner.config import job_config
-from jobrunner.job import EXIT_OK
-from jobrunner.job_parts import open_job
+from jobrunner.cli.main import main
+from jobrunner.config.job import job_config
+from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.build import open_job
 from jobrunner.stats import percentile
 from jobrunner.parallel.stats import merge_stats
-from jobrunner.summary import job_summary, over_runs, part_figures, stored_name
+from jobrunner.output.summary import job_summary, over_runs, part_figures, stored_name
 from jobrunner.output import ResultWriter, read_results, read_stats, write_stats
 
 

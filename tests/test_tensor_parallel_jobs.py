@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import main
-from jobrunner.config import job_config
+from jobrunner.cli.main import main
+from jobrunner.config.job import job_config
 from jobrunner.output import read_results
 
 N_ROWS = 24
@@ -80,7 +80,7 @@ def test_a_killed_rank_exits_1_and_a_rerun_finishes_every_id_once(setup, tmp_pat
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(n)))
     out = tmp_path / "out"
     # one row at a time and a part per row: parts appear early, and most rows are still to come at the kill
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(data), *setup["common"], "--tensor-parallel", "2",
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", str(data), *setup["common"], "--tensor-parallel", "2",
            "--max-num-seqs", "1", "--part-rows", "1", "--no-plan", "-o", str(out)]
     log = tmp_path / "log.txt"
     with open(log, "w") as err:
@@ -172,7 +172,7 @@ def test_option_checks_exit_2_before_any_work(setup, tmp_path):
 
 
 def test_threads_are_shared_by_the_ranks(setup):
-    from jobrunner.resolve import resolve_engine
+    from jobrunner.job.resolve import resolve_engine
     assert job_config("x", threads=4, tensor_parallel=2).cpu_threads() == 2
     assert job_config("x", threads=1, tensor_parallel=2).cpu_threads() == 1        # at least one each
     cfg = job_config("x", model=setup["model"], threads=6, tensor_parallel=4)
@@ -184,7 +184,7 @@ def test_threads_are_shared_by_the_ranks(setup):
 
 def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
     """No GPU here: the device arithmetic alone, with 4 GPUs pretended."""
-    from jobrunner.config import JobConfigError
+    from jobrunner.config.job import JobConfigError
     from jobrunner.parallel import world
     assert world.gpu_groups("3,5,6,7", 4, 2, 2) == ["3,5", "6,7"]     # the user's CUDA_VISIBLE_DEVICES honoured
     assert world.gpu_groups(None, 4, 4, 1) == ["0", "1", "2", "3"]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jobrunner import threads
-from jobrunner.config import job_config, JobConfigError
+from jobrunner.config.job import job_config, JobConfigError
 
 
 def test_free_cores_leaves_the_cores_other_threads_are_running_on(monkeypatch):
@@ -123,7 +123,7 @@ def test_other_load_sees_another_process():
 
 def test_a_job_follows_the_load_unless_its_threads_are_fixed(monkeypatch, tmp_path, tiny_hf_model_dir):
     import torch
-    from jobrunner.job_parts import AllUnits, open_job
+    from jobrunner.job.build import AllUnits, open_job
     before = torch.get_num_threads()
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"id": {i}, "prompt": "p{i}"}}\n' for i in range(3)))

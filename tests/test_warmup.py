@@ -8,7 +8,7 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.cli import main
+from jobrunner.cli.main import main
 from engine import cpu_decode as cd
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobrunner.openai_batch import write_openai_batch_output
+from jobrunner.openai.batch import write_openai_batch_output
 from jobrunner.output import values as V
 from jobrunner.output import (EXTRA_JSON, FIXED_COLUMNS, OutputError, ResultWriter, fingerprint,
                               iter_result_parts, mark_complete, prepare_output, read_results, read_stats,
@@ -181,7 +181,7 @@ def test_a_part_is_flushed_by_time_as_well_as_by_rows(mem):
 
 
 def test_flush_seconds_is_an_option_that_changes_no_output():
-    from jobrunner.config import job_config, JobConfigError
+    from jobrunner.config.job import job_config, JobConfigError
     assert job_config("x").output.flush_seconds == 60.0
     assert job_config("x", flush_seconds=5).fingerprint_fields() == job_config("x").fingerprint_fields()  # resumable
     with pytest.raises(JobConfigError, match="--flush-seconds"):
@@ -483,7 +483,7 @@ def test_read_stats_before_close(mem):
     fs, url, root = mem
     w = ResultWriter(url, manifest())
     w.write([result(0)])
-    assert read_stats(url) is None      # an output no run has written stats into: jobrunner.summary reads its parts
+    assert read_stats(url) is None      # an output no run has written stats into: jobrunner.output.summary reads its parts
     w.flush()
     w.write_stats({"rows": 1, "interrupted": True})  # partial stats: not complete
     assert read_stats(url) == {"rows": 1, "interrupted": True}
@@ -647,7 +647,7 @@ def test_kill_9_of_a_job_keeps_rows_flushed_by_time(tiny_hf_model_dir, tmp_path)
     ds = tmp_path / "k.jsonl"
     ds.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jobrunner.cli", "submit", str(ds), "-m", str(tiny_hf_model_dir("llama")),
+    cmd = [sys.executable, "-m", "jobrunner.cli.main", "submit", str(ds), "-m", str(tiny_hf_model_dir("llama")),
            "-o", str(out), "--device", "cpu", "--max-tokens", "16", "--ignore-eos", "--max-num-seqs", "1",
            "--part-rows", "10000", "--flush-seconds", "0.2"]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -662,7 +662,7 @@ def test_kill_9_of_a_job_keeps_rows_flushed_by_time(tiny_hf_model_dir, tmp_path)
     assert 0 < len(kept) < len(rows) and not (out / "_stats.json").exists()
     from click.testing import CliRunner
 
-    from jobrunner.cli import main
+    from jobrunner.cli.main import main
     r = CliRunner().invoke(main, ["stats", str(out), "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)

@@ -1,6 +1,6 @@
 """The result cache across runs: a result stored under a key of everything that determines it
 (key.py), in Parquet shards bucketed by key (shards.py, store.py), pruned by age or size
-(maintenance.py). jobrunner/reuse.py hooks it, with dedup, into a job.
+(maintenance.py). jobrunner/cache/reuse.py hooks it, with dedup, into a job.
 
 Modes: read-write (the default: serve hits, store what is computed), read-only (serve, never
 store), write-only (store, never serve), refresh (recompute everything and store it; the newest

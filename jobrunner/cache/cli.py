@@ -37,7 +37,7 @@ def stats(url, as_json):
 def prune(url, older_than, max_size):
     """Delete the cache's oldest shards by age and/or total size."""
     from jobrunner.cache.maintenance import parse_duration, prune as prune_cache
-    from jobrunner.config import JobConfigError, parse_size
+    from jobrunner.config.job import JobConfigError, parse_size
     if older_than is None and max_size is None:
         _fail("say what to prune: --older-than 30d and/or --max-size 10GB")
     try:

@@ -8,7 +8,7 @@ and reads the record of each hit by its offset (shards.py).
 
 What a lookup of a batch costs: per bucket touched the first time in a job (or again after the
 LRU dropped it), one listing and one index read per shard; then numpy binary search
-(microseconds) and one range read per hit. Large batches (jobrunner/reuse.py: LOOKUP_ROWS) amortize
+(microseconds) and one range read per hit. Large batches (jobrunner/cache/reuse.py: LOOKUP_ROWS) amortize
 the per-bucket and per-shard costs.
 
 A store's view of the cache is its bucket listings at first use plus what it wrote itself:

@@ -6,7 +6,7 @@ import json
 import posixpath
 from typing import Any
 
-from jobrunner import openai_batch
+from jobrunner.openai import batch as openai_batch
 from jobrunner.dataset.files import lines, list_files, split_ext
 from jobrunner.dataset.rows import DatasetError
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from jobrunner import openai_batch
+from jobrunner.openai import batch as openai_batch
 from jobrunner.dataset.files import decode, ext, lines
 from jobrunner.dataset.rows import JSONL_ID_TYPES, LOST_ID, DatasetError, id_problem, row_id, where
 
@@ -97,7 +97,7 @@ def read_jsonl(url: str, name: str | None, id_column: str | None, has_id: bool, 
         if openai:
             cid, data, err = openai_batch.parse_record(rec)
             if data is not None:
-                data["line"] = lineno           # the error file's error.line (jobrunner.openai_batch)
+                data["line"] = lineno           # the error file's error.line (jobrunner.openai.batch)
             rid = lost if cid is None else cid
             yield rid, data, (f"{where(name, lineno)}: {err}" if err else None)
         elif not isinstance(rec, dict):

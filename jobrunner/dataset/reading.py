@@ -8,14 +8,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from jobrunner import openai_batch
+from jobrunner.openai import batch as openai_batch
 from jobrunner.dataset.csv_reader import csv_header, read_csv
 from jobrunner.dataset.files import list_files
 from jobrunner.dataset.formats import detect_format
 from jobrunner.dataset.jsonl import check_not_json_array, jsonl_columns, jsonl_types, read_jsonl
 from jobrunner.dataset.parquet import parquet_columns, parquet_schema, read_parquet
 from jobrunner.dataset.rows import LOST_ID, Row, id_str
-from jobrunner.openai_rows import row_options
+from jobrunner.openai.rows import row_options
 from jobs.row import NO_OPTIONS
 
 # Each format's reader yields (id value or None, data or None, error or None), one per row; read_rows

@@ -30,7 +30,7 @@ class Row:
     id_value: Any = None      # the id as the output's id column holds it: the id column's value, typed
                               # as the input has it (Parquet Int64: an int); None: `id` itself
     options: RowOptions = NO_OPTIONS    # what the row asks beyond the job's settings (an OpenAI line's
-                                        # body: jobrunner.openai_rows); the job kinds read it
+                                        # body: jobrunner.openai.rows); the job kinds read it
 
 
 id_str = id_key     # a row's id (its key) from its id column's value (containers as canonical JSON)

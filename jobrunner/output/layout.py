@@ -8,7 +8,7 @@ Layout of an output directory:
     part-r1-00000.parquet       parts of another process (part_prefix="part-r1")
     _corrupt-part-00007.parquet a damaged part set aside on resume (its rows are redone)
     _stats.json, _stats.parquet job summary (completion.py)
-    results.openai.jsonl        optional, jobrunner.openai_batch.write_openai_batch_output
+    results.openai.jsonl        optional, jobrunner.openai.batch.write_openai_batch_output
     errors.openai.jsonl         beside it: the lines that failed (one line in one of the two per input line)
 
 Invariants:

@@ -13,7 +13,7 @@ Invariants:
   waited flush_seconds (checked on write() and maybe_flush(), which a job calls after every
   engine step): a kill loses at most flush_seconds of finished rows.
 - The schema: the one the parts found at open have (a resumed job keeps it, whoever wrote it),
-  else the one the job declared (`schema`, jobrunner.result_schema): every part of a job then has
+  else the one the job declared (`schema`, jobrunner.output.schema): every part of a job then has
   it, whatever rows it holds.  Without either, the first part pins one from its rows
   (values.infer_kinds), and waits for a row without an error to do so (error rows alone lack the
   kind's columns; they are no work to redo).

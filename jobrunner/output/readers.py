@@ -84,7 +84,7 @@ def stored_values(table: pa.Table, name: str) -> list[Any]:
 
 def read_stats(output_url: str) -> dict | None:
     """The job summary in _stats.json; None when the output has none yet (no run finished or was
-    interrupted: jobrunner.summary computes one from the parts).  Raises OutputError when
+    interrupted: jobrunner.output.summary computes one from the parts).  Raises OutputError when
     output_url holds no jobrunner output."""
     fs, root = storage.url_fs(output_url)
     try:

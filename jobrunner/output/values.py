@@ -15,7 +15,7 @@ Invariants:
                     logprobs: list<struct<token, logprob, bytes: list<int64>, top_logprobs: list<struct<
                               token, logprob, bytes>>>> (jobs.logprobs; OpenAI's shape)
                     reasoning: string; reasoning_tokens, truncated_tokens: int64
-    declared        a job declares its schema before any row is written (jobrunner.result_schema):
+    declared        a job declares its schema before any row is written (jobrunner.output.schema):
                     the id and input columns with their input types, `reused`, and every column its
                     kind declares; a column of kind "arrow" keeps the field's own Arrow type (a
                     Parquet input's List, Date, struct...), a value fits it when it round-trips exactly.

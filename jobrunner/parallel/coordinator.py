@@ -15,9 +15,9 @@ import threading
 import time
 from functools import partial
 
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.exit_codes import rows_verdict
-from jobrunner.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
+from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.exit_codes import rows_verdict
+from jobrunner.job.loop import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.ending import write_ending
@@ -55,7 +55,7 @@ class Coordinator:
         return result
 
     def run(self) -> JobResult:
-        from jobrunner.summary import job_summary
+        from jobrunner.output.summary import job_summary
         from jobrunner.output import OutputError, prepare_output
 
         cfg = self.cfg

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from jobrunner.config import JobConfig
+from jobrunner.config.job import JobConfig
 
 log = logging.getLogger("jobrunner")
 
@@ -11,7 +11,7 @@ log = logging.getLogger("jobrunner")
 def write_ending(cfg: JobConfig, summary: dict, manifest: dict, complete: bool) -> None:
     """Stats always; the manifest marked complete (and an OpenAI output finished) only when every row
     was written. The workers wrote the parts: a listing, not a scan of every part, marks the job complete."""
-    from jobrunner.openai_batch import finish_openai_output
+    from jobrunner.openai.batch import finish_openai_output
     from jobrunner.output import mark_complete, prepare_output, write_stats
     if complete:
         mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, manifest))

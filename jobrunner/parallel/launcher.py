@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import JobResult
+from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.loop import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
@@ -116,7 +116,7 @@ def worker_process_main() -> int:
     import torch.distributed as dist
 
     _setup_worker_logging(int(os.environ["RANK"]))
-    from jobrunner.resolve import Resolved
+    from jobrunner.job.resolve import Resolved
     cfg = config_from_json(os.environ["JOBRUNNER_WORKER_CONFIG"])
     resolved = Resolved.from_json(os.environ["JOBRUNNER_WORKER_RESOLVED"])     # the launcher's, not again
     parent = int(os.environ["JOBRUNNER_LAUNCHER_PID"])
@@ -143,7 +143,7 @@ def config_to_json(cfg: JobConfig) -> str:
 
 def config_from_json(text: str) -> JobConfig:
     """The launcher's JobConfig, from its flat options as JSON (lists back to tuples)."""
-    from jobrunner.config import field_value
+    from jobrunner.config.job import field_value
     d = json.loads(text)
     given = d.pop("given", ())
     return JobConfig.from_options({**{k: v if v is None else field_value(k, v) for k, v in d.items()},

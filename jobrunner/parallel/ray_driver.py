@@ -28,9 +28,9 @@ import signal
 import threading
 import time
 
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.exit_codes import rows_verdict
-from jobrunner.job import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
+from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.exit_codes import rows_verdict
+from jobrunner.job.loop import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
 from jobrunner.parallel.ending import write_ending
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.parallel.world import preflight
@@ -110,7 +110,7 @@ def run_ray(cfg: JobConfig) -> JobResult:
     driver = RayDriver(cfg, ray)
     try:
         driver.start_workers()      # their processes start (Python, torch) while the job is checked here
-        # jobrunner.resolve, once for the job: its workers get it as JSON, and load their engine
+        # jobrunner.job.resolve, once for the job: its workers get it as JSON, and load their engine
         driver.load_workers(preflight(cfg))
         return driver.run()
     finally:
@@ -264,7 +264,7 @@ class RayDriver:
 
     def _job(self, members: list[int]) -> JobResult:
         """Plans here (the workers run meanwhile), then watches the workers until every unit is written."""
-        from jobrunner.job_parts import WINDOW_ROWS, open_job
+        from jobrunner.job.build import WINDOW_ROWS, open_job
         from jobrunner.parallel.ray_plan import EngineFace, ShipUnits
         cfg, start = self.cfg, time.time()
         face = EngineFace(*self.ray.get(self.workers[members[0]].face.remote()))
@@ -386,7 +386,7 @@ class RayDriver:
         self.queue.stop.remote()
 
     def _finish(self, planned: dict, start: float) -> JobResult:
-        from jobrunner.summary import job_summary
+        from jobrunner.output.summary import job_summary
         cfg, results = self.cfg, self.results
         ever = {v["rank"] for v in results} | set(self.lost)
         run = merge_stats(results, cfg, wall_s=time.time() - start, devices=len(ever), rounds=1, lost=self.lost,

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from engine import EngineCounters
-from jobrunner.job import ShippedRow, ShippedUnit
+from jobrunner.job.loop import ShippedRow, ShippedUnit
 from jobrunner.parallel.worker import spread_windows
 
 log = logging.getLogger("jobrunner")

@@ -6,7 +6,7 @@ refs the queue actor (ray_queue.py) hands out, as the engine has room. Nothing i
 here. Its progress goes to the queue too (QueueProgress), with the bundles whose rows are all in its
 parts, which the queue then forgets (a lost worker's other bundles go back to the queue). Parts are
 written with the usual atomic protocol under the run's prefix (`part-r<slot>`), so the output is a
-local run's. The config and jobrunner.resolve's Resolved are the driver's, as JSON (as the
+local run's. The config and jobrunner.job.resolve's Resolved are the driver's, as JSON (as the
 data-parallel launcher passes them): resolved once per job.
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from jobrunner.config import JobConfigError
+from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import DatasetError
 from jobrunner.idset import IdSet
-from jobrunner.job import EXIT_CONFIG
-from jobrunner.job_parts import open_job
+from jobrunner.job.loop import EXIT_CONFIG
+from jobrunner.job.build import open_job
 from jobrunner.parallel.launcher import config_from_json
 from jobrunner.parallel.worker import run_claimed
-from jobrunner.resolve import Resolved
+from jobrunner.job.resolve import Resolved
 
 log = logging.getLogger("jobrunner")
 
@@ -136,7 +136,7 @@ class RayWorker:
         (the driver's, JSON: its paths as given, where config's are made absolute for this process)."""
         import ray
         from engine import cache_root
-        from jobrunner.job_parts import load_engine
+        from jobrunner.job.build import load_engine
         cfg = config_from_json(config)
         # the driver alone prepares (and overwrites) the output; it shares the cores out
         self.cfg = replace(cfg, output=replace(cfg.output, overwrite=False),

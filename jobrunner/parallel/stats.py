@@ -4,7 +4,7 @@ every row (metrics included) is then computed from the parts, as for one worker 
 """
 from __future__ import annotations
 
-from jobrunner.config import JobConfig
+from jobrunner.config.job import JobConfig
 from jobrunner.stats import PREFIX_KEYS, REUSE_SUMS, ROW_SUMS, percentile, rates, summed
 
 SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles

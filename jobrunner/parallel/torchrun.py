@@ -16,8 +16,8 @@ import threading
 import time
 from dataclasses import replace
 
-from jobrunner.config import JobConfig
-from jobrunner.job import JobResult
+from jobrunner.config.job import JobConfig
+from jobrunner.job.loop import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import STORE_TIMEOUT

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, replace
 
 from engine import EngineFailure
-from jobrunner.config import JobConfig, JobConfigError
-from jobrunner.job import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
-from jobrunner.job_parts import open_job
+from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.loop import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
+from jobrunner.job.build import open_job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
 from jobrunner.planner import spread_units
@@ -27,10 +27,10 @@ log = logging.getLogger("jobrunner")
 def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads: int | None = None,
                 before_exit=lambda: None) -> int:
     """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code.
-    `resolved`: the launcher's (or this torchrun rank's) jobrunner.resolve, shared by every round.
+    `resolved`: the launcher's (or this torchrun rank's) jobrunner.job.resolve, shared by every round.
     `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
     it stops the process's other users of the store."""
-    from jobrunner.job_parts import load_engine
+    from jobrunner.job.build import load_engine
 
     stop: list = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from jobrunner.config import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfig, JobConfigError
 
 
 def distributed_env() -> dict | None:
@@ -77,6 +77,6 @@ def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
 
 def preflight(cfg: JobConfig):
     """What can fail without a model, before any process starts, and what the job's workers share:
-    jobrunner.resolve's Resolved (the model's path and precision, the input's format, ...)."""
-    from jobrunner.resolve import resolve
+    jobrunner.job.resolve's Resolved (the model's path and precision, the input's format, ...)."""
+    from jobrunner.job.resolve import resolve
     return resolve(cfg, parallel=True)

@@ -1,0 +1,1 @@
+"""The Python API: submit a job, or generate over rows in memory."""

@@ -1,0 +1,364 @@
+"""The command line: `jobrunner submit | validate | repair | warmup | stats | models | cache`.
+
+Option defaults come from JobConfig's sections (jobrunner/config/sections.py); `--config job.toml` supplies any option, and the
+command line wins over the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import signal
+import sys
+
+import click
+
+from jobrunner.cache.cli import cache as cache_commands
+from jobrunner.config.cli_options import GroupedCommand, job_options
+from jobrunner.config.job import JobConfig, JobConfigError, config_fields
+
+
+def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
+    """Command line over TOML file over JobConfig's defaults (which the options' defaults show):
+    the options given on the command line, through the API's build_config."""
+    from jobrunner.api.submit import build_config as build
+    from jobrunner.config.ray import fold_cli
+    known = config_fields()
+    given = {name: value for name, value in params.items()
+             if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
+    given = fold_cli(given)         # --ray and --ray-*: the one `ray` option (JobConfigError: exit 2)
+    return build(dataset, {k: v for k, v in given.items() if k in known}, params.get("config_file"))
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def _fail_config(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(2)
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _interrupted() -> None:
+    """A second Ctrl-C (Job._on_signal raises KeyboardInterrupt), or one before the job set its
+    handlers: exit 130 with one line, not click's "Aborted!" and exit 1 (which means lost workers)."""
+    _fail(130, "interrupted; the parts already written are kept: run the same command again to resume")
+
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM before the job sets its own handlers (while the model loads, say) ends the command as
+    Ctrl-C does: exit 130 with its line, not a silent 143. The job's handlers replace this one while it
+    runs (Job.run, the launchers) and put it back after."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="jobrunner")
+def main():
+    """Batch LLM inference over Parquet, JSONL and CSV datasets.
+
+    \b
+    Examples:
+      jobrunner submit examples/reviews.jsonl --max-tokens 32
+      jobrunner submit s3://bucket/prompts.parquet -o s3://bucket/out/ --kind classify --labels yes,no
+      jobrunner stats examples/reviews.jsonl.results
+    """
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("dataset")
+@job_options
+@click.pass_context
+def submit(ctx, dataset, **params):
+    """Run a job to completion in the foreground.
+
+    \b
+    Exit codes: 0 done; 1 workers or a tensor-parallel rank lost (the rows written are kept: run
+    the same command again to resume); 2 bad configuration or unreadable input (nothing run);
+    3 more failed rows than --max-error-rate, or every row failed (unless --allow-all-failed),
+    over every row of the output (a rerun too); 4 output storage failed;
+    130 interrupted (run the same command again to resume).
+
+    Output rows are written in completion order, not input order: join on `id`.
+
+    \b
+    Examples:
+      jobrunner submit prompts.jsonl --max-tokens 64
+      jobrunner submit reviews.parquet --template "Review: {text}" --kind classify --labels positive,negative
+      jobrunner submit evals.csv --kind classify --labels-column choices --reference-column answer
+      jobrunner submit batch.jsonl --format openai-batch --output-format openai-batch
+    """
+    _setup_logging(params["verbose"])
+    _sigterm_interrupts()
+    from jobrunner.api.submit import OutputStorageError, run
+    from jobrunner.job.loop import EXIT_STORAGE
+    try:
+        result = run(build_config(ctx, dataset, params))
+    except JobConfigError as e:
+        _fail_config(e)
+    except OutputStorageError as e:
+        _fail(EXIT_STORAGE, str(e))
+    except KeyboardInterrupt:
+        click.echo(err=True)    # past the ^C on the terminal
+        _interrupted()
+    _print_summary(result.stats, result.output)
+    if result.error:        # after the summary, so that it is the last line a person (or a cron mail) reads
+        click.echo(f"error: {result.error}", err=True)
+    sys.exit(result.exit_code)
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("dataset")
+@job_options
+@click.pass_context
+def validate(ctx, dataset, **params):
+    """Check a dataset and options, count prompt tokens and estimate time, without generating."""
+    _setup_logging(params["verbose"])
+    from jobrunner.dataset import DatasetError
+    from jobrunner.cli.validate import validate_job
+    try:
+        cfg = build_config(ctx, dataset, params)
+        report = validate_job(cfg)
+    except (JobConfigError, DatasetError) as e:
+        _fail_config(e)
+    except OSError as e:
+        _fail(2, f"cannot read the dataset or the model: {e}")
+    except KeyboardInterrupt:
+        click.echo(err=True)
+        _interrupted()
+    prompt = report.pop("first_prompt", None)
+    for k, v in report.items():
+        click.echo(f"{k:28s} {v}")
+    if prompt is not None:      # verbatim, so a stray \n or a missing chat template shows
+        click.echo(f"first prompt, exactly as the tokenizer gets it, between the ---- lines:\n----\n{prompt}\n----")
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("dataset")
+@job_options
+@click.pass_context
+def repair(ctx, dataset, **params):
+    """Rebuild an output's damaged _manifest.json from its part files and this job's options: the
+    submit command's dataset and options, with `repair` for `submit`. Then submit again to resume.
+    Reads no part and loads no model; refuses an output with an intact manifest or files not ours.
+
+    \b
+    Example:
+      jobrunner repair reviews.parquet -o out/ --kind classify --labels yes,no
+    """
+    _setup_logging(params["verbose"])
+    from jobrunner.job.manifest import repair_manifest
+    from jobrunner.output import OutputError
+    try:
+        cfg = build_config(ctx, dataset, params)
+        manifest = repair_manifest(cfg)
+    except (JobConfigError, OutputError) as e:
+        _fail_config(e)
+    except OSError as e:
+        _fail(4, f"cannot write the manifest of {params.get('output') or dataset}: {e}")
+    click.echo(f"rebuilt {cfg.output_url}/_manifest.json over {len(manifest['parts'])} part files; "
+               "submit the same job again to resume it")
+
+
+@main.command(cls=GroupedCommand)
+@job_options
+@click.pass_context
+def warmup(ctx, **params):
+    """Prepare the model once, before the first job: fetch and convert it and, on CPU, build the
+    in-place decode attention kernel for its shapes (minutes; a job never builds it on the cores it
+    runs on). Takes the job options that choose the model (-m, --quantization, --dtype, --block-size).
+    Idempotent: a second call takes seconds.
+
+    \b
+    Examples:
+      jobrunner warmup
+      jobrunner warmup -m /models/Qwen3-0.6B
+    """
+    _setup_logging(params["verbose"])
+    from jobrunner.cli.warmup import warmup as run_warmup
+    try:
+        figures = run_warmup(build_config(ctx, "", params))
+    except JobConfigError as e:
+        _fail_config(e)
+    except KeyboardInterrupt:
+        click.echo(err=True)
+        _interrupted()
+    for k, v in figures.items():
+        click.echo(f"{k:16s} {v}")
+
+
+@main.command()
+@click.argument("output")
+@click.option("--all", "show_all", is_flag=True, help="Print every figure (latency percentiles, prefix optimum, "
+                                                     "engine counters, each run), not the ten-line summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON (the whole _stats.json).")
+def stats(output, show_all, as_json):
+    """Print a job's summary; for a job killed before any run ended, a partial one from its parts."""
+    from jobrunner.output.summary import job_summary
+    from jobrunner.output import OutputError, read_manifest, read_stats
+    try:
+        s = read_stats(output)
+        if s is None:       # no run wrote stats (killed): the rows' figures from the parts written so far
+            s = {"partial": True, **job_summary(output, (read_manifest(output) or {}).get("config") or {})}
+    except OutputError as e:
+        _fail_config(e)
+    except (OSError, ValueError) as e:
+        _fail_config(f"cannot read the job summary in {output}: {e}")
+    if s.get("partial"):
+        click.echo("partial summary: the job did not finish; figures over the rows written so far", err=True)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+    elif show_all:
+        _print_all(s, output)
+    else:
+        _print_summary(s, output)
+
+
+def _print_summary(s: dict, output: str) -> None:
+    """The summary a person reads at the end of a job: about ten lines. `jobrunner stats --all`
+    prints every figure, `--json` the whole _stats.json."""
+    click.echo("\n".join(summary_lines(s, output)))
+
+
+def summary_lines(s: dict, output: str) -> list[str]:
+    """Rows, tokens, cache hits, time, throughput, cost, metrics, device, and where the output and
+    the full figures are; a line only when the summary has its figures (a partial one has no times)."""
+    lines = [("output", output)]
+    if "rows" in s:
+        failed = s.get("rows_failed") or 0
+        note = " (their errors are in the `error` column)" if failed else ""
+        lines.append(("rows", f"{s['rows']:,}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
+    if isinstance(s.get("openai_output"), dict):   # one line per input line, in one of the two files
+        lines.append(("openai", ", ".join(f"{n:,} lines in {name}" for name, n in s["openai_output"].items())))
+    if s.get("constrained_incomplete"):
+        lines.append(("incomplete", f"{s['constrained_incomplete']:,} constrained outputs cut by --max-tokens "
+                                    f"before their grammar ended (finish_reason length)"))
+    if s.get("schema_invalid"):
+        lines.append(("schema", f"{s['schema_invalid']:,} of {s['schema_invalid'] + s.get('schema_valid', 0):,} "
+                                f"outputs under a JSON schema do not validate (schema_valid false)"))
+    if "prompt_tokens" in s:
+        lines.append(("tokens", f"{s['prompt_tokens']:,} prompt, {s.get('completion_tokens', 0):,} completion"))
+        hits = f"{s.get('cache_hit_rate') or 0:.1%} of prompt tokens from the prefix cache"
+        if s.get("optimum_cache_hit_rate") is not None:
+            hits += f" (the dataset's optimum: {s['optimum_cache_hit_rate']:.1%})"
+        lines.append(("cache hits", hits))
+    if s.get("rows_reused") or s.get("rows_from_cache"):
+        saved = f" (~{_usd(s['cost_saved_usd'])} saved)" if s.get("cost_saved_usd") is not None else ""
+        lines.append(("reused", f"{s.get('rows_from_cache') or 0:,} rows from the cache, {s.get('rows_reused') or 0:,} "
+                                f"copies of other rows; {s.get('tokens_saved') or 0:,} tokens not computed{saved}"))
+    if s.get("wall_s") is not None:
+        runs = s.get("runs_recorded") or 1
+        wall = _duration(s["wall_s"]) + (f" over {runs} runs" if runs > 1 else "")
+        if s.get("model_load_s"):
+            wall += f", plus {_duration(s['model_load_s'])} loading the model"
+        lines.append(("wall time", wall))
+    if s.get("decode_tokens_per_s") is not None:
+        lines.append(("throughput", f"{_rate(s['decode_tokens_per_s'])} completion tokens/s, "
+                                    f"{_rate(s.get('prefill_tokens_per_s') or 0)} prompt tokens/s, "
+                                    f"{_rate(s.get('rows_per_s') or 0)} rows/s"))
+    if s.get("cost_usd") is not None:
+        per_m = s.get("cost_per_million_tokens")
+        lines.append(("cost", _usd(s["cost_usd"]) + (f", {_usd(per_m)} per million tokens" if per_m else "")))
+    elif "wall_s" in s:
+        lines.append(("cost", "not priced: give --device-hourly-cost (USD per device-hour)"))
+    metrics = s.get("metrics")
+    if isinstance(metrics, dict):
+        shown = [f"{k} {_number(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)) and v is not None]
+        if shown:
+            lines.append(("metrics", ", ".join(shown)))
+    if s.get("device"):
+        devices = s.get("devices") or 1
+        device = str(s["device"]) + (f" x {devices}" if devices > 1 else "")
+        if s.get("quantization") not in (None, "none"):
+            device += f", {s['quantization']} weights"
+        lines.append(("device", device))
+    if s.get("interrupted"):
+        lines.append(("interrupted", "run the same command again to resume"))
+    lines.append(("all figures", f"jobrunner stats --all {shlex.quote(output)} (or _stats.json)"))
+    return [f"{k:12s} {v}" for k, v in lines]
+
+
+def _number(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _usd(v: float) -> str:
+    return f"${v:,.2f}" if v >= 1 else f"${v:.4f}" if v >= 0.01 else f"${v:.6f}"
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    """12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    m, sec = divmod(round(seconds), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+_RUN_LINE = ("started_at", "rows", "rows_skipped_done", "wall_s", "decode_tokens_per_s", "device", "interrupted")
+
+
+def _print_all(s: dict, output: str) -> None:
+    """Every figure of the summary, one a line (`jobrunner stats --all`)."""
+    def show(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return json.dumps(v) if isinstance(v, (dict, list)) else v
+
+    lines = [f"output  {output}"]
+    for k, v in s.items():
+        if not isinstance(v, (dict, list)):
+            lines.append(f"{k:32s} {show(v)}")
+    for k in ("metrics", "engine"):
+        if isinstance(s.get(k), dict):
+            lines.append(f"{k}:")
+            lines.extend(f"  {kk:30s} {show(vv)}" for kk, vv in s[k].items())
+    if s.get("runs"):
+        lines.append("runs:")
+        lines.extend(f"  {i}  " + "  ".join(f"{k} {show(r[k])}" for k in _RUN_LINE if k in r)
+                     for i, r in enumerate(s["runs"], 1))
+    click.echo("\n".join(lines))
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx):
+    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub)."""
+    if ctx.invoked_subcommand is None:
+        from jobrunner.models import known_models
+        for m in known_models():
+            state = f"cached at {m['path']}" if m["cached"] else "not cached"
+            click.echo(f"{m['name']:28s} {m['description']}  [{state}]")
+
+
+@models.command()
+@click.argument("name")
+def pull(name):
+    """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache."""
+    from engine import ModelError
+    from jobrunner.models import pull as pull_model
+    try:
+        path = pull_model(name)
+    except ModelError as e:
+        _fail_config(e)
+    click.echo(str(path))
+
+
+main.add_command(cache_commands)     # `jobrunner cache stats | prune` (jobrunner/cache/cli.py)
+
+if __name__ == "__main__":
+    main()

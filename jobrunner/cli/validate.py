@@ -1,0 +1,136 @@
+"""`jobrunner validate`: check everything a job needs and count its tokens, without running the model."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from jobrunner.job import checks
+from jobrunner.config.job import JobConfig, JobConfigError
+
+# Rough sustained rates for the estimate (float32 matmul on a 2-core CPU; bf16 on a modern GPU).
+CPU_FLOPS, GPU_FLOPS = 100e9, 300e12
+
+
+def flops_per_token(mc) -> float:
+    """2 x the parameters each token multiplies through (attention over the context not counted)."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    return 2.0 * (mc.num_layers * layer + mc.vocab_size * mc.hidden_size)
+
+
+def validate_job(cfg: JobConfig) -> dict:
+    import torch
+
+    from engine import ModelError, load_model_bundle
+    from jobrunner.dataset import read_rows
+    from jobrunner.models import describe
+    from jobrunner.openai.kinds import job_for
+    from jobrunner.job.resolve import resolve
+    from jobs import PromptBuilder
+
+    resolved = resolve(cfg, dry=True)       # a known model name is pulled here, on first use
+    fmt, columns, source = resolved.fmt, list(resolved.columns), resolved.model
+    template = checks.check_template(cfg, columns)
+    try:
+        bundle = load_model_bundle(source)
+    except ModelError as e:
+        raise JobConfigError(str(e)) from None
+    checks.check_dimensions(cfg, bundle.config)
+    from jobrunner.cli.model_split import fit_report
+    split = fit_report(cfg, bundle.config, resolved)      # JobConfigError when --tensor-parallel does not divide the model
+    tok = bundle.tokenizer
+    # unset sampling options: the checkpoint's; the context: truncation as submit does
+    spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
+    try:
+        builder, job = PromptBuilder(spec, tok, template), job_for(fmt, cfg, spec, tok, bundle.pooling, source)
+    except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
+        raise JobConfigError(str(e)) from None
+    t = _Tally(openai=fmt == "openai-batch")
+    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, csv_delimiter=cfg.input.csv_delimiter):
+        for row in batch[:None if cfg.input.limit is None else max(0, cfg.input.limit - t.rows)]:
+            t.add(row, builder, job, bundle.config.max_position_embeddings)
+    rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
+    first_prompt = t.first_prompt
+    ok = rows - bad
+    out_tokens = t.out_tokens if cfg.kind.name == "generate" else 0
+    rate = GPU_FLOPS if torch.cuda.is_available() and cfg.engine.device != "cpu" else CPU_FLOPS
+    seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
+    report = {
+        "dataset": cfg.input.dataset, "format": fmt, "columns": ", ".join(columns),
+        "model": describe(cfg.engine.model, bundle.source),
+        "kind": cfg.kind.name, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
+        "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
+        "max_output_tokens_total": out_tokens, "output": cfg.output_url,
+        "estimated_seconds_upper": round(seconds, 1),
+        **split,
+    }
+    if cfg.kind.name == "generate":
+        report["sampling"] = ", ".join(f"{k} {v['value']} ({v['source']})"
+                                       for k, v in cfg.sampling_sources(bundle.generation.sampling).items())
+    if cfg.output.device_hourly_cost is not None:
+        report["estimated_cost_usd_upper"] = round(seconds / 3600 * cfg.output.device_hourly_cost, 4)
+    for i, (msg, n) in enumerate(sorted(errors.items(), key=lambda kv: -kv[1])[:5], 1):
+        report[f"error {i} (x{n})"] = msg       # two messages with one count: both shown
+    report.update(t.failed_lines)       # an OpenAI batch file: every line that would fail, by its number
+    if first_prompt is not None:
+        report["first_prompt_id"], report["first_prompt"] = first_prompt
+    return report
+
+
+class _Tally:
+    """Rows, error rows by message, prompt tokens, duplicates and the first good prompt."""
+
+    def __init__(self, openai: bool = False):
+        self.rows = self.bad = self.prompt_tokens = self.longest = self.dup = self.out_tokens = 0
+        self.errors: dict[str, int] = {}
+        self.openai = openai
+        self.failed_lines: dict[str, str] = {}      # "line N" -> why (OpenAI batch files)
+        self.seen: set[str] = set()
+        self.first_prompt: tuple[str, str] | None = None
+
+    def add(self, row, builder, job, context: int) -> None:
+        from jobs import RowError
+        self.rows += 1
+        if row.id in self.seen:         # submit writes it as an error row (jobrunner/job/loop.py): counted so here
+            self.dup += 1
+            self._failed(row, "duplicate id: an earlier row has the same id")
+            return
+        self.seen.add(row.id)
+        try:
+            text, n_tokens, out_tokens = _check_row(builder, job, row, context)
+        except RowError as e:
+            self._failed(row, str(e))
+            return
+        self.out_tokens += out_tokens
+        if self.first_prompt is None:
+            self.first_prompt = (row.id, text)
+        self.prompt_tokens += n_tokens
+        self.longest = max(self.longest, n_tokens)
+
+    def _failed(self, row, why: str) -> None:
+        self.bad += 1
+        self.errors[why[:80]] = self.errors.get(why[:80], 0) + 1
+        if self.openai:
+            self.failed_lines.update([openai_failed_line(row, why)])
+
+
+def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
+    """The row's rendered prompt (the text the tokenizer gets), its token count and the most tokens it
+    may generate (its own max_tokens, an OpenAI line's body's, x n; 0 for an embedding); RowError where
+    submit would record an error row."""
+    from jobs import RowError
+    if row.error:
+        raise RowError(row.error.split(": ", 1)[-1])
+    text, ids = builder.build(row.data, row.options)
+    req, _ = job.request(row.id, ids, row.data, row.options)
+    too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
+    if too_long:
+        raise RowError(too_long)
+    most = req.sampling.max_tokens * req.sampling.n if req.embed is None and req.sampling is not None else 0
+    return text, len(req.prompt_token_ids), most
+
+
+def openai_failed_line(row, error: str) -> tuple[str, str]:
+    """("line N", why) of an OpenAI batch line that would be an error line (its number as the error file's)."""
+    from jobrunner.openai.errors import error_object
+    e = error_object(row.error or error, (row.data or {}).get("line"))       # row.error: "line N: why"
+    return f"line {e['line'] if e['line'] is not None else '?'}", e["message"]

@@ -1,0 +1,1 @@
+"""The job's configuration: typed sections, their values, and the command line's options."""

@@ -1,0 +1,80 @@
+"""The structured-output options (--json-schema, --json, --regex, --choice, --grammar,
+--schema-column, --json-schema-mode, --grammar-timeout): their rules, the files they name, and the compile check
+that makes a bad constraint exit 2 before any work."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from engine import Constraint
+from jobs.schema_check import with_mode
+
+# JobConfig field -> its option
+CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "choice": "--choice",
+                      "grammar": "--grammar"}
+
+
+def _bad(message: str):
+    from jobrunner.config.values import JobConfigError
+    raise JobConfigError(message)
+
+
+def validate_constraint_options(kind) -> None:
+    """The options' combinations and values (no file read), of a GenerateKind; JobConfigError."""
+    given = [opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name)]
+    if kind.schema_column:
+        given.append("--schema-column")
+    if len(given) > 1:
+        _bad(f"{' and '.join(given)} contradict each other: give one constraint")
+    if len(set(kind.choice)) != len(kind.choice):
+        _bad("--choice has duplicates")
+
+
+def job_constraint(kind) -> Constraint | None:
+    """A GenerateKind's constraint, with the files it names read (a schema as written: each row's is compiled
+    under its schema mode, jobs/constraint.py); JobConfigError when one can't be."""
+    if kind.json_schema:
+        text = kind.json_schema
+        return Constraint("json_schema", text if text.lstrip().startswith("{") else _read(text, "--json-schema"))
+    if kind.json:
+        return Constraint("json")
+    if kind.regex:
+        return Constraint("regex", kind.regex)
+    if kind.choice:
+        return Constraint("choice", json.dumps(list(kind.choice)))
+    if kind.grammar:
+        return Constraint("grammar", _read(kind.grammar, "--grammar"))
+    return None
+
+
+def check_job_constraint(cfg) -> None:
+    """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
+    JobConfigError naming the option and the problem."""
+    kind = cfg.kind
+    if kind.name != "generate" or (c := job_constraint(kind)) is None:
+        return
+    from engine import check_constraint        # torch: only for a job with a constraint
+    if c.kind == "json_schema":
+        c = Constraint("json_schema", with_mode(c.spec, kind.json_schema_mode))
+    option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+    try:
+        error = pool.submit(check_constraint, c).result(timeout=cfg.engine.grammar_timeout)
+    except FutureTimeout:
+        _bad(f"{option}: did not compile within {cfg.engine.grammar_timeout:g} s; simplify it or raise --grammar-timeout")
+    finally:
+        pool.shutdown(wait=False)
+    if error:
+        _bad(f"{option}: {error}")
+
+
+def _read(url: str, option: str) -> str:
+    from jobrunner import storage
+    try:
+        fs, path = storage.url_fs(url)
+        with fs.open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except (OSError, ValueError, ImportError) as e:
+        _bad(f"{option} {url!r}: not JSON text and cannot read it as a file: {e}" if option == "--json-schema"
+             else f"{option} {url!r}: cannot read the file: {e}")

@@ -1,0 +1,1 @@
+"""One job: its configuration resolved and checked, its parts built, the loop, its ending."""

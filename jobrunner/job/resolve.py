@@ -1,0 +1,151 @@
+"""The one step that does the IO a job's configuration implies, before any work: the dataset's format
+and columns (and every check that needs them), the output's state, the model name's local path (a
+known model or a Hub name may download here), each LoRA adapter's local directory (an fsspec URL is
+copied, a Hub name downloaded) and content hash, what `--quantization auto` and the dtype default stand
+for on this machine, and the result cache's URL. What it finds is a `Resolved`, kept beside the
+JobConfig (never written into it), run once per job: by api.run in one process, by the launcher or
+each torchrun rank before its workers start (they get it with the config), by `jobrunner validate`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from jobrunner.job import checks, preload
+from jobrunner.config.job import JobConfig, JobConfigError
+
+log = logging.getLogger("jobrunner")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    fmt: str                    # the input's format, detected (never "auto")
+    columns: tuple[str, ...]    # the input's columns; () when a format has none to list
+    model: str                  # what the engine loads (a local path, URL or dummy:)
+    dtype: str                  # the engine's dtype option (auto stays auto: the engine picks by device)
+    float_dtype: str            # the float dtype weights are computed in, for estimates (model_split)
+    quantization: str           # never "auto"
+    cache_url: str | None       # the result cache: --cache, else $JOBRUNNER_CACHE_URL, else None
+    rows_done: int | None = None    # a rerun with every row in the output already: the rows read; else None
+    lora: tuple[tuple[str, str, str], ...] = ()     # (name, local directory, content hash) of each adapter
+
+    @property
+    def adapter_paths(self) -> tuple[tuple[str, str], ...]:
+        """(name, local directory) of each LoRA adapter: what the engine loads."""
+        return tuple((name, path) for name, path, _ in self.lora)
+
+    @property
+    def adapter_hashes(self) -> dict[str, str]:
+        """name -> content hash: the resume fingerprint and the result cache's keys."""
+        return {name: digest for name, _, digest in self.lora}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Resolved:
+        d = json.loads(text)
+        return cls(**{**d, "columns": tuple(d["columns"]), "lora": tuple(tuple(a) for a in d.get("lora", ()))})
+
+
+def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True, dry: bool = False) -> Resolved:
+    """Every check that needs a file, in the order that fails cheapest first (the dataset, the template,
+    a constraint, the cache URL, the model's path, the output): JobConfigError (exit 2) before any work.
+    parallel: for a data-parallel launch, whose workers each see a share (an empty dataset warns here,
+    and the output's state is the coordinator's to find). output_state False: for a job on an engine
+    already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
+    `jobrunner validate`, which writes nothing: the output is neither checked nor created."""
+    fmt, columns = checks.check_dataset(cfg)
+    checks.check_template(cfg, columns)
+    checks.check_constraint(cfg)
+    url = cache_url(cfg)
+    open_cache(url)                   # a URL that cannot be opened: exit 2, before the output exists
+    if parallel:
+        checks.check_not_empty(cfg, fmt)
+    elif not dry:
+        preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
+    model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
+    preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
+    lora = adapters(cfg)
+    if not dry:     # before the model loads: loading one can take minutes
+        checks.check_output(cfg, {name: digest for name, _, digest in lora})
+    rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
+    dtype, quantization = precision(cfg)
+    return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
+                    float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
+                    cache_url=url, rows_done=rows_done, lora=lora)
+
+
+def cache_url(cfg: JobConfig) -> str | None:
+    """The result cache's URL: --cache, else $JOBRUNNER_CACHE_URL, else None (no cache)."""
+    from jobrunner.cache import ENV_URL
+    return cfg.reuse.cache or os.environ.get(ENV_URL) or None
+
+
+def model_path(name: str) -> str:
+    """A model name as the engine loads it (jobrunner.models: a known name is pulled into the cache on
+    first use, a Hub name through huggingface_hub); JobConfigError when it can't be."""
+    from engine import ModelError
+    from jobrunner.models import resolve_model
+    try:
+        return resolve_model(name)
+    except ModelError as e:
+        raise JobConfigError(str(e)) from None
+
+
+def adapters(cfg: JobConfig) -> tuple[tuple[str, str, str], ...]:
+    """(name, local directory, content hash) of each --lora adapter: its path resolved as a base model's
+    is (jobrunner.models.resolve_adapter), its config checked by the engine (engine.check_adapter) before
+    any weight is read. JobConfigError (exit 2) when one cannot be found or is refused."""
+    from engine import ConfigError, ModelError, check_adapter
+    from jobrunner.models import resolve_adapter
+    out = []
+    for name, given in cfg.lora.adapters:
+        try:
+            path = resolve_adapter(given)
+            out.append((name, path, check_adapter(name, path).content_hash))
+        except (ModelError, ConfigError) as e:
+            raise JobConfigError(str(e)) from None
+    return tuple(out)
+
+
+def precision(cfg: JobConfig) -> tuple[str, str]:
+    """(dtype, quantization) for the engine: `--quantization auto` picks both for this machine
+    (jobrunner.job.precision); w8a8 does not split over tensor-parallel ranks, so auto takes float there."""
+    e = cfg.engine
+    if e.quantization != "auto":
+        return e.dtype, e.quantization
+    from jobrunner.job.precision import auto_precision
+    dtype, quantization, why = auto_precision(e.device, e.dtype)
+    if quantization == "w8a8" and cfg.parallel.tensor_parallel > 1:
+        quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
+    log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
+    return dtype, quantization
+
+
+def float_dtype(device: str, dtype: str) -> str:
+    """The float dtype's name: dtype auto is bfloat16 on a GPU and float32 on CPU (as the engine picks)."""
+    if dtype != "auto":
+        return dtype            # checked where it is used (the engine, model_split)
+    from jobrunner.job.precision import on_gpu
+    return "bfloat16" if on_gpu(device) else "float32"
+
+
+def resolve_engine(cfg: JobConfig) -> Resolved:
+    """For a command that loads the job's model without a dataset (`jobrunner warmup`): the model's path
+    and the precision only (fmt and columns empty, no output)."""
+    dtype, quantization = precision(cfg)
+    return Resolved(fmt="", columns=(), model=model_path(cfg.engine.model), dtype=dtype,
+                    float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
+                    lora=adapters(cfg))
+
+
+def open_cache(url: str | None):
+    """The result cache's store (None without one); a URL that cannot be opened exits 2."""
+    from jobrunner.cache import open_store
+    try:
+        return open_store(url)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None

@@ -1,0 +1,1 @@
+"""The OpenAI batch format: request lines in, response and error lines out."""

@@ -1,0 +1,54 @@
+"""The `error` object of an OpenAI batch error line ({code, message, param, line}, openai.types.BatchError)
+from a row's error text.
+
+    error_object("line 4: parameter 'tools' is not supported ...", None)
+      -> {"code": "invalid_request", "message": "parameter 'tools' ...", "param": "tools", "line": 4}
+
+A row's error is one string (the Parquet `error` column); the body key it is about is found in the
+phrasings jobrunner.openai.request, openai_embeddings, openai_batch and openai_routed use (a test
+holds them to it). line: the row's `line` column (openai_batch.parse_record's line number), else the
+"line N:" the reader put before a line it could not parse.
+"""
+from __future__ import annotations
+
+import re
+
+from jobrunner.output.values import is_int
+
+_WHERE = re.compile(r"^(?:\S+ )?line (\d+): ")
+# (pattern, param): the first that matches names the key; group 1, where there is one, is the key
+_PARAMS = (
+    (re.compile(r"^parameter '(\w+)'"), None),
+    (re.compile(r"^unsupported body keys for \S+: (\w+)"), None),
+    (re.compile(r"^model '"), "model"),
+    (re.compile(r"^unsupported endpoint"), "url"),
+    (re.compile(r"^(?:message |messages |every message|OpenAI batch body without messages)"), "messages"),
+    (re.compile(r"^OpenAI batch record without a body"), "body"),
+    (re.compile(r"^an OpenAI chat or completions line in an embed job"), "url"),
+    (re.compile(r"^(stop|logprobs|top_logprobs|logit_bias|chat_template_kwargs|input|dimensions|encoding_format"
+                r"|prompt)(?: must| needs| holds|:)"), None),
+    (re.compile(r"^(response_format)\b"), None),
+    (re.compile(r"^bad (dimensions)"), None),
+)
+
+
+def error_param(message: str) -> str | None:
+    """The body key (or url) an error is about; None when it is about no one key (an engine error)."""
+    text = _WHERE.sub("", message, count=1)
+    for pattern, param in _PARAMS:
+        m = pattern.match(text)
+        if m:
+            return param or m.group(1)
+    return None
+
+
+def error_object(message: str, line) -> dict:
+    """The error line's `error`: code model_not_found for a body.model that is not the job's model
+    (as vLLM answers), invalid_request for a body we cannot run, else row_error (the engine's)."""
+    found = _WHERE.match(message)
+    if not is_int(line) and found:
+        line = int(found.group(1))
+    text = _WHERE.sub("", message, count=1)
+    param = error_param(message)
+    code = "model_not_found" if param == "model" else "invalid_request" if param else "row_error"
+    return {"code": code, "message": text, "param": param, "line": int(line) if is_int(line) else None}
