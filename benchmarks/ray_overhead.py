@@ -88,14 +88,19 @@ def queue_figures(address: str) -> dict:
 
 
 def plan_bytes(prompt_chars: int = 800, rows: int = 64) -> float:
-    """Pickled bytes a row of a shipped bundle (job.ShippedUnit: the row, its tokenizer ids as uint32),
-    for prompts of `prompt_chars` characters of ~4 characters a token (plus the row's own columns)."""
+    """Pickled bytes a row of a shipped bundle (job.pending.ShippedUnit: the row, its request and its
+    prompt's token ids as uint32), for prompts of `prompt_chars` characters of ~4 characters a token
+    (plus the row's own columns)."""
     from array import array
+    from engine import Request, SamplingParams
     from jobrunner.dataset.rows import Row
-    from jobrunner.job.loop import ShippedRow, ShippedUnit
+    from jobrunner.job.pending import PendingRow, ShippedUnit
+    from jobs.row import NO_NOTES
     rnd = random.Random(0)
-    units = [ShippedUnit([ShippedRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),
-                                     array("I", (rnd.randrange(150_000) for _ in range(prompt_chars // 4))))], {})
+    sampling = SamplingParams(max_tokens=16)
+    units = [ShippedUnit([PendingRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),
+                                     array("I", (rnd.randrange(150_000) for _ in range(prompt_chars // 4))),
+                                     Request(f"row-{i}", [], sampling), NO_NOTES)], {})
              for i in range(rows)]
     return len(pickle.dumps(units)) / rows
 

@@ -40,11 +40,14 @@ with open(f"{d}/repeats.jsonl", "w") as f:
     f.writelines(json.dumps(x) + "\n" for x in rows)
 EOF
 
+# the command line's entry, in either layout (jobrunner/cli/main.py, or jobrunner/cli.py before it)
+MAIN=$'try:\n    from jobrunner.cli.main import main\nexcept ImportError:\n    from jobrunner.cli import main\nmain()'
+
 run() {     # run NAME DATASET OPTIONS...
     local name=$1 dataset=$2
     shift 2
     echo "== $name"
-    (cd "$CODE_DIR" && PYTHONPATH="$CODE_DIR" python -c "from jobrunner.cli.main import main; main()" submit "$dataset" --output "$OUT_DIR/$name" \
+    (cd "$CODE_DIR" && PYTHONPATH="$CODE_DIR" python -c "$MAIN" submit "$dataset" --output "$OUT_DIR/$name" \
         --overwrite --limit 8 --max-tokens 8 --device cpu "$@")
 }
 
@@ -56,3 +59,11 @@ run embed "$REVIEWS" --kind embed --prompt-column text
 run openai_batch "$DATA/batch.jsonl" --output-format openai-batch
 run template_system_dedup "$DATA/repeats.jsonl" --template 'Review: {text}\nOne word:' \
     --system 'You rate reviews.' --dedup
+# the same jobs over two data-parallel workers, and over Ray actors (RUN_KINDS_RAY=0 skips them)
+run generate_dp2 "$REVIEWS" --data-parallel 2
+run classify_dp2 "$REVIEWS" --kind classify --labels positive,negative,neutral --reference-column label --data-parallel 2
+if [ "${RUN_KINDS_RAY:-1}" = 1 ] && python -c "import ray" 2>/dev/null; then
+    run generate_ray "$REVIEWS" --ray local --data-parallel 2
+    run template_system_dedup_ray "$DATA/repeats.jsonl" --template 'Review: {text}\nOne word:' \
+        --system 'You rate reviews.' --dedup --ray local --data-parallel 2
+fi

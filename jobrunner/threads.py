@@ -53,6 +53,12 @@ def free_cores() -> int:
     return max(1, cores - int(statistics.median(samples)))
 
 
+def threads_each(threads: int | None, processes: int, cores: int | None = None) -> int:
+    """CPU threads for each of `processes` processes sharing `threads` (--threads), else `cores` (else
+    the free cores): at least one each (two busy threads on one core stall each other)."""
+    return max(1, (threads or (cores if cores is not None else free_cores())) // processes)
+
+
 _BUSY_FIELDS = slice(0, 8)      # /proc/stat's cpu line: user nice system idle iowait irq softirq steal
 _IDLE, _IOWAIT = 3, 4
 OTHER_BUSY_CORE = 0.3           # another process's share of a core from which that core counts as busy

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_model, write_jsonl
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from jobrunner.output.columns import input_names, reserved_columns
 from jobrunner.config.job import job_config
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.output import read_results
 from jobs import KINDS

@@ -71,10 +71,11 @@ def test_counters_are_snapshots_and_count_each_step(engine):
 
 
 def test_an_open_engine_raises_the_gc_threshold_and_the_last_close_restores_it(tiny_hf_model_dir):
-    """The engine's only process-wide change is scoped: it lasts while an engine is open."""
+    """The engine's process-wide changes are scoped: they last while an engine is open (tests/test_engine_scope.py)."""
     import gc
 
     from engine import Engine, EngineConfig
+    gc.collect()                                    # an unclosed engine of an earlier test, collected now, not below
     before = gc.get_threshold()
     path = str(tiny_hf_model_dir("llama"))
     first, second = Engine(EngineConfig(model=path)), Engine(EngineConfig(model=path))

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from jobrunner.job import build
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 

@@ -12,7 +12,7 @@ from jobrunner.job import build
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config, JobConfigError
 from jobrunner.job.build import open_job
-from jobrunner.job.loop import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.output import read_results
 from jobrunner.job.progress import Progress
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.loop import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
 from jobrunner.job.build import open_job
 
 pytestmark = pytest.mark.default_model
@@ -201,11 +201,12 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
 def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
-    import jobrunner.job.build as J
+    from jobrunner.job import build, plan
     from jobrunner.job.build import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
-    monkeypatch.setattr(J, "WINDOW_ROWS", 50)      # the planner's window (jobrunner/job/build.py)
+    for module in (plan, build):        # the planner's window (jobrunner/job/plan.py), and dedup's
+        monkeypatch.setattr(module, "WINDOW_ROWS", 50)
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
     ds = write_jsonl(tmp_path / "dup.jsonl", rows)
 
@@ -248,9 +249,9 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
 def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
-    from jobrunner.job import build
+    from jobrunner.job import plan as job_plan
     from jobrunner.job.build import load_engine
-    from jobrunner.job.build import JobPlanner
+    from jobrunner.job.plan import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}
@@ -272,7 +273,7 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
 
     whole = go("whole")
     monkeypatch.setattr(JobPlanner, "units", counting_units)
-    monkeypatch.setattr(build, "WINDOW_TOKENS", 200)
+    monkeypatch.setattr(job_plan, "WINDOW_TOKENS", 200)
     cut = go("cut")
     assert cut["id"].to_list() == sorted(r["id"] for r in rows)
     assert cut.select("id", "output", "prompt_tokens").equals(whole.select("id", "output", "prompt_tokens"))
@@ -281,24 +282,3 @@ def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, pl
     assert total / (199 + longest) <= sum(windows) <= total / 200 + 1 and windows[-1]
 
 
-@pytest.mark.parametrize("ships", [False, True])
-def test_a_truncated_prompt_keeps_its_full_ids_only_when_its_row_is_shipped(tmp_path, tiny_hf_model_dir, ships):
-    """The tokenizer's ids of a prompt the request cut are kept only for the Ray driver (its workers make
-    the request again from them); a job that runs its rows holds the cut ids alone."""
-    from jobrunner.job.build import AllUnits
-
-    class Work(AllUnits):
-        runs_rows = not ships
-    ds = write_jsonl(tmp_path / "long.jsonl", [{"id": "long", "prompt": "word " * 2000}, {"id": "short", "prompt": "hi"}])
-    job = open_job(job_config(ds, model=str(tiny_hf_model_dir("llama")), truncate_prompt="left", max_tokens=4,
-                              output=str(tmp_path / "out")), work=Work())
-    try:
-        list(job._items())
-        long, short = job.pending["long"], job.pending["short"]
-        assert len(long.tokens) < 512 and short.raw is None
-        if ships:
-            assert len(long.raw) > 2000 and list(long.raw[-len(long.tokens):]) == list(long.tokens)
-        else:
-            assert long.raw is None
-    finally:
-        job.engine.close()

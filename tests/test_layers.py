@@ -44,6 +44,9 @@ def test_the_tree_keeps_every_contract(tree):
     ("engine/_bad_sched.py", "", "free of torch"),
     ("engine/_bad.py", "from kernels.attention import store_kv\n", "public names"),
     ("kernels/_bad.py", "import subprocess\n", "Kernels are functions"),
+    # every engine submodule, those the list once missed and subpackages' modules included (a wildcard)
+    ("jobs/_bad.py", "from engine import host_memory\n", "use the engine only through"),
+    ("jobs/_bad.py", "import engine.lora.adapter\n", "use the engine only through"),
 ])
 def test_a_wrong_import_breaks_its_contract(tree, tmp_path, module, source, contract):
     root = _copy_tree(tmp_path / "t")

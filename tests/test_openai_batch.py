@@ -11,7 +11,7 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.openai.request import body_params, text_messages
 from jobrunner.output import read_results

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.output import EXTRA_JSON, ResultWriter, read_results
 from jobrunner.output import values as V

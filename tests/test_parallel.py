@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
 from jobrunner.parallel.stats import merge_stats
@@ -302,21 +302,22 @@ def test_worker_hands_out_largest_units_first_within_each_window():
              WorkUnit(["d"], 100, 100), WorkUnit(["e"], 1, 1), WorkUnit(["f"], 300, 300, window_end=True),
              WorkUnit(["g"], 2, 2)]
     work = SharedUnits(claim=lambda index: True, rank=0, world=1, out_tokens=0)     # one worker: nothing to spread
-    assert [u.items for u, _ in work.units(iter(units), None)] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]
+    assert [u.items for u, _ in work.units(iter(units), {}, None)] == [["b", "c"], ["a"], ["f"], ["d"], ["e"], ["g"]]
 
 
 def test_worker_spreads_a_window_of_fewer_units_than_workers():
     """One 5-row unit for 2 workers: two halves, figures from the rows' packed token ids, largest first."""
     from array import array
+    from types import SimpleNamespace
 
     from jobrunner.parallel.worker import SharedUnits
     from jobrunner.planner import WorkUnit
     prefix = [9] * 30
     tokens = {"a": prefix + [1], "b": prefix + [2], "c": prefix + [3, 3], "d": prefix + [4, 4, 4, 4], "e": prefix + [5]}
-    packed = {k: array("I", t) for k, t in tokens.items()}     # as the job's pending rows hold them
+    pending = {k: SimpleNamespace(tokens=array("I", t)) for k, t in tokens.items()}     # the job's PendingRows
     claimed = []
     work = SharedUnits(claim=lambda index: claimed.append(index) or index == 1, rank=0, world=2, out_tokens=0)
-    units = list(work.units(iter([WorkUnit(list(tokens), 30, 159, window_end=True)]), packed.__getitem__))
+    units = list(work.units(iter([WorkUnit(list(tokens), 30, 159, window_end=True)]), pending, None))
     # computed tokens: [a, b, c] 94 - 2 * 30 = 34, [d, e] 65 - 30 = 35, so [d, e] goes first
     assert [(u.items, u.shared_prefix_len, u.prompt_tokens) for u, _ in units] == \
         [(["d", "e"], 30, 65), (["a", "b", "c"], 30, 94)]

@@ -66,7 +66,7 @@ def test_the_config_goes_to_the_workers_as_json_and_back():
 def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, monkeypatch):
     """What a worker in Ray's working directory is shipped: the driver's local paths made absolute (URLs and
     built-in dummy names as they are), its JOBRUNNER_* and HF_* variables (issue 41, items 3 and 4)."""
-    from jobrunner.parallel.ray_driver import for_workers, worker_env
+    from jobrunner.parallel.ray_cluster import for_workers, worker_env
     from jobrunner.job.resolve import Resolved
     monkeypatch.chdir(tmp_path)
     (tmp_path / "base").mkdir()
@@ -90,13 +90,13 @@ def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, mon
 def test_a_workers_error_is_named_by_its_cause():
     """Ray's own first line of a task's error (`ray::RayWorker.run() (pid=..)`) says nothing: the cause's
     type and message are shown (issue 41, item 3)."""
-    from jobrunner.parallel.ray_driver import _first_line
+    from jobrunner.parallel.ray_cluster import first_line
 
     class TaskError(Exception):
         cause = FileNotFoundError("dataset not found: p.jsonl")
-    assert _first_line(TaskError("ray::RayWorker.run() (pid=1, ip=127.0.0.1)\n...")) == \
+    assert first_line(TaskError("ray::RayWorker.run() (pid=1, ip=127.0.0.1)\n...")) == \
         "FileNotFoundError: dataset not found: p.jsonl"
-    assert _first_line(ValueError("")) == "ValueError"
+    assert first_line(ValueError("")) == "ValueError"
 
 
 def test_a_ray_option_without_ray_exits_2(tmp_path):
@@ -157,23 +157,26 @@ def test_a_lost_workers_bundles_come_back_less_its_written_rows():
     from array import array
     from types import SimpleNamespace
 
+    from engine import Request
     from jobrunner.dataset.rows import Row
     from jobrunner.idset import IdSet
-    from jobrunner.job.loop import ShippedRow, ShippedUnit
+    from jobrunner.job.pending import PendingRow, ShippedUnit
     from jobrunner.parallel.ray_plan import refill
 
     def row(i):
-        return ShippedRow(Row(0, i, {"prompt": i}), array("I", [1, 2]) if not i[-1].isdigit() else None)
-    a, a1, a2, b, c = (row(i) for i in ("a", "a1", "a2", "b", "c"))
-    bundle = [ShippedUnit([a, b], {"a": [a1, a2]}), ShippedUnit([c], {})]
+        return PendingRow(Row(0, i, {"prompt": i}), array("I", [1, 2]), Request(i, []), f"notes of {i}")
+    a, b, c = (row(i) for i in ("a", "b", "c"))
+    a1, a2 = (Row(0, i, {"prompt": "a"}) for i in ("a1", "a2"))
+    bundle = [ShippedUnit([a, b], {"a": [(a1, "notes of a1"), (a2, "notes of a2")]}), ShippedUnit([c], {})]
     queue = WorkQueue()
     handle = SimpleNamespace(put=SimpleNamespace(remote=queue.put))
     fake_ray = SimpleNamespace(get=lambda v: v, put=lambda v: v)
     assert refill(fake_ray, handle, [(7, 6, [bundle])], IdSet(["a", "a1", "c"])) == (2, 1)
     seq, (units,) = asyncio.run(queue.next(0))
     assert seq == 7 and len(units) == 1         # unit c was written whole
-    assert [s.row.id for s in units[0].rows] == ["a2", "b"] and units[0].copies == {}    # a2 in a's place
-    assert units[0].rows[0].ids == a.ids        # a copy whose leader is written runs on the leader's ids
+    assert [p.id for p in units[0].rows] == ["a2", "b"] and units[0].copies == {}    # a2 in a's place
+    copy = units[0].rows[0]     # a copy whose leader is written runs its leader's request as its own row
+    assert copy.tokens == a.tokens and copy.request.id == "a2" and copy.notes == "notes of a2"
 
 
 def test_a_worker_confirms_a_bundle_once_its_rows_are_in_a_part():
@@ -181,7 +184,7 @@ def test_a_worker_confirms_a_bundle_once_its_rows_are_in_a_part():
     from jobrunner.parallel.ray_worker import QueueUnits
     writer = SimpleNamespace(parts=["p0"], buffered=0)
     job = SimpleNamespace(pending={"x": 1}, writer=writer)
-    work = QueueUnits(queue=None, rank=0, world=2, job=job, running={0: ["x"], 1: ["y"]})
+    work = QueueUnits(queue=None, rank=0, world=2, pending=job.pending, writer=writer, running={0: ["x"], 1: ["y"]})
     writer.buffered = 3                 # y finished, its rows still buffered
     assert work.written() == []
     writer.parts.append("p1")           # a part written since
@@ -196,16 +199,16 @@ def test_a_bundle_is_not_confirmed_while_the_job_has_not_taken_all_its_units():
     # confirming the bundle then lost its rows when the worker died (kill -9 test, CI)
     pytest.importorskip("ray")
     from jobrunner.parallel.ray_worker import QueueUnits
-    unit = lambda *ids: SimpleNamespace(rows=[SimpleNamespace(row=SimpleNamespace(id=i)) for i in ids])  # noqa: E731
+    unit = lambda *ids: SimpleNamespace(rows=[SimpleNamespace(id=i) for i in ids])  # noqa: E731
     job = SimpleNamespace(pending={}, writer=SimpleNamespace(parts=[], buffered=0))
-    work = QueueUnits(queue=None, rank=0, world=2, job=job)
+    work = QueueUnits(queue=None, rank=0, world=2, pending=job.pending, writer=job.writer)
     handed = work.hand_out(7, [unit("a"), unit("b", "c")])
     first, _ = next(handed)
     job.pending.update(a=1)             # the Job adopts the unit it got
     del job.pending["a"]                # a finished and is in a part; b and c are not the Job's yet
     assert work.written() == []
     second, mine = next(handed)
-    assert mine and [r.row.id for r in second.rows] == ["b", "c"]
+    assert mine and [r.id for r in second.rows] == ["b", "c"]
     job.pending.update(b=1, c=1)
     assert work.written() == []
     job.pending.clear()

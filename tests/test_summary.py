@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config
-from jobrunner.job.loop import EXIT_OK
+from jobrunner.job.exit_codes import EXIT_OK
 from jobrunner.job.build import open_job
 from jobrunner.stats import percentile
 from jobrunner.parallel.stats import merge_stats

@@ -185,15 +185,17 @@ def test_threads_are_shared_by_the_ranks(setup):
 def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
     """No GPU here: the device arithmetic alone, with 4 GPUs pretended."""
     from jobrunner.config.job import JobConfigError
+    from jobrunner.job import checks
     from jobrunner.parallel import world
     assert world.gpu_groups("3,5,6,7", 4, 2, 2) == ["3,5", "6,7"]     # the user's CUDA_VISIBLE_DEVICES honoured
     assert world.gpu_groups(None, 4, 4, 1) == ["0", "1", "2", "3"]
-    monkeypatch.setattr(world, "cuda_count", lambda device: 4)
+    for module in (checks, world):
+        monkeypatch.setattr(module, "cuda_count", lambda device: 4)
     assert world.data_parallel_size(job_config("x", tensor_parallel=2)) == 2
     assert world.data_parallel_size(job_config("x", tensor_parallel=8)) == 1
-    world.check_gpus(job_config("x", tensor_parallel=2), 2)
+    checks.check_gpus(job_config("x", tensor_parallel=2), 2)
     with pytest.raises(JobConfigError, match=r"--data-parallel 3 x --tensor-parallel 2 needs 6 GPUs.*default is 2"):
-        world.check_gpus(job_config("x", tensor_parallel=2), 3)
+        checks.check_gpus(job_config("x", tensor_parallel=2), 3)
     with pytest.raises(JobConfigError, match=r"--tensor-parallel 2 from cuda:3 needs 5 GPUs"):
-        world.check_gpus(job_config("x", device="cuda:3", tensor_parallel=2))
-    world.check_gpus(job_config("x", device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check
+        checks.check_gpus(job_config("x", device="cuda:3", tensor_parallel=2))
+    checks.check_gpus(job_config("x", device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check

@@ -123,7 +123,7 @@ def test_other_load_sees_another_process():
 
 def test_a_job_follows_the_load_unless_its_threads_are_fixed(monkeypatch, tmp_path, tiny_hf_model_dir):
     import torch
-    from jobrunner.job.build import AllUnits, open_job
+    from jobrunner.job.build import open_job
     before = torch.get_num_threads()
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"id": {i}, "prompt": "p{i}"}}\n' for i in range(3)))
@@ -143,11 +143,6 @@ def test_a_job_follows_the_load_unless_its_threads_are_fixed(monkeypatch, tmp_pa
         assert job.run().exit_code == 0
         assert gov.current == 1 and torch.get_num_threads() == 1
 
-        class ShipsEveryUnit(AllUnits):         # as the Ray driver's plan: its engine runs no row
-            runs_rows = False
-        plan = open_job(job_config(dataset=str(data), model=model, max_tokens=2, output=str(tmp_path / "plan")),
-                        engine=job.engine, work=ShipsEveryUnit())
-        assert isinstance(plan.threads, threads.FixedThreads)
         job.engine.close()
     finally:
         torch.set_num_threads(before)

@@ -23,7 +23,8 @@ from dataclasses import replace
 from jobrunner.api.submit import JobFailedError, api_errors, build_config
 from jobrunner.api.messages import api_message, check_known
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.loop import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from jobrunner.job.ending import JobResult
 
 __all__ = ["EngineSession", "generate", "open_engine"]
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from jobrunner.api.messages import api_message, check_known
 from jobrunner.config.job import JobConfig, JobConfigError, config_fields, field_value
-from jobrunner.job.loop import JobResult
+from jobrunner.job.ending import JobResult
 from jobrunner.storage import CredentialsError, credentials_error
 
 log = logging.getLogger("jobrunner")

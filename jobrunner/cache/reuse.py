@@ -77,13 +77,14 @@ class Reuse:
             return {}
         return {i: self.held.pop(i) for i in ids if i in self.held}
 
-    def adopt(self, row, req, copies: list) -> None:
-        """A leader planned in another process (a Ray job's driver) and the copies it found for it: the
-        result cache gets the leader's result, the copies get it too (not matched again here)."""
-        if self.store is not None and is_deterministic(req):
-            self.keys[row.id] = request_key(self.model, self.kind, req, self.adapters)
+    def adopt(self, pending, copies) -> None:
+        """A leader planned in another process (a Ray job's driver; a job.pending.PendingRow) and the
+        copies it found for it, as (row, notes): the result cache gets the leader's result, the copies
+        get it too (not matched again here)."""
+        if self.store is not None and is_deterministic(pending.request):
+            self.keys[pending.id] = request_key(self.model, self.kind, pending.engine_request(), self.adapters)
         if copies:
-            self.dedup.waiting[row.id] = list(copies)
+            self.dedup.waiting[pending.id] = list(copies)
 
     def release(self, row_id: str) -> list:
         """A leader that another process runs, with the copies waiting for it (returned); later copies

@@ -99,7 +99,7 @@ def submit(ctx, dataset, **params):
     _setup_logging(params["verbose"])
     _sigterm_interrupts()
     from jobrunner.api.submit import OutputStorageError, run
-    from jobrunner.job.loop import EXIT_STORAGE
+    from jobrunner.job.exit_codes import EXIT_STORAGE
     try:
         result = run(build_config(ctx, dataset, params))
     except JobConfigError as e:

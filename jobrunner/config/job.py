@@ -127,8 +127,8 @@ class JobConfig:
     def cpu_threads(self) -> int:
         """Threads of each process of the engine: --threads (else the free cores) shared by its
         --tensor-parallel ranks, at least one each (two busy threads on one core stall each other)."""
-        from jobrunner.threads import free_cores
-        return max(1, (self.engine.threads or free_cores()) // self.parallel.tensor_parallel)
+        from jobrunner.threads import threads_each
+        return threads_each(self.engine.threads, self.parallel.tensor_parallel)
 
     def sampling_sources(self, model_defaults: Mapping | None = None) -> dict[str, dict]:
         """Each checkpoint-tunable sampling option's value and where it came from: the job (command

@@ -14,12 +14,12 @@ Invariants:
 
 Modules: rows (Row, DatasetError, ids), files (listing, extensions, compression, lines),
 formats (detect_format), one reader per format (jsonl, csv_reader, parquet; the OpenAI batch
-records are parsed by jobrunner.openai_batch), reading (read_rows, dataset_columns,
+records are parsed by jobrunner.openai.batch), reading (read_rows, dataset_columns,
 input_types: the column types an output keeps), counting
-(count_rows).
+(count_rows, rows_to_read).
 """
 
-from jobrunner.dataset.counting import COUNT_MAX_BYTES, count_rows
+from jobrunner.dataset.counting import COUNT_MAX_BYTES, count_rows, rows_to_read
 from jobrunner.dataset.files import list_files
 from jobrunner.dataset.formats import FORMATS, detect_format
 from jobrunner.dataset.reading import dataset_columns, input_types, read_rows
@@ -27,4 +27,4 @@ from jobrunner.dataset.rows import DatasetError, Row
 from jobrunner.storage import missing_backend_message
 
 __all__ = ["DatasetError", "Row", "FORMATS", "detect_format", "list_files",
-           "dataset_columns", "input_types", "read_rows", "count_rows", "COUNT_MAX_BYTES", "missing_backend_message"]
+           "dataset_columns", "input_types", "read_rows", "count_rows", "rows_to_read", "COUNT_MAX_BYTES", "missing_backend_message"]

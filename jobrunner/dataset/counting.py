@@ -31,6 +31,16 @@ def count_rows(url: str, fmt: str = "auto") -> int | None:
     return sum(count(path) for path in files)
 
 
+def rows_to_read(source, fmt: str) -> int | None:
+    """The rows a job reads of `source` (the config's input section: its dataset, at most its --limit);
+    None when they cannot be counted cheaply."""
+    try:
+        n = count_rows(source.dataset, fmt)
+    except Exception:  # noqa: BLE001 - a count is informative only (a progress bar's total)
+        return None
+    return min(n, source.limit) if (n is not None and source.limit) else n
+
+
 def _stored_size(files: list[str]) -> int | None:
     total = 0
     for path in files:

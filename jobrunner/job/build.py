@@ -1,65 +1,76 @@
-"""A Job's parts, made from its configuration and what jobrunner.job.resolve found, and the Job built of
-them in one constructor call (`open_job`). A data-parallel worker is the same Job with another work
-source (jobrunner/parallel/worker.py: SharedUnits) and progress; `jobrunner.generate` the same Job
-with another reader and its rows kept in memory (output.RowSink) instead of an output directory."""
+"""A Job's parts, made from its configuration and what jobrunner.job.resolve found, and the Job built
+of them in one constructor call (`open_job`). The parts below the engine (`open_parts`: the kind, the
+intake, the emitter, the planner, the writer) need only what the engine describes of itself (its info,
+tokenizer and config): a Ray driver plans with them and no engine. A data-parallel worker is the same
+Job with another work source (jobrunner/parallel/worker.py: SharedUnits) and progress;
+`jobrunner.generate` the same Job with another reader and its rows kept in memory (output.RowSink)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+import threading
+from dataclasses import dataclass, replace
 
-from jobrunner.job import checks
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.loop import Job, JobResult, exit_code_of
-from jobrunner.config.lora import LoraOptions
-from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
-from jobrunner.planner.window import split_windows
+from jobrunner.job import checks
+from jobrunner.job.emit import Emitter
+from jobrunner.job.ending import JobResult, verdict
+from jobrunner.job.intake import Intake
+from jobrunner.job.loop import Job
+from jobrunner.job.plan import WINDOW_ROWS, AllUnits, JobPlanner
 from jobrunner.job.resolve import Resolved, open_cache, resolve, resolve_engine
+from jobrunner.stats import JobStats
 
 log = logging.getLogger("jobrunner")
 
-# A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
-# (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
-# its encoding for the planner and its packed token ids; ~0.5 GB at 64M tokens).
-WINDOW_ROWS = 50_000
-WINDOW_TOKENS = 64_000_000
-
 
 @dataclass
-class JobPlanner:
-    """Plan items -> work units: ordered so shared prefixes run back to back (--plan), or in dataset
-    order; either way the prefix figures of each window are measured into `prefix`."""
-    ordered: bool
-    block_size: int
-    lora: LoraOptions = LoraOptions()      # its adapters' rows are grouped, each apart (LoraOptions.plan_tokens)
-    prefix: PrefixStats = field(init=False)
+class JobParts:
+    """A job's parts below its engine and work source: what the loop (job.loop.Job) runs on, and what a
+    Ray driver plans with. in_memory: the writer is a RowSink (no output directory)."""
+    cfg: JobConfig
+    manifest: dict
+    kind: object                    # the jobs kind (or an OpenAI batch's routed kind)
+    intake: Intake
+    emit: Emitter
+    planner: JobPlanner
+    reuse: object                   # cache.reuse.Reuse
+    writer: object                  # output.ResultWriter or output.RowSink
+    stats: JobStats
+    in_memory: bool = False
 
-    def __post_init__(self):
-        self.prefix = PrefixStats(block_size=self.block_size)
-
-    def item(self, key, adapter: str | None, tokens) -> PlanItem:
-        """A row's plan item: its tokens, after its LoRA adapter's mark."""
-        return PlanItem(key, self.lora.plan_tokens(adapter, tokens))
-
-    def units(self, items):
-        if self.ordered:
-            yield from plan(items, window_rows=WINDOW_ROWS, block_size=self.block_size, stats=self.prefix,
-                            window_tokens=WINDOW_TOKENS)
-            return
-        for window in split_windows(items, WINDOW_ROWS, WINDOW_TOKENS, lambda it: len(it.tokens)):
-            self.prefix.merge(prefix_stats([it.tokens for it in window], block_size=self.block_size))
-            for i, it in enumerate(window, 1):
-                yield WorkUnit([it.key], len(it.tokens), len(it.tokens), window_end=i == len(window))
+    def summary(self, run: dict) -> dict:
+        """The summary of every row of the output (its parts and earlier runs; or the RowSink's rows)."""
+        from jobrunner.output.summary import job_summary, summary_of
+        if self.in_memory:
+            return summary_of(self.writer.tables, self.manifest["config"], [run])
+        return job_summary(self.cfg.output_url, self.manifest["config"], run)
 
 
-class AllUnits:
-    """The work source of a job in one process: every unit, in the planner's order; a result-cache hit
-    is written as soon as it is found. A work source names its parts' prefix, and whether its engine
-    runs rows (runs_rows: the Ray driver's ships every unit and runs none)."""
-    rank, world, part_prefix, hits_now, runs_rows = 0, 1, "part", True, True
-
-    def units(self, units, tokens_of):
-        for unit in units:
-            yield unit, True
+def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_config, *, rank: int = 0,
+               part_prefix: str = "part", hits_now: bool = True, reader=None, done_ids=None,
+               in_memory: bool = False, fingerprint: dict | None = None, stop=None) -> JobParts:
+    """The parts of cfg's job on an engine of `info`, `tokenizer` and `engine_config` (engine.EngineInfo,
+    its tokenizer, engine.EngineConfig). rank, part_prefix, hits_now: the work source's; reader: batches
+    of Rows (else the dataset's); done_ids: the ids to skip (else those in the output's parts);
+    in_memory: rows kept in a RowSink, cfg's output never touched; fingerprint: the output's (a Ray
+    worker's: its driver's, whose paths are as given where the worker's are absolute), else cfg's;
+    stop: the threading.Event that stops the intake between batches."""
+    from jobrunner.dataset import read_rows
+    from jobrunner.job.manifest import job_manifest
+    kind, builder = job_kind(cfg, resolved, info, tokenizer, engine_config.model)
+    manifest = job_manifest(cfg, resolved, info, engine_config.model, rank, fingerprint)
+    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory)
+    stats = JobStats()
+    reuse = _reuse(cfg, resolved, info, engine_config, stats)
+    emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank)
+    i = cfg.input
+    reader = reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column, batch_rows=1024,
+                                          csv_delimiter=i.csv_delimiter))
+    intake = Intake(reader, builder=builder, kind=kind, tokenizer=tokenizer, reuse=reuse, emit=emit, stats=stats,
+                    done_ids=getattr(writer, "done_ids", None), failed_ids=getattr(writer, "failed_ids", None),
+                    limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop)
+    planner = JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora)
+    return JobParts(cfg, manifest, kind, intake, emit, planner, reuse, writer, stats, in_memory)
 
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
@@ -67,42 +78,30 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
              fingerprint: dict | None = None) -> Job:
     """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
     the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
-    AllUnits), `progress` (else a Progress bar or log line), `reader` (else the dataset's rows),
-    `done_ids` (the ids to skip, else those in the output's parts), `stop` (the threading.Event that
-    stops the job, else its own: its signal handlers set it). in_memory: the result rows are kept in a
-    RowSink (job.writer.table()), and cfg's output directory is never touched. fingerprint: the output's
-    (a Ray worker's: its driver's, whose paths are as given where the worker's are absolute), else cfg's."""
-    from jobrunner.dataset import read_rows
-    from jobrunner.job.manifest import job_manifest
-    from jobrunner.stats import JobStats
+    AllUnits), `progress` (else a Progress bar or log line), `stop` (the threading.Event that stops the
+    job, else its own: its signal handlers set it); reader, done_ids, in_memory, fingerprint: open_parts'."""
     resolved = resolved or resolve(cfg, output_state=False)
     work = work or AllUnits()
+    stop = stop if stop is not None else threading.Event()
     loaded = engine is None
     engine = engine or load_engine(cfg, resolved)
     try:
-        kind, builder = job_kind(cfg, resolved, engine)
-        manifest = job_manifest(cfg, resolved, engine.info, engine.config.model, work.rank, fingerprint)
-        writer = _writer(cfg, manifest, kind, engine, work, done_ids, in_memory)
-        stats = JobStats()
-        reuse = _reuse(cfg, resolved, engine, stats)
+        parts = open_parts(cfg, resolved, engine.info, engine.tokenizer, engine.config, rank=work.rank,
+                           part_prefix=work.part_prefix, hits_now=work.hits_now, reader=reader, done_ids=done_ids,
+                           in_memory=in_memory, fingerprint=fingerprint, stop=stop)
     except BaseException:
         if loaded:
             engine.close()
         raise
-    i = cfg.input
-    return Job(cfg, reader=reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column,
-                                                         batch_rows=1024, csv_delimiter=i.csv_delimiter)),
-               kind=kind, builder=builder, planner=JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora),
-               engine=engine, reuse=reuse, writer=writer, work=work,
-               progress=progress or _progress(cfg, resolved, engine), stats=stats, manifest=manifest,
-               fmt=resolved.fmt, max_in_flight=max_in_flight, stop=stop, threads=_threads(cfg, engine, work))
+    return Job(parts, engine=engine, work=work, progress=progress or _progress(cfg, resolved, engine),
+               max_in_flight=max_in_flight, stop=stop, threads=_threads(cfg, engine))
 
 
-def _threads(cfg: JobConfig, engine, work):
+def _threads(cfg: JobConfig, engine):
     """A governor that follows the machine's load (jobrunner/threads.py) where the threads were left to
-    the machine: a CPU engine of one process that runs rows, no --threads; else the threads stay fixed."""
+    the machine: a CPU engine of one process, no --threads; else the threads stay fixed."""
     from jobrunner.threads import FixedThreads, ThreadGovernor, available_cores
-    if engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1 or not work.runs_rows:
+    if engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1:
         return FixedThreads()
     if cfg.engine.threads is not None:      # an engine kept between jobs may have followed an earlier one's load
         engine.set_threads(cfg.engine.threads)
@@ -113,41 +112,42 @@ def _threads(cfg: JobConfig, engine, work):
     return ThreadGovernor(engine.set_threads, start, cores)
 
 
-def _writer(cfg: JobConfig, manifest: dict, kind, engine, work, done_ids, in_memory: bool):
+def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_ids, in_memory: bool):
     """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory."""
     from jobrunner.output import ResultWriter, RowSink
+    from jobrunner.output.schema import result_schema
+    schema = result_schema(cfg.input, kind, info.hidden_size)     # the embedding column: the hidden size
     if in_memory:
-        return RowSink(checks.declared_schema(cfg, kind, engine), cfg.output.part_rows)
+        return RowSink(schema, cfg.output.part_rows)
     checks.check_same_commit(cfg, manifest)
-    return checks.open_writer(cfg, manifest, ResultWriter, work.part_prefix, kind, engine, done_ids)
+    return checks.open_writer(cfg, manifest, ResultWriter, part_prefix, schema, done_ids)
 
 
-def job_kind(cfg: JobConfig, resolved: Resolved, engine):
-    """(the job kind, the prompt builder) of cfg on this engine's tokenizer and checkpoint."""
+def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
+    """(the job kind, the prompt builder) of cfg on this tokenizer and checkpoint (`info`: its
+    engine.EngineInfo; `model`: the checkpoint's path as the engine loaded it)."""
     from jobrunner.openai.kinds import job_for
     from jobs import PromptBuilder
     from jobs.template import PromptTemplate
-    checks.check_dimensions(cfg, engine.info)
+    checks.check_dimensions(cfg, info)
     # unset sampling options: the checkpoint's; the context: for truncation
-    spec = replace(cfg.job_spec(engine.info.generation.sampling), context=engine.info.max_model_len)
+    spec = replace(cfg.job_spec(info.generation.sampling), context=info.max_model_len)
     try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai.routed)
-        kind = job_for(resolved.fmt, cfg, spec, engine.tokenizer, engine.info.pooling, engine.config.model)
+        kind = job_for(resolved.fmt, cfg, spec, tokenizer, info.pooling, model)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
-    return kind, PromptBuilder(spec, engine.tokenizer, template)
+    return kind, PromptBuilder(spec, tokenizer, template)
 
 
-def _reuse(cfg: JobConfig, resolved: Resolved, engine, stats):
+def _reuse(cfg: JobConfig, resolved: Resolved, info, engine_config, stats):
     from jobrunner.cache import job_model_key
     from jobrunner.cache.reuse import Reuse
     store, model = open_cache(resolved.cache_url), None
     if store is not None:
-        model = job_model_key(engine.config.model, engine.info, engine.config.quantization, cfg.engine.kv_cache_dtype)
+        model = job_model_key(engine_config.model, info, engine_config.quantization, cfg.engine.kv_cache_dtype)
     return Reuse(stats, cfg.kind.name, dedup=cfg.reuse.dedup, window_rows=WINDOW_ROWS, store=store,
                  mode=cfg.reuse.cache_mode, model=model, adapters=resolved.adapter_hashes)
-
-
 def load_engine(cfg: JobConfig, resolved=None):
     """The engine of cfg, on the model and precision `resolved` found (jobrunner.job.resolve; without it,
     resolve.resolve_engine: the model and precision alone)."""
@@ -155,8 +155,7 @@ def load_engine(cfg: JobConfig, resolved=None):
         resolved = resolve_engine(cfg)
     from engine import ConfigError, Engine, ModelError
     from jobrunner.models import describe
-    from jobrunner.parallel.world import check_gpus
-    check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
+    checks.check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
     config = cfg.engine_config(resolved)
     try:
         engine = Engine(config)
@@ -177,14 +176,9 @@ def load_engine(cfg: JobConfig, resolved=None):
 
 
 def _progress(cfg: JobConfig, resolved: Resolved, engine):
-    from jobrunner.dataset import count_rows
+    from jobrunner.dataset import rows_to_read
     from jobrunner.job.progress import Progress
-    try:
-        n = count_rows(cfg.input.dataset, resolved.fmt)
-    except Exception:
-        n = None
-    limit = cfg.input.limit
-    return Progress(total=min(n, limit) if (n is not None and limit) else n, counters=engine.counters)
+    return Progress(total=rows_to_read(cfg.input, resolved.fmt), counters=engine.counters)
 
 
 def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
@@ -192,14 +186,12 @@ def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
     and exit code, no model loaded. An output whose run was killed after its last part is marked
     complete now."""
     from jobrunner.output import mark_complete, read_manifest
-    from jobrunner.stats import JobStats
     from jobrunner.output.summary import job_summary
-    stats = JobStats()
-    stats.rows_skipped = rows_done = resolved.rows_done
+    rows_done = resolved.rows_done
     log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)", rows_done, cfg.output_url)
     summary = job_summary(cfg.output_url, cfg.fingerprint_fields(resolved.adapter_hashes))
     manifest = read_manifest(cfg.output_url) or {}
     if not manifest.get("complete"):
         mark_complete(cfg.output_url, summary, manifest)
-    code, why = exit_code_of(cfg, summary, stats)        # over the whole output (a failed job stays failed)
+    code, why = verdict(cfg, summary, 0, read_any=bool(rows_done))     # over the whole output (a failed job stays failed)
     return JobResult(code, summary, cfg.output_url, error=why)

@@ -3,6 +3,7 @@ Each raises JobConfigError with a message that says what to fix."""
 from __future__ import annotations
 
 import logging
+import os
 
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.config.constraints import check_job_constraint as check_constraint  # noqa: F401 (a check: resolve uses it)
@@ -136,12 +137,10 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
                              f"or keep the old model with -m {repo}@{before} and another --output")
 
 
-def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", job=None, engine=None,
-                done_ids=None):
-    """The job's writer; given the job kind and its engine, with the output schema declared up front
-    (jobrunner.output.schema), so that every part has the kind's columns whatever rows it holds."""
+def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", schema=None, done_ids=None):
+    """The job's writer, with the output schema declared up front where given (jobrunner.output.schema),
+    so that every part has the kind's columns whatever rows it holds."""
     from jobrunner.output import OutputError
-    schema = declared_schema(cfg, job, engine) if job is not None else None
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.output.part_rows, overwrite=cfg.output.overwrite,
                           part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema,
@@ -150,8 +149,38 @@ def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "
         raise JobConfigError(str(e)) from None
 
 
-def declared_schema(cfg: JobConfig, job, engine):
-    """The schema of the job's output rows, declared up front (jobrunner.output.schema) from its input's
-    columns, its kind's and its engine's hidden size (the embedding column)."""
-    from jobrunner.output.schema import result_schema
-    return result_schema(cfg.input, job, engine.info.hidden_size)
+def cuda_count(device: str) -> int:
+    if not (device == "auto" or device.startswith("cuda")):
+        return 0
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA: CPU
+        return 0
+
+
+def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
+    """JobConfigError unless `workers` engines of --tensor-parallel GPUs each fit the visible GPUs (from
+    cuda:N's N with --device cuda:N). Nothing to check on CPU."""
+    gpus = cuda_count(cfg.engine.device)
+    if gpus == 0 or cfg.engine.device == "cpu":
+        return
+    base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
+    need, tp = workers * cfg.parallel.tensor_parallel, cfg.parallel.tensor_parallel
+    if base + need <= gpus:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{gpus} GPU{'s' if gpus > 1 else ''} visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+    if workers > 1 and tp == 1:
+        raise JobConfigError(f"--data-parallel {workers} but there are {seen} (one worker per GPU)")
+    if workers > 1:
+        raise JobConfigError(f"--data-parallel {workers} x --tensor-parallel {tp} needs {need} GPUs, but there "
+                             f"are {seen}; lower --data-parallel (the default is {max(1, gpus // tp)})")
+    where = f" from {cfg.engine.device}" if base else ""
+    raise JobConfigError(f"--tensor-parallel {tp}{where} needs {base + tp} GPUs, but there are {seen}")
+
+
+def check_spread_device(device: str, spread: str) -> None:
+    """A job spread over several engines takes GPUs by count, not one named GPU; `spread` says how to."""
+    if device.startswith("cuda:"):
+        raise JobConfigError(f"--device {device} names one GPU; {spread}")

@@ -16,11 +16,11 @@ import time
 from functools import partial
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.exit_codes import rows_verdict
-from jobrunner.job.loop import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
+
+from jobrunner.job.ending import JobResult, verdict, write_ending
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
-from jobrunner.parallel.ending import write_ending
 from jobrunner.parallel.stats import merge_stats
 
 log = logging.getLogger("jobrunner")
@@ -105,7 +105,7 @@ class Coordinator:
         summary = job_summary(cfg.output_url, self.fingerprint, run)     # as one worker's job does
         why = None
         if code == EXIT_OK:         # over every row of the output, as one worker's job does
-            code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
+            code, why = verdict(cfg, summary, run["rows"])
         self._finish(summary, manifest, complete, code, rounds)
         return JobResult(code, summary, cfg.output_url, error=why)
 
@@ -182,7 +182,7 @@ class Coordinator:
     def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""
         m = {"config": self.fingerprint, **{k: v for k, v in manifest.items() if k != "error"}}
-        write_ending(self.cfg, summary, m, complete)
+        write_ending(self.cfg, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
         protocol.end_rounds(self.store, rounds, code)
         # the store may live in this process (torchrun without an agent): leave only once every worker has read it
         deadline = time.time() + 60

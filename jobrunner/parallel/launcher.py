@@ -17,13 +17,14 @@ import threading
 import time
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.loop import JobResult
+from jobrunner.job.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import check_gpus, cuda_count, gpu_groups, preflight
-from jobrunner.threads import free_cores
+from jobrunner.job.checks import check_gpus, check_spread_device, cuda_count
+from jobrunner.parallel.world import gpu_groups, preflight
+from jobrunner.threads import threads_each
 
 log = logging.getLogger("jobrunner")
 
@@ -39,9 +40,8 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     resolved = preflight(cfg)
     gpus = cuda_count(cfg.engine.device)
     on_gpu = gpus > 0 and cfg.engine.device != "cpu"
-    if cfg.engine.device.startswith("cuda:"):
-        raise JobConfigError(f"--device {cfg.engine.device} names one GPU; use --device cuda --data-parallel {n} "
-                             "(or CUDA_VISIBLE_DEVICES) to spread the job over several")
+    check_spread_device(cfg.engine.device, f"use --device cuda --data-parallel {n} (or CUDA_VISIBLE_DEVICES) "
+                                           "to spread the job over several")
     if cfg.engine.device == "cuda" and not on_gpu:
         raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
     if on_gpu:
@@ -50,13 +50,13 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     groups = gpu_groups(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus, n, tp)
     # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
     # free // n // tp == free // (n * tp) threads for each of the n * tp processes
-    threads = cfg.engine.threads or max(1, free_cores() // n)
+    threads = cfg.engine.threads or threads_each(None, n)
     server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     store = protocol.namespace(server)
     procs = _start_workers(cfg, resolved, n, server.port, groups if on_gpu else None, threads)
     engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
     log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
-             else f"CPU, {max(1, threads // tp)} threads a process")
+             else f"CPU, {threads_each(threads, tp)} threads a process")
     coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True,
                         fingerprint=cfg.fingerprint_fields(resolved.adapter_hashes))
 
@@ -94,7 +94,7 @@ def _start_workers(cfg: JobConfig, resolved, n: int, port: int, gpus: list[str] 
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         else:
-            per_process = str(max(1, threads // cfg.parallel.tensor_parallel))
+            per_process = str(threads_each(threads, cfg.parallel.tensor_parallel))
             env.update(OMP_NUM_THREADS=per_process, RAYON_NUM_THREADS=per_process, JOBRUNNER_THREADS=str(threads))
         # A session of its own: a Ctrl-C on the terminal reaches the launcher only, which forwards one SIGTERM.
         procs[rank] = subprocess.Popen(WORKER_COMMAND, env=env, start_new_session=True)

@@ -29,79 +29,23 @@ import threading
 import time
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.exit_codes import rows_verdict
-from jobrunner.job.loop import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, JobResult
-from jobrunner.parallel.ending import write_ending
+from jobrunner.dataset import rows_to_read
+from jobrunner.job.checks import check_spread_device
+from jobrunner.job.ending import JobResult, verdict, write_ending
+from jobrunner.job.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.parallel.ray_cluster import connect, first_line, for_workers, import_ray, worker_env
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.parallel.world import preflight
-from jobrunner.parallel.worker import total_rows
 
 log = logging.getLogger("jobrunner")
 
-NAMESPACE = "jobrunner"
 PROGRESS_LOG_S = 10.0       # the driver's progress line when not on a terminal
-
-
-def import_ray(address: str):
-    """Ray, or JobConfigError naming the extra. A private local cluster (or one on a loopback address) stays
-    on loopback: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import (0: every address 127.0.0.1)."""
-    if address == "local" or address.split("://")[-1].startswith(("127.", "localhost")):
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    try:
-        import ray
-    except ImportError:
-        raise JobConfigError("--ray needs Ray: pip install 'jobrunner[ray]'") from None
-    return ray
-
-
-def connect(ray, address: str) -> None:
-    """Joins the cluster as Ray's own clients do: with its token when one is there (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH or the ~/.ray/auth_token that `ray start` writes) and RAY_AUTH_MODE is unset."""
-    kwargs = dict(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
-    with_token = False
-    try:
-        if address == "local":
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
-        else:
-            with_token = _token_auth_if_available()
-            ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError, getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
-        if _is_auth_failure(e) or not with_token and address != "local":
-            # Ray says a refused token only in its own log lines (InvalidAuthToken), then "Failed to connect"
-            refused = "refused this client's token" if with_token else "could not be joined"
-            raise JobConfigError(
-                f"--ray {address}: the Ray cluster {refused} ({_first_line(e)}). A cluster started with "
-                "`ray start` uses token authentication by default: give this machine its token, as "
-                "~/.ray/auth_token (`ray get-auth-token` on the head node prints it) or RAY_AUTH_TOKEN, with "
-                "RAY_AUTH_MODE=token or unset. Else check that the address is the head's (`ray start --head` "
-                "prints it), or use --ray local") from None
-        raise JobConfigError(f"--ray {address}: cannot join the Ray cluster ({e}); start one with "
-                             "`ray start --head`, give its address, or use --ray local") from None
-
-
-def _token_auth_if_available() -> bool:
-    """Token mode when RAY_AUTH_MODE is unset and a token is at hand: what Ray's CLI does (its ray.init alone
-    does not, and then fails against a `ray start` cluster with InvalidAuthToken). Whether in token mode."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available)
-    except ImportError:         # a Ray without token authentication
-        return False
-    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def _is_auth_failure(e: Exception) -> bool:
-    text = f"{type(e).__name__} {e}"
-    return any(s in text for s in ("AuthenticationError", "InvalidAuthToken", "Unauthenticated", "UNAUTHENTICATED",
-                                   "authentication token", "auth token"))
 
 
 def run_ray(cfg: JobConfig) -> JobResult:
     """The job over Ray actors. Raises JobConfigError (exit 2) for a configuration that can't run, and for a
     cluster that can't place --ray-min-workers workers within --ray-timeout."""
-    device = cfg.engine.device
-    if device.startswith("cuda:"):
-        raise JobConfigError(f"--device {device} names one GPU; on Ray use --device cuda (Ray picks the GPUs)")
+    check_spread_device(cfg.engine.device, "on Ray use --device cuda (Ray picks the GPUs)")
     address = cfg.parallel.ray.address
     ray = import_ray(address)
     joined = not ray.is_initialized()       # else: a caller already connected (a Ray Data pipeline) keeps it
@@ -135,7 +79,7 @@ class RayDriver:
         self.lost: list[int] = []
         self.lost_rows = 0
         self.first_error: str | None = None     # the first worker failure, type and message: in the job's error
-        self.plan = None
+        self.parts = None                   # the job's parts the driver plans with (job.build.open_parts)
         self.workers, self.loading = {}, {}     # rank -> actor; load() ref -> rank
 
     # -- workers
@@ -175,7 +119,7 @@ class RayDriver:
         from jobrunner.parallel.launcher import config_to_json
         self.resolved = resolved
         self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
-        self.total = total_rows(self.cfg, resolved)
+        self.total = rows_to_read(self.cfg.input, resolved.fmt)
         cfg, resolved = for_workers(self.cfg, resolved)
         self.load_args = (config_to_json(cfg), resolved.to_json(), self.threads, json.dumps(self.fingerprint))
         for k in self.workers:
@@ -212,7 +156,7 @@ class RayDriver:
             try:
                 info = self.ray.get(ref)
             except self.ray.exceptions.RayActorError as e:
-                log.warning("ray: worker %d died while loading: %s", k, _first_line(e))
+                log.warning("ray: worker %d died while loading: %s", k, first_line(e))
                 continue
             if info["error"]:
                 raise JobConfigError(f"ray: worker {k} could not load the model: {info['error']}")
@@ -264,25 +208,26 @@ class RayDriver:
 
     def _job(self, members: list[int]) -> JobResult:
         """Plans here (the workers run meanwhile), then watches the workers until every unit is written."""
-        from jobrunner.job.build import WINDOW_ROWS, open_job
-        from jobrunner.parallel.ray_plan import EngineFace, ShipUnits
+        from jobrunner.job.build import open_parts
+        from jobrunner.job.plan import WINDOW_ROWS
+        from jobrunner.parallel.ray_plan import Shipper
         cfg, start = self.cfg, time.time()
-        face = EngineFace(*self.ray.get(self.workers[members[0]].face.remote()))
-        self.ship = ShipUnits(self.ray, self.queue, self.world, cfg.sampling.n * cfg.sampling.max_tokens,
-                              WINDOW_ROWS, self.wait_room)
-        # the driver's Job reads the done ids (the one scan of the parts) and writes the rows that need no
+        info, tokenizer, engine_config = self.ray.get(self.workers[members[0]].face.remote())
+        self.ship = Shipper(self.ray, self.queue, self.world, cfg.sampling.n * cfg.sampling.max_tokens,
+                            WINDOW_ROWS, self.wait_room)
+        # the driver's parts read the done ids (the one scan of the parts) and write the rows that need no
         # engine (errors, result-cache hits): in `part-plan` parts
-        self.plan = open_job(cfg, self.resolved, engine=face, work=self.ship, progress=_Silent(), stop=self.stop)
-        self.ship.job = self.plan
+        self.parts = open_parts(cfg, self.resolved, info, tokenizer, engine_config, part_prefix="part-plan",
+                                stop=self.stop)
         for k in members:
             self.launch(k)
-        planned = self.plan.run()
+        planned = self.ship.ship(self.parts, info, engine_config)
         self.queue.close.remote()
         log.info("ray: planned %d rows in %d bundles in %.1f s", self.ship.shipped_rows, self.ship.bundles,
                  time.time() - start)
         while self.runs or (self.queued() and not self.stop.is_set() and self._relaunch()):
             self.watch(1.0)
-        return self._finish(planned.stats, start)
+        return self._finish(planned, start)
 
     def launch(self, k: int) -> None:
         slot = self.next_slot
@@ -304,7 +249,7 @@ class RayDriver:
         return self.ray.get(self.queue.status.remote())["queued"]
 
     def wait_room(self, rows: int) -> None:
-        """ShipUnits' wait: until the queue holds under `rows` (or the job stops: no worker is left)."""
+        """Shipper's wait: until the queue holds under `rows` (or the job stops: no worker is left)."""
         while self.ray.get(self.queue.status.remote())["queued_rows"] >= rows and not self.stop.is_set():
             if not self.runs and not self._relaunch():
                 self.no_workers = True
@@ -341,12 +286,12 @@ class RayDriver:
 
     def _lost(self, k: int, slot: int, e: Exception) -> None:
         from jobrunner.parallel.ray_plan import refill
-        log.error("ray: worker %d stopped: %s", k, _first_line(e))
-        self.first_error = self.first_error or f"worker {k}: {_first_line(e)}"
+        log.error("ray: worker %d stopped: %s", k, first_line(e))
+        self.first_error = self.first_error or f"worker {k}: {first_line(e)}"
         if not isinstance(e, self.ray.exceptions.RayActorError):    # alive, its engine broken: it wrote nothing since
             self.ray.kill(self.workers[k], no_restart=False)       # Ray restarts it (max_restarts)
         self.lost.append(k)
-        written = self.plan.writer.written_ids(f"part-r{slot}")
+        written = self.parts.writer.written_ids(f"part-r{slot}")
         self.lost_rows += len(written)
         rows, bundles = refill(self.ray, self.queue, self.ray.get(self.queue.take.remote(slot)), written)
         log.warning("ray: worker %d had written %d rows; its %d unwritten rows (%d bundles) go back to the queue",
@@ -364,7 +309,7 @@ class RayDriver:
         except Exception:  # noqa: BLE001 - the queue's answer is informative only
             return
         p = list(status["progress"].values())
-        plan = self.plan.stats if getattr(self, "plan", None) is not None else None
+        plan = self.parts.stats if self.parts is not None else None
         rows, failed, tokens = (sum(x[k] for x in p) for k in ("rows", "failed", "tokens"))
         if plan is not None:
             rows += plan.rows
@@ -402,7 +347,7 @@ class RayDriver:
         summary = job_summary(cfg.output_url, self.fingerprint, run)
         why = None
         if code == EXIT_OK:
-            code, why = rows_verdict(cfg, summary, cfg.output_url, run["rows"])
+            code, why = verdict(cfg, summary, run["rows"])
         elif code == EXIT_FAILED and unwritten > 0 and not self.no_workers:
             why = (f"{unwritten} of the {self.ship.shipped_rows} rows shipped to the Ray workers came back in no "
                    "part; the rows written are kept: run the same command again to write the others"
@@ -412,74 +357,8 @@ class RayDriver:
             why = ("every Ray worker was lost; the rows written are kept: run the same command again to resume"
                    + (f" (the first worker error: {self.first_error})" if self.first_error else ""))
         ctx = self.ray.get_runtime_context()
-        m = {**{k: v for k, v in self.plan.manifest.items()}, "config": self.fingerprint,
+        m = {**self.parts.manifest, "config": self.fingerprint,
              "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": len(ever),
                      "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID")}}
-        write_ending(cfg, summary, m, complete)
+        write_ending(cfg, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
         return JobResult(code, summary, cfg.output_url, error=why)
-
-
-class _Silent:
-    """The driver's planning Job reports nothing itself: the driver's progress line has its rows."""
-
-    def update(self, stats, force: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _first_line(e: Exception) -> str:
-    """The error's type and first line; a task's error is its cause's (Ray's own first line is
-    `ray::RayWorker.run() (pid=..., ip=...)`, which says nothing)."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, BaseException):
-        e = cause
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
-# The driver's settings a worker's process keeps: where models, conversions and kernels are cached, and
-# how they are built (engine.config.cache_root, engine/cpu_decode.py; the Hub's cache for Hub names).
-WORKER_ENV_PREFIXES = ("JOBRUNNER_", "HF_", "HUGGINGFACE_")
-_PATH_VARS = ("JOBRUNNER_CACHE", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
-
-
-def worker_env(environ=None) -> dict[str, str]:
-    """The driver's JOBRUNNER_*, HF_* variables for the workers' runtime_env; relative paths made absolute
-    (a worker's working directory is Ray's)."""
-    environ = os.environ if environ is None else environ
-    env = {k: v for k, v in environ.items() if k.startswith(WORKER_ENV_PREFIXES)}
-    for k in _PATH_VARS:
-        if env.get(k):
-            env[k] = os.path.abspath(os.path.expanduser(env[k]))
-    return env
-
-
-def for_workers(cfg: JobConfig, resolved):
-    """(cfg, resolved) as a worker in another working directory reads them: local paths (the dataset, the
-    output, the model, the adapters, the result cache) made absolute here. Only what is shipped: the
-    driver's own config keeps them as given (the output's fingerprint has them so)."""
-    from dataclasses import replace
-    i, o = cfg.input, cfg.output
-    cfg = replace(cfg, input=replace(i, dataset=absolute_url(i.dataset)),
-                  output=replace(o, output=absolute_url(cfg.output_url)))
-    resolved = replace(resolved, model=_absolute_if_here(resolved.model),
-                       cache_url=resolved.cache_url and absolute_url(resolved.cache_url),
-                       lora=tuple((n, _absolute_if_here(p), h) for n, p, h in resolved.lora))
-    return cfg, resolved
-
-
-def absolute_url(url: str) -> str:
-    """A local path made absolute; a URL (s3://, file://, memory://, ...) as it is."""
-    if "://" in url or not url:
-        return url
-    return os.path.abspath(os.path.expanduser(url))
-
-
-def _absolute_if_here(model: str) -> str:
-    """A model or adapter that is a local path here, made absolute (dummy:<config path> too); a URL or a
-    name (dummy:tiny-llama) as it is."""
-    if model.startswith("dummy:"):
-        return "dummy:" + _absolute_if_here(model.removeprefix("dummy:"))
-    return absolute_url(model) if "://" not in model and os.path.exists(model) else model

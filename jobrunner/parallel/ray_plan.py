@@ -1,24 +1,25 @@
 """The plan of a Ray job, made once by its driver and shared through Ray's object store.
 
-The driver runs the job's planning half as a Job (job_parts.open_job) whose engine is EngineFace (a
-loaded worker's tokenizer and figures: no model here) and whose work source is ShipUnits: it reads
-the rows not yet in the output, makes each kind's request, dedups and looks up the result cache (a
-hit, and its copies, are written here, in `part-plan` parts; so are rows that fail before the engine),
-and plans them window by window. Each window's units, spread over the workers and largest first
+The driver plans with the job's own parts (job.build.open_parts on a loaded worker's engine info,
+tokenizer and config: no model here): the intake reads the rows not yet in the output and makes
+each row's request once, dedups and looks up the result cache (a hit, and its copies, are written
+here, in `part-plan` parts; so are rows that fail before the engine), and the planner orders them
+window by window. Each window's units, spread over the workers and largest first
 (worker.spread_windows), go to the object store in bundles of about `bundle_rows` rows (one big unit
 alone), their refs to the queue actor (ray_queue.py); the window's rows then leave the driver. A
-bundle is a list of job.ShippedUnit: each leader row with its tokenizer ids, and its copies. The
-driver ships a window only once the queue holds less than a window of rows (it holds at most two).
+bundle is a list of job.pending.ShippedUnit: each leader's PendingRow as the intake made it, and its
+copies. The driver ships a window only once the queue holds less than a window of rows (it holds at
+most two).
 
 refill() puts a lost worker's unwritten rows back: its held bundles, less the rows its parts have.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from engine import EngineCounters
-from jobrunner.job.loop import ShippedRow, ShippedUnit
+from jobrunner.job.loop import run_record
+from jobrunner.job.pending import Interrupted, ShippedUnit
 from jobrunner.parallel.worker import spread_windows
 
 log = logging.getLogger("jobrunner")
@@ -28,58 +29,45 @@ MIN_BUNDLE_ROWS = 16        # and at least, but in a window too small to give ea
 BUNDLES_PER_WORKER = 8      # a window's bundles per worker, between those bounds: the end of a window balances
 
 
-@dataclass
-class EngineFace:
-    """What the planning half of a Job reads of an engine, from a loaded worker (RayWorker.face)."""
-    info: object                # engine.EngineInfo
-    tokenizer: object
-    config: object              # engine.EngineConfig
-    num_in_flight = 0
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters()
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def add_request(self, request):
-        raise AssertionError("the driver's plan runs no row")
-
-    def close(self) -> None:
-        pass
-
-
-class ShipUnits:
-    """The driver's work source: every unit shipped to the queue, none run here (Job drops its rows);
+class Shipper:
+    """Plans a job with its parts (job.build.JobParts) and ships every unit to the queue, running none;
     `shipped_rows` counts the rows shipped, copies included: each must come back written in a part.
     `wait_room(rows)` is the driver's: it returns once the queue holds under `rows` (watching the
-    workers meanwhile); `job` is set once the Job is open (its pending rows and reuse are read)."""
-    rank, hits_now, part_prefix, runs_rows = 0, True, "part-plan", False
+    workers meanwhile)."""
 
     def __init__(self, ray, queue, world: int, out_tokens: int, window_rows: int, wait_room):
         self.ray, self.queue, self.world, self.out_tokens = ray, queue, world, out_tokens
         self.window_rows, self.wait_room = window_rows, wait_room
-        self.job = None
         self.seq = 0
         self.shipped_rows = 0
         self.bundles = 0
         self.bundle_bytes = 0       # the largest window's, pickled: docs/RAY.md
 
-    def units(self, units, tokens_of):
-        for window in spread_windows(units, self.world, tokens_of, self.out_tokens):
-            if window:
-                self.wait_room(self.window_rows)
-                self._ship(window)
-            for unit in window:
-                yield unit, False
+    def ship(self, parts, info, engine_config) -> dict:
+        """Plans and ships every row of the job; returns the planning run's record (its rows: those
+        written here). info, engine_config: the workers' engine's, for the record."""
+        pending = {}
+        interrupted = False
+        try:
+            units = parts.planner.plan(parts.intake.rows(), pending)
+            for window in spread_windows(units, self.world, lambda key: pending[key].tokens, self.out_tokens):
+                if window:
+                    self.wait_room(self.window_rows)
+                    self._ship(window, pending, parts.reuse)
+        except Interrupted:
+            interrupted = True
+        finally:
+            parts.reuse.close()
+        parts.writer.flush()
+        return run_record(parts.stats, parts.planner, info, engine_config, EngineCounters(), parts.cfg, interrupted)
 
-    def _ship(self, window) -> None:
+    def _ship(self, window, pending: dict, reuse) -> None:
         rows = sum(len(u.items) for u in window)
         floor = min(MIN_BUNDLE_ROWS, max(1, rows // (2 * self.world)))
         target = max(floor, min(BUNDLE_ROWS, rows // (self.world * BUNDLES_PER_WORKER)))
         bundles, bundle, size = [], [], 0
         for unit in window:
-            shipped = self._shipped(unit)
+            shipped = _shipped(unit, pending, reuse)
             bundle.append(shipped)
             size += shipped.size
             if size >= target:
@@ -95,16 +83,18 @@ class ShipUnits:
         self.shipped_rows += sum(n for _, n, _ in queued)
         self.bundles += len(bundles)
 
-    def _shipped(self, unit) -> ShippedUnit:
-        pending, reuse = self.job.pending, self.job.reuse
-        rows, copies = [], {}
-        for key in unit.items:
-            p = pending[key]
-            rows.append(ShippedRow(p.row, p.raw if p.raw is not None else p.tokens))
-            waiting = reuse.release(key)
-            if waiting:
-                copies[key] = [ShippedRow(c, None, notes) for c, notes in waiting]
-        return ShippedUnit(rows, copies)
+
+def _shipped(unit, pending: dict, reuse) -> ShippedUnit:
+    """A unit's rows as shipped: they leave the driver's pending rows, and the copies waiting for each
+    leader go with it (later copies of its request lead anew)."""
+    rows, copies = [], {}
+    for key in unit.items:
+        rows.append(pending.pop(key))
+        waiting = reuse.release(key)
+        if waiting:
+            copies[key] = waiting
+        reuse.drop(key)
+    return ShippedUnit(rows, copies)
 
 
 def refill(ray, queue, held: list, written) -> tuple[int, int]:
@@ -128,12 +118,12 @@ def refill(ray, queue, held: list, written) -> tuple[int, int]:
 
 def _unwritten(unit: ShippedUnit, written) -> ShippedUnit:
     rows, copies = [], {}
-    for s in unit.rows:
-        left = [c for c in unit.copies.get(s.row.id, ()) if c.row.id not in written]
-        if s.row.id not in written:
-            rows.append(s)
+    for p in unit.rows:
+        left = [(row, notes) for row, notes in unit.copies.get(p.id, ()) if row.id not in written]
+        if p.id not in written:
+            rows.append(p)
             if left:
-                copies[s.row.id] = left
+                copies[p.id] = left
         else:           # the leader's result is in a part, the copies' not: they run themselves
-            rows += [ShippedRow(c.row, s.ids, c.notes) for c in left]
+            rows += [p.for_copy(row, notes) for row, notes in left]
     return ShippedUnit(rows, copies)

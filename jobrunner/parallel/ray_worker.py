@@ -1,7 +1,7 @@
 """A Ray job's worker: an actor with one engine, loaded once, running the units its driver planned.
 
-A run is a data-parallel worker's Job (job_parts.open_job) whose work source is QueueUnits: bundles
-of planned units (job.ShippedUnit: rows, tokenizer ids, copies) fetched from the object store by the
+A run is a data-parallel worker's Job (job.build.open_job) whose work source is QueueUnits: bundles
+of planned units (job.pending.ShippedUnit: rows as the driver made them, copies) fetched from the object store by the
 refs the queue actor (ray_queue.py) hands out, as the engine has room. Nothing is read or planned
 here. Its progress goes to the queue too (QueueProgress), with the bundles whose rows are all in its
 parts, which the queue then forgets (a lost worker's other bundles go back to the queue). Parts are
@@ -17,15 +17,16 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import DatasetError
 from jobrunner.idset import IdSet
-from jobrunner.job.loop import EXIT_CONFIG
+from jobrunner.job.exit_codes import EXIT_CONFIG
 from jobrunner.job.build import open_job
 from jobrunner.parallel.launcher import config_from_json
 from jobrunner.parallel.worker import run_claimed
+from jobrunner.parallel.world import worker_config
 from jobrunner.job.resolve import Resolved
 
 log = logging.getLogger("jobrunner")
@@ -37,13 +38,14 @@ WAIT_S = 1.0            # the queue actor holds an ask this long while it is emp
 @dataclass
 class QueueUnits:
     """The work source: the queue's bundles, in the order handed out; the next ask is always in flight
-    (its round trip hides behind a bundle). `job` is set once the Job is open."""
+    (its round trip hides behind a bundle). The job's pending rows and writer, which it hands in with
+    the plan, tell which bundles are written (`written`)."""
     queue: object
     rank: int               # the run's slot: its parts' prefix
     world: int
     hits_now = False        # the driver wrote the hits
-    runs_rows = True
-    job: object = None
+    pending: dict = field(default_factory=dict)
+    writer: object = None
     ran: list[int] = field(default_factory=list)        # bundles taken, in order
     running: dict[int, list[str]] = field(default_factory=dict)     # bundle -> leader ids, rows not all done
     finished: dict[int, int] = field(default_factory=dict)          # bundle -> parts the writer had then
@@ -53,8 +55,9 @@ class QueueUnits:
     def part_prefix(self) -> str:
         return f"part-r{self.rank}"
 
-    def units(self, units, tokens_of):
+    def units(self, units, pending, writer):
         import ray
+        self.pending, self.writer = pending, writer
         ask = self.queue.next.remote(self.rank, WAIT_S)
         while True:
             if not ray.wait([ask], timeout=0)[0]:
@@ -77,13 +80,13 @@ class QueueUnits:
         self.count += len(bundle)
         for i, unit in enumerate(bundle):
             if i == len(bundle) - 1:
-                self.running[seq] = [r.row.id for u in bundle for r in u.rows]
+                self.running[seq] = [p.id for u in bundle for p in u.rows]
             yield unit, True
 
     def written(self) -> list[int]:
         """Bundles whose rows are all in parts (a unit's copies are written with its leader): those
         finished while the writer held nothing, or before a part it has written since."""
-        pending, writer = self.job.pending, self.job.writer
+        pending, writer = self.pending, self.writer
         parts, empty = len(writer.parts), writer.buffered == 0
         for seq, ids in list(self.running.items()):
             if not any(i in pending for i in ids):
@@ -138,9 +141,7 @@ class RayWorker:
         from engine import cache_root
         from jobrunner.job.build import load_engine
         cfg = config_from_json(config)
-        # the driver alone prepares (and overwrites) the output; it shares the cores out
-        self.cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
-                           engine=replace(cfg.engine, threads=threads))
+        self.cfg = worker_config(cfg, threads)       # the driver shares the cores out
         self.resolved = Resolved.from_json(resolved)
         self.fingerprint = json.loads(fingerprint)
         error = None
@@ -170,7 +171,6 @@ class RayWorker:
         except (JobConfigError, DatasetError) as e:      # the dataset as the driver read it, not found here
             return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": f"ray: worker {self.rank}: {e}",
                     "config_error": True}
-        work.job = job
         run_claimed(job, payload, lambda: work.count)
         import ray
         ray.get(queue.leave.remote(slot, work.ran))     # its parts are closed: every bundle it ran is written

@@ -17,13 +17,14 @@ import time
 from dataclasses import replace
 
 from jobrunner.config.job import JobConfig
-from jobrunner.job.loop import JobResult
+from jobrunner.job.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.parallel.world import check_gpus, cuda_count, preflight
-from jobrunner.threads import available_cores
+from jobrunner.job.checks import check_gpus, cuda_count
+from jobrunner.parallel.world import preflight
+from jobrunner.threads import available_cores, threads_each
 
 log = logging.getLogger("jobrunner")
 
@@ -42,7 +43,7 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
         check_gpus(cfg, env["local_world"])
         cfg = replace(cfg, engine=replace(cfg.engine, device=f"cuda:{env['local_rank'] * cfg.parallel.tensor_parallel}"))
     else:   # the other local ranks are ours; this rank's share is its engine's, split among its processes
-        threads = cfg.engine.threads or max(1, available_cores() // env["local_world"])
+        threads = cfg.engine.threads or threads_each(None, env["local_world"], available_cores())
     resolved = preflight(cfg)       # each rank is its own process: it resolves once, for all its rounds
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -10,16 +10,18 @@ import itertools
 import logging
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from engine import EngineFailure
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.loop import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
+from jobrunner.dataset import rows_to_read
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
 from jobrunner.job.build import open_job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
 from jobrunner.planner import spread_units
 from jobrunner.parallel.stats import worker_sketch
+from jobrunner.parallel.world import worker_config
 
 log = logging.getLogger("jobrunner")
 
@@ -40,9 +42,7 @@ def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads:
         stop.append(signum)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
-    # the coordinator alone prepares (and overwrites) the output; the launcher shares the cores out
-    cfg = replace(cfg, output=replace(cfg.output, overwrite=False),
-                  engine=replace(cfg.engine, threads=threads or cfg.engine.threads))
+    cfg = worker_config(cfg, threads)
     try:
         engine = load_engine(cfg, resolved)
     except JobConfigError as e:
@@ -87,15 +87,14 @@ class SharedUnits:
     world: int
     out_tokens: int         # tokens a row generates at most: n * max_tokens
     hits_now = False        # a result-cache hit waits in the plan for the worker that claims its unit
-    runs_rows = True
 
     @property
     def part_prefix(self) -> str:
         return f"part-r{self.rank}"
 
-    def units(self, units, tokens_of):
+    def units(self, units, pending, writer):
         index = 0
-        for batch in spread_windows(units, self.world, tokens_of, self.out_tokens):
+        for batch in spread_windows(units, self.world, lambda key: pending[key].tokens, self.out_tokens):
             for unit in batch:
                 yield unit, self.claim(index)
                 index += 1
@@ -128,7 +127,7 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
     try:
         # claim a unit only when the engine has room (max_in_flight): dynamic balance
         job = open_job(cfg, resolved, engine=engine, work=work, max_in_flight=engine.info.max_num_seqs,
-                       progress=_StoreProgress(store, r, rank, total_rows(cfg, resolved)))
+                       progress=_StoreProgress(store, r, rank, rows_to_read(cfg.input, resolved.fmt)))
     except JobConfigError as e:
         protocol.set_ready(store, r, rank, error=str(e))
         raise Stop(EXIT_CONFIG) from None
@@ -136,16 +135,6 @@ def _run_round(cfg, resolved, engine, store, r: int, rank: int, slot: int, world
     protocol.wait_go(store, r, stop)
     payload = {"rank": rank, "slot": slot, "round": r, "device": engine.info.device, "error": None}
     protocol.set_result(store, r, rank, run_claimed(job, payload, lambda: claim.units))
-
-
-def total_rows(cfg, resolved) -> int | None:
-    """The rows the job reads (the dataset's, at most --limit); None when it cannot be counted cheaply."""
-    from jobrunner.dataset import count_rows
-    try:
-        n = count_rows(cfg.input.dataset, resolved.fmt)
-    except Exception:
-        return None
-    return min(n, cfg.input.limit) if (n is not None and cfg.input.limit) else n
 
 
 class _Claim:

@@ -1,10 +1,12 @@
-"""How many workers and on what: torchrun's variables, --data-parallel or the visible GPUs, the CPU
-cores to share, and the checks that run before any worker starts."""
+"""How many workers and on what: torchrun's variables, --data-parallel or the visible GPUs, each
+worker's GPUs and configuration, and the checks that run before any worker starts."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.checks import cuda_count
 
 
 def distributed_env() -> dict | None:
@@ -27,16 +29,6 @@ def distributed_env() -> dict | None:
             "local_world": local_world}
 
 
-def cuda_count(device: str) -> int:
-    if not (device == "auto" or device.startswith("cuda")):
-        return 0
-    try:
-        import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - no usable CUDA: CPU
-        return 0
-
-
 def data_parallel_size(cfg: JobConfig) -> int:
     """--data-parallel, or by default as many engines of --tensor-parallel GPUs as the visible GPUs hold
     (1 on CPU or with --device cuda:N)."""
@@ -54,25 +46,11 @@ def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[s
     return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(workers)]
 
 
-def check_gpus(cfg: JobConfig, workers: int = 1) -> None:
-    """JobConfigError unless `workers` engines of --tensor-parallel GPUs each fit the visible GPUs (from
-    cuda:N's N with --device cuda:N). Nothing to check on CPU."""
-    gpus = cuda_count(cfg.engine.device)
-    if gpus == 0 or cfg.engine.device == "cpu":
-        return
-    base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
-    need, tp = workers * cfg.parallel.tensor_parallel, cfg.parallel.tensor_parallel
-    if base + need <= gpus:
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    seen = f"{gpus} GPU{'s' if gpus > 1 else ''} visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
-    if workers > 1 and tp == 1:
-        raise JobConfigError(f"--data-parallel {workers} but there are {seen} (one worker per GPU)")
-    if workers > 1:
-        raise JobConfigError(f"--data-parallel {workers} x --tensor-parallel {tp} needs {need} GPUs, but there "
-                             f"are {seen}; lower --data-parallel (the default is {max(1, gpus // tp)})")
-    where = f" from {cfg.engine.device}" if base else ""
-    raise JobConfigError(f"--tensor-parallel {tp}{where} needs {base + tp} GPUs, but there are {seen}")
+def worker_config(cfg: JobConfig, threads: int | None) -> JobConfig:
+    """cfg as a worker runs it: the coordinator (or the Ray driver) alone prepares, and overwrites, the
+    output; the launcher shares the cores out (`threads` for its engine; None: cfg's)."""
+    return replace(cfg, output=replace(cfg.output, overwrite=False),
+                   engine=replace(cfg.engine, threads=threads or cfg.engine.threads))
 
 
 def preflight(cfg: JobConfig):
