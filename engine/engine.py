@@ -23,19 +23,20 @@ token: with async scheduling, after step k-1 is processed while step k's forward
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.constraints import Grammars
 from engine.counters import EngineCounters
-from engine import host_memory
 from engine.errors import EngineFailure
 from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
 from engine.parallel.channel import StepChannel
+from engine import process_settings
 from engine.request import Request, RequestOutput
 from engine.runtime import EngineRuntime, build_runtime
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -44,7 +45,21 @@ from engine.stop import StopChecker
 
 
 class Engine:
+    """Also a context manager: `with Engine(config) as engine:` closes it at the end (close())."""
+
     def __init__(self, config: EngineConfig, runtime: EngineRuntime | None = None):
+        try:
+            self._build(config, runtime)
+        except BaseException:
+            process_settings.restore_if_idle()      # what building the runtime changed, if no engine is open
+            raise
+        heap = process_settings.hold(cpu=self.rt.device.type == "cpu")
+        # gives the settings back once, at close() or when an unclosed engine is collected; the finalizer holds no
+        # reference to the engine, and does nothing at exit
+        self._release_settings = weakref.finalize(self, process_settings.release, heap)
+        self._release_settings.atexit = False
+
+    def _build(self, config: EngineConfig, runtime: EngineRuntime | None) -> None:
         self.config = config
         self.rt = runtime or build_runtime(config)
         self.tokenizer: Tokenizer = self.rt.tokenizer
@@ -68,8 +83,6 @@ class Engine:
                                        self.max_model_len, config.seed, self.grammars, lora_names=loras.names)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
-        self._quiet = _QuietGC.hold()         # released by close(): the raised threshold lasts the engines' lives
-        self._heap = self.rt.device.type == "cpu" and host_memory.hold()     # the same for the C heap
 
     # --- public ----------------------------------------------------------------------------
 
@@ -106,18 +119,20 @@ class Engine:
         setting, as EngineConfig.num_threads). Nothing on a GPU, nor under tensor parallelism, whose
         ranks each keep their share."""
         if self.rt.device.type == "cpu" and self.rt.followers is None and n >= 1:
-            import torch
-            torch.set_num_threads(n)
+            process_settings.set_threads(n)      # the count before the first engine comes back at the last close
 
     def close(self) -> None:
-        """Ends the other ranks of a tensor-parallel group (at exit otherwise) and gives the process its
-        garbage collector's threshold and C heap back (engine/host_memory.py)."""
+        """Ends the other ranks of a tensor-parallel group (at exit otherwise) and, the last engine open, gives
+        the process the settings engines changed back (engine/process_settings.py). Closing twice is a no-op."""
         if self.rt.followers is not None:
             self.rt.followers.close()
-        if self._quiet:
-            self._quiet = _QuietGC.release()
-        if self._heap:
-            self._heap = host_memory.release()
+        self._release_settings()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def step(self) -> list[RequestOutput]:
         """Launches one batch and processes the oldest one beyond the pipeline's depth (the one
@@ -231,30 +246,3 @@ def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:
     """The longest sequence: the model's positions, or the KV cache's tokens if fewer."""
     return min(rt.model_config.max_position_embeddings, rt.num_blocks * config.block_size)
 
-
-class _QuietGC:
-    """A step allocates thousands of small objects (chunks, token lists, outputs); with Python's
-    default threshold (700) the cyclic collector runs every few hundred of them and, every tenth
-    of those, walks older objects too: ~40% of the host time of a 1000-sequence step. While an engine
-    is open, young collections wait for 50,000 allocations (cycles are still freed, only later); the
-    last engine to close gives the process its threshold back. (gc.freeze() would save more but makes
-    nanobind report leaks at exit.)"""
-    holders = 0
-    before: tuple[int, int, int] | None = None
-
-    @classmethod
-    def hold(cls) -> bool:
-        import gc
-        if cls.holders == 0:
-            cls.before = gen0, gen1, gen2 = gc.get_threshold()
-            gc.set_threshold(max(gen0, 50_000), gen1, gen2)
-        cls.holders += 1
-        return True
-
-    @classmethod
-    def release(cls) -> bool:
-        import gc
-        cls.holders -= 1
-        if cls.holders == 0:
-            gc.set_threshold(*cls.before)
-        return False

@@ -26,6 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, TensorParallel, building
 from engine.parallel.launch import Followers
 from engine.parallel.shards import check_split
+from engine import process_settings
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them None. On an H200 with an 8B
@@ -68,8 +69,9 @@ def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
     if device.type == "cuda" and device.index is not None:
         if device.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
-        # one engine per process and device: graphs, events and streams made later belong to it
-        torch.cuda.set_device(device)
+        # one engine per process and device: graphs, events and streams made later belong to it (the device
+        # before comes back when the last engine closes: engine/process_settings.py)
+        process_settings.set_cuda_device(device)
     return device
 
 
@@ -107,7 +109,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         from engine.quant import check_quantization
         check_quantization(config.quantization, device, dtype)
     if config.num_threads and device.type == "cpu":
-        torch.set_num_threads(config.num_threads)
+        process_settings.set_threads(config.num_threads)      # the count before: back at the last engine's close
     if config.max_loras is not None and config.max_loras < 1:
         raise ConfigError(f"max_loras ({config.max_loras}) must be >= 1")
     adapters = [check_adapter(name, path) for name, path in config.loras]   # refused before any weight is read

@@ -43,14 +43,15 @@ when the runner sets one (fix it for graph capture), else from choose_num_splits
 """
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_metadata import choose_num_splits
-from kernels.triton_utils import check, check_last_contiguous, check_same_device, launch, next_pow2
+from kernels.triton_attention_launch import check_inputs, decode_config, num_sms, prefill_config, step_summary
+from kernels.triton_utils import check, launch, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -251,72 +252,14 @@ def _prefill_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# Tiles, checked by compiling for sm_90 offline (`python -m benchmarks.kernel_bench
-# --compile-only`): in 16-bit at head_dim <= 128 no kernel spills; prefill runs on
-# wgmma, both use cp.async pipelining. float32 takes the FMA path ("ieee" dot, exact
-# float32), far more register-hungry: smaller tiles and some spilling remain; on GPUs
-# float32 is a correctness path, not a fast one.
-
-def decode_config(D: int, group: int, dtype: torch.dtype, kv_int8: bool = False) -> dict:
-    """Constexprs and launch options of _decode_kernel (without BLOCK_SIZE, SPLIT, KV_INT8).
-    An int8 cache gets 3 stages: with 2, ptxas spills a few bytes at head_dim 128."""
-    BLOCK_D = max(16, next_pow2(D))
-    small = BLOCK_D > 128 or dtype == torch.float32
-    return dict(GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=32 if small else 64, BLOCK_D=BLOCK_D,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=3 if kv_int8 else 2)
-
-
-def prefill_config(D: int, group: int, dtype: torch.dtype, max_query_len: int) -> dict:
-    """Constexprs and launch options of _prefill_kernel (without BLOCK_SIZE, KV_INT8).
-    BLOCK_M rows = BLOCK_Q tokens x GROUP heads; shorter tiles for short chunks."""
-    BLOCK_D = max(16, next_pow2(D))
-    small = BLOCK_D > 128 or dtype == torch.float32
-    BLOCK_M, BLOCK_N = (64, 32) if small else (128, 64)
-    BLOCK_M = max(BLOCK_M, next_pow2(group))
-    if max_query_len * group < BLOCK_M:
-        BLOCK_M = max(16, next_pow2(max_query_len * group))
-    return dict(GROUP=group, BLOCK_Q=BLOCK_M // group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                num_warps=8 if BLOCK_M * BLOCK_D >= 64 * 128 else 4, num_stages=2)
-
-
-def _check_meta(meta, T: int) -> None:
-    B = len(meta.query_lens)
-    check(len(meta.seq_lens) == B, f"meta: {len(meta.seq_lens)} seq_lens for {B} query_lens")
-    check(0 <= meta.num_decodes <= B, f"meta: num_decodes {meta.num_decodes} outside [0, {B}]")
-    check(meta.block_tables.dim() == 2 and meta.block_tables.shape[0] == B
-          and meta.block_tables.dtype == torch.int32,
-          f"meta.block_tables: expected [{B}, max_blocks] int32, got {tuple(meta.block_tables.shape)} "
-          f"{meta.block_tables.dtype}")
-    check(meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1,
-          "meta.block_tables: rows must be contiguous")
-    check(meta.query_start_loc.shape == (B + 1,) and meta.query_start_loc.dtype == torch.int32,
-          f"meta.query_start_loc: expected [{B + 1}] int32, got {tuple(meta.query_start_loc.shape)} "
-          f"{meta.query_start_loc.dtype}")
-    check(meta.seq_lens_t.shape == (B,) and meta.seq_lens_t.dtype == torch.int32,
-          f"meta.seq_lens_t: expected [{B}] int32, got {tuple(meta.seq_lens_t.shape)} {meta.seq_lens_t.dtype}")
-    total, nd = _step_summary(meta)[0], meta.num_decodes
-    check(total <= T, f"q has {T} tokens but meta.query_lens sum to {total}")
-    check(_step_summary(meta)[3], f"meta: the first num_decodes={nd} sequences must have query_len 1")
-
-
-def _step_summary(meta) -> tuple:
-    """(total tokens, max decode seq_len, max prefill query_len, decodes all 1 token): host-side
-    facts from meta's Python lists, computed once per step and kept on meta (every layer
-    asks the same questions)."""
-    cached = meta.__dict__.get("_triton_summary")
-    if cached is not None and cached[0] is meta.query_lens and cached[1] is meta.seq_lens:
-        return cached[2]
-    nd = meta.num_decodes
-    summary = (sum(meta.query_lens), max(meta.seq_lens[:nd], default=0), max(meta.query_lens[nd:], default=0),
-               all(n == 1 for n in meta.query_lens[:nd]))
-    meta.__dict__["_triton_summary"] = (meta.query_lens, meta.seq_lens, summary)
-    return summary
+class _Step(NamedTuple):
+    """What both kernels take, in their argument order (tiles and grids apart)."""
+    tensors: tuple          # q, k_cache, v_cache, k_scale, v_scale (the caches when float: unused), out
+    scales: tuple           # scale_log2, softcap_log2
+    strides: tuple          # q, k_cache, v_cache, the scales, out, block_tables
+    window: int
+    head_dim: int
+    flags: dict             # BLOCK_SIZE, KV_INT8, SOFTCAP
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
@@ -330,85 +273,75 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     choose_num_splits() (on CUDA graphs pass a fixed value; any value is correct).
     sliding: this layer keeps to meta.sliding_window (when set); softcap: scores capped (module docstring).
     """
-    check(q.dim() == 3, f"q: expected [T, Hq, D], got {tuple(q.shape)}")
+    device, kv_int8 = check_inputs(q, k_cache, v_cache, meta, k_scale, v_scale)
     T, Hq, D = q.shape
-    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: dtype {q.dtype} not supported")
-    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == D,
-          f"caches: expected [num_blocks, block_size, Hk, {D}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    NB, BS, Hk, _ = k_cache.shape
-    check(Hk > 0 and Hq % Hk == 0, f"num_heads {Hq} is not a multiple of num_kv_heads {Hk}")
-    check(BS == meta.block_size, f"cache block_size {BS} != meta.block_size {meta.block_size}")
-    check(D >= 16, f"head_dim {D} < 16 is not supported by the tensor-core kernels")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_contiguous(name, t)
-    kv_int8 = k_cache.dtype == torch.int8
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                   query_start_loc=meta.query_start_loc, seq_lens_t=meta.seq_lens_t)
+    Hk = k_cache.shape[2]
     if kv_int8:
-        check(v_cache.dtype == torch.int8, f"v_cache: dtype {v_cache.dtype}, expected int8 like k_cache")
-        check(k_scale is not None and v_scale is not None, "int8 caches need k_scale and v_scale")
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check(s.shape == (NB, BS, Hk) and s.dtype == torch.float32,
-                  f"{name}: expected [{NB}, {BS}, {Hk}] float32, got {tuple(s.shape)} {s.dtype}")
-        check(k_scale.stride() == v_scale.stride(), "k_scale and v_scale must have the same strides")
-        tensors.update(k_scale=k_scale, v_scale=v_scale)
         s_strides = k_scale.stride()
     else:
-        check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-              f"caches: dtype {k_cache.dtype}/{v_cache.dtype} must match q {q.dtype} (or be int8)")
-        check(k_scale is None and v_scale is None, "scales given for a non-int8 cache")
         k_scale = v_scale = k_cache  # unused placeholders
         s_strides = (0, 0, 0)
-    device = check_same_device(**tensors)
-    _check_meta(meta, T)
-
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     B, nd = len(meta.query_lens), meta.num_decodes
-    total, max_decode_len, max_q, _ = _step_summary(meta)
+    total, max_decode_len, max_q, _ = step_summary(meta)
     if total < T:                      # padding rows (a padded CUDA-graph batch): zeros, not garbage
         out[total:].zero_()
-    group = Hq // Hk
     check(softcap is None or softcap > 0, f"softcap must be positive, got {softcap}")
-    window = int(meta.sliding_window or 0) if sliding else 0
     # with a cap, the kernel scales by scale / softcap, takes tanh, then multiplies by softcap * log2(e)
     scale_log2 = float(scale) / softcap if softcap else float(scale) * LOG2E
     softcap_log2 = float(softcap or 0.0) * LOG2E
-    BLOCK_D = max(16, next_pow2(D))
-    bt = meta.block_tables
-    common_strides = (q.stride(0), q.stride(1),
-                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                      *s_strides, out.stride(0), out.stride(1), bt.stride(0))
-
+    step = _Step(tensors=(q, k_cache, v_cache, k_scale, v_scale, out), scales=(scale_log2, softcap_log2),
+                 strides=(q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                          *s_strides, out.stride(0), out.stride(1), meta.block_tables.stride(0)),
+                 window=int(meta.sliding_window or 0) if sliding else 0, head_dim=D,
+                 flags=dict(BLOCK_SIZE=k_cache.shape[1], KV_INT8=kv_int8, SOFTCAP=bool(softcap)))
     if nd > 0:
-        if num_splits is None:
-            num_splits = getattr(meta, "decode_splits", None)
-        if num_splits is None:
-            sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-                if device.type == "cuda" else 132
-            num_splits = choose_num_splits(nd, Hk, max_decode_len, sms)
-        check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
-        if num_splits > 1:
-            part_o = torch.empty((nd, Hq, num_splits, D), dtype=torch.float32, device=device)
-            part_lse = torch.empty((nd, Hq, num_splits), dtype=torch.float32, device=device)
-        else:
-            part_o = part_lse = out  # unused
-        p_strides = (*part_o.stride()[:3], *part_lse.stride()[:2]) if num_splits > 1 else (0, 0, 0, 0, 0)
-        launch(_decode_kernel, (nd, Hk, num_splits), device,
-               q, k_cache, v_cache, k_scale, v_scale, out, part_o, part_lse,
-               bt, meta.seq_lens_t, scale_log2, softcap_log2, *common_strides, *p_strides,
-               window, D, num_splits, **decode_config(D, group, q.dtype, kv_int8), BLOCK_SIZE=BS,
-               SPLIT=num_splits > 1, KV_INT8=kv_int8, SOFTCAP=bool(softcap))
-        if num_splits > 1:
-            launch(_decode_reduce_kernel, (nd, Hq), device,
-                   part_o, part_lse, out, *p_strides, out.stride(0), out.stride(1), D, num_splits,
-                   BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=BLOCK_D, num_warps=4)
-
+        splits = _decode_splits(num_splits, meta, Hk, max_decode_len, device)
+        _launch_decodes(step, meta, Hk, Hq // Hk, splits, device)
     if B > nd:
-        cfg = prefill_config(D, group, q.dtype, max_q)
-        launch(_prefill_kernel, (B - nd, triton.cdiv(max_q, cfg["BLOCK_Q"]), Hk), device,
-               q, k_cache, v_cache, k_scale, v_scale, out,
-               bt[nd:], meta.seq_lens_t[nd:], meta.query_start_loc[nd:],
-               scale_log2, softcap_log2, *common_strides, window, D, **cfg, BLOCK_SIZE=BS, KV_INT8=kv_int8,
-               SOFTCAP=bool(softcap))
+        _launch_prefills(step, meta, Hk, Hq // Hk, max_q, device)
     return out
+
+
+def _decode_splits(num_splits: int | None, meta, Hk: int, max_decode_len: int, device: torch.device) -> int:
+    """The split-K factor: the one given, else meta.decode_splits, else choose_num_splits()."""
+    if num_splits is None:
+        num_splits = getattr(meta, "decode_splits", None)
+    if num_splits is None:
+        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 132
+        num_splits = choose_num_splits(meta.num_decodes, Hk, max_decode_len, sms)
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    return num_splits
+
+
+def _launch_decodes(step: _Step, meta, Hk: int, group: int, num_splits: int, device: torch.device) -> None:
+    """The decode rows (the first num_decodes): one program per (decode, KV head, split), then the
+    merge of the splits' partial outputs when there are several."""
+    q, out = step.tensors[0], step.tensors[-1]
+    nd, (_, Hq, D) = meta.num_decodes, q.shape
+    if num_splits > 1:
+        part_o = torch.empty((nd, Hq, num_splits, D), dtype=torch.float32, device=device)
+        part_lse = torch.empty((nd, Hq, num_splits), dtype=torch.float32, device=device)
+        p_strides = (*part_o.stride()[:3], *part_lse.stride()[:2])
+    else:
+        part_o = part_lse = out  # unused
+        p_strides = (0, 0, 0, 0, 0)
+    launch(_decode_kernel, (nd, Hk, num_splits), device,
+           *step.tensors, part_o, part_lse, meta.block_tables, meta.seq_lens_t, *step.scales, *step.strides,
+           *p_strides, step.window, D, num_splits,
+           **decode_config(D, group, q.dtype, step.flags["KV_INT8"]), SPLIT=num_splits > 1, **step.flags)
+    if num_splits > 1:
+        launch(_decode_reduce_kernel, (nd, Hq), device,
+               part_o, part_lse, out, *p_strides, out.stride(0), out.stride(1), D, num_splits,
+               BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=max(16, next_pow2(D)), num_warps=4)
+
+
+def _launch_prefills(step: _Step, meta, Hk: int, group: int, max_q: int, device: torch.device) -> None:
+    """The prefill chunks (the sequences after the decodes): one program per (chunk, query tile, KV head)."""
+    q, nd = step.tensors[0], meta.num_decodes
+    cfg = prefill_config(step.head_dim, group, q.dtype, max_q)
+    launch(_prefill_kernel, (len(meta.query_lens) - nd, triton.cdiv(max_q, cfg["BLOCK_Q"]), Hk), device,
+           *step.tensors, meta.block_tables[nd:], meta.seq_lens_t[nd:], meta.query_start_loc[nd:],
+           *step.scales, *step.strides, step.window, step.head_dim, **cfg, **step.flags)

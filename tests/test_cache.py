@@ -201,7 +201,7 @@ def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
 def test_long_prompts_end_a_lookup_batch_before_its_row_count(engine, tmp_path, monkeypatch):
     """Rows held for one batch lookup are unpacked token lists: their tokens bound the batch too, and
     every row is still served (from the cache on the second run)."""
-    import jobrunner.job.loop as J
+    import jobrunner.job.intake as J
     from jobrunner.cache.reuse import Reuse
     rows = [{"id": f"t{i}", "prompt": p} for i, p in enumerate(prompts(12))]
     ds = write_jsonl(tmp_path / "d.jsonl", rows)

@@ -25,6 +25,7 @@ loader already put in the model.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,53 +108,75 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     check_quantization(scheme, device, dtype, moe=any(hasattr(layer.mlp, "experts") for layer in model.layers))
-    # GGUF blocks map onto int8 and int4 whole; a tensor-parallel rank quantizes its float shard
-    raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") and model.tp.size == 1 else {}
-    if name == "w8a8":
-        backend, qmax = w8a8_backend(device)
-        if w8a8_backend_name is not None:
-            backend, qmax = w8a8_backend_name, (qmax if w8a8_backend_name == "int_mm" else 127)
-    rowwise = name == "fp8" and torch.cuda.get_device_capability(device) >= (9, 0)
+    quantizer = _LinearQuantizer.choose(model, name, group, bundle, device, w8a8_backend_name)
     if name == "w8a8" and smooth_alpha is not None and getattr(bundle, "tokenizer", None) is not None \
             and smooth.applies_to(model):
         ids = smooth.calibration_ids(bundle.tokenizer)
         smooth.smooth_model(model, smooth.input_amax(model, ids), smooth_alpha)
+    _quantize_layers(model, quantizer)
+    if quantize_lm_head is None:
+        quantize_lm_head = name != "fp8"
+    if quantize_lm_head:
+        _quantize_embedding_and_head(model, name, quantizer.raw, device, dtype,
+                                     qmax=quantizer.qmax, backend=quantizer.backend)
+    model.quantization = scheme
+    return model
 
-    def make(full: str, lin: nn.Linear) -> nn.Module:
-        w, bias = lin.weight, lin.bias
-        if name == "int8":
-            parts = raw.get(full)
+
+@dataclass(frozen=True)
+class _LinearQuantizer:
+    """One quantize_model call's choices: how a decoder linear becomes its quantized module."""
+    name: str
+    group: int | None
+    device: torch.device
+    raw: dict                    # our module name -> its GGUF RawTensors (int8, int4 of an unsplit model), or {}
+    qmax: int = 127              # w8a8: the weights' range for the backend
+    backend: str | None = None   # w8a8's GEMM
+    rowwise: bool = False        # fp8: per-row scales (compute capability 9.0 and newer)
+
+    @classmethod
+    def choose(cls, model, name: str, group: int | None, bundle, device, w8a8_backend_name: str | None):
+        # GGUF blocks map onto int8 and int4 whole; a tensor-parallel rank quantizes its float shard
+        raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") and model.tp.size == 1 else {}
+        if name == "w8a8":
+            backend, qmax = w8a8_backend(device)
+            if w8a8_backend_name is not None:
+                backend, qmax = w8a8_backend_name, (qmax if w8a8_backend_name == "int_mm" else 127)
+            return cls(name, group, device, raw, qmax, backend)
+        rowwise = name == "fp8" and torch.cuda.get_device_capability(device) >= (9, 0)
+        return cls(name, group, device, raw, rowwise=rowwise)
+
+    def __call__(self, full: str, lin: nn.Linear) -> nn.Module:
+        """The quantized module for `lin`, the model's module `full` (e.g. "layers.0.self_attn.qkv_proj")."""
+        w, bias, device = lin.weight, lin.bias, self.device
+        if self.name == "int8":
+            parts = self.raw.get(full)
             if parts and all(p.ggml_type in formats.GGUF_INT8_TYPES for p in parts):
                 return Int8Linear(*_to(formats.int8_from_gguf(parts), device), bias=bias)
             return Int8Linear(*formats.quantize_int8(w), bias=bias)
-        if name == "int4":
-            parts = raw.get(full)
-            if group == formats.GGUF_GROUP and parts and all(p.ggml_type in formats.GGUF_INT4_TYPES for p in parts) \
+        if self.name == "int4":
+            parts = self.raw.get(full)
+            if self.group == formats.GGUF_GROUP and parts \
+                    and all(p.ggml_type in formats.GGUF_INT4_TYPES for p in parts) \
                     and len({p.ggml_type for p in parts}) == 1:
                 packed, s, z = _to(formats.int4_from_gguf(parts), device)
                 return Int4Linear(packed, s, z, formats.GGUF_GROUP, lin.in_features, bias=bias)
-            return Int4Linear(*formats.quantize_int4(w, group), group, lin.in_features, bias=bias)
-        if name == "w8a8":
-            return W8A8Linear(*formats.quantize_int8(w, qmax=qmax), bias=bias, backend=backend)
-        return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=rowwise)
+            return Int4Linear(*formats.quantize_int4(w, self.group), self.group, lin.in_features, bias=bias)
+        if self.name == "w8a8":
+            return W8A8Linear(*formats.quantize_int8(w, qmax=self.qmax), bias=bias, backend=self.backend)
+        return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=self.rowwise)
 
+
+def _quantize_layers(model: nn.Module, quantize: _LinearQuantizer) -> None:
+    """Every decoder layer's linears swapped for quantize's modules; a MoE block's experts quantized too."""
     for i, layer in enumerate(model.layers):
         for parent_name, attr in _decoder_linears(layer):
             parent = layer.get_submodule(parent_name)
             lin = getattr(parent, attr)
-            setattr(parent, attr, make(f"layers.{i}.{parent_name}.{attr}", lin))
+            setattr(parent, attr, quantize(f"layers.{i}.{parent_name}.{attr}", lin))
             del lin
         if hasattr(layer.mlp, "experts"):       # a MoE block: its router stays in the model dtype
-            quantize_experts(layer.mlp.experts, name)
-
-    if quantize_lm_head is None:
-        quantize_lm_head = name != "fp8"
-    if quantize_lm_head:
-        _quantize_embedding_and_head(model, name, raw, device, dtype,
-                                     qmax=qmax if name == "w8a8" else 127,
-                                     backend=backend if name == "w8a8" else None)
-    model.quantization = scheme
-    return model
+            quantize_experts(layer.mlp.experts, quantize.name)
 
 
 def _decoder_linears(layer):
