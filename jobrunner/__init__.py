@@ -10,6 +10,8 @@ stays cheap:
 """
 from __future__ import annotations
 
+from importlib import import_module
+
 _MODULES = {"JobConfigError": "api.submit", "JobFailedError": "api.submit", "JobResult": "api.submit", "OutputStorageError": "api.submit",
             "submit": "api.submit", "EngineSession": "api.session", "generate": "api.session", "open_engine": "api.session"}
 __all__ = sorted(_MODULES)
@@ -17,7 +19,6 @@ __all__ = sorted(_MODULES)
 
 def __getattr__(name: str):
     if name in _MODULES:
-        from importlib import import_module
         return getattr(import_module(f"jobrunner.{_MODULES[name]}"), name)
     raise AttributeError(f"module 'jobrunner' has no attribute {name!r}")
 

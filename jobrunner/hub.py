@@ -48,7 +48,7 @@ def fetch(model: str) -> Path:
     """The snapshot directory of a Hub model (its name is the commit), downloaded if needed or found in
     the cache offline; ModelError with what to do when it cannot be had."""
     repo, revision = parse(model)
-    try:
+    try:        # huggingface_hub loads only for a Hub name (the command line's start imports this module)
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                             RevisionNotFoundError)

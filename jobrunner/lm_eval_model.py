@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections import defaultdict
 
@@ -38,6 +39,14 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+import jobrunner
+from engine import load_model_bundle
+from jobrunner.api.submit import build_config
+from jobrunner.config.job import JobConfigError
+from jobrunner.dataset import Row
+from jobrunner.models import DEFAULT_MODEL, resolve_model
+from jobrunner.output import EXTRA_JSON, read_results, stored_values
 
 log = logging.getLogger("jobrunner.lm_eval")
 
@@ -51,8 +60,6 @@ class JobrunnerLM(TemplateLM):
                  device: str | None = None, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
                  **options):
         super().__init__()
-        from jobrunner.models import DEFAULT_MODEL
-        from jobrunner.config.job import JobConfigError
         name = model or pretrained or DEFAULT_MODEL
         try:
             self.jobs = _Jobs({**options, "model": name, "device": _device(device)})
@@ -129,16 +136,15 @@ class JobrunnerLM(TemplateLM):
             where.append((tuple(context), len(row["continuation_ids"])))
             row["continuation_ids"].append(list(continuation))
         keys = list(rows)
-        for i, key in enumerate(keys):        # `prompt` is for logs only (a blank one would be an error row)
-            text = self.tok.decode(list(key), skip_special_tokens=False)
-            rows[key].update(id=str(i), prompt=text if text.strip() else repr(text))
+        for i, key in enumerate(keys):
+            rows[key]["id"] = str(i)
         results = dict(zip(keys, self.jobs.run([rows[k] for k in keys], kind="tokens")))
         out = []
         for key, j in where:
             res = results[key]
             if res.get("error"):
                 raise RuntimeError(f"jobrunner could not score a request: {res['error']}")
-            out.append((float(_json(res["continuation_logprobs"])[j]), bool(_json(res["continuation_greedy"])[j])))
+            out.append((float(res["continuation_logprobs"][j]), bool(res["continuation_greedy"][j])))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -170,7 +176,7 @@ class JobrunnerLM(TemplateLM):
             if keep < 1:
                 raise ValueError(f"max_gen_toks {kwargs['max_gen_toks']} leaves no room for a context in "
                                  f"max_length {self._max_length}")
-            rows = [{"id": str(i), "prompt": requests[i].args[0] if requests[i].args[0].strip() else "<context>",
+            rows = [{"id": str(i),
                      "context_ids": (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-keep:]}
                     for i in indices]
             results = self.jobs.run(rows, **_sampling(kwargs, until))
@@ -210,10 +216,6 @@ def _sampling(kwargs: dict, until: list[str]) -> dict:
     return options
 
 
-def _json(value):
-    return json.loads(value) if isinstance(value, str) else value
-
-
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"      # what lm-eval passes when no --device was given (EvaluatorConfig)
 
 
@@ -232,11 +234,9 @@ def _device(device: str | None) -> str | None:
 def _one_line_if_uncaught() -> None:
     """A bad --model_args value that nothing catches (the lm_eval command) ends the process with its one line,
     not a traceback around it; a caller that catches the JobConfigError sees no difference."""
-    import sys
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        from jobrunner.config.job import JobConfigError
         if issubclass(kind, JobConfigError):
             print(f"error: --model_args: {value}", file=sys.stderr)
         else:
@@ -245,25 +245,24 @@ def _one_line_if_uncaught() -> None:
 
 
 class _Jobs:
-    """The one place this backend meets jobrunner: rows in, result rows (dicts, input order) out,
-    through the public API (an engine session, jobrunner.open_engine, opened at the first in-process
-    job and held while the model object lives; or jobrunner.submit for data-parallel workers)."""
+    """The one place this backend meets jobrunner: rows in, result rows (dicts of values, input order)
+    out, through the public API (an engine session's run_rows, jobrunner.open_engine, opened at the
+    first in-process job and held while the model object lives; or jobrunner.submit for data-parallel
+    workers)."""
 
     def __init__(self, options: dict):
-        from jobrunner.api.submit import build_config
         self.options = {k: v for k, v in options.items() if v is not None}
         build_config("memory://lm-eval.jsonl", self.options)     # unknown or bad options: now (JobConfigError)
         self.session = None         # jobrunner.EngineSession: closed when collected with this object
 
     def tokenizer_and_context(self):
         """The model's tokenizer and context length, without loading its weights."""
-        from engine import load_model_bundle
-        from jobrunner.models import resolve_model
         bundle = load_model_bundle(resolve_model(self.options["model"]))
         return bundle.tokenizer, bundle.config.max_position_embeddings
 
     def run(self, rows: list[dict], **job_options) -> list[dict]:
-        import jobrunner
+        """rows: the tokens kind's ({"id": a str, "context_ids": [...], ...}); their result rows in the
+        same order, each value as the kind made it (continuation_logprobs a list of floats, output a str)."""
         options = {**self.options, **job_options}
         if not rows:
             return []
@@ -271,13 +270,15 @@ class _Jobs:
             return _submit(rows, options)
         if self.session is None:
             self.session = jobrunner.open_engine(**self.options)
-        return self.session.generate(rows, **job_options).to_dicts()
+        # in this process the rows go to the job as Rows: no file, no text, nothing tokenized again
+        given = [Row(index=i, id=row["id"], data=row, id_value=row["id"]) for i, row in enumerate(rows)]
+        return self.session.run_rows(given, **job_options)
 
 
 def _submit(rows: list[dict], options: dict) -> list[dict]:
-    """A data-parallel job over files in a temporary directory (jobrunner.generate runs in-process only)."""
-    import jobrunner
-    from jobrunner.output import read_results
+    """A data-parallel job over files in a temporary directory: its worker processes each read the
+    dataset, so these rows go to them as a JSONL file (the one round trip left), and their results are
+    read back from the parts as values (stored_values: JSON cells decoded)."""
     with tempfile.TemporaryDirectory(prefix="jobrunner-lm-eval-") as tmp:
         dataset = os.path.join(tmp, "requests.jsonl")
         with open(dataset, "w") as fh:
@@ -285,5 +286,11 @@ def _submit(rows: list[dict], options: dict) -> list[dict]:
         result = jobrunner.submit(dataset, os.path.join(tmp, "out"), **options)
         if result.exit_code != 0:
             raise RuntimeError(f"jobrunner job failed (exit {result.exit_code}): {result.error}")
-        by_id = {str(r["id"]): r for r in read_results(result.output).to_pylist()}
+        by_id = {str(r["id"]): r for r in _stored_rows(read_results(result.output))}
     return [by_id[row["id"]] for row in rows]
+
+
+def _stored_rows(table) -> list[dict]:
+    """A results table's rows with their values as the kind made them (as EngineSession.run_rows gives)."""
+    columns = {name: stored_values(table, name) for name in table.column_names if name != EXTRA_JSON}
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]

@@ -26,6 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import engine       # engine.DUMMY_CONFIGS, read only for an unknown name's message, loads the loader (torch)
 from engine import ModelError, cache_root
 from jobrunner import hub
 
@@ -120,11 +121,10 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
         return model
     if hub.is_hub_name(model):
         return str(hub.fetch(model))
-    from engine import DUMMY_CONFIGS
     raise ModelError(
         f"model {model!r} is not a known model name, an existing path or a reachable URL. "
         f"Known models: {', '.join(sorted(KNOWN_MODELS))}; or a Hugging Face Hub name (org/name[@revision]); "
-        f"or dummy:<name> for random weights ({', '.join(sorted(DUMMY_CONFIGS))}, or a config.json path)")
+        f"or dummy:<name> for random weights ({', '.join(sorted(engine.DUMMY_CONFIGS))}, or a config.json path)")
 
 
 def resolve_adapter(path: str, cache_dir: str | os.PathLike | None = None) -> str:
@@ -134,7 +134,7 @@ def resolve_adapter(path: str, cache_dir: str | os.PathLike | None = None) -> st
     if os.path.isdir(path):
         return path
     if "://" in path or "::" in path:
-        import fsspec
+        import fsspec       # the command line imports this module at start: fsspec only for a remote adapter
         dest = cache_root(cache_dir) / "remote" / hashlib.sha256(path.encode()).hexdigest()[:16]
         dest.mkdir(parents=True, exist_ok=True)
         try:

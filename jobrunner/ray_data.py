@@ -14,6 +14,7 @@ Read back, only the part files count: `ray.data.read_parquet` over the directory
 from __future__ import annotations
 
 from jobrunner import storage
+from jobrunner.api.submit import submit
 from jobrunner.output import layout
 
 INPUT_DONE = "_jobrunner_input_done"       # not *.parquet: the job's glob skips it
@@ -29,14 +30,13 @@ def result_paths(output_url: str) -> list[str]:
 
 def read_results_dataset(output_url: str, **read_parquet_args):
     """The job's results as a ray.data.Dataset."""
-    import ray
+    import ray          # the optional extra (jobrunner[ray]): only to read the results back
     return ray.data.read_parquet(result_paths(output_url), **read_parquet_args)
 
 
 def submit_dataset(ds, root: str, **options):
     """Write `ds` (with an id column and the prompt's columns) under root/input once, then run a job over it
     into root/output with jobrunner.submit's options (e.g. ray="auto"). Returns the JobResult."""
-    from jobrunner.api.submit import submit
     fs, base = storage.url_fs(root)
     inputs, mark = storage.join(base, "input"), storage.join(storage.join(base, "input"), INPUT_DONE)
     if not fs.exists(mark):

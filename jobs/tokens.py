@@ -2,15 +2,20 @@
 where a context ends and a continuation begins, and how a long context is cut), so nothing is
 re-tokenized. This is the kind behind the lm-evaluation-harness backend (jobrunner/lm_eval_model.py).
 
-    {"prompt": "the context's text (logs only)", "context_ids": [...], "continuation_ids": [[...], ...]}
+    {"context_ids": [...], "continuation_ids": [[...], ...]}
         -> continuation_logprobs: each continuation's summed logprob after the context;
            continuation_greedy: whether each is the greedy one (every token its position's argmax)
-    {"prompt": "...", "context_ids": [...]}
+    {"context_ids": [...]}
         -> generated from the context as kind generate does (the job's sampling, stop strings, ...)
 
 One row holds every continuation of one context (a multiple-choice question's endings): the engine
 computes the context once and branches each continuation off its KV (engine: Request.candidates).
-The prompt the job builds from `prompt` is not what runs; `context_ids` is.
+
+A kind whose prompt is token ids the row holds names their column in `prompt_ids_column`: the
+intake then neither renders nor tokenizes its rows (no prompt text, no prompt column) and passes
+that column's value, as the row has it, to `request` as `prompt_ids`; the kind checks it (a bad or
+missing value: RowError, an error row). Kinds without the attribute get the ids of their rendered
+prompt (jobrunner/job/intake.py).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ CONTEXT, CONTINUATIONS = "context_ids", "continuation_ids"
 
 class TokensJob:
     name = "tokens"
+    prompt_ids_column = CONTEXT     # the prompt is the row's context ids: nothing rendered or tokenized
     # every column it may write, and its kind (jobrunner.output.values): the output schema declares them all
     result_columns = {"continuation_logprobs": "json", "continuation_greedy": "json", **GenerateJob.result_columns}
 
@@ -33,7 +39,8 @@ class TokensJob:
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict,
                 options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
-        context = _ids(data.get(CONTEXT), CONTEXT)
+        """prompt_ids: the row's context_ids as the row holds them (unchecked until here)."""
+        context = _ids(prompt_ids, CONTEXT)
         if not context:
             raise RowError(f"{CONTEXT} is empty (lm-eval puts a prefix token before an empty context)")
         if data.get(CONTINUATIONS) is None:
@@ -59,6 +66,8 @@ class TokensJob:
 
 
 def _ids(value, column: str) -> list[int]:
+    if value is None:
+        raise RowError(f"a tokens row needs {column}: a list of token ids (integers)")
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise RowError(f"{column} must hold lists of token ids (integers)")
     return value

@@ -201,3 +201,36 @@ def test_parallel_runs_match_hf(tiny_hf_model_dir, parallel):
     ref = evaluate("hf", common, tasks=["jr_mc", "jr_gen"])
     ours = evaluate("jobrunner", f"{common},{parallel}", tasks=["jr_mc", "jr_gen"])
     assert_same(ours, ref)
+
+
+def test_requests_reach_the_engine_as_token_ids_and_results_come_back_as_values(tiny_hf_model_dir, monkeypatch):
+    """In process, lm-eval's requests go to the job as Rows of token ids (no file, no prompt text, nothing
+    rendered or tokenized again: EngineSession.run_rows) and the backend gets the kind's values back."""
+    from engine.engine import Engine
+    from engine.tokenizer import Tokenizer
+    from jobs.base import PromptBuilder
+    import jobrunner.api.session as session
+    import jobrunner.lm_eval_model as backend
+    lm = backend.JobrunnerLM(pretrained=str(tiny_hf_model_dir("llama")), dtype="float32", device="cpu",
+                             max_length=TINY_MAX_LENGTH)
+    prompts, returned = [], []
+    add, run = Engine.add_request, backend._Jobs.run
+    monkeypatch.setattr(Engine, "add_request", lambda e, r: (prompts.append(list(r.prompt_token_ids)), add(e, r))[1])
+    monkeypatch.setattr(backend._Jobs, "run", lambda jobs, rows, **kw: returned.append(run(jobs, rows, **kw)) or
+                        returned[-1])
+    for name, where in (("render", PromptBuilder), ("encode_batch", Tokenizer), ("_write_rows", session)):
+        monkeypatch.setattr(where, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} was called"))
+
+    context = lm.tok_encode("The quick brown")
+    endings = [lm.tok_encode(" fox", add_special_tokens=False), lm.tok_encode(" dog jumps", add_special_tokens=False)]
+    scores = lm._loglikelihood_tokens([(("", ""), context, ending) for ending in endings])
+    assert prompts == [context]
+    assert all(type(logprob) is float and type(greedy) is bool for logprob, greedy in scores)
+    (scored,) = returned[0]
+    assert all(type(x) is float for x in scored["continuation_logprobs"]) and scored["continuation_logprobs"] == \
+        [logprob for logprob, _ in scores]
+    assert all(type(x) is bool for x in scored["continuation_greedy"])
+    assert "prompt" not in scored
+
+    (generated,) = lm.jobs.run([{"id": "0", "context_ids": context}], **backend._sampling({"max_gen_toks": 3}, []))
+    assert prompts[-1] == context and isinstance(generated["output"], str) and generated["error"] is None

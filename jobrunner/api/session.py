@@ -10,6 +10,10 @@ holds open for many calls (`open_engine`), as vLLM's LLM object serves its gener
 A call's rows go to the job as a `memory://` file (so they are read, typed and checked as a JSONL or
 Parquet dataset is), deleted on return; its result rows stay in memory (output.RowSink) and come back
 as a polars DataFrame in the input's order. No output directory is made.
+
+`EngineSession.run_rows` is the path without a file either way, for a caller whose rows are already
+jobrunner.dataset.Rows (the lm-eval backend's token ids): they go to the job as they are, and the
+result rows come back as the kind made them (dicts of values), not typed into a table.
 """
 from __future__ import annotations
 
@@ -20,15 +24,28 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 
-from jobrunner.api.submit import JobFailedError, api_errors, build_config
+import fsspec
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from jobrunner.api.messages import api_message, check_known
+from jobrunner.api.submit import JobFailedError, api_errors, build_config
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from jobrunner.dataset import read_rows
+from jobrunner.job import checks, preload
+from jobrunner.job.build import load_engine, open_job
 from jobrunner.job.ending import JobResult
+from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, rows_verdict
+from jobrunner.job.progress import Progress
+from jobrunner.job.resolve import cache_url, resolve, resolve_engine
+from jobrunner.output.values import id_key
 
 __all__ = ["EngineSession", "generate", "open_engine"]
 
 _NOT_HERE = ("output", "format", "dataset")      # generate's rows are in memory, and so are its results
+ROWS_FORMAT = "rows"            # run_rows' dataset format: Rows in memory, never read as a file's
+ROWS_BATCH = 1024               # run_rows' reader batches, as read_rows gives a file's
 
 
 def generate(rows, *, config: str | None = None, **options):
@@ -82,6 +99,16 @@ class EngineSession:
             raise JobConfigError("this engine session is closed; open another with jobrunner.open_engine")
         return _generate(rows, self.config, {**self.options, **options}, self)
 
+    def run_rows(self, rows: list, **options) -> list[dict]:
+        """A job over `rows`, jobrunner.dataset.Rows already (their ids, values and options as a reader
+        gives them), on this session's engine; options over the session's. Nothing is written or read
+        back: the rows go to the job as they are, and the result rows come back as the kind made them
+        (dicts: a list of floats stays a list), in the rows' order (samples in order). Raises as
+        `generate` does."""
+        if self.closed:
+            raise JobConfigError("this engine session is closed; open another with jobrunner.open_engine")
+        return _run_rows(list(rows), self.config, {**self.options, **options}, self)
+
     def close(self) -> None:
         """Free the engine (its model, KV cache and tensor-parallel ranks' processes)."""
         self._drop_engine()
@@ -114,8 +141,6 @@ class EngineSession:
             self._drop_engine()
 
     def _load(self, cfg: JobConfig, resolved=None) -> None:
-        from jobrunner.job.build import load_engine
-        from jobrunner.job.resolve import resolve_engine
         with api_errors():
             resolved = resolved or resolve_engine(cfg)
             engine = load_engine(cfg, resolved)
@@ -138,13 +163,7 @@ def _engine_key(cfg: JobConfig, resolved):
 
 
 def _generate(rows, config: str | None, options: dict, session: EngineSession | None):
-    import fsspec
-    import polars as pl
-    given = sorted(k for k in _NOT_HERE if options.get(k) is not None)
-    if given:
-        raise JobConfigError(f"generate takes its rows in memory and returns them: no {', '.join(given)} "
-                             "option (jobrunner.submit runs a job over files)")
-    check_known(options, _NOT_HERE)
+    _refuse_file_options(options, "generate")
     fs = fsspec.filesystem("memory")
     root = f"/jobrunner-generate-{uuid.uuid4().hex}"
     dataset = None
@@ -175,15 +194,12 @@ def _raise_unless_ok(cfg: JobConfig, result: JobResult, options: dict) -> None:
     if result.exit_code == EXIT_CONFIG:     # no rows, with fail_on_empty
         raise JobConfigError("no rows to run; failing, as fail_on_empty asks")
     if result.exit_code != EXIT_OK:         # over max_error_rate, or every row failed (exit_codes.py)
-        from jobrunner.job.exit_codes import rows_verdict
         raise JobFailedError(rows_verdict(cfg, result.stats, "", result.stats["rows"], options="api")[1], result)
 
 
 def _write_rows(fs, root: str, rows) -> tuple[str, str, int]:
     """rows as a dataset under root: (its URL, its format, its number of rows). A list of dicts becomes JSONL, so its
     values read as a JSONL file's would; a table becomes Parquet, keeping its column types."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     if isinstance(rows, (list, tuple)):
         lines = []
         for i, row in enumerate(rows):
@@ -207,7 +223,6 @@ def _write_rows(fs, root: str, rows) -> tuple[str, str, int]:
 
 def _arrow_table(rows):
     """A polars DataFrame, pyarrow Table or pandas DataFrame as a pyarrow Table; else None."""
-    import pyarrow as pa
     if isinstance(rows, pa.Table):
         return rows
     module = type(rows).__module__.split(".")[0]
@@ -222,12 +237,8 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
     """(JobResult, the result rows' table) of cfg's job in this process: on the session's engine, else on
     one loaded for it and closed at its end. `positions` gets each row id's places in the input as the
     job reads it (more than one where ids repeat)."""
-    from jobrunner.dataset import read_rows
-    from jobrunner.job.build import open_job
-    from jobrunner.job.resolve import resolve
     with api_errors():
         resolved = resolve(cfg, dry=True)       # dry: no output directory is checked or made
-    engine = session.engine_for(cfg, resolved) if session is not None else None
 
     def reader():
         for batch in read_rows(cfg.input.dataset, resolved.fmt, id_column=cfg.input.id_column, batch_rows=1024,
@@ -235,8 +246,83 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
             for row in batch:
                 positions.setdefault(row.id, []).append(row.index)
             yield batch
+    job = _open_job(cfg, resolved, session, reader)
+    return _run_job(job, session), job.writer.table()
+
+
+def _run_rows(rows: list, config: str | None, options: dict, session: EngineSession) -> list[dict]:
+    """EngineSession.run_rows: the rows as the job reader's batches, their results as the RowSink kept
+    them (keep_rows), in the rows' order. The config names a dataset and an output that nothing opens."""
+    _refuse_file_options(options, "run_rows")
+    root = f"memory://jobrunner-rows-{uuid.uuid4().hex}"
+    dataset = f"{root}/rows.jsonl"
+    try:
+        cfg = build_config(dataset, {**options, "output": f"{root}/output"}, config)
+        if (cfg.parallel.data_parallel or 1) != 1:
+            raise JobConfigError("run_rows runs in this process: data_parallel must be 1")
+        if not rows:
+            if cfg.output.fail_on_empty:
+                raise JobConfigError("rows is empty; failing, as fail_on_empty asks")
+            return []
+        return _rows_in_order(_run_kept(cfg, rows, session, options), rows)
+    except JobConfigError as e:         # the rows are named as such, not as a memory:// dataset
+        raise JobConfigError(api_message(str(e), dataset)) from None
+
+
+def _run_kept(cfg: JobConfig, rows: list, session: EngineSession, options: dict) -> list[dict]:
+    """cfg's job over `rows` (reader batches of ROWS_BATCH, as read_rows gives a file's) on the session's
+    engine: the result rows as written, the kind's values in them."""
+    batches = lambda: (rows[i:i + ROWS_BATCH] for i in range(0, len(rows), ROWS_BATCH))  # noqa: E731
+    job = _open_job(cfg, _resolve_rows(cfg), session, batches, total=len(rows))
+    kept = job.writer.keep_rows()       # before the run: every row the job writes
+    _raise_unless_ok(cfg, _run_job(job, session), options)
+    return kept
+
+
+def _rows_in_order(results: list[dict], rows: list) -> list[dict]:
+    """Result rows sorted by their input row's place in `rows` (as _in_input_order), samples in order."""
+    positions: dict = {}
+    for i, row in enumerate(rows):
+        positions.setdefault(row.id, []).append(i)
+    places = _input_places([r["id"] for r in results], [r.get("error") for r in results], positions)
+    keys = [(place, r.get("sample_index") or 0) for place, r in zip(places, results)]
+    return [r for _, r in sorted(zip(keys, results), key=lambda t: t[0])]
+
+
+def _refuse_file_options(options: dict, call: str) -> None:
+    """A call over rows in memory takes no dataset, format or output (and no unknown option)."""
+    given = sorted(k for k in _NOT_HERE if options.get(k) is not None)
+    if given:
+        raise JobConfigError(f"{call} takes its rows in memory and returns them: no {', '.join(given)} "
+                             "option (jobrunner.submit runs a job over files)")
+    check_known(options, _NOT_HERE)
+
+
+def _resolve_rows(cfg: JobConfig):
+    """What resolve finds for a job over Rows in memory: the checks that need no file (the template's
+    and constraint's syntax, n > 1 at a greedy default), the model, its precision, the result cache's URL."""
     with api_errors():
-        job = open_job(cfg, resolved, engine=engine, reader=reader, in_memory=True)  # closes an engine it loaded if it fails
+        checks.check_template(cfg, [])
+        checks.check_constraint(cfg)
+        resolved = replace(resolve_engine(cfg), fmt=ROWS_FORMAT, cache_url=cache_url(cfg))
+        preload.check_sampling(cfg, resolved.model)
+    return resolved
+
+
+def _open_job(cfg: JobConfig, resolved, session: EngineSession | None, reader, total: int | None = None):
+    """cfg's Job over reader's batches, its rows kept in memory: on the session's engine, else on one
+    loaded for it (open_job closes it again if a later part fails). total: the rows it reads, for its
+    progress (else open_job counts the dataset's); given, no file is behind the rows (run_rows), and
+    the RowSink types its tables from the rows themselves."""
+    engine = session.engine_for(cfg, resolved) if session is not None else None
+    progress = Progress(total=total, counters=engine.counters) if total is not None and engine is not None else None
+    with api_errors():
+        return open_job(cfg, resolved, engine=engine, reader=reader, progress=progress, in_memory=True,
+                        schema_from_rows=total is not None)
+
+
+def _run_job(job, session: EngineSession | None) -> JobResult:
+    """job.run(); then its engine closed (one loaded for it) or the session told how the call ended."""
     clean = False
     try:
         with api_errors(running=True):
@@ -247,22 +333,28 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
             job.engine.close()
         else:
             session.call_ended(clean)
-    return result, job.writer.table()
+    return result
 
 
 def _in_input_order(df, positions: dict):
     """Result rows sorted by their input row's position (by id, as the job read them), samples in order.
     Where an id repeats, its first row holds the first place and the later rows' error rows (job.py:
     "duplicate id ...") the later places, in the order they were written (the order they were read)."""
-    import polars as pl
-
-    from jobrunner.output.values import id_key
     if df.is_empty():
         return df
     errors = df["error"].to_list() if "error" in df.columns else [None] * df.height
+    order = pl.Series("__position", _input_places(df["id"].to_list(), errors, positions))
+    keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
+    return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")
+
+
+def _input_places(ids: list, errors: list, positions: dict) -> list[int]:
+    """Each result row's input position (ids as written, errors beside them; positions: id key -> its
+    input rows' places). A repeated id's first row holds its first place, its duplicate error rows the
+    later places, in the order they were written."""
     later: dict = {}                # id -> how many of its duplicate error rows have their place
     order = []
-    for i, error in zip(df["id"].to_list(), errors):
+    for i, error in zip(ids, errors):
         key = id_key(i)
         places = positions.get(key, [len(positions)])
         if isinstance(error, str) and error.startswith("duplicate id ") and len(places) > 1:
@@ -270,6 +362,4 @@ def _in_input_order(df, positions: dict):
             order.append(places[min(k, len(places) - 1)])
         else:
             order.append(places[0])
-    order = pl.Series("__position", order)
-    keys = ["__position"] + (["sample_index"] if "sample_index" in df.columns else [])
-    return df.with_columns(order).sort(keys, maintain_order=True).drop("__position")
+    return order

@@ -20,7 +20,14 @@ from contextlib import contextmanager
 
 from jobrunner.api.messages import api_message, check_known
 from jobrunner.config.job import JobConfig, JobConfigError, config_fields, field_value
+from jobrunner.dataset import DatasetError
+from jobrunner.job.build import finish_done, open_job
 from jobrunner.job.ending import JobResult
+from jobrunner.job.resolve import resolve
+from jobrunner.output import OutputError
+from jobrunner.output.lease import OutputBusyError, OutputLease
+from jobrunner.parallel import distributed_env, run_parallel, wants_parallel
+from jobrunner.parallel.ray_driver import run_ray
 from jobrunner.storage import CredentialsError, credentials_error
 
 log = logging.getLogger("jobrunner")
@@ -102,8 +109,6 @@ def run(cfg: JobConfig) -> JobResult:
 @contextmanager
 def output_lease(cfg: JobConfig):
     """The output's lease for this job, once for all its workers: under torchrun rank 0 takes it."""
-    from jobrunner.output.lease import OutputBusyError, OutputLease
-    from jobrunner.parallel import distributed_env
     env = distributed_env()
     if env is not None and env["rank"] != 0:
         yield None
@@ -127,11 +132,7 @@ def output_lease(cfg: JobConfig):
 
 
 def _run(cfg: JobConfig) -> JobResult:
-    from jobrunner.job.build import finish_done, open_job
-    from jobrunner.parallel import run_parallel, wants_parallel
-    from jobrunner.job.resolve import resolve
     if cfg.parallel.ray is not None:    # workers as Ray actors: jobrunner/parallel/ray_driver.py
-        from jobrunner.parallel.ray_driver import run_ray
         with api_errors(running=True):
             return run_ray(cfg)
     if wants_parallel(cfg):     # one worker per engine, or a rank under torchrun: jobrunner.parallel
@@ -156,8 +157,6 @@ def _run(cfg: JobConfig) -> JobResult:
 def api_errors(running: bool = False):
     """Exceptions a user can cause, as the API raises them: a DatasetError is a JobConfigError; an
     OSError (and while running the writer's OutputError, a failed write) an OutputStorageError."""
-    from jobrunner.dataset import DatasetError
-    from jobrunner.output import OutputError
     try:
         yield
     except (JobConfigError, OutputStorageError):

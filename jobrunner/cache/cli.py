@@ -6,6 +6,10 @@ import sys
 
 import click
 
+from jobrunner.config.values import JobConfigError, parse_size
+
+# maintenance (pyarrow) is imported by the command that uses it: `jobrunner --help` loads no pyarrow
+
 
 def _fail(message: str) -> None:
     click.echo(f"error: {message}", err=True)
@@ -37,7 +41,6 @@ def stats(url, as_json):
 def prune(url, older_than, max_size):
     """Delete the cache's oldest shards by age and/or total size."""
     from jobrunner.cache.maintenance import parse_duration, prune as prune_cache
-    from jobrunner.config.job import JobConfigError, parse_size
     if older_than is None and max_size is None:
         _fail("say what to prune: --older-than 30d and/or --max-size 10GB")
     try:

@@ -13,6 +13,7 @@ import hashlib
 import posixpath
 import re
 
+import engine      # engine.DUMMY_CONFIGS, read only for a dummy: model, loads the engine's loader (torch)
 from jobrunner.storage import url_fs
 
 FULL_HASH_BYTES = 64 * 2**20
@@ -40,9 +41,8 @@ def checkpoint_identity(model: str) -> dict:
 
 
 def _dummy_identity(spec: str) -> dict:
-    from engine import DUMMY_CONFIGS
-    if spec in DUMMY_CONFIGS:
-        return {"builtin": spec, "config": DUMMY_CONFIGS[spec]}
+    if spec in engine.DUMMY_CONFIGS:
+        return {"builtin": spec, "config": engine.DUMMY_CONFIGS[spec]}
     fs, path = url_fs(spec)
     folder = path if fs.isdir(path) else posixpath.dirname(path)
     config = posixpath.join(path, "config.json") if fs.isdir(path) else path

@@ -14,11 +14,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 
-from engine import Request, SamplingParams
+import engine
+from engine import EngineInfo, Request, SamplingParams
+from jobrunner.cache.identity import checkpoint_identity
+
+log = logging.getLogger("jobrunner")
 
 KEY_BYTES = 16
 # Request fields that never change a result: the row id, and the prompt text (the token ids decide).
@@ -33,10 +38,26 @@ def is_deterministic(req: Request) -> bool:
 
 
 def model_key(checkpoint: dict, numeric_mode: dict) -> bytes:
-    """The model's part of every key: its checkpoint identity and the engine's numeric mode."""
-    from engine import NUMERICS_VERSION
-    text = _canonical({"checkpoint": checkpoint, "numerics": {**numeric_mode, "version": NUMERICS_VERSION}})
+    """The model's part of every key: its checkpoint identity and the engine's numeric mode (the engine's
+    NUMERICS_VERSION, read at each call)."""
+    text = _canonical({"checkpoint": checkpoint, "numerics": {**numeric_mode, "version": engine.NUMERICS_VERSION}})
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def job_model_key(model: str, info: EngineInfo, quantization: str, kv_cache_dtype: str) -> bytes | None:
+    """The model's part of every cache key (checkpoint content and numeric mode); None, with a
+    warning, when the checkpoint cannot be identified (then nothing is cached)."""
+    import torch        # its version is in the numeric mode: loaded only for a job with a cache
+
+    try:
+        checkpoint = checkpoint_identity(model)
+    except Exception as e:  # noqa: BLE001 - an unidentifiable model is never cached, never fatal
+        log.warning("result cache off: cannot identify the model %s (%s)", model, e)
+        return None
+    numeric_mode = {"dtype": info.dtype, "kv_dtype": info.kv_dtype, "kv_cache_dtype": kv_cache_dtype,
+                    "quantization": quantization, "device": info.device_type,
+                    "torch": ".".join(torch.__version__.split(".")[:2])}
+    return model_key(checkpoint, numeric_mode)
 
 
 def request_key(model: bytes, kind: str, req: Request, adapters: Mapping[str, str] | None = None) -> bytes:

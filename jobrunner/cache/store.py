@@ -30,6 +30,19 @@ from jobrunner.cache.shards import CHECK_BYTES, LAYOUT, SHARD_RE, VALUES_RE, Sha
 log = logging.getLogger("jobrunner")
 
 
+def open_store(url: str | None):
+    """The CacheStore at url, or None without one; ValueError when the URL cannot be opened (its message
+    says what to install), before any work starts."""
+    if not url:
+        return None
+    try:
+        return CacheStore(url)
+    except ImportError as e:
+        raise ValueError(f"--cache: {storage.missing_backend_message(url, e)}") from None
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--cache {url}: cannot open it ({e})") from None
+
+
 class _BucketIndex:
     """A bucket's keys over its shards, sorted, each with its shard, record offset and length; equal
     keys oldest first. 30 bytes a key."""

@@ -13,16 +13,22 @@ import sys
 
 import click
 
+from engine import ModelError
 from jobrunner.cache.cli import cache as cache_commands
 from jobrunner.config.cli_options import GroupedCommand, job_options
 from jobrunner.config.job import JobConfig, JobConfigError, config_fields
+from jobrunner.config.ray import fold_cli
+from jobrunner.job.exit_codes import EXIT_STORAGE
+from jobrunner.models import known_models, pull as pull_model
+
+# Each command imports the modules that run it inside its function (the API, the dataset readers, the
+# output): they load pyarrow and fsspec, which `jobrunner --help` and a command's option parsing never need.
 
 
 def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
     """Command line over TOML file over JobConfig's defaults (which the options' defaults show):
     the options given on the command line, through the API's build_config."""
     from jobrunner.api.submit import build_config as build
-    from jobrunner.config.ray import fold_cli
     known = config_fields()
     given = {name: value for name, value in params.items()
              if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
@@ -99,7 +105,6 @@ def submit(ctx, dataset, **params):
     _setup_logging(params["verbose"])
     _sigterm_interrupts()
     from jobrunner.api.submit import OutputStorageError, run
-    from jobrunner.job.exit_codes import EXIT_STORAGE
     try:
         result = run(build_config(ctx, dataset, params))
     except JobConfigError as e:
@@ -339,7 +344,6 @@ def _print_all(s: dict, output: str) -> None:
 def models(ctx):
     """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub)."""
     if ctx.invoked_subcommand is None:
-        from jobrunner.models import known_models
         for m in known_models():
             state = f"cached at {m['path']}" if m["cached"] else "not cached"
             click.echo(f"{m['name']:28s} {m['description']}  [{state}]")
@@ -349,8 +353,6 @@ def models(ctx):
 @click.argument("name")
 def pull(name):
     """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache."""
-    from engine import ModelError
-    from jobrunner.models import pull as pull_model
     try:
         path = pull_model(name)
     except ModelError as e:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 
+import engine       # engine.check_split and rank_plan: the engine's shard plans (torch) load at their first read
+from engine import CPU_KV_CACHE_BYTES, ConfigError
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.job.precision import on_gpu
+from jobrunner.parallel.world import data_parallel_size
 
 GiB = 2**30
 # bytes per weight of the decoder linears (and experts) and of the embedding and lm_head, by scheme
@@ -23,18 +27,16 @@ _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def check_model_split(model_config, size: int) -> None:
     """JobConfigError (exit 2) when the model's heads or MLP widths don't split over `size` ranks."""
-    from engine import ConfigError, check_split
     try:
-        check_split(model_config, size)
+        engine.check_split(model_config, size)
     except ConfigError as e:
         raise JobConfigError(str(e)) from None
 
 
 def split_lines(model_config, size: int) -> dict[str, str]:
     """What each of `size` ranks holds, in words (a rank's share; every rank holds the same)."""
-    from engine import rank_plan
     mc = model_config
-    plan = rank_plan(mc, size)
+    plan = engine.rank_plan(mc, size)
     kv = "split" if mc.num_kv_heads >= size else f"replicated: each kept by {size // mc.num_kv_heads} ranks"
     lines = {
         "attention heads per rank": f"{plan.heads} of {mc.num_heads}",
@@ -59,9 +61,8 @@ def split_lines(model_config, size: int) -> dict[str, str]:
 
 def weight_bytes_per_rank(model_config, size: int, float_bytes: int, quantization: str) -> int:
     """Estimated weight bytes one of `size` ranks holds (size 1: the whole model)."""
-    from engine import rank_plan
     mc = model_config
-    plan = rank_plan(mc, size)
+    plan = engine.rank_plan(mc, size)
     linear_b, embed_b = _QUANT_BYTES.get(quantization.split(":")[0], (None, None))
     linear_b, embed_b = linear_b or float_bytes, embed_b or float_bytes
     h, d = mc.hidden_size, mc.head_dim
@@ -90,7 +91,7 @@ def fit_report(cfg: JobConfig, model_config, resolved) -> dict[str, str]:
     would go on, and whether they fit. JobConfigError when the model does not split."""
     size = cfg.parallel.tensor_parallel
     check_model_split(model_config, size)
-    device, dtype, quantization = _precision(cfg, resolved)
+    device, dtype, quantization = _precision(cfg.engine.device, resolved)
     per_rank = weight_bytes_per_rank(model_config, size, _FLOAT_BYTES[dtype], quantization)
     precision = dtype + (f", {quantization} weights" if quantization != "none" else "")
     report: dict[str, str] = {}
@@ -102,21 +103,20 @@ def fit_report(cfg: JobConfig, model_config, resolved) -> dict[str, str]:
     return report
 
 
-def _precision(cfg: JobConfig, resolved) -> tuple[str, str, str]:
-    """('cuda' | 'cpu', the float dtype's name, the quantization), as jobrunner.job.resolve found them."""
-    from jobrunner.job.precision import on_gpu
+def _precision(device: str, resolved) -> tuple[str, str, str]:
+    """('cuda' | 'cpu', the float dtype's name, the quantization), as jobrunner.job.resolve found them
+    (`device`: the job's --device)."""
     dtype = resolved.float_dtype
     if dtype not in _FLOAT_BYTES:
         raise JobConfigError(f"--dtype must be auto, {', '.join(_FLOAT_BYTES)}, not {dtype!r}")
-    return "cuda" if on_gpu(cfg.engine.device) else "cpu", dtype, resolved.quantization
+    return "cuda" if on_gpu(device) else "cpu", dtype, resolved.quantization
 
 
 def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
     """Each GPU's free memory against a rank's weights; on CPU, the host's against all processes'."""
-    from jobrunner.parallel.world import data_parallel_size
     size = cfg.parallel.tensor_parallel
     if device == "cuda":
-        import torch
+        import torch        # torch.cuda's memory figures: on a GPU only
         base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
         count = torch.cuda.device_count()
         gpus = list(range(base, min(count, base + size)))
@@ -131,7 +131,6 @@ def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
                          if ok else f"no: {_gib(per_rank)} of weights per GPU, {_gib(free[tight][0])} free on "
                          f"cuda:{tight}; raise --tensor-parallel or quantize (--quantization int8, int4 or fp8)")
         return lines
-    from engine import CPU_KV_CACHE_BYTES
     processes = size * data_parallel_size(cfg)
     avail, total = _host_memory()
     if avail is None:

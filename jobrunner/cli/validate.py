@@ -3,8 +3,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from jobrunner.job import checks
+import engine       # engine.load_model_bundle: the loader (torch) loads at its first read
+from engine import ModelError
+from jobrunner.cli.model_split import fit_report
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.dataset import read_rows
+from jobrunner.job import checks
+from jobrunner.job.precision import cuda_count
+from jobrunner.job.resolve import resolve
+from jobrunner.models import describe
+from jobrunner.openai.errors import error_object
+from jobrunner.openai.kinds import job_for
+from jobs import PromptBuilder, RowError
 
 # Rough sustained rates for the estimate (float32 matmul on a 2-core CPU; bf16 on a modern GPU).
 CPU_FLOPS, GPU_FLOPS = 100e9, 300e12
@@ -18,24 +28,14 @@ def flops_per_token(mc) -> float:
 
 
 def validate_job(cfg: JobConfig) -> dict:
-    import torch
-
-    from engine import ModelError, load_model_bundle
-    from jobrunner.dataset import read_rows
-    from jobrunner.models import describe
-    from jobrunner.openai.kinds import job_for
-    from jobrunner.job.resolve import resolve
-    from jobs import PromptBuilder
-
     resolved = resolve(cfg, dry=True)       # a known model name is pulled here, on first use
     fmt, columns, source = resolved.fmt, list(resolved.columns), resolved.model
     template = checks.check_template(cfg, columns)
     try:
-        bundle = load_model_bundle(source)
+        bundle = engine.load_model_bundle(source)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
-    checks.check_dimensions(cfg, bundle.config)
-    from jobrunner.cli.model_split import fit_report
+    checks.check_dimensions(cfg.kind, bundle.config)
     split = fit_report(cfg, bundle.config, resolved)      # JobConfigError when --tensor-parallel does not divide the model
     tok = bundle.tokenizer
     # unset sampling options: the checkpoint's; the context: truncation as submit does
@@ -52,7 +52,7 @@ def validate_job(cfg: JobConfig) -> dict:
     first_prompt = t.first_prompt
     ok = rows - bad
     out_tokens = t.out_tokens if cfg.kind.name == "generate" else 0
-    rate = GPU_FLOPS if torch.cuda.is_available() and cfg.engine.device != "cpu" else CPU_FLOPS
+    rate = GPU_FLOPS if cuda_count(cfg.engine.device) > 0 else CPU_FLOPS
     seconds = flops_per_token(bundle.config) * (prompt_tokens + out_tokens) / rate
     report = {
         "dataset": cfg.input.dataset, "format": fmt, "columns": ", ".join(columns),
@@ -88,7 +88,6 @@ class _Tally:
         self.first_prompt: tuple[str, str] | None = None
 
     def add(self, row, builder, job, context: int) -> None:
-        from jobs import RowError
         self.rows += 1
         if row.id in self.seen:         # submit writes it as an error row (jobrunner/job/loop.py): counted so here
             self.dup += 1
@@ -117,7 +116,6 @@ def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
     """The row's rendered prompt (the text the tokenizer gets), its token count and the most tokens it
     may generate (its own max_tokens, an OpenAI line's body's, x n; 0 for an embedding); RowError where
     submit would record an error row."""
-    from jobs import RowError
     if row.error:
         raise RowError(row.error.split(": ", 1)[-1])
     text, ids = builder.build(row.data, row.options)
@@ -131,6 +129,5 @@ def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
 
 def openai_failed_line(row, error: str) -> tuple[str, str]:
     """("line N", why) of an OpenAI batch line that would be an error line (its number as the error file's)."""
-    from jobrunner.openai.errors import error_object
     e = error_object(row.error or error, (row.data or {}).get("line"))       # row.error: "line N: why"
     return f"line {e['line'] if e['line'] is not None else '?'}", e["message"]

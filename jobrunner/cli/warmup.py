@@ -12,7 +12,11 @@ import os
 import time
 from contextlib import contextmanager
 
+from engine import Request, SamplingParams
 from jobrunner.config.job import JobConfig
+from jobrunner.job import build      # build.load_engine, read at each call (tests replace it)
+from jobrunner.job.resolve import resolve_engine
+from jobrunner.models import describe
 
 log = logging.getLogger("jobrunner")
 
@@ -34,13 +38,8 @@ def _decode_mode(mode: str):
 def warmup(cfg: JobConfig) -> dict:
     """Loads the job's model (converting it once if it needs converting) and, on CPU, decodes two tokens
     with the in-place attention asked for, which builds its package when absent. Returns the figures."""
-    from engine import Request, SamplingParams
-    from jobrunner.job.build import load_engine
-    from jobrunner.models import describe
-    from jobrunner.job.resolve import resolve_engine
-
     t0 = time.perf_counter()
-    engine = load_engine(cfg, resolve_engine(cfg))
+    engine = build.load_engine(cfg, resolve_engine(cfg))
     try:
         loaded = time.perf_counter() - t0
         info = engine.info

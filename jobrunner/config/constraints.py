@@ -7,7 +7,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import engine       # engine.check_constraint, read at the check: its grammar compiler loads torch
 from engine import Constraint
+from jobrunner.config.values import JobConfigError
 from jobs.schema_check import with_mode
 
 # JobConfig field -> its option
@@ -16,7 +18,6 @@ CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex":
 
 
 def _bad(message: str):
-    from jobrunner.config.values import JobConfigError
     raise JobConfigError(message)
 
 
@@ -54,13 +55,12 @@ def check_job_constraint(cfg) -> None:
     kind = cfg.kind
     if kind.name != "generate" or (c := job_constraint(kind)) is None:
         return
-    from engine import check_constraint        # torch: only for a job with a constraint
     if c.kind == "json_schema":
         c = Constraint("json_schema", with_mode(c.spec, kind.json_schema_mode))
     option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name))
     pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
     try:
-        error = pool.submit(check_constraint, c).result(timeout=cfg.engine.grammar_timeout)
+        error = pool.submit(engine.check_constraint, c).result(timeout=cfg.engine.grammar_timeout)
     except FutureTimeout:
         _bad(f"{option}: did not compile within {cfg.engine.grammar_timeout:g} s; simplify it or raise --grammar-timeout")
     finally:
@@ -70,7 +70,7 @@ def check_job_constraint(cfg) -> None:
 
 
 def _read(url: str, option: str) -> str:
-    from jobrunner import storage
+    from jobrunner import storage       # fsspec: for a --grammar or --json-schema file, not at the CLI's start
     try:
         fs, path = storage.url_fs(url)
         with fs.open(path, "rb") as f:

@@ -10,6 +10,7 @@ its name -> class in SECTIONS; `from_options`, `options()`, TOML and the API the
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import types
 import typing
@@ -20,6 +21,7 @@ from engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS   # left unset: the model's generation_config.json value
 from engine import POOLINGS, SamplingParams
 from jobrunner.cache import CACHE_MODES
+from jobrunner.config.constraints import job_constraint
 from jobrunner.config.sections import (FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS,
                                        ClassifyKind, EmbedKind, EngineOptions, GenerateKind, InputOptions, KindOptions,
                                        OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions,
@@ -27,6 +29,7 @@ from jobrunner.config.sections import (FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZ
 from jobrunner.config.values import JobConfigError, check_device, parse_size, split_labels
 from jobrunner.config.ray import RayOptions
 from jobrunner.config.lora import LoraOptions, lora_pairs
+from jobrunner.threads import threads_each
 from jobs import KINDS
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
@@ -127,7 +130,6 @@ class JobConfig:
     def cpu_threads(self) -> int:
         """Threads of each process of the engine: --threads (else the free cores) shared by its
         --tensor-parallel ranks, at least one each (two busy threads on one core stall each other)."""
-        from jobrunner.threads import threads_each
         return threads_each(self.engine.threads, self.parallel.tensor_parallel)
 
     def sampling_sources(self, model_defaults: Mapping | None = None) -> dict[str, dict]:
@@ -157,7 +159,6 @@ class JobConfig:
 
     def job_spec(self, model_defaults: Mapping | None = None) -> JobSpec:
         """The job kind's instructions. model_defaults: as sampling_params'."""
-        from jobrunner.config.constraints import job_constraint
         k, p, i = self.kind, self.prompt, self.input
         generate = k if isinstance(k, GenerateKind) else GenerateKind()
         return JobSpec(
@@ -277,7 +278,6 @@ def field_value(key: str, value):
     """An option's value from TOML (or the command line), checked against its field's type with the
     command line's conversions: a string `stop` is one stop string, a string `labels` is
     comma-separated, `kv_cache_memory` a size like "8GiB". Raises JobConfigError naming the key."""
-    import json
     want = _field_types()[key]
     if key == "ray":
         return RayOptions.from_value(value)

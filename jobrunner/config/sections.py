@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
 from jobrunner.cache import CACHE_MODES
+from jobrunner.config.constraints import validate_constraint_options
 from jobrunner.config.values import JobConfigError, check_device, either
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.openai.request import MAX_TOP_LOGPROBS
@@ -154,7 +155,6 @@ class GenerateKind(_Evaluated):
 
     def __post_init__(self):
         super().__post_init__()
-        from jobrunner.config.constraints import validate_constraint_options
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             _bad(f"--reasoning-parser must be {either(tuple(REASONING_PARSERS))}, not {self.reasoning_parser!r}")
         if self.json_schema_mode not in SCHEMA_MODES:

@@ -22,7 +22,7 @@ def check_device(device: str) -> None:
     if _DEVICE.match(device):
         return
     if device == "mps":
-        import torch
+        import torch        # only for --device mps: the command line's start loads no torch
         if torch.backends.mps.is_available():
             return
         raise JobConfigError("--device mps: this torch build or machine has no MPS (Apple GPU); "

@@ -15,7 +15,7 @@ import csv
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from jobrunner.dataset.files import decode, ext, lines
+from jobrunner.dataset.files import decode, ext, lines, list_files
 from jobrunner.dataset.rows import LOST_ID, DatasetError, row_id, where
 
 csv.field_size_limit(2**31 - 1)  # huge cells are rows, not errors
@@ -66,7 +66,6 @@ def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
 def check_quotes(url: str, max_lines: int, delimiter: str | None = None) -> None:
     """DatasetError naming the line where a quoted field opens that runs to the end of the file, or
     over more than max_lines lines (an unclosed quote that a later quote happens to close)."""
-    from jobrunner.dataset.files import list_files
     for path in list_files(url):
         reader = csv.reader(_text_lines(path, {}), delimiter=_delimiter(path, delimiter), strict=True)
         start = 1       # the first line of the record being read

@@ -10,15 +10,29 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
+from engine import ConfigError, ModelError
+from jobrunner.cache.key import job_model_key
+from jobrunner.cache.reuse import Reuse
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.dataset import read_rows, rows_to_read
 from jobrunner.job import checks
 from jobrunner.job.emit import Emitter
 from jobrunner.job.ending import JobResult, verdict
 from jobrunner.job.intake import Intake
 from jobrunner.job.loop import Job
+from jobrunner.job.manifest import job_manifest
 from jobrunner.job.plan import WINDOW_ROWS, AllUnits, JobPlanner
+from jobrunner.job.progress import Progress
 from jobrunner.job.resolve import Resolved, open_cache, resolve, resolve_engine
+from jobrunner.models import describe
+from jobrunner.openai.kinds import job_for
+from jobrunner.output import ResultWriter, RowSink, mark_complete, read_manifest
+from jobrunner.output.schema import result_schema
+from jobrunner.output.summary import job_summary, summary_of
 from jobrunner.stats import JobStats
+from jobrunner.threads import FixedThreads, ThreadGovernor, available_cores
+from jobs import PromptBuilder
+from jobs.template import PromptTemplate
 
 log = logging.getLogger("jobrunner")
 
@@ -40,7 +54,6 @@ class JobParts:
 
     def summary(self, run: dict) -> dict:
         """The summary of every row of the output (its parts and earlier runs; or the RowSink's rows)."""
-        from jobrunner.output.summary import job_summary, summary_of
         if self.in_memory:
             return summary_of(self.writer.tables, self.manifest["config"], [run])
         return job_summary(self.cfg.output_url, self.manifest["config"], run)
@@ -48,18 +61,18 @@ class JobParts:
 
 def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_config, *, rank: int = 0,
                part_prefix: str = "part", hits_now: bool = True, reader=None, done_ids=None,
-               in_memory: bool = False, fingerprint: dict | None = None, stop=None) -> JobParts:
+               in_memory: bool = False, schema_from_rows: bool = False, fingerprint: dict | None = None,
+               stop=None) -> JobParts:
     """The parts of cfg's job on an engine of `info`, `tokenizer` and `engine_config` (engine.EngineInfo,
     its tokenizer, engine.EngineConfig). rank, part_prefix, hits_now: the work source's; reader: batches
     of Rows (else the dataset's); done_ids: the ids to skip (else those in the output's parts);
-    in_memory: rows kept in a RowSink, cfg's output never touched; fingerprint: the output's (a Ray
+    in_memory: rows kept in a RowSink, cfg's output never touched (schema_from_rows: rows with no file
+    behind them, typed from the first written, else declared from the dataset's columns); fingerprint: the output's (a Ray
     worker's: its driver's, whose paths are as given where the worker's are absolute), else cfg's;
     stop: the threading.Event that stops the intake between batches."""
-    from jobrunner.dataset import read_rows
-    from jobrunner.job.manifest import job_manifest
     kind, builder = job_kind(cfg, resolved, info, tokenizer, engine_config.model)
     manifest = job_manifest(cfg, resolved, info, engine_config.model, rank, fingerprint)
-    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory)
+    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows)
     stats = JobStats()
     reuse = _reuse(cfg, resolved, info, engine_config, stats)
     emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank)
@@ -75,11 +88,12 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
              reader=None, max_in_flight: int | None = None, done_ids=None, stop=None, in_memory: bool = False,
-             fingerprint: dict | None = None) -> Job:
+             schema_from_rows: bool = False, fingerprint: dict | None = None) -> Job:
     """The Job of cfg, its parts made here but those given: `resolved` (else resolved here, without
     the output's state), `engine` (else loaded: closed again if a later part fails), `work` (else
     AllUnits), `progress` (else a Progress bar or log line), `stop` (the threading.Event that stops the
-    job, else its own: its signal handlers set it); reader, done_ids, in_memory, fingerprint: open_parts'."""
+    job, else its own: its signal handlers set it); reader, done_ids, in_memory, schema_from_rows, fingerprint:
+    open_parts'."""
     resolved = resolved or resolve(cfg, output_state=False)
     work = work or AllUnits()
     stop = stop if stop is not None else threading.Event()
@@ -88,7 +102,8 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
     try:
         parts = open_parts(cfg, resolved, engine.info, engine.tokenizer, engine.config, rank=work.rank,
                            part_prefix=work.part_prefix, hits_now=work.hits_now, reader=reader, done_ids=done_ids,
-                           in_memory=in_memory, fingerprint=fingerprint, stop=stop)
+                           in_memory=in_memory, schema_from_rows=schema_from_rows,
+                           fingerprint=fingerprint, stop=stop)
     except BaseException:
         if loaded:
             engine.close()
@@ -100,7 +115,6 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
 def _threads(cfg: JobConfig, engine):
     """A governor that follows the machine's load (jobrunner/threads.py) where the threads were left to
     the machine: a CPU engine of one process, no --threads; else the threads stay fixed."""
-    from jobrunner.threads import FixedThreads, ThreadGovernor, available_cores
     if engine.info.device_type != "cpu" or cfg.parallel.tensor_parallel > 1:
         return FixedThreads()
     if cfg.engine.threads is not None:      # an engine kept between jobs may have followed an earlier one's load
@@ -112,10 +126,11 @@ def _threads(cfg: JobConfig, engine):
     return ThreadGovernor(engine.set_threads, start, cores)
 
 
-def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_ids, in_memory: bool):
+def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_ids, in_memory: bool,
+            schema_from_rows: bool = False):
     """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory."""
-    from jobrunner.output import ResultWriter, RowSink
-    from jobrunner.output.schema import result_schema
+    if in_memory and schema_from_rows:
+        return RowSink(None, cfg.output.part_rows)
     schema = result_schema(cfg.input, kind, info.hidden_size)     # the embedding column: the hidden size
     if in_memory:
         return RowSink(schema, cfg.output.part_rows)
@@ -126,10 +141,7 @@ def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_i
 def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
     """(the job kind, the prompt builder) of cfg on this tokenizer and checkpoint (`info`: its
     engine.EngineInfo; `model`: the checkpoint's path as the engine loaded it)."""
-    from jobrunner.openai.kinds import job_for
-    from jobs import PromptBuilder
-    from jobs.template import PromptTemplate
-    checks.check_dimensions(cfg, info)
+    checks.check_dimensions(cfg.kind, info)
     # unset sampling options: the checkpoint's; the context: for truncation
     spec = replace(cfg.job_spec(info.generation.sampling), context=info.max_model_len)
     try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai.routed)
@@ -141,8 +153,6 @@ def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
 
 
 def _reuse(cfg: JobConfig, resolved: Resolved, info, engine_config, stats):
-    from jobrunner.cache import job_model_key
-    from jobrunner.cache.reuse import Reuse
     store, model = open_cache(resolved.cache_url), None
     if store is not None:
         model = job_model_key(engine_config.model, info, engine_config.quantization, cfg.engine.kv_cache_dtype)
@@ -153,10 +163,9 @@ def load_engine(cfg: JobConfig, resolved=None):
     resolve.resolve_engine: the model and precision alone)."""
     if resolved is None:
         resolved = resolve_engine(cfg)
-    from engine import ConfigError, Engine, ModelError
-    from jobrunner.models import describe
     checks.check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
     config = cfg.engine_config(resolved)
+    from engine import Engine       # the Engine's module loads torch: only once a job loads its model
     try:
         engine = Engine(config)
     except (ModelError, ConfigError) as e:
@@ -176,8 +185,6 @@ def load_engine(cfg: JobConfig, resolved=None):
 
 
 def _progress(cfg: JobConfig, resolved: Resolved, engine):
-    from jobrunner.dataset import rows_to_read
-    from jobrunner.job.progress import Progress
     return Progress(total=rows_to_read(cfg.input, resolved.fmt), counters=engine.counters)
 
 
@@ -185,8 +192,6 @@ def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
     """The JobResult of a rerun with nothing left to do (Resolved.rows_done): the whole output's summary
     and exit code, no model loaded. An output whose run was killed after its last part is marked
     complete now."""
-    from jobrunner.output import mark_complete, read_manifest
-    from jobrunner.output.summary import job_summary
     rows_done = resolved.rows_done
     log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)", rows_done, cfg.output_url)
     summary = job_summary(cfg.output_url, cfg.fingerprint_fields(resolved.adapter_hashes))

@@ -7,8 +7,16 @@ import os
 
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.config.constraints import check_job_constraint as check_constraint  # noqa: F401 (a check: resolve uses it)
+from jobrunner.config.sections import KindOptions
+from jobrunner.dataset import DatasetError, count_rows, dataset_columns, detect_format
+from jobrunner.dataset.csv_reader import SNIFFED, check_quotes
 from jobrunner.job.exit_codes import on_empty_dataset
+from jobrunner.job.precision import cuda_count
+from jobrunner.openai.check import check_openai_batch
+from jobrunner.output import OutputError, check_output as check_output_dir, read_manifest
 from jobrunner.storage import credentials_error
+from jobs import KINDS
+from jobs.template import PromptTemplate
 
 log = logging.getLogger("jobrunner")
 
@@ -19,8 +27,6 @@ COLUMN_OPTIONS = ("id_column", "prompt_column", "messages_column", "labels_colum
 
 
 def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
-    from jobrunner.dataset import DatasetError, dataset_columns, detect_format
-    from jobrunner.dataset.csv_reader import check_quotes
     try:
         fmt = detect_format(cfg.input.dataset, cfg.input.format)
         columns = dataset_columns(cfg.input.dataset, fmt, cfg.input.csv_delimiter)
@@ -35,7 +41,6 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
             raise
         raise JobConfigError(str(err)) from None
     if fmt == "openai-batch":
-        from jobrunner.openai.check import check_openai_batch
         check_openai_batch(cfg)             # every line a unique string custom_id, before any work
         return fmt, columns
     # Every column option the user set must name a column (a typo never falls back to a default:
@@ -44,7 +49,8 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     wanted = [name for name in COLUMN_OPTIONS if options.get(name) and name in cfg.given]
     wanted += [name for name in ("messages_column", "labels_column", "reference_column", "score_column",
                                  "schema_column") if options.get(name) and name not in wanted]
-    if not cfg.prompt.template and not cfg.input.messages_column and "prompt_column" not in wanted:
+    from_ids = getattr(KINDS[cfg.kind.name], "prompt_ids_column", None)     # the tokens kind: no prompt text
+    if not (cfg.prompt.template or cfg.input.messages_column or from_ids) and "prompt_column" not in wanted:
         wanted.append("prompt_column")
     for name in wanted:
         column = options[name]
@@ -56,7 +62,6 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
 
 def _delimiter_hint(fmt: str, columns: list[str]) -> str:
     """For a CSV whose header read as one column holding another delimiter: how to say which one."""
-    from jobrunner.dataset.csv_reader import SNIFFED
     if fmt != "csv" or len(columns) != 1:
         return ""
     inside = [d for d in SNIFFED if d in columns[0]]
@@ -69,7 +74,6 @@ def _delimiter_hint(fmt: str, columns: list[str]) -> str:
 def check_template(cfg: JobConfig, columns: list[str]):
     if not cfg.prompt.template:
         return None
-    from jobs.template import PromptTemplate
     try:
         template = PromptTemplate(cfg.prompt.template)
     except ValueError as e:
@@ -85,9 +89,8 @@ def check_output(cfg: JobConfig, adapter_hashes: dict[str, str]) -> None:
     """The output's problems, before a model loads; creates the directory (OSError if it can't,
     storage.CredentialsError when the object store finds no credentials). adapter_hashes: the LoRA
     adapters' (Resolved.adapter_hashes), for the fingerprint."""
-    from jobrunner.output import OutputError, check_output
     try:
-        check_output(cfg.output_url, cfg.fingerprint_fields(adapter_hashes), cfg.output.overwrite)
+        check_output_dir(cfg.output_url, cfg.fingerprint_fields(adapter_hashes), cfg.output.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
     except OSError as e:        # an object store's errors may not name the URL ("Forbidden")
@@ -103,7 +106,6 @@ def check_output(cfg: JobConfig, adapter_hashes: dict[str, str]) -> None:
 def check_not_empty(cfg: JobConfig, fmt: str) -> None:
     """on_empty_dataset when a count finds no rows (for a data-parallel launch, whose workers each
     see only a share); a dataset too large to count is not empty."""
-    from jobrunner.dataset import DatasetError, count_rows
     try:
         n = 0 if cfg.input.limit == 0 else count_rows(cfg.input.dataset, fmt)
     except DatasetError as e:
@@ -112,9 +114,10 @@ def check_not_empty(cfg: JobConfig, fmt: str) -> None:
         on_empty_dataset(cfg)
 
 
-def check_dimensions(cfg: JobConfig, model_config) -> None:
-    """embed: --dimensions keeps the first N values of the model's hidden size; no more than it has."""
-    dimensions = getattr(cfg.kind, "dimensions", None)      # EmbedKind's
+def check_dimensions(kind: KindOptions, model_config) -> None:
+    """embed: --dimensions keeps the first N values of the model's hidden size; no more than it has
+    (`kind`: the job's kind section)."""
+    dimensions = getattr(kind, "dimensions", None)      # EmbedKind's
     if dimensions is not None and dimensions > model_config.hidden_size:
         raise JobConfigError(f"--dimensions {dimensions} exceeds the model's embedding size "
                              f"{model_config.hidden_size}; give at most that")
@@ -123,7 +126,6 @@ def check_dimensions(cfg: JobConfig, model_config) -> None:
 def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
     """A job resumed on a Hub name whose branch moved since its first run would mix two models'
     outputs: refuse it, naming the commit to pin (the fingerprint has the name, not the commit)."""
-    from jobrunner.output import OutputError, read_manifest
     if cfg.output.overwrite or "hub" not in manifest:
         return
     try:
@@ -140,23 +142,12 @@ def check_same_commit(cfg: JobConfig, manifest: dict) -> None:
 def open_writer(cfg: JobConfig, manifest: dict, writer_cls, part_prefix: str = "part", schema=None, done_ids=None):
     """The job's writer, with the output schema declared up front where given (jobrunner.output.schema),
     so that every part has the kind's columns whatever rows it holds."""
-    from jobrunner.output import OutputError
     try:
         return writer_cls(cfg.output_url, manifest, part_rows=cfg.output.part_rows, overwrite=cfg.output.overwrite,
                           part_prefix=part_prefix, flush_seconds=cfg.output.flush_seconds, schema=schema,
                           done_ids=done_ids)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
-
-
-def cuda_count(device: str) -> int:
-    if not (device == "auto" or device.startswith("cuda")):
-        return 0
-    try:
-        import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - no usable CUDA: CPU
-        return 0
 
 
 def check_gpus(cfg: JobConfig, workers: int = 1) -> None:

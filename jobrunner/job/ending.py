@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 
 from jobrunner.job.exit_codes import empty_verdict, rows_verdict
+from jobrunner.openai.batch import finish_openai_output
+from jobrunner.output import mark_complete, prepare_output, write_stats
 
 log = logging.getLogger("jobrunner")
 
@@ -23,8 +25,6 @@ def write_ending(cfg, summary: dict, manifest: dict, complete: bool, *, interrup
     """Stats always; the manifest marked complete (and an OpenAI output finished) only when every row
     was written. `manifest`: the writer's; by_workers: workers wrote the parts, and `manifest` is
     merged into the one they left (a listing, not a scan of every part, marks the job complete)."""
-    from jobrunner.openai.batch import finish_openai_output
-    from jobrunner.output import mark_complete, prepare_output, write_stats
     if complete:
         mark_complete(cfg.output_url, summary, prepare_output(cfg.output_url, manifest) if by_workers else manifest)
         if cfg.output.output_format == "openai-batch":

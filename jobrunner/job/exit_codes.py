@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from jobrunner.config.values import JobConfigError
+
 log = logging.getLogger("jobrunner")
 
 EXIT_OK, EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_STORAGE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
@@ -39,7 +41,6 @@ def rows_verdict(cfg, summary: dict, output: str, run_rows: int, options: str = 
 def empty_verdict(cfg, code: int) -> int:
     """A job that read no row: a warning (in a cron job an upstream failure looks like success), or
     with --fail-on-empty EXIT_CONFIG (the pre-flight checks find most empty datasets before this)."""
-    from jobrunner.config.job import JobConfigError
     try:
         on_empty_dataset(cfg)
     except JobConfigError as e:
@@ -53,6 +54,5 @@ def on_empty_dataset(cfg) -> None:
     --fail-on-empty a JobConfigError (exit 2)."""
     what = f"dataset {cfg.input.dataset} has no rows" + (" (--limit 0)" if cfg.input.limit == 0 else "")
     if cfg.output.fail_on_empty:
-        from jobrunner.config.job import JobConfigError
         raise JobConfigError(f"{what}; failing, as --fail-on-empty asks")
     log.warning("%s: nothing to do (--fail-on-empty makes this exit 2)", what)

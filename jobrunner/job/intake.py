@@ -1,4 +1,6 @@
 """Row intake: dataset rows -> PendingRows, each row's prompt built, tokenized and made a request once.
+A kind whose prompt is token ids the row holds (`prompt_ids_column`, jobs/tokens.py) gets that column's
+value instead: its rows are neither rendered nor tokenized.
 
 On the way a row may end before it reaches the planner, written by the emitter: an id already in
 the output is skipped, a repeated id or a row that fails to build is an error row, a copy of an
@@ -33,6 +35,8 @@ class Intake:
         self.done_ids, self.failed_ids = done_ids, failed_ids
         self.limit, self.show_prompt, self.hits_now, self.stop = limit, show_prompt, hits_now, stop
         self.seen = IdSet()                 # ids read in this run, bar those done at open
+        # the column holding the prompt's token ids, for a kind that takes them from the row; else None
+        self.ids_column = getattr(kind, "prompt_ids_column", None)
 
     def rows(self) -> Iterator[PendingRow]:
         """The rows that go on to the planner, in dataset order; the others are written on the way."""
@@ -77,7 +81,7 @@ class Intake:
                 self.emit.error(row, row.error)
             elif (prompt := self._prompt(row)) is not None:
                 ready.append((row, *prompt))
-        for (row, _, _), ids in zip(ready, self._encode(ready)):
+        for (row, _, _), ids in zip(ready, self._prompt_ids(ready)):
             try:
                 req, notes = self.kind.request(row.id, ids, row.data, row.options)
             except RowError as e:
@@ -89,8 +93,12 @@ class Intake:
             elif result is not None:
                 self.emit.output(row, notes, result, reused=True)
 
-    def _prompt(self, row) -> tuple[str, bool] | None:
-        """(text, whether special tokens are added), or None: the row's error is written."""
+    def _prompt(self, row) -> tuple[str, bool] | tuple[object, None] | None:
+        """(text, whether special tokens are added), or None: the row's error is written. For a kind
+        that takes its prompt ids from the row: (the ids column's value as the row holds it, None),
+        nothing rendered (the kind checks the value)."""
+        if self.ids_column is not None:
+            return (row.data or {}).get(self.ids_column), None
         try:
             text, special = self.builder.render(row.data, row.options)
         except RowError as e:
@@ -100,6 +108,12 @@ class Intake:
             log.info("first prompt (row %s), exactly as the tokenizer gets it:\n%s", row.id, text)
             self.show_prompt = False
         return text, special
+
+    def _prompt_ids(self, ready) -> list:
+        """Each ready row's prompt ids: the row's own (nothing tokenized), else its text's, batch-tokenized."""
+        if self.ids_column is not None:
+            return [ids for _, ids, _ in ready]
+        return self._encode(ready)
 
     def _encode(self, ready) -> list[list[int]]:
         """Batch tokenization (all cores), grouped by whether special tokens are added."""

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import logging
 
+from jobrunner.job.resolve import adapters
+from jobrunner.models import describe, model_record
+from jobrunner.output import OutputError
+from jobrunner.output.lease import OutputLease
+from jobrunner.output.manifest import rebuild_manifest
+
 log = logging.getLogger("jobrunner")
 
 
@@ -10,7 +16,6 @@ def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0, fingerpr
     """The job's configuration (its resume fingerprint: `fingerprint`, else cfg's), the model (a Hub model's
     repo and commit) and, for generation, which sampling values came from where; rank 0 warns of what the
     checkpoint's generation_config.json says that we ignore. resolved: jobrunner.job.resolve's Resolved."""
-    from jobrunner.models import describe, model_record
     manifest = {"config": fingerprint if fingerprint is not None else cfg.fingerprint_fields(resolved.adapter_hashes),
                 "model_source": describe(cfg.engine.model, info.source), "dataset_format": resolved.fmt}
     if resolved.lora:       # name, path as given and content hash of each adapter
@@ -31,11 +36,7 @@ def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0, fingerpr
 def repair_manifest(cfg) -> dict:
     """`jobrunner repair`: the output's damaged manifest rebuilt from its parts and cfg's fingerprint, under
     the output's lease (no job may write meanwhile). OutputError for an output it refuses."""
-    from jobrunner.output import OutputError
-    from jobrunner.output.lease import OutputLease
-    from jobrunner.output.manifest import rebuild_manifest
-    from jobrunner.job.resolve import adapters
-    hashes = {name: digest for name, _, digest in adapters(cfg)}
+    hashes = {name: digest for name, _, digest in adapters(cfg.lora)}
     lease = OutputLease(cfg.output_url)
     if not lease.fs.isdir(lease.root):      # before the lease, which would create it
         raise OutputError(f"output {cfg.output_url} not found; nothing to repair")

@@ -31,13 +31,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cuda_count(device: str) -> int:
+    """The CUDA GPUs visible to a job on `device` (0 for cpu or mps, or without a usable CUDA)."""
+    if not (device == "auto" or device.startswith("cuda")):
+        return 0
+    try:
+        import torch        # only to count GPUs, when a job asks: importing jobrunner loads no torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA: CPU
+        return 0
+
+
 def on_gpu(device: str) -> bool:
     if device.startswith("cuda"):
         return True
     if device != "auto":
         return False
-    import torch
-    return torch.cuda.is_available()
+    return cuda_count(device) > 0
 
 
 def auto_precision(device: str, dtype: str) -> tuple[str, str, str]:

@@ -10,7 +10,19 @@ import json
 import logging
 import posixpath
 
+import pyarrow.parquet as pq
+
+import engine       # engine.DUMMY_CONFIGS, read only for a dummy: model, loads the engine's loader (torch)
+from engine import GenerationDefaults, ModelError
+from jobrunner import hub, storage
 from jobrunner.config.job import JobConfig
+from jobrunner.dataset import count_rows, read_rows
+from jobrunner.idset import IdSet
+from jobrunner.job import checks
+from jobrunner.models import model_record, resolve_model
+from jobrunner.output import layout, read_manifest
+from jobrunner.output.layout import PART_RE
+from jobrunner.output.values import id_key
 
 log = logging.getLogger("jobrunner")
 
@@ -29,23 +41,19 @@ def check_sampling(cfg: JobConfig, model: str) -> None:
 def check_empty(cfg: JobConfig, fmt: str) -> None:
     """--fail-on-empty on a dataset without rows: JobConfigError (exit 2) before anything is written."""
     if cfg.output.fail_on_empty:
-        from jobrunner.job import checks
         checks.check_not_empty(cfg, fmt)
 
 
 def _generation_defaults(path: str) -> dict | None:
     """The checkpoint's sampling defaults (engine.generation_config), {} when it has none (GGUF,
     a built-in dummy), None when finding out would cost more than a small read."""
-    from engine import GenerationDefaults
-    from engine import DUMMY_CONFIGS
-    from jobrunner.storage import url_fs
     if path.startswith("dummy:"):
         path = path[len("dummy:"):]
-        if path in DUMMY_CONFIGS:
+        if path in engine.DUMMY_CONFIGS:
             return {}
         path = posixpath.dirname(path) if path.endswith(".json") else path
     try:
-        fs, root = url_fs(path)
+        fs, root = storage.url_fs(path)
         if not fs.isdir(root):
             return {}                   # a .gguf file: no generation_config.json
         gen = posixpath.join(root, "generation_config.json")
@@ -61,8 +69,6 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
     nothing left to do); else None. Cheap first: only an output with parts holding at least as many
     ids as the dataset (count_rows) has rows is compared id by id; a damaged part, a dataset too
     large to count, or any doubt answers None (the job then runs as usual)."""
-    from jobrunner.dataset import count_rows, read_rows
-    from jobrunner.output import read_manifest
     if cfg.output.overwrite:
         return None
     try:
@@ -94,10 +100,6 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
 def _check_same_model(cfg: JobConfig) -> None:
     """A Hub model's branch that moved since the output was written is refused, as when the model
     is loaded (checks.check_same_commit): the output is another commit's."""
-    from engine import ModelError
-    from jobrunner.job import checks
-    from jobrunner import hub
-    from jobrunner.models import model_record, resolve_model
     if not hub.is_hub_name(cfg.engine.model):
         return
     try:
@@ -110,13 +112,6 @@ def _check_same_model(cfg: JobConfig) -> None:
 
 def _done_ids(output_url: str, at_least: int):
     """The ids in the output's parts (an IdSet), None when fewer than at_least or a part is unreadable."""
-    import pyarrow.parquet as pq
-
-    from jobrunner import storage
-    from jobrunner.idset import IdSet
-    from jobrunner.output import layout
-    from jobrunner.output.layout import PART_RE
-    from jobrunner.output.values import id_key
     fs, root = storage.url_fs(output_url)
     parts = [storage.join(root, name) for name in layout.names(fs, root) if PART_RE.match(name)]
     rows = 0

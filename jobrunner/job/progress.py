@@ -22,7 +22,7 @@ class Progress:
         self.last_log = time.time()
         self.start = time.time()
         if sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm       # tqdm loads only for a terminal's bar (tens of ms)
             self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
 
     def update(self, stats) -> None:

@@ -13,8 +13,14 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
-from jobrunner.job import checks, preload
+from engine import ConfigError, ModelError, check_adapter
+from jobrunner.cache import ENV_URL
+from jobrunner.cache.store import open_store
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.lora import LoraOptions
+from jobrunner.job import checks, preload
+from jobrunner.job.precision import auto_precision, on_gpu
+from jobrunner.models import resolve_adapter, resolve_model
 
 log = logging.getLogger("jobrunner")
 
@@ -68,7 +74,7 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
         preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
     model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
     preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
-    lora = adapters(cfg)
+    lora = adapters(cfg.lora)
     if not dry:     # before the model loads: loading one can take minutes
         checks.check_output(cfg, {name: digest for name, _, digest in lora})
     rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
@@ -80,29 +86,24 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
 
 def cache_url(cfg: JobConfig) -> str | None:
     """The result cache's URL: --cache, else $JOBRUNNER_CACHE_URL, else None (no cache)."""
-    from jobrunner.cache import ENV_URL
     return cfg.reuse.cache or os.environ.get(ENV_URL) or None
 
 
 def model_path(name: str) -> str:
     """A model name as the engine loads it (jobrunner.models: a known name is pulled into the cache on
     first use, a Hub name through huggingface_hub); JobConfigError when it can't be."""
-    from engine import ModelError
-    from jobrunner.models import resolve_model
     try:
         return resolve_model(name)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
 
 
-def adapters(cfg: JobConfig) -> tuple[tuple[str, str, str], ...]:
-    """(name, local directory, content hash) of each --lora adapter: its path resolved as a base model's
+def adapters(lora: LoraOptions) -> tuple[tuple[str, str, str], ...]:
+    """(name, local directory, content hash) of each --lora adapter (the job's `lora` section): its path resolved as a base model's
     is (jobrunner.models.resolve_adapter), its config checked by the engine (engine.check_adapter) before
     any weight is read. JobConfigError (exit 2) when one cannot be found or is refused."""
-    from engine import ConfigError, ModelError, check_adapter
-    from jobrunner.models import resolve_adapter
     out = []
-    for name, given in cfg.lora.adapters:
+    for name, given in lora.adapters:
         try:
             path = resolve_adapter(given)
             out.append((name, path, check_adapter(name, path).content_hash))
@@ -117,7 +118,6 @@ def precision(cfg: JobConfig) -> tuple[str, str]:
     e = cfg.engine
     if e.quantization != "auto":
         return e.dtype, e.quantization
-    from jobrunner.job.precision import auto_precision
     dtype, quantization, why = auto_precision(e.device, e.dtype)
     if quantization == "w8a8" and cfg.parallel.tensor_parallel > 1:
         quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
@@ -129,7 +129,6 @@ def float_dtype(device: str, dtype: str) -> str:
     """The float dtype's name: dtype auto is bfloat16 on a GPU and float32 on CPU (as the engine picks)."""
     if dtype != "auto":
         return dtype            # checked where it is used (the engine, model_split)
-    from jobrunner.job.precision import on_gpu
     return "bfloat16" if on_gpu(device) else "float32"
 
 
@@ -139,12 +138,11 @@ def resolve_engine(cfg: JobConfig) -> Resolved:
     dtype, quantization = precision(cfg)
     return Resolved(fmt="", columns=(), model=model_path(cfg.engine.model), dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
-                    lora=adapters(cfg))
+                    lora=adapters(cfg.lora))
 
 
 def open_cache(url: str | None):
     """The result cache's store (None without one); a URL that cannot be opened exits 2."""
-    from jobrunner.cache import open_store
     try:
         return open_store(url)
     except ValueError as e:

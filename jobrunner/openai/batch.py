@@ -40,7 +40,7 @@ from jobrunner.openai import embeddings as openai_embeddings, errors as openai_e
 from jobrunner import storage
 from jobrunner.openai.request import body_params, completion_prompt, text_messages
 from jobrunner.openai.response import response_body
-from jobrunner.output import iter_result_parts, read_manifest
+from jobrunner.output import iter_result_parts, read_manifest, write_stats
 from jobrunner.output.values import norm_row, to_json
 
 __all__ = ["FORMAT", "ENDPOINTS", "COLUMNS", "OPENAI_ERRORS", "OPENAI_OUTPUT", "finish_openai_output",
@@ -186,6 +186,5 @@ def write_openai_batch_output(output_url: str, rows: Iterable[Mapping[str, Any]]
 def finish_openai_output(output_url: str, summary: dict) -> None:
     """The OpenAI output files of a finished job, and their line counts in its summary (`openai_output`,
     rewritten into _stats.json)."""
-    from jobrunner.output import write_stats
     summary["openai_output"] = write_openai_batch_output(output_url)
     write_stats(output_url, summary)

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 
+from jobrunner import hub
 from jobrunner.config.job import JobConfig
+from jobrunner.models import KNOWN_MODELS
 from jobrunner.openai.batch import FORMAT
+from jobrunner.openai.routed import RoutedJob
+from jobs import make_job
+from jobs.lora import LoraJob
 
 
 def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | None:
     """What a line's body.model may say; None: anything (--any-model)."""
-    from jobrunner import hub
-    from jobrunner.models import KNOWN_MODELS
     if cfg.input.any_model:
         return None
     names = {cfg.engine.model, *cfg.input.served_model_name, *cfg.lora.names}     # a LoRA adapter's name picks it
@@ -34,12 +37,9 @@ def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | N
 
 def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str | None = None):
     """The job kind (ValueError as make_job's: embed on a checkpoint pooling we don't reproduce)."""
-    from jobs import make_job
-    from jobs.lora import LoraJob
     if fmt != FORMAT:
         job = make_job(spec, tokenizer, pooling)
         return LoraJob(job, cfg.lora.names, cfg.lora.column) if cfg.lora.adapters else job
-    from jobrunner.openai.routed import RoutedJob
     main = make_job(spec, tokenizer, pooling)
     routed = RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))
     return LoraJob(routed, cfg.lora.names, by_model=True) if cfg.lora.adapters else routed

@@ -7,6 +7,8 @@ Invariants, as ResultWriter's parts keep them:
   its rows), so `table()` is what reading back the parts of the same rows would give
   (readers.read_results: the tables concatenated in order).
 - Nothing was done before: done_ids is empty (a generate call runs every row it is given).
+- Asked to (`keep_rows`), it also keeps each row as written, its values as the kind made them (a
+  list stays a list, not a table's JSON text): the tables are made all the same (the job's summary).
 """
 from __future__ import annotations
 
@@ -29,9 +31,19 @@ class RowSink:
         self.done_ids = self.failed_ids = IdSet()      # nothing done before: rows in memory start anew
         self._tables: list[pa.Table] = []
         self._buffer: list[dict] = []
+        self._kept: list[dict] | None = None      # the rows as written, once keep_rows() asked for them
+
+    def keep_rows(self) -> list[dict]:
+        """From now on every row written is also kept as written: the list they are appended to, in the
+        order they are written (EngineSession.run_rows: results as values, no table read back)."""
+        if self._kept is None:
+            self._kept = []
+        return self._kept
 
     def write(self, rows: list[dict]) -> None:
         self._buffer.extend(norm_row(r) for r in rows)
+        if self._kept is not None:
+            self._kept.extend(rows)
         if len(self._buffer) >= self.part_rows:
             self.flush()
 

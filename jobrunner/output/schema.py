@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from jobrunner.dataset import input_types
 from jobrunner.output.columns import input_names, reserved_columns
 from jobrunner.output.values import ARROW, FIXED_COLUMNS, arrow_schema, vector_kind
 
@@ -39,7 +40,6 @@ def result_schema(inputs, job, hidden_size: int | None) -> pa.Schema:
     """The declared schema of a job of kind `job` (jobs.KINDS) over the dataset of `inputs` (the job's
     InputOptions); hidden_size: the model's, the size of an embedding unless the job says otherwise
     (--dimensions)."""
-    from jobrunner.dataset import input_types
     id_column = inputs.id_column
     id_type, types = input_types(inputs.dataset, inputs.format, id_column, inputs.csv_delimiter)
     columns = [c for c in types if c != id_column]

@@ -18,6 +18,8 @@ import pyarrow.compute as pc
 from jobrunner.output.columns import reserved_columns
 from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
+from jobs import KINDS
+from jobs.metrics import job_metrics
 
 # Run figures that add up over runs (the rows of different runs are disjoint).
 RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours") + PREFIX_SUMS + REUSE_SUMS
@@ -102,9 +104,6 @@ def part_figures(output_url: str, config: Mapping) -> dict:
 
 def table_figures(tables: Tables, config: Mapping) -> dict:
     """part_figures over the tables `tables` gives (each with the columns asked for that it has)."""
-    from jobs import KINDS
-    from jobs.metrics import job_metrics
-
     kind, ref = config.get("kind", "generate"), config.get("reference_column")
     result_columns = KINDS[kind].result_columns
     metrics = job_metrics(kind, config.get("match", "normalized"), ref is not None, config.get("labels") or ())

@@ -19,6 +19,8 @@ from jobrunner.config.job import JobConfig, JobConfigError
 
 from jobrunner.job.ending import JobResult, verdict, write_ending
 from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.output import OutputError, prepare_output
+from jobrunner.output.summary import job_summary
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.stats import merge_stats
@@ -55,8 +57,6 @@ class Coordinator:
         return result
 
     def run(self) -> JobResult:
-        from jobrunner.output.summary import job_summary
-        from jobrunner.output import OutputError, prepare_output
 
         cfg = self.cfg
         loaded = self._gather(partial(protocol.get_loaded, self.store), range(self.world))
@@ -157,7 +157,7 @@ class Coordinator:
                 skipped, total = max(skipped, p["skipped"]), p["total"]
         done = rows + skipped
         if self.bar is None and sys.stderr.isatty() and threading.current_thread() is threading.main_thread():
-            from tqdm import tqdm
+            from tqdm import tqdm       # tqdm loads only for a terminal's bar
             self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
         if self.bar is not None:
             self.bar.total = total

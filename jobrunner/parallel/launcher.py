@@ -15,14 +15,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfig, JobConfigError, field_value
 from jobrunner.job.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
-from jobrunner.parallel.protocol import EXIT_FAILED, STORE_TIMEOUT
+from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.job.checks import check_gpus, check_spread_device, cuda_count
+from jobrunner.job.checks import check_gpus, check_spread_device
+from jobrunner.job.precision import cuda_count
+from jobrunner.job.resolve import Resolved
 from jobrunner.parallel.world import gpu_groups, preflight
 from jobrunner.threads import threads_each
 
@@ -35,8 +38,6 @@ WORKER_COMMAND = [sys.executable, "-m", "jobrunner.parallel"]
 
 def launch(cfg: JobConfig, n: int) -> JobResult:
     """The job over n worker processes on this machine, coordinated from this one."""
-    import torch.distributed as dist
-
     resolved = preflight(cfg)
     gpus = cuda_count(cfg.engine.device)
     on_gpu = gpus > 0 and cfg.engine.device != "cpu"
@@ -51,7 +52,7 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
     # free // n // tp == free // (n * tp) threads for each of the n * tp processes
     threads = cfg.engine.threads or threads_each(None, n)
-    server = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    server = protocol.host_store(n + 1)
     store = protocol.namespace(server)
     procs = _start_workers(cfg, resolved, n, server.port, groups if on_gpu else None, threads)
     engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
@@ -113,17 +114,13 @@ def _reap(procs: dict[int, subprocess.Popen], timeout_s: float = 30) -> None:
 
 def worker_process_main() -> int:
     """`python -m jobrunner.parallel`: one worker started by launch."""
-    import torch.distributed as dist
-
     _setup_worker_logging(int(os.environ["RANK"]))
-    from jobrunner.job.resolve import Resolved
     cfg = config_from_json(os.environ["JOBRUNNER_WORKER_CONFIG"])
     resolved = Resolved.from_json(os.environ["JOBRUNNER_WORKER_RESOLVED"])     # the launcher's, not again
     parent = int(os.environ["JOBRUNNER_LAUNCHER_PID"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, False,
-                           timeout=STORE_TIMEOUT)
+    client = protocol.client_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1)
     threads = int(os.environ.get("JOBRUNNER_THREADS") or 0) or None
     return worker_loop(cfg, resolved, rank, world, protocol.namespace(client), threads=threads)
 
@@ -137,13 +134,11 @@ def _orphan_watch(parent: int) -> None:
 
 def config_to_json(cfg: JobConfig) -> str:
     """cfg's flat options as JSON, for its workers (config_from_json); `ray` as its table."""
-    from dataclasses import asdict
     return json.dumps({**cfg.options(), "given": sorted(cfg.given)}, default=asdict)
 
 
 def config_from_json(text: str) -> JobConfig:
     """The launcher's JobConfig, from its flat options as JSON (lists back to tuples)."""
-    from jobrunner.config.job import field_value
     d = json.loads(text)
     given = d.pop("given", ())
     return JobConfig.from_options({**{k: v if v is None else field_value(k, v) for k, v in d.items()},

@@ -16,7 +16,9 @@
     hb/<rank>             worker         a counter its heartbeat bumps every few seconds (torchrun mode)
     exited                workers        a counter: each worker adds 1 as it acknowledges the end
 
-Every key lives under one prefix (`namespace`). Nobody else spells a key: each has its helpers here,
+The stores are torch.distributed's, made here (host_store, client_store, rendezvous_store): torch loads
+once a job starts its workers, never when jobrunner.parallel is imported. Every key lives under one prefix
+(`namespace`). Nobody else spells a key: each has its helpers here,
 `set_*` for its writer and `get_*` (None while unset) or `wait_*` for its readers. A `wait_*` polls
 until the key is set, and raises Stop on a signal or on `abort`.
 """
@@ -31,11 +33,32 @@ from jobrunner.job.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK  # n
 STORE_TIMEOUT = timedelta(hours=2)
 
 
+def _dist():
+    """torch.distributed, imported at a store's first use (the one place jobrunner.parallel imports torch)."""
+    import torch.distributed as dist
+    return dist
+
+
+def host_store(world: int):
+    """The launcher's TCPStore, on a free loopback port (its `.port`), for `world` processes in all."""
+    return _dist().TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+
+
+def client_store(host: str, port: int, world: int):
+    """A launched worker's client of the launcher's store (host_store)."""
+    return _dist().TCPStore(host, port, world, False, timeout=STORE_TIMEOUT)
+
+
+def rendezvous_store():
+    """A torchrun rank's store (env://: rank 0's, or torchrun's agent's)."""
+    store, _, _ = next(_dist().rendezvous("env://", timeout=STORE_TIMEOUT))
+    return store
+
+
 def namespace(store, attempt: str | None = None):
     """The job's keys inside `store`. Under torchrun, `attempt` is the restart count: torchrun's agent
     makes a fresh store per restart, and the attempt in the prefix guards a reused one."""
-    import torch.distributed as dist
-    return dist.PrefixStore("jobrunner" if attempt is None else f"jobrunner/{attempt}", store)
+    return _dist().PrefixStore("jobrunner" if attempt is None else f"jobrunner/{attempt}", store)
 
 
 class Stop(Exception):

@@ -30,10 +30,17 @@ import time
 
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import rows_to_read
+from jobrunner.job.build import open_parts
 from jobrunner.job.checks import check_spread_device
 from jobrunner.job.ending import JobResult, verdict, write_ending
 from jobrunner.job.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.job.plan import WINDOW_ROWS
+from jobrunner.output import OutputError, prepare_output
+from jobrunner.output.summary import job_summary
+from jobrunner.parallel.launcher import config_to_json
 from jobrunner.parallel.ray_cluster import connect, first_line, for_workers, import_ray, worker_env
+from jobrunner.parallel.ray_plan import Shipper, refill
+from jobrunner.parallel.ray_queue import WorkQueue
 from jobrunner.parallel.stats import merge_stats
 from jobrunner.parallel.world import preflight
 
@@ -65,7 +72,6 @@ def run_ray(cfg: JobConfig) -> JobResult:
 
 class RayDriver:
     def __init__(self, cfg: JobConfig, ray):
-        from jobrunner.parallel.ray_queue import WorkQueue
         self.cfg, self.ray, self.opts = cfg, ray, cfg.parallel.ray
         self.tag = hashlib.blake2b(cfg.output_url.encode(), digest_size=6).hexdigest()
         self.queue = ray.remote(WorkQueue).options(name=f"{self.tag}-queue", num_cpus=0).remote()
@@ -102,7 +108,7 @@ class RayDriver:
         return opts, threads or max(1, int(num_cpus)), max(most, self.opts.min_workers)
 
     def start_workers(self) -> None:
-        from jobrunner.parallel.ray_worker import RayWorker
+        from jobrunner.parallel.ray_worker import RayWorker     # it imports Ray: a driver has it by now
         opts, self.threads, n = self.worker_options()
         opts["runtime_env"] = {"env_vars": worker_env()}    # the driver's cache and kernel settings
         self.asks = {k: v for k, v in opts.items() if k in ("num_cpus", "num_gpus", "resources", "memory") and v}
@@ -116,7 +122,6 @@ class RayDriver:
 
     def load_workers(self, resolved) -> None:
         """Each worker loads its engine (a restarted one again: _lost) with the job's config and Resolved."""
-        from jobrunner.parallel.launcher import config_to_json
         self.resolved = resolved
         self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
         self.total = rows_to_read(self.cfg.input, resolved.fmt)
@@ -192,7 +197,6 @@ class RayDriver:
     # -- the job
 
     def run(self) -> JobResult:
-        from jobrunner.output import OutputError, prepare_output
         cfg = self.cfg
         members = self.wait_placed()
         try:
@@ -208,9 +212,6 @@ class RayDriver:
 
     def _job(self, members: list[int]) -> JobResult:
         """Plans here (the workers run meanwhile), then watches the workers until every unit is written."""
-        from jobrunner.job.build import open_parts
-        from jobrunner.job.plan import WINDOW_ROWS
-        from jobrunner.parallel.ray_plan import Shipper
         cfg, start = self.cfg, time.time()
         info, tokenizer, engine_config = self.ray.get(self.workers[members[0]].face.remote())
         self.ship = Shipper(self.ray, self.queue, self.world, cfg.sampling.n * cfg.sampling.max_tokens,
@@ -285,7 +286,6 @@ class RayDriver:
         self._progress()
 
     def _lost(self, k: int, slot: int, e: Exception) -> None:
-        from jobrunner.parallel.ray_plan import refill
         log.error("ray: worker %d stopped: %s", k, first_line(e))
         self.first_error = self.first_error or f"worker {k}: {first_line(e)}"
         if not isinstance(e, self.ray.exceptions.RayActorError):    # alive, its engine broken: it wrote nothing since
@@ -331,7 +331,6 @@ class RayDriver:
         self.queue.stop.remote()
 
     def _finish(self, planned: dict, start: float) -> JobResult:
-        from jobrunner.output.summary import job_summary
         cfg, results = self.cfg, self.results
         ever = {v["rank"] for v in results} | set(self.lost)
         run = merge_stats(results, cfg, wall_s=time.time() - start, devices=len(ever), rounds=1, lost=self.lost,

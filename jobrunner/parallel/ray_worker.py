@@ -7,7 +7,8 @@ here. Its progress goes to the queue too (QueueProgress), with the bundles whose
 parts, which the queue then forgets (a lost worker's other bundles go back to the queue). Parts are
 written with the usual atomic protocol under the run's prefix (`part-r<slot>`), so the output is a
 local run's. The config and jobrunner.job.resolve's Resolved are the driver's, as JSON (as the
-data-parallel launcher passes them): resolved once per job.
+data-parallel launcher passes them): resolved once per job. This module imports Ray: the driver imports it
+once connected (ray_driver.RayDriver.start_workers), and an actor's process to unpickle the class.
 """
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import ray
+
+import engine
+from engine import cache_root
 from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import DatasetError
 from jobrunner.idset import IdSet
 from jobrunner.job.exit_codes import EXIT_CONFIG
+from jobrunner.job import build
 from jobrunner.job.build import open_job
 from jobrunner.parallel.launcher import config_from_json
 from jobrunner.parallel.worker import run_claimed
@@ -56,7 +62,6 @@ class QueueUnits:
         return f"part-r{self.rank}"
 
     def units(self, units, pending, writer):
-        import ray
         self.pending, self.writer = pending, writer
         ask = self.queue.next.remote(self.rank, WAIT_S)
         while True:
@@ -107,7 +112,6 @@ class QueueProgress:
         self.last = 0.0
 
     def update(self, stats, force: bool = False) -> None:
-        import ray
         now = time.time()
         if force or now - self.last >= REPORT_EVERY_S:
             self.last = now
@@ -126,7 +130,6 @@ class RayWorker:
     `resolved`: the driver's JobConfig (launcher.config_to_json) and Resolved (Resolved.to_json)."""
 
     def __init__(self, rank: int):
-        import engine
         engine.Engine           # torch and the engine's modules, while the driver checks the job
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
@@ -137,16 +140,13 @@ class RayWorker:
     def load(self, config: str, resolved: str, threads: int, fingerprint: str) -> dict:
         """Loads the engine; returns where (or why not: a config error, exit 2). fingerprint: the output's
         (the driver's, JSON: its paths as given, where config's are made absolute for this process)."""
-        import ray
-        from engine import cache_root
-        from jobrunner.job.build import load_engine
         cfg = config_from_json(config)
         self.cfg = worker_config(cfg, threads)       # the driver shares the cores out
         self.resolved = Resolved.from_json(resolved)
         self.fingerprint = json.loads(fingerprint)
         error = None
         try:
-            self.engine = load_engine(self.cfg, self.resolved)
+            self.engine = build.load_engine(self.cfg, self.resolved)
         except JobConfigError as e:
             error = str(e)
         return {"rank": self.rank, "error": error, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
@@ -172,7 +172,6 @@ class RayWorker:
             return {**payload, "exit_code": EXIT_CONFIG, "summary": None, "error": f"ray: worker {self.rank}: {e}",
                     "config_error": True}
         run_claimed(job, payload, lambda: work.count)
-        import ray
         ray.get(queue.leave.remote(slot, work.ran))     # its parts are closed: every bundle it ran is written
         return payload
 

@@ -20,9 +20,9 @@ from jobrunner.config.job import JobConfig
 from jobrunner.job.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
-from jobrunner.parallel.protocol import STORE_TIMEOUT
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.job.checks import check_gpus, cuda_count
+from jobrunner.job.checks import check_gpus
+from jobrunner.job.precision import cuda_count
 from jobrunner.parallel.world import preflight
 from jobrunner.threads import available_cores, threads_each
 
@@ -31,8 +31,6 @@ log = logging.getLogger("jobrunner")
 
 def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     """This process's rank of the job; `env` is world.distributed_env()."""
-    import torch.distributed as dist
-
     rank, world = env["rank"], env["world"]
     on_gpu = cuda_count(cfg.engine.device) > 0 and cfg.engine.device != "cpu"
     threads = None
@@ -45,7 +43,7 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
     else:   # the other local ranks are ours; this rank's share is its engine's, split among its processes
         threads = cfg.engine.threads or threads_each(None, env["local_world"], available_cores())
     resolved = preflight(cfg)       # each rank is its own process: it resolves once, for all its rounds
-    store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
+    store = protocol.rendezvous_store()
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log.info("rank %d of %d (%s)", rank, world, cfg.engine.device if on_gpu else f"CPU, {threads} threads")
     beat = _Heartbeat(ns.clone(), rank)

@@ -16,6 +16,7 @@ from engine import EngineFailure
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import rows_to_read
 from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
+from jobrunner.job import build      # build.load_engine, read at each call (tests replace it)
 from jobrunner.job.build import open_job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
@@ -32,8 +33,6 @@ def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads:
     `resolved`: the launcher's (or this torchrun rank's) jobrunner.job.resolve, shared by every round.
     `before_exit()` runs just before the worker acknowledges the end (`exited`), after which the store may go:
     it stops the process's other users of the store."""
-    from jobrunner.job.build import load_engine
-
     stop: list = []
 
     def on_signal(signum, frame):   # between rounds; Job.run has its own handlers while it runs
@@ -44,7 +43,7 @@ def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads:
         signal.signal(s, on_signal)
     cfg = worker_config(cfg, threads)
     try:
-        engine = load_engine(cfg, resolved)
+        engine = build.load_engine(cfg, resolved)
     except JobConfigError as e:
         protocol.set_loaded(store, rank, error=str(e))
         return EXIT_CONFIG

@@ -6,7 +6,8 @@ import os
 from dataclasses import replace
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.checks import cuda_count
+from jobrunner.job.precision import cuda_count
+from jobrunner.job.resolve import resolve
 
 
 def distributed_env() -> dict | None:
@@ -56,5 +57,4 @@ def worker_config(cfg: JobConfig, threads: int | None) -> JobConfig:
 def preflight(cfg: JobConfig):
     """What can fail without a model, before any process starts, and what the job's workers share:
     jobrunner.job.resolve's Resolved (the model's path and precision, the input's format, ...)."""
-    from jobrunner.job.resolve import resolve
     return resolve(cfg, parallel=True)
