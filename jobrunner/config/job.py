@@ -20,9 +20,8 @@ from dataclasses import dataclass, field, fields
 from engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS   # left unset: the model's generation_config.json value
 from engine import POOLINGS, SamplingParams
-from jobrunner.cache import CACHE_MODES
 from jobrunner.config.constraints import job_constraint
-from jobrunner.config.sections import (FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS,
+from jobrunner.config.sections import (CACHE_MODES, FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS,
                                        ClassifyKind, EmbedKind, EngineOptions, GenerateKind, InputOptions, KindOptions,
                                        OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions,
                                        ScoreKind)

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
-from jobrunner.cache import CACHE_MODES
 from jobrunner.config.constraints import validate_constraint_options
 from jobrunner.config.values import JobConfigError, check_device, either
 from jobrunner.models import DEFAULT_MODEL
-from jobrunner.openai.request import MAX_TOP_LOGPROBS
 from jobrunner.config.ray import RayOptions
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
@@ -25,6 +23,9 @@ from jobs.truncation import TRUNCATE_MODES
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
+# the result cache's modes (jobrunner/cache/: what each serves and stores)
+CACHE_MODES = ("read-write", "read-only", "write-only", "refresh")
+MAX_TOP_LOGPROBS = 20       # OpenAI's bound on top_logprobs, ours too (jobrunner/openai/request.py)
 JOB_QUANTIZATIONS = QUANTIZATIONS + ("auto",)   # auto: jobrunner.job.precision picks one (and the dtype)
 
 

@@ -14,7 +14,7 @@ from engine import ConfigError, ModelError
 from jobrunner.cache.key import job_model_key
 from jobrunner.cache.reuse import Reuse
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.dataset import read_rows, rows_to_read
+from jobrunner.dataset import input_types, read_rows, rows_to_read
 from jobrunner.job import checks
 from jobrunner.job.emit import Emitter
 from jobrunner.job.ending import JobResult, verdict
@@ -131,7 +131,9 @@ def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_i
     """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory."""
     if in_memory and schema_from_rows:
         return RowSink(None, cfg.output.part_rows)
-    schema = result_schema(cfg.input, kind, info.hidden_size)     # the embedding column: the hidden size
+    i = cfg.input
+    columns = input_types(i.dataset, i.format, i.id_column, i.csv_delimiter)
+    schema = result_schema(columns, i.id_column, kind, info.hidden_size)     # embeddings: the hidden size
     if in_memory:
         return RowSink(schema, cfg.output.part_rows)
     checks.check_same_commit(cfg, manifest)

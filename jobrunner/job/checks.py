@@ -12,7 +12,7 @@ from jobrunner.dataset import DatasetError, count_rows, dataset_columns, detect_
 from jobrunner.dataset.csv_reader import SNIFFED, check_quotes
 from jobrunner.job.exit_codes import on_empty_dataset
 from jobrunner.job.precision import cuda_count
-from jobrunner.openai.check import check_openai_batch
+from jobrunner.job.openai_check import check_openai_batch
 from jobrunner.output import OutputError, check_output as check_output_dir, read_manifest
 from jobrunner.storage import credentials_error
 from jobs import KINDS

@@ -22,7 +22,7 @@ one line per custom_id whose every sample failed, as OpenAI writes its error fil
     {"id": "batch_req_...", "custom_id": "req-2", "response": null,
      "error": {"code": "invalid_request", "message": "...", "param": "tools", "line": 2}}
 
-Every input line has exactly one line in one of the two (the file check, jobrunner.openai.check,
+Every input line has exactly one line in one of the two (the file check, jobrunner.job.openai_check,
 refuses a file whose custom_ids are not unique strings). The samples of one custom_id become the
 choices of one line. The ids are hashes of the custom_id and the job's random salt (the manifest's
 run_salt): unique per job and request, the same when the job resumes.
@@ -59,7 +59,7 @@ OPENAI_ERRORS = "errors.openai.jsonl"                       # the error file's, 
 def is_openai_record(rec: Any) -> bool:
     """Whether a parsed JSON line looks like an OpenAI batch request (used to sniff the format): by its
     shape, a body with a url, method or custom_id, so that a line lacking custom_id is still read as
-    one (and refused for it: jobrunner.openai.check)."""
+    one (and refused for it: jobrunner.job.openai_check)."""
     return isinstance(rec, dict) and isinstance(rec.get("body"), dict) and (
         "custom_id" in rec or isinstance(rec.get("url"), str) or rec.get("method") == "POST")
 

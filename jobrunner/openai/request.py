@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from engine import Constraint
+from jobrunner.config.sections import MAX_TOP_LOGPROBS
 from jobs.messages import join_text_parts
 from jobs.schema_check import SCHEMA_MODES
 
@@ -31,7 +32,6 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
 # Accepted at their value that changes nothing; any other value is unsupported.
 NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
                   "modalities": (["text"],), "reasoning_effort": ()}
-MAX_TOP_LOGPROBS = 20
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 

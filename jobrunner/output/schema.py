@@ -1,12 +1,11 @@
 """A job's output schema, declared before any row is written, so that every part has it whatever
 rows it holds (failed rows finish first): the id and the input columns with their input types
-(jobrunner.dataset.input_types), the fixed columns, `reused`, and every column the job kind declares
+(as jobrunner.dataset.input_types reads them), the fixed columns, `reused`, and every column the job kind declares
 (its `result_columns`: name -> kind, jobrunner.output.values), null where a row has no value."""
 from __future__ import annotations
 
 import pyarrow as pa
 
-from jobrunner.dataset import input_types
 from jobrunner.output.columns import input_names, reserved_columns
 from jobrunner.output.values import ARROW, FIXED_COLUMNS, arrow_schema, vector_kind
 
@@ -36,12 +35,11 @@ def declared_schema(id_type: pa.DataType, inputs: dict[str, pa.DataType | None],
     return arrow_schema(kinds, types)
 
 
-def result_schema(inputs, job, hidden_size: int | None) -> pa.Schema:
-    """The declared schema of a job of kind `job` (jobs.KINDS) over the dataset of `inputs` (the job's
-    InputOptions); hidden_size: the model's, the size of an embedding unless the job says otherwise
-    (--dimensions)."""
-    id_column = inputs.id_column
-    id_type, types = input_types(inputs.dataset, inputs.format, id_column, inputs.csv_delimiter)
+def result_schema(input_columns: tuple, id_column: str, job, hidden_size: int | None) -> pa.Schema:
+    """The declared schema of a job of kind `job` (jobs.KINDS) over a dataset of `input_columns` ((the
+    id's type, column -> type), as jobrunner.dataset.input_types reads them); hidden_size: the model's,
+    the size of an embedding unless the job says otherwise (--dimensions)."""
+    id_type, types = input_columns
     columns = [c for c in types if c != id_column]
     names = input_names(columns, reserved_columns(job.result_columns))
     kinds = {n: vector_kind(job.vector_size(hidden_size)) if k == VECTOR else k
