@@ -8,7 +8,8 @@
 #
 # The data, this checkout's examples/reviews.jsonl and small files written beside it, lies in one
 # directory for every run ($RUN_KINDS_DATA, default /tmp/jobrunner-run-kinds-data), so that two runs'
-# manifests name the same datasets. Every job: --limit 8 --max-tokens 8, on CPU.
+# manifests name the same datasets. Every job: --limit 8 --max-tokens 8, on CPU, one thread (the thread
+# governor follows the machine's load, and another thread count sums floats in another order).
 set -euo pipefail
 CODE_DIR=$(cd "$1" && pwd)
 OUT_DIR=$2
@@ -48,7 +49,7 @@ run() {     # run NAME DATASET OPTIONS...
     shift 2
     echo "== $name"
     (cd "$CODE_DIR" && PYTHONPATH="$CODE_DIR" python -c "$MAIN" submit "$dataset" --output "$OUT_DIR/$name" \
-        --overwrite --limit 8 --max-tokens 8 --device cpu "$@")
+        --overwrite --limit 8 --max-tokens 8 --device cpu --threads "${RUN_KINDS_THREADS:-1}" "$@")
 }
 
 run generate "$REVIEWS"
