@@ -80,7 +80,7 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
     reader = reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column, batch_rows=1024,
                                           csv_delimiter=i.csv_delimiter))
     intake = Intake(reader, builder=builder, kind=kind, tokenizer=tokenizer, reuse=reuse, emit=emit, stats=stats,
-                    done_ids=getattr(writer, "done_ids", None), failed_ids=getattr(writer, "failed_ids", None),
+                    done_ids=writer.done_ids, failed_ids=writer.failed_ids,
                     limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop)
     planner = JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora)
     return JobParts(cfg, manifest, kind, intake, emit, planner, reuse, writer, stats, in_memory)

@@ -34,7 +34,7 @@ class JobPlanner:
         def items():
             for p in rows:
                 pending[p.id] = p
-                yield self.item(p.id, p.request.adapter, p.tokens.tolist())
+                yield self.item(p.id, p.request.adapter, p.tokens)     # packed ids: the planner encodes them as such
         return self.units(items())
 
     def item(self, key, adapter: str | None, tokens) -> PlanItem:
