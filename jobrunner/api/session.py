@@ -273,7 +273,7 @@ def _run_kept(cfg: JobConfig, rows: list, session: EngineSession, options: dict)
     """cfg's job over `rows` (reader batches of ROWS_BATCH, as read_rows gives a file's) on the session's
     engine: the result rows as written, the kind's values in them."""
     batches = lambda: (rows[i:i + ROWS_BATCH] for i in range(0, len(rows), ROWS_BATCH))  # noqa: E731
-    job = _open_job(cfg, _resolve_rows(cfg), session, batches, total=len(rows))
+    job = _open_job(cfg, _resolve_rows(cfg), session, batches, rows_in_memory=len(rows))
     kept = job.writer.keep_rows()       # before the run: every row the job writes
     _raise_unless_ok(cfg, _run_job(job, session), options)
     return kept
@@ -309,16 +309,17 @@ def _resolve_rows(cfg: JobConfig):
     return resolved
 
 
-def _open_job(cfg: JobConfig, resolved, session: EngineSession | None, reader, total: int | None = None):
+def _open_job(cfg: JobConfig, resolved, session: EngineSession | None, reader, rows_in_memory: int | None = None):
     """cfg's Job over reader's batches, its rows kept in memory: on the session's engine, else on one
-    loaded for it (open_job closes it again if a later part fails). total: the rows it reads, for its
-    progress (else open_job counts the dataset's); given, no file is behind the rows (run_rows), and
-    the RowSink types its tables from the rows themselves."""
+    loaded for it (open_job closes it again if a later part fails). rows_in_memory: how many rows the
+    reader holds when no file is behind them (run_rows): the progress total, and the RowSink types its
+    tables from the rows themselves; else open_job counts the dataset and declares its schema."""
     engine = session.engine_for(cfg, resolved) if session is not None else None
-    progress = Progress(total=total, counters=engine.counters) if total is not None and engine is not None else None
+    no_file = rows_in_memory is not None
+    progress = Progress(total=rows_in_memory, counters=engine.counters) if no_file and engine is not None else None
     with api_errors():
         return open_job(cfg, resolved, engine=engine, reader=reader, progress=progress, in_memory=True,
-                        schema_from_rows=total is not None)
+                        schema_from_rows=no_file)
 
 
 def _run_job(job, session: EngineSession | None) -> JobResult:
