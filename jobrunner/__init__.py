@@ -7,13 +7,16 @@ stays cheap:
     jobrunner.generate(rows, **options) -> polars.DataFrame            # rows in memory, nothing on disk
     with jobrunner.open_engine(model=..., **options) as llm:           # one engine for many calls
         llm.generate(rows, **options) -> polars.DataFrame
+    jobrunner.compare(base, candidate, **gates) -> dict                # as `jobrunner compare --json`
+    jobrunner.write_report(output, path=None) -> str                   # as `jobrunner report`
 """
 from __future__ import annotations
 
 from importlib import import_module
 
 _MODULES = {"JobConfigError": "api.submit", "JobFailedError": "api.submit", "JobResult": "api.submit", "OutputStorageError": "api.submit",
-            "submit": "api.submit", "EngineSession": "api.session", "generate": "api.session", "open_engine": "api.session"}
+            "submit": "api.submit", "EngineSession": "api.session", "generate": "api.session", "open_engine": "api.session",
+            "compare": "report.compare", "write_report": "report"}
 __all__ = sorted(_MODULES)
 
 

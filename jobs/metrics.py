@@ -32,12 +32,13 @@ class Accuracy:
         self.mode = mode
         self.correct = self.total = 0
 
-    def add(self, output: str, reference) -> bool | None:
+    def add(self, output: str, reference, count: int = 1) -> bool | None:
+        """One row, or `count` rows of the same output and reference (a grouped table's)."""
         if reference is None:
             return None
         ok = matches(output, str(reference), self.mode)
-        self.correct += ok
-        self.total += 1
+        self.correct += ok * count
+        self.total += count
         return ok
 
     def add_columns(self, cols: dict[str, list]) -> None:
@@ -71,14 +72,14 @@ class ClassificationMetrics(Accuracy):
     def key(self, label: str) -> str:
         return label if self.mode == "exact" else normalize_text(label)
 
-    def add(self, predicted: str, reference) -> bool | None:
-        ok = super().add(predicted, reference)
+    def add(self, predicted: str, reference, count: int = 1) -> bool | None:
+        ok = super().add(predicted, reference, count)
         if ok is not None:
             p = self.key(predicted)
             r = p if ok else self.key(str(reference))     # a match is the predicted class (contains: by definition)
             self._predicted.setdefault(p, predicted)     # rows' own labels (--labels-column)
             self._referenced.setdefault(r, str(reference))
-            self.pairs[(r, p)] += 1
+            self.pairs[(r, p)] += count
         return ok
 
     def add_columns(self, cols: dict[str, list]) -> None:

@@ -184,11 +184,12 @@ def test_submit_ends_with_a_ten_line_summary(tiny_hf_model_dir, tmp_path):
     assert 8 <= len(lines) <= 12, r.stdout
     assert [line.split("  ")[0] for line in lines] == [
         "output", "rows", "tokens", "cache hits", "wall time", "throughput", "cost", "metrics", "device",
-        "all figures"]
+        "report", "all figures"]
     assert lines[0].split() == ["output", out]
     assert lines[1] == "rows         5: 4 ok, 1 failed (their errors are in the `error` column)"
     assert "completion tokens/s" in lines[5] and lines[6].startswith("cost         $")
     assert "accuracy" in lines[7] and "macro_f1" in lines[7] and "confusion" not in r.stdout
+    assert lines[-2].startswith(f"report       jobrunner report {out} ")
     assert lines[-1] == f"all figures  jobrunner stats --all {out} (or _stats.json)"
     r = CliRunner().invoke(main, ["stats", out])
     assert r.exit_code == 0 and r.stdout.splitlines()[:4] == lines[:4]

@@ -1,4 +1,4 @@
-"""The command line: `jobrunner submit | validate | repair | warmup | stats | models | cache`.
+"""The command line: `jobrunner submit | validate | repair | warmup | stats | report | compare | models | cache`.
 
 Option defaults come from JobConfig's sections (jobrunner/config/sections.py); `--config job.toml` supplies any option, and the
 command line wins over the file.
@@ -287,6 +287,7 @@ def summary_lines(s: dict, output: str) -> list[str]:
         lines.append(("device", device))
     if s.get("interrupted"):
         lines.append(("interrupted", "run the same command again to resume"))
+    lines.append(("report", f"jobrunner report {shlex.quote(output)} (one HTML page: plots, failed rows, config)"))
     lines.append(("all figures", f"jobrunner stats --all {shlex.quote(output)} (or _stats.json)"))
     return [f"{k:12s} {v}" for k, v in lines]
 
@@ -337,6 +338,74 @@ def _print_all(s: dict, output: str) -> None:
         lines.extend(f"  {i}  " + "  ".join(f"{k} {show(r[k])}" for k in _RUN_LINE if k in r)
                      for i, r in enumerate(s["runs"], 1))
     click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("output")
+@click.option("-o", "--out", "page", default=None, metavar="FILE",
+              help="Where to write the page (any fsspec URL); default OUTPUT/report.html.")
+def report(output, page):
+    """Write one self-contained HTML page of a job's output: summary, the kind's metrics, latency,
+    tokens, throughput, failed rows and configuration (plots inline; needs jobrunner[report]).
+
+    \b
+    Example:
+      jobrunner report out/ -o /tmp/nightly.html
+    """
+    from jobrunner.report import MissingPlotLibrary, OutputError, write_report
+    try:
+        click.echo(write_report(output, page))
+    except (MissingPlotLibrary, OutputError) as e:
+        _fail_config(e)
+    except OSError as e:
+        _fail(EXIT_STORAGE, f"cannot read {output} or write the page: {e}")
+
+
+@main.command()
+@click.argument("base")
+@click.argument("candidate")
+@click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
+@click.option("-o", "--out", "page", default=None, metavar="FILE.html",
+              help="Also write the comparison as an HTML page.")
+@click.option("--max-changed-rate", type=float, default=None, metavar="R",
+              help="Exit 3 when more than this fraction of the common rows changed.")
+@click.option("--max-accuracy-drop", type=float, default=None, metavar="D",
+              help="Exit 3 when accuracy over the common rows drops by more than D (a fraction: 0.01 = 1 point).")
+@click.option("--max-cost-increase", type=float, default=None, metavar="P",
+              help="Exit 3 when the cost per row rises by more than P (a fraction: 0.1 = 10%; device-hours per row "
+                   "where a run is not priced).")
+@click.option("--min-cosine", type=float, default=0.99, show_default=True,
+              help="embed: a row changed when its embeddings' cosine is under this.")
+@click.option("--score-rtol", type=float, default=0.01, show_default=True,
+              help="score: a row changed when its perplexity moved by more than this, relatively.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The bootstrap's seed.")
+def compare(base, candidate, as_json, page, max_changed_rate, max_accuracy_drop, max_cost_increase, min_cosine,
+            score_rtol, seed):
+    """What changed between two outputs of the same dataset, joined on id: rows only in one, changed
+    results, metric deltas with McNemar's test and a bootstrap interval, cost and configuration.
+
+    \b
+    Exit codes: 0 compared (every gate asked passed); 3 a gate crossed; 2 not comparable (different
+    kinds or datasets, no id in common) or not an output; 4 storage failed.
+
+    \b
+    Example:
+      jobrunner compare runs/yesterday runs/today --max-changed-rate 0.05 --max-accuracy-drop 0.01
+    """
+    from jobrunner.report import NotComparableError, OutputError, compare as compare_outputs, write_page
+    from jobrunner.report.compare_page import lines, render
+    try:
+        r = compare_outputs(base, candidate, max_changed_rate=max_changed_rate, max_accuracy_drop=max_accuracy_drop,
+                            max_cost_increase=max_cost_increase, min_cosine=min_cosine, score_rtol=score_rtol,
+                            seed=seed)
+        if page:
+            write_page(render(r), page)
+    except (NotComparableError, OutputError) as e:
+        _fail_config(e)
+    except OSError as e:
+        _fail(EXIT_STORAGE, f"cannot read the outputs or write the page: {e}")
+    click.echo(json.dumps(r, indent=2, default=str) if as_json else "\n".join(lines(r)))
+    sys.exit(r["exit_code"])
 
 
 @main.group(invoke_without_command=True)

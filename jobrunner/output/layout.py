@@ -10,6 +10,7 @@ Layout of an output directory:
     _stats.json, _stats.parquet job summary (completion.py)
     results.openai.jsonl        optional, jobrunner.openai.batch.write_openai_batch_output
     errors.openai.jsonl         beside it: the lines that failed (one line in one of the two per input line)
+    report.html                 optional, `jobrunner report` (jobrunner/report/)
 
 Invariants:
 - A file named part*.parquet is always complete: it appears by rename only (storage.atomic_write).
@@ -37,7 +38,8 @@ MANIFEST_TMP_RE = re.compile(r"^_tmp-_manifest\.json\.[0-9a-f]+$")
 LEASE_RE = re.compile(r"^(?:_tmp-)?_lease\.json(?:\.[0-9a-f]+)?$")    # the lease, or its rewrite's temporary
 PREFIX_RE = re.compile(r"^part[A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")   # a writer's part_prefix
 # every name jobrunner writes in an output directory (what --overwrite may delete)
-OURS_RE = re.compile(r"^(?:_manifest\.json|_lease\.json|_stats\.json|_stats\.parquet|(?:results|errors)\.openai\.jsonl"
+OURS_RE = re.compile(r"^(?:_manifest\.json|_lease\.json|_stats\.json|_stats\.parquet|report\.html"
+                     r"|(?:results|errors)\.openai\.jsonl"
                      r"|(?:_corrupt-(?:\d+-)?)?part[^/]*\.parquet|_tmp-.+)$")
 
 
