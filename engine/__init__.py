@@ -31,7 +31,7 @@ from engine.sequence import last_index_of
 if TYPE_CHECKING:
     from engine.constraints import check_constraint
     from engine.engine import Engine
-    from engine.loader import DUMMY_CONFIGS, load_model_bundle
+    from engine.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle
     from engine.parallel.shards import check_split, rank_plan
 
 # name -> the module that defines it, imported when the name is first read
@@ -39,6 +39,7 @@ _LAZY = {
     "Engine": "engine.engine",
     "DUMMY_CONFIGS": "engine.loader",
     "load_model_bundle": "engine.loader",
+    "checkpoint_quantization": "engine.loader",
     "check_constraint": "engine.constraints",
     "check_split": "engine.parallel.shards",
     "rank_plan": "engine.parallel.shards",

@@ -239,7 +239,7 @@ def engine_info(rt: EngineRuntime, config: EngineConfig, max_len: int) -> Engine
                       max_num_batched_tokens=rt.max_num_batched_tokens, num_blocks=rt.num_blocks,
                       block_size=config.block_size, weight_bytes=rt.weight_bytes, load_s=rt.load_s,
                       hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, pooling=rt.pooling,
-                      generation=rt.generation)
+                      generation=rt.generation, quantization=getattr(rt.model, "quantization", "none"))
 
 
 def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:

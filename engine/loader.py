@@ -30,6 +30,7 @@ from engine.embedding_config import CheckpointPooling, read_checkpoint_pooling
 from engine.errors import ModelError
 from engine.generation_config import GenerationDefaults
 from engine.model_config import ModelConfig
+from engine.quant.shipped import ShippedQuant, read_quantization
 from engine.tokenizer import Tokenizer
 
 __all__ = ["ModelBundle", "ModelError", "load_model_bundle", "DUMMY_CONFIGS"]
@@ -62,6 +63,8 @@ class ModelBundle:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     # safetensors-backed bundles: weights(select) reading only the slices select(name, shape) picks
     sliced_weights: Callable[[Callable], WeightIterator] | None = None
+    # a quantized checkpoint's scheme (config.json's quantization_config: engine/quant/shipped), or None
+    quantization: ShippedQuant | None = None
 
     def shard_weights(self, select) -> WeightIterator:
         """The weights, each narrowed to what select(name, shape) picks: None for all of it, else
@@ -74,6 +77,24 @@ class ModelBundle:
             picked = select(name, tuple(tensor.shape))
             if picked is None or picked[1]:
                 yield name, _narrow(tensor, picked)
+
+
+def checkpoint_quantization(model: str) -> str | None:
+    """The scheme of a quantized HF checkpoint directory (config.json's quantization_config, as
+    ModelBundle.quantization names it), None for a float one, a GGUF file or dummy:; ConfigError for a
+    scheme the engine does not run. Reads config.json only."""
+    if model.startswith("dummy:"):
+        return None
+    fs, path = _url_to_fs(model)
+    config = posixpath.join(path, "config.json")
+    try:
+        if not (fs.isdir(path) and fs.exists(config)):
+            return None
+        hf_config = json.loads(fs.cat_file(config))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {config}: {e}") from e
+    quant = read_quantization(hf_config)
+    return None if quant is None else quant.name
 
 
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
@@ -167,7 +188,7 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
                        tokenizer=tokenizer, weights=weights, source=source,
                        weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation,
-                       sliced_weights=weights)
+                       sliced_weights=weights, quantization=read_quantization(hf_config))
 
 
 def _safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:

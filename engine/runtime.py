@@ -118,6 +118,12 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         bundle = load_model_bundle(config.model)
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
+    shipped = getattr(bundle, "quantization", None)
+    if shipped is not None and config.quantization != "none":
+        raise ConfigError(f"--quantization {config.quantization}: the checkpoint is quantized already "
+                          f"({shipped.name}) and runs as shipped; drop --quantization (or give a float checkpoint)")
+    if shipped is not None and config.loras:
+        raise ConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped.name})")
     followers = None
     if config.tensor_parallel > 1 and tp is None:
         check_split(bundle.config, config.tensor_parallel, config.moe_split)
@@ -177,6 +183,10 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     cfg = bundle.config
     with _uninitialized():
         model = model_class(cfg.architecture)(cfg)
+    shipped = getattr(bundle, "quantization", None)
+    if shipped is not None:     # a quantized checkpoint: its linears never exist in float (placeholders)
+        from engine.quant.shipped import ShippedLoader
+        shipped = ShippedLoader(model, shipped, device)
     _materialize(model, device, dtype)       # allocated in dtype at once: no float32 copy of a 30B model
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -185,8 +195,11 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
         _random_init(model, seed)
     else:
         weights = bundle.weights() if model.tp.size == 1 else bundle.shard_weights(model.shards.select)
-        filled = model.load_weights(weights)
+        filled = model.load_weights(weights if shipped is None else shipped.split(weights))
         missing = model.expected_weight_names() - filled
+        if shipped is not None:
+            shipped.finish()
+            missing = {m for m in missing if not shipped.covers(m)}
         if missing:
             raise ConfigError(f"model {bundle.source} lacks weights: {', '.join(sorted(missing)[:5])}"
                               + (" ..." if len(missing) > 5 else ""))

@@ -11,12 +11,15 @@ from kernels.cpu_attention import CpuDecode, DecodeKey, compile_decode_package, 
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
 from kernels.lora import Segments, sgmv, sgmv_ref
-from kernels.moe import fused_moe, fused_moe_ref, route_topk
+from kernels.moe import fused_moe, fused_moe_ref, moe_by_expert, route_topk
 from kernels.norm import rms_norm
 from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range,
                                   fp8_matmul, fp8_matmul_ref,
                                   int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
                                   w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
+from kernels.shipped_quant import (dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref,
+                                   int_mm_full_range_exact, quantize_act_int8, w8a8_shipped_matmul,
+                                   w8a8_shipped_matmul_ref)
 from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
 from kernels.token_mask import apply_token_bitmask
 
@@ -33,8 +36,11 @@ __all__ = [
     "int4_matmul",
     "int4_matmul_ref", "int8_matmul", "int8_matmul_ref", "int_mm_exact", "pack_int4", "w8a8_matmul_fbgemm",
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",
+    # quantized checkpoints as shipped: their activation quantization, int8 x int8, fp8 weights
+    "dequantize_fp8", "fake_quantize_fp8", "fp8_weight_matmul", "fp8_weight_matmul_ref", "int_mm_full_range_exact",
+    "quantize_act_int8", "w8a8_shipped_matmul", "w8a8_shipped_matmul_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert
-    "fused_moe", "fused_moe_ref", "route_topk",
+    "fused_moe", "fused_moe_ref", "moe_by_expert", "route_topk",
     # LoRA: rows of many adapters in one batch, the segmented gather matmul
     "Segments", "sgmv", "sgmv_ref",
     # structured output: a grammar's token bitmask on the logits

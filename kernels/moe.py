@@ -51,8 +51,17 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """The torch path (see the module doc): [T, H] -> [T, H] in x.dtype. Rounds and sums like HF's
     experts: each projection's output in x.dtype, the routing weight cast to x.dtype before the
     product, a token's k results added in ascending expert order (the sorted order)."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(rows, expert_weight(w13, w13_scale, e, x.dtype))          # [n, 2I]
+        return torch.mm(silu_and_mul_ref(h), expert_weight(w2, w2_scale, e, x.dtype))
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0], expert, foreign)
+
+
+def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                  expert, foreign: bool = False) -> torch.Tensor:
+    """The slots sorted by expert, each expert's run of rows through expert(e, rows [n, H]) -> [n, H],
+    weighted and summed per token: [T, H] -> [T, H] in x.dtype (fused_moe_ref's order and rounding)."""
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)                       # slots grouped by expert (foreign ones last)
     counts = torch.bincount(flat, minlength=num_experts + foreign).tolist()
@@ -60,14 +69,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         order = order[:len(flat) - counts.pop(num_experts)]
     tokens = order // k
     xs = x.index_select(0, tokens)                                 # [T*k, H], expert runs in order
-    out = torch.empty((len(order), w2.shape[2]), dtype=x.dtype, device=x.device)
+    out = torch.empty((len(order), x.shape[1]), dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            rows = slice(start, start + n)
-            h = torch.mm(xs[rows], expert_weight(w13, w13_scale, e, x.dtype))          # [n, 2I]
-            act = silu_and_mul_ref(h)
-            torch.mm(act, expert_weight(w2, w2_scale, e, x.dtype), out=out[rows])
+            out[start:start + n] = expert(e, xs[start:start + n])
             start += n
     out.mul_(topk_weights.reshape(-1)[order].to(x.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, tokens, out)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import (dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref,
-                     fbgemm_full_range, int8_matmul, int8_matmul_ref, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref,
+                     fbgemm_full_range, int8_matmul, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref,
                      w8a8_per_batch_ref)
 
 
@@ -50,26 +51,39 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Weight-only int8, symmetric, per output channel (or per group of G columns, from GGUF Q8_0)."""
+    """Weight-only int8, symmetric, per output channel (or per group of G columns, from GGUF Q8_0 or a
+    shipped checkpoint); a shipped asymmetric one adds `zeros` (W = q * s + zeros, by group)."""
     scheme = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 zeros: torch.Tensor | None = None):
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
         self.register_buffer("qweight", qweight)    # [N, K] int8
         self.register_buffer("scales", scales)      # [N, K // G] float32
+        self.register_buffer("zeros", zeros)        # [N, K // G] float32, or None
 
     @property
     def group_size(self) -> int:
         return self.in_features // self.scales.shape[1]
 
     def forward(self, x):
-        return int8_matmul(x, self.qweight, self.scales, self.bias)
+        y = int8_matmul(x, self.qweight, self.scales, self.bias)
+        return y if self.zeros is None else y + self._zero_terms(x)
 
     def forward_ref(self, x):
-        return int8_matmul_ref(x, self.qweight, self.scales, self.bias)
+        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _zero_terms(self, x):
+        """x @ zeros' columns spread over their groups: each group's sum of x times its zero."""
+        groups = self.scales.shape[1]
+        sums = x.reshape(*x.shape[:-1], groups, self.in_features // groups).sum(-1)
+        return (sums @ self.zeros.to(x.dtype).t())
 
     def dequantize(self, dtype=torch.float32):
-        return dequantize_int8(self.qweight, self.scales, dtype)
+        w = dequantize_int8(self.qweight, self.scales, torch.float32)
+        if self.zeros is not None:
+            w = (w.view(self.out_features, self.zeros.shape[1], -1) + self.zeros[..., None]).view_as(w)
+        return w.to(dtype)
 
     def extra_repr(self):
         return super().extra_repr() + f", group_size={self.group_size}"
