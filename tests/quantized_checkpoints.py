@@ -1,36 +1,38 @@
-"""Tiny random quantized Hugging Face checkpoints, in the formats users ship them (test helper).
+"""Tiny random quantized Hugging Face checkpoints in the formats users ship (a test helper).
 
     from quantized_checkpoints import make_compressed, make_gptq, make_awq, dequantized_state_dict
 
 make_compressed(path, family, scheme, **sizes)
-    compressed-tensors checkpoint (the format llmcompressor writes), made with the
-    compressed-tensors library itself: the preset scheme, apply_quantization_config,
-    llmcompressor's default observers reproduced (memoryless min-max weights, static
-    min-max activations calibrated with forward hooks), ModelCompressor to compress,
-    save_pretrained + update_config. Files: config.json (with quantization_config),
-    generation_config.json, model.safetensors, tokenizer files. For the same family and
-    scheme it holds the same tensors (names, dtypes, shapes, values) as
-    tests/quantized/make_compressed.py writes with llmcompressor 0.14.
+    compressed-tensors checkpoint (what llmcompressor writes), made with the compressed-tensors
+    library alone: its preset scheme, apply_quantization_config, llmcompressor 0.14's default
+    observers redone here (memoryless min-max weights; static min-max input activations
+    calibrated with forward hooks over make_compressed.py's seeded token rows), then
+    ModelCompressor: compress_model, save_pretrained, update_config. Writes config.json (with
+    quantization_config), generation_config.json, model.safetensors, tokenizer files. Same tensor
+    names, dtypes, shapes and values as tests/quantized/make_compressed.py (llmcompressor 0.14,
+    compressed-tensors 0.19) writes, for every family x scheme except qwen3_moe FP8's
+    input_scale values (llmcompressor calibrated that model with non-causal attention; see
+    _calibrate_inputs).
 make_gptq(path, family, bits=4, group_size=128, desc_act=False, sym=True, **sizes)
-    GPTQ checkpoint as AutoGPTQ / GPTQModel write it (checkpoint_format "gptq", i.e. v1:
-    zero points stored minus one), quantized round-to-nearest min-max per group.
-make_awq(path, family, group_size=128, **sizes)
-    AWQ checkpoint as AutoAWQ writes it (version "gemm"), round-to-nearest min-max.
+    GPTQ checkpoint laid out as GPTQModel / AutoGPTQ save it (checkpoint_format "gptq" = v1),
+    quantized round-to-nearest min-max per group.
+make_awq(path, family, group_size=128, modules_to_not_convert="default", **sizes)
+    AWQ checkpoint laid out as AutoAWQ saves it (version "gemm"), round-to-nearest min-max.
 
-make_gptq / make_awq also write <path>/reference/: a plain bfloat16 checkpoint (no
-quantization_config; transformers loads it with no GPTQ/AWQ package) holding the
-dequantized weights, computed from the integer levels before they were packed;
-dequantized_state_dict(path) returns those tensors (float32) for any of the three kinds
-(compressed-tensors ones are decompressed by compressed-tensors' own compressors).
+make_gptq and make_awq also write <path>/reference/: a plain float32 checkpoint (config.json
+without quantization_config, model.safetensors, tokenizer) whose quantized Linears hold
+scale * (level - zero), computed from the integer levels before they were packed;
+transformers loads it with no GPTQ / AWQ package. dequantized_state_dict(path) returns the
+float32 tensors of any of the three kinds (compressed-tensors ones decompressed by
+compressed-tensors' own compressors); save_reference(path) writes them as such a checkpoint.
 
-family is one of FAMILIES (llama, qwen2, qwen3_moe); sizes override SIZES (and for
-qwen3_moe MOE_SIZES), e.g. make_gptq(p, "llama", hidden_size=256). Every function returns
-Path(path). Weights and tokens are seeded: the same arguments give the same bytes.
+family is one of FAMILIES (llama, qwen2, qwen3_moe); sizes override SIZES (and for qwen3_moe
+MOE_SIZES), e.g. make_gptq(p, "llama", hidden_size=256). Every function returns Path(path).
+Seeded (torch's global RNG state is left as it was): the same arguments give the same tensors.
 """
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -72,14 +74,15 @@ def random_model(family: str, **sizes):
     import transformers
 
     cfg = model_config(family, **sizes)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-            else:
-                p.normal_(0.0, 0.08)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+                else:
+                    p.normal_(0.0, 0.08)
     # bfloat16 as the model comes back from a bf16 save + from_pretrained (where llmcompressor
     # starts): parameters cast, float32 buffers (RoPE inv_freq) left float32
     buffers = {n: b.clone() for n, b in model.named_buffers()}
@@ -97,10 +100,23 @@ def calibration_ids(vocab_size: int = TINY_MODEL_VOCAB) -> list[torch.Tensor]:
     return [torch.randint(3, high, (CALIBRATION_LEN,), generator=g)[None] for _ in range(CALIBRATION_ROWS)]
 
 
-def _save_config_and_tokenizer(model, path: Path) -> None:
-    model.config.save_pretrained(str(path))
-    model.generation_config.save_pretrained(str(path))
-    save_tiny_tokenizer(path)
+def _isolated(fn):
+    """Run `fn` with torch on one thread and torch's global RNG state restored afterwards.
+    These models are tiny: on a busy 2-core machine two OpenMP threads make each small
+    matmul ~5x slower (one thread gives the same bits: checked against the llmcompressor
+    reference); building Linears draws from the global RNG, which tests may rely on."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+    return wrapper
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,13 +162,18 @@ class _LinearExperts(torch.nn.ModuleList):
         super().__init__(experts)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        # llmcompressor's LinearExperts2D.forward: expert e adds its weighted output into the
+        # routed tokens' rows in order e = 0, 1, ... (index_add_); done here as dense adds of
+        # zero-padded contributions (the same roundings; bf16 index_add_ is slow on CPU)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, len(self)).permute(2, 1, 0)
         for e, expert in enumerate(self):
             pos, tokens = torch.where(mask[e])
             y = expert(hidden_states)[tokens] if self.calibrate_all else expert(hidden_states[tokens])
-            out.index_add_(0, tokens, (y * top_k_weights[tokens, pos, None]).to(out.dtype))
+            contrib = torch.zeros_like(out)
+            contrib[tokens] = (y * top_k_weights[tokens, pos, None]).to(out.dtype)
+            out = out + contrib
         return out
 
 
@@ -221,7 +242,10 @@ def _calibrate_inputs(model, modules: dict, vocab_size: int) -> None:
     """Static input-activation qparams (llmcompressor's static_minmax observer: running min and
     max over every calibration token), from forward pre-hooks during float forwards of the
     calibration rows, one row per batch, eager attention, MoE experts seeing every token
-    (as llmcompressor's sequential pipeline runs them: quantization disabled)."""
+    (as llmcompressor's sequential pipeline runs them: quantization disabled). Attention is
+    causal. llmcompressor 0.14 calibrated qwen3_moe without the causal mask (its traced
+    graph attends both ways): with a zero mask instead, the qwen3_moe FP8 input_scales here
+    equal the reference's bit for bit; llama / qwen2 match as they are."""
     stats: dict[str, tuple] = {}
 
     def hook(name, args):
@@ -261,6 +285,7 @@ def _calibrate_inputs(model, modules: dict, vocab_size: int) -> None:
         _set_qparams(module, "input", lo, hi, module.quantization_scheme.input_activations)
 
 
+@_isolated
 def make_compressed(path, family: str, scheme: str, **sizes) -> Path:
     """A tiny random `family` model quantized with compressed-tensors' preset `scheme` (one of
     SCHEMES) and saved compressed, as make_compressed.py's llmcompressor oneshot does: targets
@@ -470,6 +495,7 @@ def gptq_quantization_config(bits: int = 4, group_size: int = 128, desc_act: boo
     }
 
 
+@_isolated
 def make_gptq(path, family: str, bits: int = 4, group_size: int = 128, desc_act: bool = False,
               sym: bool = True, **sizes) -> Path:
     """A tiny random `family` model as a GPTQ checkpoint, checkpoint_format "gptq" (v1), as
@@ -520,6 +546,7 @@ def awq_quantization_config(group_size: int = 128, modules_to_not_convert=None) 
             "version": "gemm", "modules_to_not_convert": modules_to_not_convert}
 
 
+@_isolated
 def make_awq(path, family: str, group_size: int = 128, modules_to_not_convert="default", **sizes) -> Path:
     """A tiny random `family` model as an AWQ checkpoint as AutoAWQ saves it (version "gemm",
     4-bit, zero_point): for each quantized Linear (out N, in K, G = group_size or K when -1):
@@ -624,6 +651,7 @@ def save_reference(path, out=None) -> Path:
     cfg["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     tensors = dequantized_state_dict(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     save_tiny_tokenizer(out)
     return out
