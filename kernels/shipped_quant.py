@@ -132,11 +132,11 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     fp8 weight, dequantized a slice of rows at a time. The Triton kernel runs block scales on CUDA."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k)
+    if block is not None and use_triton(x) and act_group == block[1] and act == "dynamic":
+        from kernels.triton_fp8_block import fp8_block_matmul_triton       # quantizes x2 itself, per token and group
+        return fp8_block_matmul_triton(x2, qweight, scales, block, bias).view(*x.shape[:-1], n)
     if act is not None:
         x2 = fake_quantize_fp8(x2, static_scale if act == "static" else None, act_group)
-    if block is not None and use_triton(x) and act_group == block[1] and act == "dynamic":
-        from kernels.triton_fp8_block import fp8_block_matmul_triton
-        return fp8_block_matmul_triton(x2, qweight, scales, block, bias).view(*x.shape[:-1], n)
     b = None if bias is None else bias.to(x.dtype)
     step = max(block[0] if block else 64, min(n, CPU_DEQUANT_ELEMENTS // max(k, 1)))
     if block is not None:

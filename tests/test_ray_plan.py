@@ -52,7 +52,7 @@ def test_a_rows_request_is_made_once_under_ray(tmp_path, tiny_hf_model_dir):
         ray = SimpleNamespace(put=lambda units: pickle.loads(pickle.dumps(units)), get=lambda v: v)   # as Ray ships
         queue = SimpleNamespace(put=SimpleNamespace(remote=lambda queued: bundles.extend(r for _, _, (r,) in queued)))
         shipper = Shipper(ray, queue, world=2, out_tokens=4, window_rows=100, wait_room=lambda rows: None)
-        planned = shipper.ship(parts, engine.info, engine.config)
+        planned = shipper.ship(parts, engine.info)
         assert sorted(driver_calls) == ["again", "long", "short"] and shipper.shipped_rows == 3 and planned["rows"] == 0
         (long,) = [p for bundle in bundles for unit in bundle for p in unit.rows if p.id == "long"]
         assert len(long.tokens) < 512       # shipped as the kind truncated it: the worker does not redo it
