@@ -57,6 +57,7 @@ def validate_job(cfg: JobConfig) -> dict:
     report = {
         "dataset": cfg.input.dataset, "format": fmt, "columns": ", ".join(columns),
         "model": describe(cfg.engine.model, bundle.source),
+        **({"quantization": bundle.quantization.name} if bundle.quantization is not None else {}),
         "kind": cfg.kind.name, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,

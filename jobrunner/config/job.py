@@ -186,11 +186,12 @@ class JobConfig:
             base = base.removesuffix(suffix)
         return base.replace("*", "_") + ".results"
 
-    def fingerprint_fields(self, adapter_hashes: Mapping[str, str] | None = None) -> dict:
+    def fingerprint_fields(self, adapter_hashes: Mapping[str, str] | None = None, shipped: str | None = None) -> dict:
         """What decides the rows' outputs: a different value refuses to resume into the same output. The
         flat options (every kind's, at their defaults but this kind's), bar _NOT_FINGERPRINTED. LoRA
         adapters count by content: a job with adapters needs their hashes (jobrunner.job.resolve:
-        Resolved.adapter_hashes), so an adapter changed on disk refuses the resume."""
+        Resolved.adapter_hashes), so an adapter changed on disk refuses the resume. shipped: a quantized
+        checkpoint's scheme (Resolved.shipped), kept only where there is one (float outputs' unchanged)."""
         if self.lora.lora and adapter_hashes is None:
             raise ValueError("a job with LoRA adapters is fingerprinted with their content hashes (Resolved)")
         skip = _NOT_FINGERPRINTED | ({"label_delimiter"} if self.kind.name != "classify" else set())
@@ -201,6 +202,8 @@ class JobConfig:
         for k in _ADDED_LATER:              # at their defaults, outputs begun before they existed still resume
             if d[k] == _DEFAULT_FINGERPRINT[k]:
                 del d[k]
+        if shipped is not None:
+            d["checkpoint_quantization"] = shipped
         return d
 
 

@@ -157,7 +157,7 @@ def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
 def _reuse(cfg: JobConfig, resolved: Resolved, info, engine_config, stats):
     store, model = open_cache(resolved.cache_url), None
     if store is not None:
-        model = job_model_key(engine_config.model, info, engine_config.quantization, cfg.engine.kv_cache_dtype)
+        model = job_model_key(engine_config.model, info, info.quantization, cfg.engine.kv_cache_dtype)
     return Reuse(stats, cfg.kind.name, dedup=cfg.reuse.dedup, window_rows=WINDOW_ROWS, store=store,
                  mode=cfg.reuse.cache_mode, model=model, adapters=resolved.adapter_hashes)
 def load_engine(cfg: JobConfig, resolved=None):
@@ -196,7 +196,7 @@ def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
     complete now."""
     rows_done = resolved.rows_done
     log.info("nothing left to do: all %d rows are in %s already (the model was not loaded)", rows_done, cfg.output_url)
-    summary = job_summary(cfg.output_url, cfg.fingerprint_fields(resolved.adapter_hashes))
+    summary = job_summary(cfg.output_url, resolved.fingerprint(cfg))
     manifest = read_manifest(cfg.output_url) or {}
     if not manifest.get("complete"):
         mark_complete(cfg.output_url, summary, manifest)

@@ -85,12 +85,12 @@ def check_template(cfg: JobConfig, columns: list[str]):
     return template
 
 
-def check_output(cfg: JobConfig, adapter_hashes: dict[str, str]) -> None:
+def check_output(cfg: JobConfig, adapter_hashes: dict[str, str], shipped: str | None = None) -> None:
     """The output's problems, before a model loads; creates the directory (OSError if it can't,
     storage.CredentialsError when the object store finds no credentials). adapter_hashes: the LoRA
-    adapters' (Resolved.adapter_hashes), for the fingerprint."""
+    adapters' (Resolved.adapter_hashes), shipped: the checkpoint's scheme, for the fingerprint."""
     try:
-        check_output_dir(cfg.output_url, cfg.fingerprint_fields(adapter_hashes), cfg.output.overwrite)
+        check_output_dir(cfg.output_url, cfg.fingerprint_fields(adapter_hashes, shipped), cfg.output.overwrite)
     except OutputError as e:
         raise JobConfigError(str(e)) from None
     except OSError as e:        # an object store's errors may not name the URL ("Forbidden")

@@ -55,7 +55,7 @@ class Job:
         self.progress.close()
         if lost is not None and self.work.world > 1:
             raise lost      # its process ends; the coordinator hands the rows it had not written to the workers left
-        run = run_record(self.stats, self.planner, self.engine.info, self.engine.config,
+        run = run_record(self.stats, self.planner, self.engine.info,
                          self.engine.counters() - self.counters_before, self.cfg, interrupted)
         if self.work.world > 1:     # a data-parallel worker: its coordinator sums the runs and marks the job complete
             if not interrupted:
@@ -151,11 +151,11 @@ class Job:
         log.warning("signal %d: finishing what is written, then exiting", signum)
 
 
-def run_record(stats, planner, info, engine_config, counters: EngineCounters, cfg, interrupted: bool) -> dict:
-    """This run's own figures (time, throughput, engine counters, cost) on an engine of `info` and
-    `engine_config` (a Ray driver's: a worker's, its counters none)."""
+def run_record(stats, planner, info, counters: EngineCounters, cfg, interrupted: bool) -> dict:
+    """This run's own figures (time, throughput, engine counters, cost) on an engine of `info` (a Ray
+    driver's: a worker's, its counters none)."""
     return stats.summary(
         device=info.device, devices=cfg.parallel.tensor_parallel, model_weight_bytes=info.weight_bytes,
-        quantization=engine_config.quantization, prefix=planner.prefix,      # as resolved (auto)
+        quantization=info.quantization, prefix=planner.prefix,      # as it runs: auto resolved, a checkpoint's own
         engine_counters=counters.as_dict(), device_hourly_cost=cfg.output.device_hourly_cost,
         load_s=info.load_s, interrupted=interrupted)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from jobrunner.job.resolve import adapters
+from jobrunner.job.resolve import adapters, model_path, shipped_scheme
 from jobrunner.models import describe, model_record
 from jobrunner.output import OutputError
 from jobrunner.output.lease import OutputLease
@@ -16,8 +16,10 @@ def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0, fingerpr
     """The job's configuration (its resume fingerprint: `fingerprint`, else cfg's), the model (a Hub model's
     repo and commit) and, for generation, which sampling values came from where; rank 0 warns of what the
     checkpoint's generation_config.json says that we ignore. resolved: jobrunner.job.resolve's Resolved."""
-    manifest = {"config": fingerprint if fingerprint is not None else cfg.fingerprint_fields(resolved.adapter_hashes),
+    manifest = {"config": fingerprint if fingerprint is not None else resolved.fingerprint(cfg),
                 "model_source": describe(cfg.engine.model, info.source), "dataset_format": resolved.fmt}
+    if info.quantization != "none":     # ours (--quantization) or the checkpoint's own scheme
+        manifest["quantization"] = info.quantization
     if resolved.lora:       # name, path as given and content hash of each adapter
         manifest["lora"] = [{"name": name, "path": given, "content_hash": digest}
                             for (name, given), (_, _, digest) in zip(cfg.lora.adapters, resolved.lora)]
@@ -37,8 +39,9 @@ def repair_manifest(cfg) -> dict:
     """`jobrunner repair`: the output's damaged manifest rebuilt from its parts and cfg's fingerprint, under
     the output's lease (no job may write meanwhile). OutputError for an output it refuses."""
     hashes = {name: digest for name, _, digest in adapters(cfg.lora)}
+    shipped = shipped_scheme(cfg, model_path(cfg.engine.model))
     lease = OutputLease(cfg.output_url)
     if not lease.fs.isdir(lease.root):      # before the lease, which would create it
         raise OutputError(f"output {cfg.output_url} not found; nothing to repair")
     with lease:
-        return rebuild_manifest(cfg.output_url, cfg.fingerprint_fields(hashes))
+        return rebuild_manifest(cfg.output_url, cfg.fingerprint_fields(hashes, shipped))

@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
+import engine
 from engine import ConfigError, ModelError, check_adapter
 from jobrunner.cache import ENV_URL
 from jobrunner.cache.store import open_store
@@ -36,6 +37,7 @@ class Resolved:
     cache_url: str | None       # the result cache: --cache, else $JOBRUNNER_CACHE_URL, else None
     rows_done: int | None = None    # a rerun with every row in the output already: the rows read; else None
     lora: tuple[tuple[str, str, str], ...] = ()     # (name, local directory, content hash) of each adapter
+    shipped: str | None = None  # a quantized checkpoint's scheme (engine.checkpoint_quantization), else None
 
     @property
     def adapter_paths(self) -> tuple[tuple[str, str], ...]:
@@ -46,6 +48,10 @@ class Resolved:
     def adapter_hashes(self) -> dict[str, str]:
         """name -> content hash: the resume fingerprint and the result cache's keys."""
         return {name: digest for name, _, digest in self.lora}
+
+    def fingerprint(self, cfg: JobConfig) -> dict:
+        """cfg's resume fingerprint with what was resolved of it: adapters' hashes, the checkpoint's scheme."""
+        return cfg.fingerprint_fields(self.adapter_hashes, self.shipped)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -74,14 +80,31 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
         preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
     model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
     preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
+    shipped = shipped_scheme(cfg, model)
     lora = adapters(cfg.lora)
     if not dry:     # before the model loads: loading one can take minutes
-        checks.check_output(cfg, {name: digest for name, _, digest in lora})
+        checks.check_output(cfg, {name: digest for name, _, digest in lora}, shipped)
     rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
-    dtype, quantization = precision(cfg)
+    dtype, quantization = precision(cfg, shipped)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
-                    cache_url=url, rows_done=rows_done, lora=lora)
+                    cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped)
+
+
+def shipped_scheme(cfg: JobConfig, model: str) -> str | None:
+    """A quantized checkpoint's scheme, None for a float one; JobConfigError (exit 2) for a scheme the
+    engine does not run, or --quantization asked of a checkpoint quantized already."""
+    try:
+        shipped = engine.checkpoint_quantization(model)     # reads config.json (loads torch: the engine will)
+    except (ModelError, ConfigError) as e:
+        raise JobConfigError(str(e)) from None
+    q = cfg.engine.quantization
+    if shipped is not None and q not in ("none", "auto"):
+        raise JobConfigError(f"--quantization {q}: the checkpoint is quantized already ({shipped}) and runs as "
+                             f"shipped; drop --quantization, or give a float checkpoint")
+    if shipped is not None and cfg.lora.lora:
+        raise JobConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped})")
+    return shipped
 
 
 def cache_url(cfg: JobConfig) -> str | None:
@@ -112,12 +135,16 @@ def adapters(lora: LoraOptions) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def precision(cfg: JobConfig) -> tuple[str, str]:
+def precision(cfg: JobConfig, shipped: str | None = None) -> tuple[str, str]:
     """(dtype, quantization) for the engine: `--quantization auto` picks both for this machine
-    (jobrunner.job.precision); w8a8 does not split over tensor-parallel ranks, so auto takes float there."""
+    (jobrunner.job.precision); w8a8 does not split over tensor-parallel ranks, so auto takes float there;
+    a quantized checkpoint (`shipped`) runs as shipped."""
     e = cfg.engine
     if e.quantization != "auto":
         return e.dtype, e.quantization
+    if shipped is not None:
+        log.info("--quantization auto: the checkpoint's own (%s)", shipped)
+        return e.dtype, "none"
     dtype, quantization, why = auto_precision(e.device, e.dtype)
     if quantization == "w8a8" and cfg.parallel.tensor_parallel > 1:
         quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
@@ -135,10 +162,12 @@ def float_dtype(device: str, dtype: str) -> str:
 def resolve_engine(cfg: JobConfig) -> Resolved:
     """For a command that loads the job's model without a dataset (`jobrunner warmup`): the model's path
     and the precision only (fmt and columns empty, no output)."""
-    dtype, quantization = precision(cfg)
-    return Resolved(fmt="", columns=(), model=model_path(cfg.engine.model), dtype=dtype,
+    model = model_path(cfg.engine.model)
+    shipped = shipped_scheme(cfg, model)
+    dtype, quantization = precision(cfg, shipped)
+    return Resolved(fmt="", columns=(), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
-                    lora=adapters(cfg.lora))
+                    lora=adapters(cfg.lora), shipped=shipped)
 
 
 def open_cache(url: str | None):

@@ -59,7 +59,7 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
              else f"CPU, {threads_each(threads, tp)} threads a process")
     coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True,
-                        fingerprint=cfg.fingerprint_fields(resolved.adapter_hashes))
+                        fingerprint=resolved.fingerprint(cfg))
 
     def on_signal(signum, frame):
         coord.stopping = True

@@ -123,7 +123,7 @@ class RayDriver:
     def load_workers(self, resolved) -> None:
         """Each worker loads its engine (a restarted one again: _lost) with the job's config and Resolved."""
         self.resolved = resolved
-        self.fingerprint = self.cfg.fingerprint_fields(resolved.adapter_hashes)
+        self.fingerprint = resolved.fingerprint(self.cfg)
         self.total = rows_to_read(self.cfg.input, resolved.fmt)
         cfg, resolved = for_workers(self.cfg, resolved)
         self.load_args = (config_to_json(cfg), resolved.to_json(), self.threads, json.dumps(self.fingerprint))
@@ -222,7 +222,7 @@ class RayDriver:
                                 stop=self.stop)
         for k in members:
             self.launch(k)
-        planned = self.ship.ship(self.parts, info, engine_config)
+        planned = self.ship.ship(self.parts, info)
         self.queue.close.remote()
         log.info("ray: planned %d rows in %d bundles in %.1f s", self.ship.shipped_rows, self.ship.bundles,
                  time.time() - start)

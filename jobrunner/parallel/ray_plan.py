@@ -43,9 +43,9 @@ class Shipper:
         self.bundles = 0
         self.bundle_bytes = 0       # the largest window's, pickled: docs/RAY.md
 
-    def ship(self, parts, info, engine_config) -> dict:
+    def ship(self, parts, info) -> dict:
         """Plans and ships every row of the job; returns the planning run's record (its rows: those
-        written here). info, engine_config: the workers' engine's, for the record."""
+        written here). info: the workers' engine's, for the record."""
         pending = {}
         interrupted = False
         try:
@@ -59,7 +59,7 @@ class Shipper:
         finally:
             parts.reuse.close()
         parts.writer.flush()
-        return run_record(parts.stats, parts.planner, info, engine_config, EngineCounters(), parts.cfg, interrupted)
+        return run_record(parts.stats, parts.planner, info, EngineCounters(), parts.cfg, interrupted)
 
     def _ship(self, window, pending: dict, reuse) -> None:
         rows = sum(len(u.items) for u in window)

@@ -65,7 +65,7 @@ def _coordinate_and_work(cfg: JobConfig, resolved, ns, world: int, threads: int 
     # stopped by a signal); one that acknowledged is counted in `exited`, so stays a member for the handshake
     coord = Coordinator(cfg, ns.clone(), world, retry=False,
                         alive=lambda r: monitor(r) and not (r == 0 and coord.local_done),
-                        fingerprint=cfg.fingerprint_fields(resolved.adapter_hashes))
+                        fingerprint=resolved.fingerprint(cfg))
     thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)
     thread.start()
     acked: list[bool] = []
