@@ -62,7 +62,7 @@ class ClassifyJob:
             self._encoded[text] = ids
         return self._encoded[text]
 
-    def _delimiter(self, prompt_ids: list[int]) -> str:
+    def delimiter_after(self, prompt_ids: list[int]) -> str:
         """The delimiter this prompt's labels get: none for a whitespace one after whitespace."""
         if self.delimiter.isspace() and prompt_ids:
             last = self.tokenizer.decode(prompt_ids[-1:], skip_special_tokens=False)
@@ -72,7 +72,7 @@ class ClassifyJob:
 
     def request(self, row_id: str, prompt_ids: list[int], data: dict,
                 options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
-        delimiter = self._delimiter(prompt_ids)
+        delimiter = self.delimiter_after(prompt_ids)
         cands = [self.encode(label, delimiter) for label in self.labels(data)]
         return Request(row_id, prompt_ids, SamplingParams(max_tokens=0), candidates=cands), NO_NOTES
 

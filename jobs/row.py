@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import Constraint
+from jobs.tools import ToolRequest
 
 @dataclass(frozen=True, slots=True)
 class RowOptions:
@@ -26,10 +27,13 @@ class RowOptions:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)     # over the job's
     constraint: Constraint | None = None    # what the row's outputs must match, over the job's
     schema_mode: str | None = None          # its JSON schema's mode (jobs.schema_check), over the job's
-    kind: str | None = None                 # the kind that answers the row ("embed"); None: the job's
+    kind: str | None = None                 # the kind that answers the row ("embed", "pairs"); None: the job's
     texts: tuple[str, ...] | None = None    # embed: several texts, one vector each (input_index 0..)
     dimensions: int | None = None           # embed: the row's own --dimensions
     model: str | None = None                # the model name the row asks for (a LoRA adapter's picks it)
+    tools: ToolRequest | None = None        # functions offered to the model (jobs.tools), over the job's
+    reasoning_effort: str | None = None     # a chat template's reasoning_effort variable (where it takes one)
+    pairs: tuple[tuple[str, str], ...] | None = None    # pairs: (query, document) pairs to score (jobs.pairs)
 
 
 NO_OPTIONS = RowOptions()
@@ -37,9 +41,10 @@ NO_OPTIONS = RowOptions()
 
 @dataclass(frozen=True, slots=True)
 class RowNotes:
-    """What a kind's request step found that its columns step reports (generate)."""
+    """What a kind's request step found that its columns step reports (generate, pairs)."""
     truncated_tokens: int = 0               # prompt tokens --truncate-prompt dropped
     reasoning_open: bool = False            # the prompt left the reasoning open (its template opened <think>)
+    label_tokens: tuple[int, ...] = ()      # pairs: each candidate's label tokens, at its end (jobs.pairs)
 
 
 NO_NOTES = RowNotes()

@@ -2,6 +2,7 @@
 
     spec = with_mode(schema_text, "validate")     # the schema as llguidance should compile it
     SchemaCheck().valid(schema_text, output, finish_reason) -> bool
+    strict_refusal(engine_error)                  # a strict-mode refusal in jobrunner's terms
 
 strict (the default) compiles the schema as it is: what llguidance cannot enforce (a `oneOf` it
 cannot prove disjoint, `dependencies`, `uniqueItems`, an unknown `format`, ...) makes the
@@ -14,6 +15,7 @@ format checker).
 from __future__ import annotations
 
 import json
+import re
 
 SCHEMA_MODES = ("strict", "validate")
 # what validate asks of llguidance, in the schema's own "x-guidance" options
@@ -76,3 +78,19 @@ def _build(spec: str):
         return cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception:           # noqa: BLE001 - not JSON, not an object, an unknown $schema
         return None
+
+
+# llguidance's advice in a refusal, naming an option of its own that users cannot set
+_COERCE_ADVICE = re.compile(r"\s*Enable 'coerce_one_of' option to approximate oneOf with anyOf\.?")
+
+
+def strict_refusal(error: str, subject: str = "JSON schema") -> str:
+    """An engine error of a schema the grammar refused under strict mode ("json_schema constraint: ..."),
+    said in jobrunner's terms (`subject`: what held the schema); any other error as it is."""
+    kind, sep, reason = error.partition(" constraint: ")
+    _, inside, schema_reason = reason.partition("failed to compile JSON schema: ")    # a %json in a grammar
+    if not sep or not (kind == "json_schema" or kind == "grammar" and inside):
+        return error
+    reason = _COERCE_ADVICE.sub("", schema_reason or reason).strip().split("\n", 1)[0].rstrip(". ")
+    return (f"{subject} refused in strict mode: {reason}; --json-schema-mode validate enforces what the grammar "
+            "can and checks each output against the whole schema afterwards")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import POOLINGS, CheckpointPooling, Constraint, EmbedParams, SamplingParams
+from jobs.tools import ToolRequest
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs
@@ -85,3 +86,5 @@ class JobSpec:
     constraint: Constraint | None = None    # generate: what every output must match (jobs/constraint.py)
     schema_column: str | None = None        # generate: a JSON schema per row, in this column
     schema_mode: str = "strict"             # generate: how JSON schemas compile (jobs.schema_check.SCHEMA_MODES)
+    tools: ToolRequest | None = None        # functions offered to every row (a row's own win: RowOptions.tools)
+    tool_call_parser: str | None = None     # a name of jobs.tool_parsers.TOOL_PARSERS; None: the chat template's

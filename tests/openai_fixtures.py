@@ -95,3 +95,21 @@ COOKBOOK_CAPTIONS = [
                                                         {"type": "image_url", "image_url": {"url": url}}]}]}}
     for index, (title, url) in enumerate(_FURNITURE)
 ]
+
+# vLLM's INPUT_SCORE_BATCH (queries and documents, at /score and /v1/score), and its INPUT_RERANK_BATCH's
+# three urls with a custom_id each (its file repeats request-2, which jobrunner refuses: see VLLM_INPUT_RERANK_BATCH)
+VLLM_INPUT_SCORE_BATCH = [
+    {"custom_id": cid, "method": "POST", "url": url,
+     "body": {"model": RERANKER_MODEL_NAME, "queries": "What is the capital of France?", "documents": _DOCUMENTS}}
+    for cid, url in [("request-1", "/score"), ("request-2", "/v1/score")]
+]
+VLLM_RERANK_LINES = [{**x, "custom_id": f"rerank-{i}"} for i, x in enumerate(VLLM_INPUT_RERANK_BATCH, start=1)]
+
+REASONING_MODEL_NAME = "Qwen/Qwen3-0.6B"
+# vLLM's INPUT_REASONING_BATCH (no max_tokens: the job's)
+VLLM_INPUT_REASONING_BATCH = [
+    {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": REASONING_MODEL_NAME, "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                                          {"role": "user", "content": question}]}}
+    for i, question in enumerate(["Solve this math problem: 2+2=?", "What is the capital of France?"], start=1)
+]

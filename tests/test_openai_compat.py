@@ -119,9 +119,10 @@ def test_cookbook_batches_for_another_provider_run_with_any_model(engine, tmp_pa
     # the tiny model's context is 256 tokens, the cookbook's system prompt longer: cut from the left
     ok, failed, _ = _run(engine, tmp_path, lines, out="any", any_model=True, truncate_prompt="left")
     assert set(ok) == {x["custom_id"] for x in movies}
-    for x in ok.values():
+    for x in ok.values():           # the model that ran; the name the line asked for kept beside it
         body = ChatCompletion.model_validate(x["response"]["body"])
-        assert body.model == "gpt-3.5-turbo" and body.usage.completion_tokens <= 8
+        assert body.model == "smollm2-135m-instruct"     # the job's --model (the default: no -m here)
+        assert body.model_extra["requested_model"] == "gpt-3.5-turbo" and body.usage.completion_tokens <= 8
     for x in failed.values():       # an image part: the line and the key
         e = BatchError.model_validate(x["error"])
         assert e.param == "messages" and "image_url" in e.message and e.line in (4, 5)

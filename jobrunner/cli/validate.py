@@ -30,7 +30,7 @@ def flops_per_token(mc) -> float:
 def validate_job(cfg: JobConfig) -> dict:
     resolved = resolve(cfg, dry=True)       # a known model name is pulled here, on first use
     fmt, columns, source = resolved.fmt, list(resolved.columns), resolved.model
-    template = checks.check_template(cfg, columns)
+    template = checks.check_template(cfg, columns, fmt)
     try:
         bundle = engine.load_model_bundle(source)
     except ModelError as e:
@@ -41,7 +41,8 @@ def validate_job(cfg: JobConfig) -> dict:
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
     try:
-        builder, job = PromptBuilder(spec, tok, template), job_for(fmt, cfg, spec, tok, bundle.pooling, source)
+        builder = PromptBuilder(spec, tok, template)
+        job = job_for(fmt, cfg, spec, tok, bundle.pooling, source, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     t = _Tally(openai=fmt == "openai-batch")

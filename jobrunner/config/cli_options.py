@@ -13,6 +13,7 @@ from jobrunner.config.job import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, 
 from jobrunner.config.ray import RayOptions
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
+from jobs.tool_parsers import TOOL_PARSERS
 from jobs.truncation import TRUNCATE_MODES
 
 D = SimpleNamespace(**option_defaults())    # the defaults, read from the config's sections
@@ -135,6 +136,17 @@ OPTION_GROUPS: dict[str, list] = {
                                              "whole schema (`schema_valid` column)."),
         click.option("--grammar-timeout", type=float, default=D.grammar_timeout, show_default=True,
                      help="Seconds a constraint may take to compile; a row's that takes longer is an error row."),
+    ],
+    "Tool calls": [
+        click.option("--tools", help="Function tools offered to every row through the chat template: a JSON list "
+                                     '[{"type": "function", "function": {"name", "parameters"}}], or a file of one '
+                                     "(an OpenAI line's own `tools` win)."),
+        click.option("--tool-choice", help="none | auto (default: the model decides; its calls parsed into "
+                                           "`tool_calls`) | required | a function's name (both enforced by a "
+                                           "grammar: the arguments validate)."),
+        click.option("--tool-call-parser", type=click.Choice(tuple(TOOL_PARSERS)),
+                     help="How the model writes tool calls (default: from its chat template: <tool_call> is "
+                          "hermes, [TOOL_CALLS] mistral, Llama 3's JSON llama3_json)."),
     ],
     "Output": [
         click.option("-o", "--output", help="Output directory URL (default: the dataset's path + .results, "

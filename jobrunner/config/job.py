@@ -21,6 +21,7 @@ from engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS   # left unset: the model's generation_config.json value
 from engine import POOLINGS, SamplingParams
 from jobrunner.config.constraints import job_constraint
+from jobrunner.config.tools import job_tools
 from jobrunner.config.sections import (CACHE_MODES, FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS,
                                        ClassifyKind, EmbedKind, EngineOptions, GenerateKind, InputOptions, KindOptions,
                                        OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions,
@@ -174,7 +175,8 @@ class JobConfig:
             if isinstance(k, EmbedKind) else None,
             reasoning_parser=generate.reasoning_parser, truncate_prompt=p.truncate_prompt,
             constraint=job_constraint(generate), schema_column=generate.schema_column,
-            schema_mode=generate.json_schema_mode)
+            schema_mode=generate.json_schema_mode, tools=job_tools(generate),
+            tool_call_parser=generate.tool_call_parser)
 
     @property
     def output_url(self) -> str:
@@ -225,7 +227,8 @@ _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
-                "json_schema_mode", "lora", "csv_delimiter")  # 29, 33, 41
+                "json_schema_mode", "lora", "csv_delimiter",    # 29, 33, 41
+                "tools", "tool_choice", "tool_call_parser")     # 45
 
 
 def _section_classes() -> list[tuple[str, type]]:

@@ -19,6 +19,7 @@ from jobrunner.config.ray import RayOptions
 from jobs.reasoning import REASONING_PARSERS
 from jobs.schema_check import SCHEMA_MODES
 from jobs.spec import MATCH_MODES, NORMALIZE_MODES
+from jobs.tool_parsers import TOOL_PARSERS
 from jobs.truncation import TRUNCATE_MODES
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
@@ -153,9 +154,16 @@ class GenerateKind(_Evaluated):
     grammar: str | None = None              # a Lark or GBNF-style EBNF grammar file
     schema_column: str | None = None        # a JSON schema per row (an OpenAI row's response_format wins)
     json_schema_mode: str = "strict"        # strict | validate (jobs/schema_check.py)
+    tools: str | None = None                # function tools offered to every row: JSON text, or a file (jobs/tools.py)
+    tool_choice: str | None = None          # none | auto | required | a function's name; None: auto
+    tool_call_parser: str | None = None     # a name of jobs.tool_parsers.TOOL_PARSERS; None: the chat template's
 
     def __post_init__(self):
         super().__post_init__()
+        if self.tool_choice is not None and not self.tools:
+            _bad("--tool-choice needs --tools (the functions the model may call)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            _bad(f"--tool-call-parser must be {either(tuple(TOOL_PARSERS))}, not {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             _bad(f"--reasoning-parser must be {either(tuple(REASONING_PARSERS))}, not {self.reasoning_parser!r}")
         if self.json_schema_mode not in SCHEMA_MODES:
@@ -228,6 +236,8 @@ FOREIGN_KIND_OPTION = {
     **{name: f"--{name.replace('_', '-')} constrains generated text: it needs --kind generate"
        for name in ("json_schema", "json", "regex", "choice", "grammar", "schema_column")},
     "json_schema_mode": "--json-schema-mode applies to --kind generate only",
+    **dict.fromkeys(("tools", "tool_choice", "tool_call_parser"),
+                    "--tools, --tool-choice and --tool-call-parser apply to --kind generate only"),
 }
 
 

@@ -146,12 +146,13 @@ def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
     checks.check_dimensions(cfg.kind, info)
     # unset sampling options: the checkpoint's; the context: for truncation
     spec = replace(cfg.job_spec(info.generation.sampling), context=info.max_model_len)
+    template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
+    builder = PromptBuilder(spec, tokenizer, template)
     try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai.routed)
-        kind = job_for(resolved.fmt, cfg, spec, tokenizer, info.pooling, model)
+        kind = job_for(resolved.fmt, cfg, spec, tokenizer, info.pooling, model, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
-    template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
-    return kind, PromptBuilder(spec, tokenizer, template)
+    return kind, builder
 
 
 def _reuse(cfg: JobConfig, resolved: Resolved, info, engine_config, stats):

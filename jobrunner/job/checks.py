@@ -13,6 +13,8 @@ from jobrunner.dataset.csv_reader import SNIFFED, check_quotes
 from jobrunner.job.exit_codes import on_empty_dataset
 from jobrunner.job.precision import cuda_count
 from jobrunner.job.openai_check import check_openai_batch
+from jobrunner.openai.batch import FORMAT as OPENAI_FORMAT
+from jobrunner.openai.scores import TEMPLATE_FIELDS as PAIR_FIELDS
 from jobrunner.output import OutputError, check_output as check_output_dir, read_manifest
 from jobrunner.storage import credentials_error
 from jobs import KINDS
@@ -71,13 +73,15 @@ def _delimiter_hint(fmt: str, columns: list[str]) -> str:
     return f" (one column: is the file {shown!r}-separated? pass --csv-delimiter '{shown}')"
 
 
-def check_template(cfg: JobConfig, columns: list[str]):
+def check_template(cfg: JobConfig, columns: list[str], fmt: str | None = None):
     if not cfg.prompt.template:
         return None
     try:
         template = PromptTemplate(cfg.prompt.template)
     except ValueError as e:
         raise JobConfigError(f"--template: {e}") from None
+    if fmt == OPENAI_FORMAT:        # a score or rerank line's pair (jobs.pairs) fills {query} and {document}
+        columns = [*columns, *PAIR_FIELDS]
     missing = template.missing_columns(columns) if columns else []
     if missing:
         raise JobConfigError(f"--template uses {', '.join(missing)}, not columns of {cfg.input.dataset}; "

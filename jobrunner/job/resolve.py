@@ -19,6 +19,7 @@ from jobrunner.cache import ENV_URL
 from jobrunner.cache.store import open_store
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.config.lora import LoraOptions
+from jobrunner.config.tools import check_job_tools
 from jobrunner.job import checks, preload
 from jobrunner.job.precision import auto_precision, on_gpu
 from jobrunner.models import resolve_adapter, resolve_model
@@ -70,8 +71,9 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
     `jobrunner validate`, which writes nothing: the output is neither checked nor created."""
     fmt, columns = checks.check_dataset(cfg)
-    checks.check_template(cfg, columns)
+    checks.check_template(cfg, columns, fmt)
     checks.check_constraint(cfg)
+    check_job_tools(cfg)
     url = cache_url(cfg)
     open_cache(url)                   # a URL that cannot be opened: exit 2, before the output exists
     if parallel:

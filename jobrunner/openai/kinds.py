@@ -1,7 +1,7 @@
 """The job kind a job runs: the --kind's (jobs.make_job), and for an OpenAI batch file the routed job
 (jobrunner.openai.routed) whose lines' urls pick their kind and whose lines' body.model must name the job's model.
 
-    job = job_for(fmt, cfg, spec, tokenizer, pooling, source)
+    job = job_for(fmt, cfg, spec, tokenizer, pooling, source, builder)
 
 The names of the job's model (model_names): --model as given (a path, a Hub name with and without its
 @revision, a known model's short name), the checkpoint the engine loaded, a known model's Hub name,
@@ -35,11 +35,12 @@ def model_names(cfg: JobConfig, source: str | None = None) -> frozenset[str] | N
     return frozenset(n for n in names if n)
 
 
-def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str | None = None):
-    """The job kind (ValueError as make_job's: embed on a checkpoint pooling we don't reproduce)."""
+def job_for(fmt: str, cfg: JobConfig, spec, tokenizer, pooling=None, source: str | None = None, builder=None):
+    """The job kind (ValueError as make_job's: embed on a checkpoint pooling we don't reproduce). builder: the
+    job's PromptBuilder, which renders a score line's pairs for a reranker (jobs.pairs)."""
     if fmt != FORMAT:
         job = make_job(spec, tokenizer, pooling)
         return LoraJob(job, cfg.lora.names, cfg.lora.column) if cfg.lora.adapters else job
     main = make_job(spec, tokenizer, pooling)
-    routed = RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source))
+    routed = RoutedJob(main, spec, tokenizer, pooling, model_names(cfg, source), builder)
     return LoraJob(routed, cfg.lora.names, by_model=True) if cfg.lora.adapters else routed

@@ -4,6 +4,7 @@ Nothing in a body is ignored silently: each key is honoured (turned into our par
 nothing (accepted), or would change the output in a way we don't support: then the row fails
 with an error naming the parameter. Keys we don't know fail the same way.
 
+    data, error = parse_chat_body(body)                # a chat or completions line's row data
     params, error = body_params(body, chat=True)      # params: SamplingParams names (jobrunner.openai.rows)
     messages, error = text_messages(body["messages"])  # content parts joined into one string
 """
@@ -14,7 +15,8 @@ from typing import Any
 
 from engine import Constraint
 from jobrunner.config.sections import MAX_TOP_LOGPROBS
-from jobs.messages import join_text_parts
+from jobrunner.openai.tools import TOOL_KEYS, tools_params
+from jobs.messages import join_text_parts, tool_call_messages
 from jobs.schema_check import SCHEMA_MODES
 
 # Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
@@ -25,21 +27,47 @@ SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 # Renamed or reshaped below.
 RESHAPED = ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "logit_bias",
-            "chat_template_kwargs", "response_format", SCHEMA_MODE_KEY)
-# Change nothing in a batch run's output.
+            "chat_template_kwargs", "response_format", SCHEMA_MODE_KEY, "reasoning_effort")
+# Change nothing in a batch run's output (parallel_tool_calls: without tools; with them, jobrunner.openai.tools reads it).
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
              "prompt_cache_key", "stream_options", "model")
 # Accepted at their value that changes nothing; any other value is unsupported.
 NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-                  "modalities": (["text"],), "reasoning_effort": ()}
+                  "modalities": (["text"],)}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")   # a template's reasoning_effort
+
+
+def parse_chat_body(body: dict) -> tuple[dict | None, str | None]:
+    """(row data {"messages", "params", "model"} and "prompt" for /v1/completions, None), or (None, what is
+    wrong) for a chat completions or completions body."""
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if messages is None and prompt is None:
+        return None, "OpenAI batch body without messages (or prompt)"
+    if messages is not None and not isinstance(messages, list):
+        return None, "OpenAI batch body: messages must be a list"
+    chat = messages is not None
+    params, error = body_params(body, chat)
+    if chat and error is None:
+        messages, error = text_messages(messages)
+    elif error is None:
+        prompt, error = completion_prompt(prompt)
+    if error is not None:
+        return None, error
+    data = {"messages": messages, "params": params, "model": body.get("model")}
+    if not chat:
+        data["prompt"] = prompt
+    return data, None
 
 
 def body_params(body: dict, chat: bool) -> tuple[dict | None, str | None]:
-    """(params, None) or (None, what is wrong) for a body's keys other than messages and prompt."""
+    """(params, None) or (None, what is wrong) for a body's keys other than messages and prompt. Chat: tools
+    (jobrunner.openai.tools) too."""
     params: dict[str, Any] = {}
+    if chat and (error := tools_params(body, params)):
+        return None, error
     for key, value in body.items():
-        if key in ("messages", "prompt") or key in NO_EFFECT or value is None:
+        if key in ("messages", "prompt") or key in NO_EFFECT or value is None or chat and key in TOOL_KEYS:
             continue
         if key in SAME_NAME:
             params[key] = value
@@ -80,6 +108,10 @@ def _reshape(key: str, value: Any, body: dict, chat: bool, params: dict) -> str 
         if value not in SCHEMA_MODES:
             return f"{SCHEMA_MODE_KEY} must be strict or validate, not {value!r}"
         params["schema_mode"] = value
+    elif key == "reasoning_effort":
+        if value not in REASONING_EFFORTS:
+            return f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {value!r}"
+        params["reasoning_effort"] = value
     return None
 
 
@@ -138,15 +170,18 @@ def response_format_constraint(rf) -> Constraint | None:
 
 
 def text_messages(messages: list) -> tuple[list | None, str | None]:
-    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts); tool calls, function
-    calls, audio and tool or function messages are errors."""
+    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts); a tool-calling history
+    (assistant tool_calls, tool results) as jobs.messages.tool_call_messages accepts it; function calls,
+    audio and function messages are errors."""
     out, error = join_text_parts(messages)
+    if error is None:
+        error = tool_call_messages(out)[1]
     if error is not None:
         return None, error
     for m in out:
         if isinstance(m, dict):
-            unsupported = [k for k in ("tool_calls", "function_call", "audio") if not _empty(m.get(k))]
-            if unsupported or m.get("role") in ("tool", "function"):
+            unsupported = [k for k in ("function_call", "audio") if not _empty(m.get(k))]
+            if unsupported or m.get("role") == "function":
                 return None, f"message field {(unsupported or [m.get('role')])[0]!r} is not supported"
     return out, None
 

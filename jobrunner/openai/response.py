@@ -6,12 +6,15 @@ ChatCompletion and Completion types (tests/test_openai_batch.py checks every lin
 Result columns read here: output, finish_reason, sample_index, prompt_tokens, cached_tokens,
 completion_tokens, logprobs (jobs.logprobs' entries), reasoning and reasoning_tokens (with a
 --reasoning-parser: the message's `reasoning`, vLLM's ChatMessage field today, and `reasoning_content`,
-its earlier name that DeepSeek's API and many clients read).
+its earlier name that DeepSeek's API and many clients read: null both when the parser found none), tool_calls
+(with tools: the message's tool_calls, with ids; finish_reason "tool_calls").
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from jobrunner.openai.tools import chat_tool_calls
 from jobrunner.output.values import is_int
 
 
@@ -19,11 +22,11 @@ def is_chat(row: dict[str, Any]) -> bool:
     return row.get("messages") is not None or row.get("prompt") is None
 
 
-def response_body(rows: list[dict[str, Any]], model: str, created: int, digest: str) -> dict:
-    """rows: the successful samples of one custom_id."""
+def response_body(rows: list[dict[str, Any]], model: str, created: int, digest: str, reasoning: bool = False) -> dict:
+    """rows: the successful samples of one custom_id; reasoning: --reasoning-parser was on."""
     chat = is_chat(rows[0])
-    choices = [(_chat_choice if chat else _text_choice)(r, r["sample_index"] if is_int(r.get("sample_index")) else i)
-               for i, r in enumerate(rows)]
+    indices = [r["sample_index"] if is_int(r.get("sample_index")) else i for i, r in enumerate(rows)]
+    choices = [_chat_choice(r, i, digest, reasoning) if chat else _text_choice(r, i) for r, i in zip(rows, indices)]
     prompt = int(rows[0].get("prompt_tokens") or 0)
     completion = sum(int(r.get("completion_tokens") or 0) for r in rows)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -35,10 +38,15 @@ def response_body(rows: list[dict[str, Any]], model: str, created: int, digest: 
             "model": model, "choices": choices, "usage": usage}
 
 
-def _chat_choice(r: dict, index: int) -> dict:
+def _chat_choice(r: dict, index: int, digest: str, reasoning: bool) -> dict:
     message = {"role": "assistant", "content": r.get("output")}     # null: no answer (cut while reasoning)
-    if r.get("reasoning") is not None:      # current vLLM's name, and the one DeepSeek's API and older vLLM use
-        message["reasoning"] = message["reasoning_content"] = r["reasoning"]
+    if reasoning or r.get("reasoning") is not None:     # current vLLM's name, and DeepSeek's API's and older vLLM's
+        message["reasoning"] = message["reasoning_content"] = r.get("reasoning")
+    calls = r.get("tool_calls")
+    if isinstance(calls, str):              # a json column, as the parts keep it
+        calls = json.loads(calls)
+    if calls:
+        message["tool_calls"] = chat_tool_calls(calls, digest, index)
     entries = r.get("logprobs")
     return {"index": index, "message": message, "finish_reason": r.get("finish_reason"),
             "logprobs": {"content": entries, "refusal": None} if entries is not None else None}

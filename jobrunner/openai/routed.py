@@ -1,7 +1,11 @@
 """An OpenAI batch job: each line's url picks the kind that answers it, in one job and one engine.
 
     /v1/embeddings                         -> embed (jobs.embed; RowOptions.kind "embed": jobrunner.openai.rows)
-    /v1/chat/completions, /v1/completions  -> the job's kind: generate, or classify / score for --kind
+    /score, /rerank (and /v1/...)          -> pairs (jobs.pairs; RowOptions.kind "pairs"): a yes/no reranker's
+                                              labels under --kind classify, else embedding cosine where the
+                                              model embeds (--kind embed, or its sentence-transformers files)
+    /v1/chat/completions, /v1/completions,
+    /v1/responses                          -> the job's kind: generate, or classify / score for --kind
 
 So a file that mixes embeddings and chat lines (vLLM's run-batch takes such files) runs as one job;
 its result columns are both kinds' (the union). The embed kind is made on the first embeddings line
@@ -17,24 +21,28 @@ from dataclasses import replace
 from engine import Request, RequestOutput
 from jobs import RowError
 from jobs.embed import EmbedJob
+from jobs.pairs import PairScoreJob
 from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.spec import EmbedSpec, JobSpec
 
 # classify and score: the body parameters (jobrunner.openai.request's names) they honour, and the values
 # of the others that ask for nothing they don't do (one answer; ranking labels is greedy).
-SCORING_HONOURS = ("chat_template_kwargs",)
+SCORING_HONOURS = ("chat_template_kwargs", "instructions")     # instructions: a /v1/responses line's system message
 SCORING_NEUTRAL = {"n": (1,), "temperature": (0, 0.0), "seed": None}     # None: any value
 
 
 class RoutedJob:
-    def __init__(self, main, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None):
+    def __init__(self, main, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None,
+                 builder=None):
         self.main = main                        # the job's --kind
         self.name = main.name
-        self.result_columns = {**main.result_columns, **EmbedJob.result_columns}
+        self.result_columns = {**main.result_columns, **EmbedJob.result_columns, **PairScoreJob.result_columns}
         self.model_names = model_names
         self._embed_args = (replace(spec, kind="embed", embed=spec.embed or EmbedSpec()), tokenizer, pooling)
         self._embed: EmbedJob | None = main if main.name == "embed" else None
         self._embed_error: str | None = None
+        self._builder, self._tokenizer, self._pooling = builder, tokenizer, pooling
+        self._pairs: PairScoreJob | str | None = None      # made on the first score or rerank line; str: why not
 
     def vector_size(self, hidden_size: int) -> int:
         """The `embedding` column's size: the embed kind's (a line's own `dimensions` may differ)."""
@@ -43,12 +51,12 @@ class RoutedJob:
     def request(self, row_id: str, prompt_ids: list[int], data: dict,
                 options: RowOptions = NO_OPTIONS) -> tuple[Request, RowNotes]:
         self._check_model(options)
-        embeds = options.kind == "embed"
-        if self.name in ("classify", "score") and not embeds:
-            _check_scoring_params(self.name, data.get("params") or {})
-        if self.name == "embed" and not embeds:
-            raise RowError("an OpenAI chat or completions line in an embed job: --kind embed serves "
-                           "/v1/embeddings lines only")
+        if options.kind is None:
+            if self.name in ("classify", "score"):
+                _check_scoring_params(self.name, data.get("params") or {})
+            if self.name == "embed":
+                raise RowError("an OpenAI chat or completions line in an embed job: --kind embed serves "
+                               "/v1/embeddings, /score and /rerank lines only")
         return self._kind(options).request(row_id, prompt_ids, data, options)
 
     def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
@@ -56,8 +64,13 @@ class RoutedJob:
         return self._kind(options).columns(out, data, options, notes)     # request() made the kind: this row's ran
 
     def _kind(self, options: RowOptions):
-        if options.kind != "embed" or self.main.name == "embed":
-            return self.main
+        if options.kind == "pairs":
+            return self._pair_kind()
+        if options.kind == "embed":
+            return self._embed_kind()
+        return self.main
+
+    def _embed_kind(self) -> EmbedJob:
         if self._embed is None and self._embed_error is None:
             try:
                 self._embed = EmbedJob(*self._embed_args)
@@ -66,6 +79,25 @@ class RoutedJob:
         if self._embed is None:
             raise RowError(f"this model cannot embed: {self._embed_error}")
         return self._embed
+
+    def _pair_kind(self) -> PairScoreJob:
+        """A yes/no reranker's labels under --kind classify; embedding cosine under --kind embed or for a
+        checkpoint whose sentence-transformers files say how it embeds; else the line fails saying why."""
+        if self._pairs is None:
+            if self.main.name == "classify":
+                self._pairs = PairScoreJob("labels", self.main, self._builder, self._tokenizer)
+            elif self.main.name == "embed" or self.main.name == "generate" and self._pooling is not None:
+                try:
+                    self._pairs = PairScoreJob("cosine", self._embed_kind())
+                except RowError as e:
+                    self._pairs = str(e)
+            else:
+                self._pairs = (f"this model cannot score pairs under --kind {self.main.name}: a yes/no reranker "
+                               "(Qwen3-Reranker) runs them with --kind classify --labels yes,no and a --template "
+                               "with {query} and {document}; an embedding model with --kind embed (cosine)")
+        if isinstance(self._pairs, str):
+            raise RowError(f"url: {self._pairs}")
+        return self._pairs
 
     def _check_model(self, options: RowOptions) -> None:
         model = options.model
