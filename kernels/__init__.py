@@ -18,7 +18,7 @@ from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequanti
                                   int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
                                   w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
 from kernels.shipped_quant import (dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref,
-                                   int_mm_full_range_exact, quantize_act_int8, w8a8_shipped_matmul,
+                                   quantize_act_int8, w8a8_shipped_matmul,
                                    w8a8_shipped_matmul_ref)
 from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
 from kernels.token_mask import apply_token_bitmask
@@ -37,7 +37,7 @@ __all__ = [
     "int4_matmul_ref", "int8_matmul", "int8_matmul_ref", "int_mm_exact", "pack_int4", "w8a8_matmul_fbgemm",
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",
     # quantized checkpoints as shipped: their activation quantization, int8 x int8, fp8 weights
-    "dequantize_fp8", "fake_quantize_fp8", "fp8_weight_matmul", "fp8_weight_matmul_ref", "int_mm_full_range_exact",
+    "dequantize_fp8", "fake_quantize_fp8", "fp8_weight_matmul", "fp8_weight_matmul_ref",
     "quantize_act_int8", "w8a8_shipped_matmul", "w8a8_shipped_matmul_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert
     "fused_moe", "fused_moe_ref", "moe_by_expert", "route_topk",

@@ -240,21 +240,23 @@ def int4_matmul(x, packed, scales, zeros, group_size, bias=None):
 
 
 @functools.lru_cache(maxsize=None)
-def int_mm_exact(weight_qmax: int = 127, device_type: str = "cpu") -> bool:
+def int_mm_exact(weight_qmax: int = 127, device_type: str = "cpu", full_range: bool = False) -> bool:
     """Whether torch._int_mm returns the exact int32 product for activations in [-127, 127]
     and weights in [-weight_qmax, weight_qmax]. On CPUs without VNNI (AVX2, AVX-512 without
     VNNI) oneDNN shifts the activations to uint8 and multiplies with vpmaddubsw, whose 16-bit
     pair sums saturate for full-range weights (255 * 127 * 2 > 32767) and return garbage;
-    with 7-bit weights (255 * 63 * 2 < 32767) they cannot. Probed once with worst cases."""
+    with 7-bit weights (255 * 63 * 2 < 32767) they cannot. full_range: both operands anywhere in
+    [-128, 127] (a shipped checkpoint's int8 levels). Probed once with worst cases."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
         m, k, n = 32, 256, 32
         g = torch.Generator().manual_seed(0)
-        a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
-        b = torch.randint(-weight_qmax, weight_qmax + 1, (k, n), dtype=torch.int8, generator=g)
-        a[0], a[1] = 127, -127
-        b[:, 0], b[:, 1] = weight_qmax, -weight_qmax
+        lo_a, lo_b = (-128, -128) if full_range else (-127, -weight_qmax)
+        a = torch.randint(lo_a, 128, (m, k), dtype=torch.int8, generator=g)
+        b = torch.randint(lo_b, weight_qmax + 1, (k, n), dtype=torch.int8, generator=g)
+        a[0], a[1] = 127, lo_a
+        b[:, 0], b[:, 1] = weight_qmax, lo_b
         ref = a.long() @ b.long()
         got = torch._int_mm(a.to(device_type), b.to(device_type)).long().cpu()
         return torch.equal(got, ref)

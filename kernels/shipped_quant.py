@@ -20,12 +20,10 @@ weight a slice of rows at a time (the float copy stays small) and multiply in x'
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX
+from kernels.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact
 from kernels.triton_utils import use_triton
 
 INT8_HALF_RANGE = 127.5            # compressed-tensors' symmetric scale divisor: (127 - (-128)) / 2
@@ -58,30 +56,12 @@ def fake_quantize_fp8(x2: torch.Tensor, static_scale: torch.Tensor | None = None
     return (q.to(x2.dtype) * s).reshape(x2.shape)
 
 
-@functools.lru_cache(maxsize=None)
-def int_mm_full_range_exact(device_type: str = "cpu") -> bool:
-    """Whether torch._int_mm is exact for operands anywhere in [-128, 127] (a checkpoint's int8 levels;
-    kernels.quant_matmul.int_mm_exact probes our own [-127, 127]). Probed once with the worst cases."""
-    if not hasattr(torch, "_int_mm"):
-        return False
-    try:
-        m, k, n = 32, 256, 32
-        g = torch.Generator().manual_seed(0)
-        a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
-        b = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=g)
-        a[0], a[1], b[:, 0], b[:, 1] = -128, 127, -128, 127
-        got = torch._int_mm(a.to(device_type), b.to(device_type)).long().cpu()
-        return torch.equal(got, a.long() @ b.long())
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 def int8_product(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """(xq [M, K] int8 * xs [M, 1]) @ (qweight [N, K] int8 * scales [N, 1])^T (+ bias) -> [M, N] dtype;
     the integer sums exact."""
     m = xq.shape[0]
-    if int_mm_full_range_exact(xq.device.type) and not (xq.is_cuda and (xq.shape[1] % 8 or qweight.shape[0] % 8)):
+    if int_mm_exact(127, xq.device.type, full_range=True) and not (xq.is_cuda and (xq.shape[1] % 8 or qweight.shape[0] % 8)):
         pad = 17 - m if xq.is_cuda and m <= 16 else 0          # CUDA _int_mm wants more than 16 rows
         acc = torch._int_mm(F.pad(xq, (0, 0, 0, pad)) if pad else xq, qweight.t())[:m].float()
     else:
