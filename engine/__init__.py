@@ -24,8 +24,8 @@ from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import common_prefix
 from engine.lora.adapter import AdapterSpec, check_adapter
 from engine.numerics import NUMERICS_VERSION
-from engine.request import (CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, Request, RequestOutput,
-                            SamplingParams, TokenLogprob)
+from engine.request import (CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, ImageInput, Request,
+                            RequestOutput, SamplingParams, TokenLogprob)
 from engine.sequence import last_index_of
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle
     from engine.parallel.shards import check_split, rank_plan
+    from engine.vision.processor import ImageProcessor, PreparedImage, image_key, load_image_processor
 
 # name -> the module that defines it, imported when the name is first read
 _LAZY = {
@@ -43,11 +44,16 @@ _LAZY = {
     "check_constraint": "engine.constraints",
     "check_split": "engine.parallel.shards",
     "rank_plan": "engine.parallel.shards",
+    # numpy and PIL, no torch: loaded on first use all the same (PIL costs a text job's start-up)
+    "ImageProcessor": "engine.vision.processor",
+    "PreparedImage": "engine.vision.processor",
+    "image_key": "engine.vision.processor",
+    "load_image_processor": "engine.vision.processor",
 }
 
 __all__ = ["AdapterSpec", "check_adapter", "CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS",
            "SAMPLING_KEYS", "CheckpointPooling", "Completion", "ConfigError", "Constraint", "EmbedParams",
-           "EngineConfig", "EngineCounters", "EngineFailure", "EngineInfo", "GenerationDefaults", "ModelError",
+           "EngineConfig", "EngineCounters", "EngineFailure", "EngineInfo", "GenerationDefaults", "ImageInput", "ModelError",
            "Request", "RequestOutput", "SamplingParams", "TokenLogprob", "Tokenizer", "cache_root", "common_prefix",
            "last_index_of",
            *_LAZY]

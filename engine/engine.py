@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.constraints import Grammars
 from engine.counters import EngineCounters
 from engine.errors import EngineFailure
+from engine.images import VisionSpec
 from engine.info import EngineInfo, Tokenizer
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -63,6 +64,7 @@ class Engine:
         self.config = config
         self.rt = runtime or build_runtime(config)
         self.tokenizer: Tokenizer = self.rt.tokenizer
+        self.image_processor = self.rt.image_processor    # engine.vision's, for a vision-language model; else None
         self.kv = KVCacheManager(self.rt.num_blocks, config.block_size, config.enable_prefix_caching)
         loras = self.rt.loras
         self.scheduler = Scheduler(self.kv, self.rt.max_num_seqs, self.rt.max_num_batched_tokens,
@@ -80,7 +82,8 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
-                                       self.max_model_len, config.seed, self.grammars, lora_names=loras.names)
+                                       self.max_model_len, config.seed, self.grammars, lora_names=loras.names,
+                                       vision=vision_spec(self.rt.model))
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
 
@@ -175,6 +178,7 @@ class Engine:
             generated_tokens=done.generated, preemptions=len(sched.preempted), graph_steps=int(launched.out.graphed),
             schedule_s=scheduled - start, prepare_s=out.prepare_s, forward_s=out.forward_s, sample_s=out.sample_s,
             wait_s=out.wait_s, mask_s=mask_s,
+            images_encoded=launched.out.images_encoded, images_reused=launched.out.images_reused,
             process_s=time.perf_counter() - launched_at - out.wait_s)    # all bookkeeping after the launch
         return self.outputs.take_finished()
 
@@ -239,7 +243,16 @@ def engine_info(rt: EngineRuntime, config: EngineConfig, max_len: int) -> Engine
                       max_num_batched_tokens=rt.max_num_batched_tokens, num_blocks=rt.num_blocks,
                       block_size=config.block_size, weight_bytes=rt.weight_bytes, load_s=rt.load_s,
                       hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, pooling=rt.pooling,
-                      generation=rt.generation, quantization=getattr(rt.model, "quantization", "none"))
+                      generation=rt.generation, quantization=getattr(rt.model, "quantization", "none"),
+                      vision=rt.image_processor is not None)
+
+
+def vision_spec(model) -> VisionSpec | None:
+    """What a vision-language model (engine/models/vision_language.py) says of its prompts; None for a text model."""
+    if not hasattr(model, "encode_images"):
+        return None
+    mrope = (model.spatial_merge_size, model.vision_start_token_id) if model.uses_mrope else None
+    return VisionSpec(model.image_token_id, mrope)
 
 
 def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:

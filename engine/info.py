@@ -51,3 +51,4 @@ class EngineInfo:
     pooling: CheckpointPooling | None = None    # what the checkpoint says embeddings are
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # its sampling defaults
     quantization: str = "none"      # what the weights run as: ours (int4, ...) or a shipped checkpoint's scheme
+    vision: bool = False            # takes images (Request.images): a vision-language model

@@ -1,7 +1,8 @@
 """Per-sequence KV bookkeeping over the block pool: prefix matching, slot allocation, forks.
 
 No torch. Block hashes chain over full blocks: hash(block i) = hash((hash(block i-1), tokens of block i)),
-so equal hashes mean equal whole prefixes. The chain starts at the sequence's LoRA adapter
+so equal hashes mean equal whole prefixes. An image's tokens are keyed by its pixels
+(Sequence.key_ids, engine/images.py): equal hashes mean equal images too. The chain starts at the sequence's LoRA adapter
 (Sequence.hash_root; 0 for the base model): equal tokens under another adapter hash apart.
 Python's tuple hash is 64-bit; a collision would be a silent wrong answer, at odds of about
 n^2 / 2^64 for n cached blocks.
@@ -57,10 +58,10 @@ class KVCacheManager:
 
     def _hash_chain(self, seq: Sequence, num_blocks: int, start: int = 0, prev: int | None = None) -> list[int]:
         """From the sequence's root (its adapter's: engine.sequence.hash_root) unless `prev` is given."""
-        bs, hashes, tokens = self.block_size, [], seq.token_ids
+        bs, hashes = self.block_size, []
         prev = seq.hash_root if prev is None else prev
         for i in range(start, num_blocks):
-            prev = hash((prev, tuple(tokens[i * bs:(i + 1) * bs])))
+            prev = hash((prev, tuple(seq.key_ids(i * bs, (i + 1) * bs))))
             hashes.append(prev)
         return hashes
 
@@ -79,7 +80,7 @@ class KVCacheManager:
             matched.append(block.id)
             parent = h
         start = len(matched) * bs
-        ours = seq.token_ids[start:min(start + bs, max_tokens)]
+        ours = seq.key_ids(start, min(start + bs, max_tokens))
         # A source written this step can't be copied before the forward; waiting a step for at most
         # block_size - 1 tokens would cost more batch than it saves, so only computed blocks count.
         best, best_len = None, 0
@@ -140,7 +141,7 @@ class KVCacheManager:
         if self.enable_prefix_caching and end % bs and end <= seq.num_prompt_tokens:
             # a prompt's partial last block: findable by its leading tokens, for partial reuse
             self.pool.index_partial(seq.block_table[last_full], self._prefix_hash(seq, last_full),
-                                    tuple(seq.token_ids[last_full * bs:end]))
+                                    tuple(seq.key_ids(last_full * bs, end)))
         return True
 
     def register_resolved(self, seq: Sequence) -> None:
@@ -159,7 +160,7 @@ class KVCacheManager:
             return
         bs, prev = self.block_size, self._prefix_hash(seq, first)
         for i, h in enumerate(self._hash_chain(seq, last, first, prev), first):
-            self.pool.register(seq.block_table[i], h, prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.pool.register(seq.block_table[i], h, prev, tuple(seq.key_ids(i * bs, (i + 1) * bs)))
             prev = h
 
     def _prefix_hash(self, seq: Sequence, num_blocks: int) -> int:

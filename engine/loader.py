@@ -7,6 +7,10 @@
     and no config.json);
   * "dummy:<name or config.json path/URL>": a config alone, no weights.
 
+A vision-language directory (config.json with vision_config) also gives the bundle its image processor
+(preprocessor_config.json: engine.vision.processor) and, where no chat_template.jinja is, the chat template
+of chat_template.json (a processor's, as older checkpoints ship it).
+
 Invariants: only safetensors and GGUF are ever read (never pickles, never checkpoint code);
 every file is validated when the bundle is built, so a truncated or corrupt file fails
 here with a ModelError naming it, not halfway through loading; `weights()` yields one
@@ -39,7 +43,8 @@ WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 # HF directory files we read; weights are the *.safetensors the index (or the listing) names.
 _HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-             "chat_template.jinja", "model.safetensors.index.json", "modules.json")
+             "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "model.safetensors.index.json",
+             "modules.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -65,6 +70,8 @@ class ModelBundle:
     sliced_weights: Callable[[Callable], WeightIterator] | None = None
     # a quantized checkpoint's scheme (config.json's quantization_config: engine/quant/shipped), or None
     quantization: ShippedQuant | None = None
+    # a vision-language checkpoint's (engine.vision.processor.ImageProcessor, from preprocessor_config.json), or None
+    image_processor: object | None = None
 
     def shard_weights(self, select) -> WeightIterator:
         """The weights, each narrowed to what select(name, shape) picks: None for all of it, else
@@ -182,13 +189,40 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     if missing:
         raise ModelError(f"{root}: model.safetensors.index.json names tensors no shard has: {missing[:5]}")
 
-    tokenizer = Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root))
+    config = _model_config(hf_config, str(root / "config.json"))
+    tokenizer = _processor_template(Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root)), root)
     generation = GenerationDefaults.from_config(_read_json(root / "generation_config.json"))
     weights = _safetensors_weights(files)
-    return ModelBundle(config=_model_config(hf_config, str(root / "config.json")), hf_config=hf_config,
+    return ModelBundle(config=config, hf_config=hf_config,
                        tokenizer=tokenizer, weights=weights, source=source,
                        weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation,
-                       sliced_weights=weights, quantization=read_quantization(hf_config))
+                       sliced_weights=weights, quantization=read_quantization(hf_config),
+                       image_processor=_image_processor(config, hf_config, root, tokenizer))
+
+
+def _processor_template(tokenizer: Tokenizer, root: Path) -> Tokenizer:
+    """The tokenizer with chat_template.json's template (a processor's, as older vision-language
+    checkpoints ship it) where no chat_template.jinja overrides it; rebuilt, so that its end-of-turn
+    tokens stop generation as a template's do."""
+    template = _read_json(root / "chat_template.json").get("chat_template")
+    if not template or (root / "chat_template.jinja").is_file():
+        return tokenizer
+    return Tokenizer(tokenizer.inner, chat_template=template, special_tokens=tokenizer.special_tokens,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+
+
+def _image_processor(config: ModelConfig, hf_config: dict, root: Path, tokenizer: Tokenizer):
+    """A vision-language checkpoint's image processor (preprocessor_config.json), None for a text model."""
+    if config.vision is None:
+        return None
+    preprocessor = root / "preprocessor_config.json"
+    if not preprocessor.is_file():
+        raise ModelError(f"{root}: a vision-language model ({config.architecture}) needs preprocessor_config.json")
+    from engine.vision.processor import load_image_processor
+    try:
+        return load_image_processor(hf_config, _read_json(preprocessor), tokenizer)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelError(f"{preprocessor}: unsupported image processor settings ({type(e).__name__}: {e})") from e
 
 
 def _safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:
@@ -282,8 +316,9 @@ DUMMY_CONFIGS: dict[str, dict] = {
 
 
 def _load_dummy(spec: str) -> ModelBundle:
-    """Config only. Tokenizer: tokenizer.json beside the config if any, else bytes_fallback."""
-    tokenizer, generation = None, GenerationDefaults()
+    """Config only. Tokenizer: tokenizer.json beside the config if any, else bytes_fallback; a
+    vision-language config's image processor: preprocessor_config.json beside it, if any."""
+    tokenizer, generation, beside = None, GenerationDefaults(), None     # beside: the config's local folder
     if spec in DUMMY_CONFIGS:
         hf_config = dict(DUMMY_CONFIGS[spec])
     else:
@@ -298,8 +333,10 @@ def _load_dummy(spec: str) -> ModelBundle:
         except ValueError as e:
             raise ModelError(f"{path}: invalid JSON ({e})") from e
         folder = posixpath.dirname(path)
+        beside = Path(folder) if _is_local(fs) else None
         if fs.exists(posixpath.join(folder, "tokenizer.json")):
             tokenizer = Tokenizer.from_hf_dir(fs, folder)
+            tokenizer = tokenizer if beside is None else _processor_template(tokenizer, beside)
         if fs.exists(gen_path := posixpath.join(folder, "generation_config.json")):
             try:
                 generation = GenerationDefaults.from_config(json.loads(fs.cat_file(gen_path)))
@@ -308,8 +345,12 @@ def _load_dummy(spec: str) -> ModelBundle:
     config = _model_config(hf_config, f"dummy:{spec}")
     if tokenizer is None:
         tokenizer = Tokenizer.bytes_fallback(config.vocab_size)
+    image_processor = None
+    if config.vision is not None and beside is not None and (beside / "preprocessor_config.json").is_file():
+        image_processor = _image_processor(config, hf_config, beside, tokenizer)
     return ModelBundle(config=config, hf_config=hf_config, tokenizer=tokenizer, weights=lambda: iter(()),
-                       source=f"dummy:{spec}", weight_format="dummy", generation=generation)
+                       source=f"dummy:{spec}", weight_format="dummy", generation=generation,
+                       image_processor=image_processor)
 
 
 # -- helpers ---------------------------------------------------------------------

@@ -8,10 +8,11 @@ engine/models/registry.py gives the default.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.models import registry
 from engine.models.moe_config import MoEConfig
+from engine.vision.config import VisionConfig, text_config
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,24 @@ class ModelConfig:
     residual_multiplier: float = 1.0            # Granite: each block's output is scaled before the add
     logits_scaling: float = 1.0                 # Granite: logits are divided by it
     moe: MoEConfig | None = None                # mixture-of-experts switches (engine/models/moe_config.py); None: dense
+    # Qwen2-VL's multimodal rotary: the rotary frequencies' split over the (time, height, width) position rows
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionConfig | None = None          # a vision-language model's tower (engine/vision/config.py); None: text
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """A text model's config.json; a vision-language one's decoder from its text_config (the
+        switches its text architecture's) and its tower as `vision`."""
         arch = (cfg.get("architectures") or [registry.DEFAULT_ARCHITECTURE])[0]
         spec = registry.architecture(arch)     # ValueError naming the supported architectures
+        if spec.vision is None:
+            return cls._from_text(cfg, arch, spec)
+        text_arch = registry.text_architecture(arch, cfg.get("text_config") or {})
+        decoder = cls._from_text(text_config(cfg), arch, registry.architecture(text_arch))
+        return replace(decoder, vision=VisionConfig.from_hf(cfg, spec.vision, text_arch))
+
+    @classmethod
+    def _from_text(cls, cfg: dict, arch: str, spec: registry.Architecture) -> "ModelConfig":
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -61,7 +75,8 @@ class ModelConfig:
             scaling = scaling["full_attention"]
         theta = cfg.get("rope_theta") or scaling.get("rope_theta") or 10000.0
         partial = cfg.get("partial_rotary_factor") or scaling.get("partial_rotary_factor") or 1.0
-        if (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+        mrope = scaling.get("mrope_section")
+        if (scaling.get("rope_type") or scaling.get("type")) in (None, "default", "mrope"):
             scaling = None
         elif (scaling.get("rope_type") or scaling.get("type")) == "longrope":     # Phi-3: the contexts decide
             scaling = {**scaling, "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
@@ -103,6 +118,7 @@ class ModelConfig:
             residual_multiplier=cfg.get("residual_multiplier", 1.0),
             logits_scaling=cfg.get("logits_scaling", 1.0),
             moe=MoEConfig.from_hf(cfg, spec.renormalize_topk),
+            mrope_section=tuple(mrope) if mrope else None,
         )
 
     def is_sliding(self, layer: int) -> bool:

@@ -23,6 +23,7 @@ import torch
 
 from engine.cpu_decode import DecodeKernels
 from engine.cuda_graphs import DecodeGraphs
+from engine.image_embeds import ImageEmbeds
 from engine.logits_process import LogitsAdjust
 from engine.lora.batching import adapter_spans, order_by_adapter
 from engine.lora.modules import LoraSet
@@ -65,6 +66,8 @@ class RunnerOutput:
     sample_s: float = 0.0
     wait_s: float = 0.0
     graphed: bool = False                 # the forward replayed a CUDA graph (or its padded stand-in)
+    images_encoded: int = 0               # images the vision tower ran over this step
+    images_reused: int = 0                # images whose tower output was at hand already
 
 
 @dataclass
@@ -122,6 +125,19 @@ class _StepInputs:
     score_rows: list[tuple] = field(default_factory=list)    # (token row, target token, seq_id)
     placeholder_rows: list[tuple] = field(default_factory=list)  # (token row, seq_id): input id sampled last step
     pool_rows: list[tuple] = field(default_factory=list)     # (first token row, chunk) of each EMBED chunk
+    image_spans: list[tuple] = field(default_factory=list)   # (first token row, image, its first, last + 1 row)
+    mrope: list[tuple] = field(default_factory=list)         # (first token row, [3, n] positions): multimodal rotary
+
+
+def _mrope_rows(x: _StepInputs) -> list[list[int]] | None:
+    """The step's positions as three rows (time, height, width) where a chunk has multimodal rotary
+    positions, else None: every other token's three are its one position (plain rope)."""
+    if not x.mrope:
+        return None
+    rows = np.tile(np.asarray(x.positions, np.int64), (3, 1))
+    for base, positions in x.mrope:
+        rows[:, base:base + positions.shape[1]] = positions
+    return rows.tolist()
 
 
 def _logit_passes(x: _StepInputs) -> list[list[int]]:
@@ -161,6 +177,8 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None   # the last launch's sampled tokens, on the device
         self._last_rows: dict[int, int] = {}            # seq_id -> its row there
         self.pooler = Pooler()
+        # a vision-language model's tower outputs (engine/image_embeds.py); None for text models
+        self.image_embeds = ImageEmbeds(model, self.device) if hasattr(model, "encode_images") else None
 
     def enable_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> float:
         """Pure-decode steps of up to max_batch sequences replay CUDA graphs, captured now; returns the
@@ -196,11 +214,13 @@ class ModelRunner:
                            logit_rows=_logit_passes(x), patch_rows=[r for r, _ in x.placeholder_rows],
                            graphed=(self.graphs is not None and nd == len(sched.chunks) and not x.score_rows
                                     and nd <= self.graphs.max_batch),
-                           block_copies=sched.block_copies, lora_spans=adapter_spans(chunks) if self.loras else [])
+                           block_copies=sched.block_copies, lora_spans=adapter_spans(chunks) if self.loras else [],
+                           mrope_positions=_mrope_rows(x))
         patch = self._placeholder_ids(x.placeholder_rows)
         out.graphed = plan.graphed
+        images = self._images(x.image_spans, out)
         t1 = time.perf_counter()
-        hidden = self._run_plan(plan, patch)
+        hidden = self._run_plan(plan, patch, images)
         t2 = time.perf_counter()
         previous = self._last_tokens, self._last_rows     # penalties read placeholders' ids from these
         self._last_tokens, self._last_rows = None, {}
@@ -216,9 +236,10 @@ class ModelRunner:
         out.prepare_s, out.forward_s, out.sample_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         return step
 
-    def _run_plan(self, plan: ForwardPlan, patch) -> torch.Tensor | None:
+    def _run_plan(self, plan: ForwardPlan, patch, images=None) -> torch.Tensor | None:
         """Block copies, then the forward: [T, hidden] (None without tokens). Rank 0 of a group sends
-        the plan (and the placeholder ids) first."""
+        the plan (and the placeholder ids) first. images: (flat rows, their embeddings) replacing
+        those rows' token embeddings (vision-language models; never under tensor parallelism)."""
         if self.channel is not None and self.channel.tp.leader:
             self.channel.send(plan, None if patch is None else patch[1])
         if plan.block_copies:
@@ -230,12 +251,25 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(self.block_size, plan.num_decodes, plan.query_lens, plan.seq_lens, plan.slots,
                                        plan.tables, dev, self.sliding_window, self.cpu_decode)
-        ids, pos = (to_device(v, dev, np.int64) for v in (plan.input_ids, plan.positions))
+        ids = to_device(plan.input_ids, dev, np.int64)
+        pos = to_device(plan.mrope_positions if plan.mrope_positions is not None else plan.positions, dev, np.int64)
         if self.loras is not None:
             self.loras.set_step(plan.lora_spans, dev)
         if patch is not None:
             ids.index_copy_(0, *patch)
+        if images is not None:
+            return self.model(ids, pos, self.kv_caches, meta, image_rows=images[0], image_embeds=images[1])
         return self.model(ids, pos, self.kv_caches, meta)
+
+    def _images(self, spans, out: RunnerOutput):
+        """The step's image rows and their tower outputs (encoded now where not at hand), or None."""
+        if not spans:
+            return None
+        before = self.image_embeds.encoded, self.image_embeds.reused
+        images = self.image_embeds.splice(spans)
+        out.images_encoded = self.image_embeds.encoded - before[0]
+        out.images_reused = self.image_embeds.reused - before[1]
+        return images
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return self.model.compute_logits(hidden.index_select(0, to_device(rows, hidden.device, np.int64)))
@@ -314,15 +348,18 @@ class ModelRunner:
             seq, start, end = chunk.seq, chunk.start, chunk.end
             base = len(x.input_ids)
             table = seq.block_table
+            delta = seq.position_delta       # 0 but after a multimodal rotary model's images
             if end - start == 1:
                 x.input_ids.append(seq.token_ids[start])
-                x.positions.append(start)
+                x.positions.append(start + (delta if start >= seq.num_prompt_tokens else 0))
                 x.slots.append(table[start // bs] * bs + start % bs)
             else:
                 x.input_ids.extend(seq.token_ids[start:end])
                 pos = np.arange(start, end)
-                x.positions.extend(pos.tolist())
+                x.positions.extend(np.where(pos >= seq.num_prompt_tokens, pos + delta, pos).tolist())
                 x.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            if seq.images is not None and start < seq.num_prompt_tokens:
+                self._image_inputs(x, seq, base, start, end)
             if end == seq.num_tokens and seq.awaiting_token:
                 # its id is the previous launch's sample, still on the device: patched in there (no sync)
                 x.placeholder_rows.append((base + end - start - 1, seq.seq_id))
@@ -336,6 +373,18 @@ class ModelRunner:
             if seq.kind is SeqKind.EMBED:
                 x.pool_rows.append((base, chunk))
         return x
+
+    @staticmethod
+    def _image_inputs(x: _StepInputs, seq, base: int, start: int, end: int) -> None:
+        """A chunk's image positions (their embeddings come from the tower) and, for multimodal rotary
+        models, its prompt tokens' three position rows."""
+        images = seq.images
+        for i, lo, hi in images.overlaps(start, end):
+            image = images.images[i]
+            x.image_spans.append((base + lo - start, image, lo - image.offset, hi - image.offset))
+        if images.positions is not None:
+            last = min(end, seq.num_prompt_tokens)
+            x.mrope.append((base, images.positions[:, start:last]))
 
     def _sample(self, logits, sample_rows, step: LaunchedStep, previous) -> None:
         seqs = [chunk.seq for _, chunk in sample_rows]

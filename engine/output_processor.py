@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.constraints import Grammars, advance, grammar_error
+from engine.images import PromptImages, VisionSpec
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import RunnerOutput
 from engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -55,8 +56,10 @@ class _RequestState:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, stop_checker: StopChecker, model_config,
-                 max_model_len: int, seed: int, grammars: Grammars | None = None, lora_names: tuple[str, ...] = ()):
+                 max_model_len: int, seed: int, grammars: Grammars | None = None, lora_names: tuple[str, ...] = (),
+                 vision: VisionSpec | None = None):
         self.scheduler, self.kv, self.stop_checker = scheduler, kv, stop_checker
+        self.vision = vision                              # a vision-language model's (engine/images.py), else None
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.seed = seed
@@ -92,9 +95,12 @@ class OutputProcessor:
         error = self._check(req)
         if error:
             return self._fail(state, error)
+        images = self.vision.prompt_images(req) if req.images else None
         if req.embed is not None:
-            return self._add_embedding(req, state)
+            return self._add_embedding(req, state, images)
         seq = self._first_sequence(req, state)
+        if seq is not None:
+            seq.images = images
         if seq is not None and req.constraint is not None:
             try:
                 seq.matcher = self.grammars.compile(req.constraint).deep_copy()
@@ -165,13 +171,15 @@ class OutputProcessor:
         return Sequence(req.id, prompt, len(prompt), p, logprobs_from=1 if p.prompt_logprobs else 0,
                         draws=p.n, seed=state.seed)
 
-    def _add_embedding(self, req: Request, state: _RequestState) -> None:
-        """One EMBED sequence per input; the request ends when the last one is pooled."""
+    def _add_embedding(self, req: Request, state: _RequestState, images: PromptImages | None) -> None:
+        """One EMBED sequence per input (the images are the first input's); the request ends when the
+        last one is pooled."""
         inputs = [list(req.prompt_token_ids), *(list(x) for x in req.more_inputs or ())]
         state.embeddings = [None] * len(inputs)
         state.prompt_tokens = sum(map(len, inputs))
         seqs = [Sequence(req.id, ids, len(ids), req.sampling, kind=SeqKind.EMBED, embed=req.embed, sample_index=i,
                          seed=state.seed) for i, ids in enumerate(inputs)]
+        seqs[0].images = images
         for seq in seqs:        # all tracked first: the request must not end before its last input is queued
             self._track(seq, state)
         for seq in seqs:
@@ -286,6 +294,12 @@ class OutputProcessor:
         if req.adapter is not None and req.adapter not in self.lora_names:
             return f"unknown LoRA adapter {req.adapter!r}" + (f" (this engine has {', '.join(self.lora_names)})"
                                                                if self.lora_names else " (this engine has none)")
+        if req.images:
+            if self.vision is None:
+                return "this model takes no images (it has no vision tower)"
+            error = self.vision.check(req)
+            if error:
+                return error
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             return f"prompt has token ids outside the vocabulary (0..{vocab - 1})"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -91,6 +93,20 @@ class Constraint:
             raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, preprocessed by the model's image processor (engine.vision), and the run
+    of placeholder tokens it fills: prompt_token_ids[offset:offset + length] are all the model's image
+    token; the vision tower's `length` embeddings replace theirs. `key` identifies the pixels (a hash
+    of `pixels` and `grid`): the prefix cache, the engine's embedding cache and the job's planner,
+    dedup and result cache tell images apart by it alone."""
+    pixels: np.ndarray                  # float32, as the checkpoint's processor makes it (engine.vision)
+    grid: tuple[int, int, int]          # (t, h, w) in patches, before any merge
+    key: int                            # 63-bit hash of pixels and grid
+    offset: int                         # first placeholder token's index in the prompt
+    length: int                         # placeholder tokens (the tower's output rows)
+
+
 @dataclass
 class Request:
     """One prompt. `candidates`: token lists to score after the prompt (classification);
@@ -105,6 +121,7 @@ class Request:
     more_inputs: list[list[int]] | None = None   # embedding mode: further texts, one vector each after the prompt's
     constraint: Constraint | None = None    # generated text must match it (structured output)
     adapter: str | None = None          # a LoRA adapter of EngineConfig.loras by name; None: the base model
+    images: tuple[ImageInput, ...] = ()  # in prompt order, their placeholder runs apart (vision-language models)
 
     @property
     def tokens_needed(self) -> int:

@@ -55,6 +55,7 @@ class EngineRuntime:
     tp: TensorParallel = SINGLE                 # this process's rank in its tensor-parallel group
     followers: Followers | None = None          # rank 0 of a group: the other ranks' processes
     loras: LoraSet = field(default_factory=lambda: LoraSet([], {}, {}, 0))   # the job's LoRA adapters (engine/lora)
+    image_processor: object | None = None       # a vision-language checkpoint's (engine.vision.processor), else None
 
 
 def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
@@ -124,6 +125,10 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
                           f"({shipped.name}) and runs as shipped; drop --quantization (or give a float checkpoint)")
     if shipped is not None and config.loras:
         raise ConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped.name})")
+    image_processor = getattr(bundle, "image_processor", None)
+    if image_processor is not None and config.tensor_parallel > 1:
+        raise ConfigError("tensor parallelism does not split a vision-language model's vision tower; "
+                          "run it on one device (--data-parallel spreads rows over several)")
     followers = None
     if config.tensor_parallel > 1 and tp is None:
         check_split(bundle.config, config.tensor_parallel, config.moe_split)
@@ -148,7 +153,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
                          weight_bytes, time.perf_counter() - t0, bundle.source,
                          seqs, tokens, pooling=getattr(bundle, "pooling", None),
                          generation=getattr(bundle, "generation", None) or GenerationDefaults(),
-                         tp=tp or SINGLE, followers=followers, loras=loras)
+                         tp=tp or SINGLE, followers=followers, loras=loras, image_processor=image_processor)
 
 
 def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: TensorParallel):

@@ -34,6 +34,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from engine.images import PromptImages
 from engine.request import EmbedParams, SamplingParams, TokenLogprob
 
 _ids = itertools.count()
@@ -81,6 +82,7 @@ class Sequence:
     # (prompt included); None while the sequence is reasoning. See `reasoning_end_in_prompt`.
     reasoning_end: int | None = None
     lora: int = 0                  # its LoRA adapter (engine/lora: 1-based index), 0: the base model
+    images: PromptImages | None = None   # its prompt's images (engine/images.py); None: text only
 
     def __post_init__(self):
         if self.sampling.reasoning_markers is not None and self.reasoning_end is None:
@@ -92,17 +94,30 @@ class Sequence:
     def fork(self, sample_index: int) -> Sequence:
         """Sample `sample_index` of an n > 1 request: the parent's tokens so far, its own draws from then on."""
         return Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.sampling,
-                        sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end, lora=self.lora)
+                        sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end, lora=self.lora,
+                        images=self.images)
 
     def candidate_child(self, candidate: list[int], index: int) -> Sequence:
         """A SCORE sequence for the rest of candidate `index` (its first token is scored already)."""
         return Sequence(self.request_id, self.token_ids + list(candidate), self.num_prompt_tokens, self.sampling,
-                        kind=SeqKind.SCORE, logprobs_from=self.num_tokens + 1, sample_index=index, lora=self.lora)
+                        kind=SeqKind.SCORE, logprobs_from=self.num_tokens + 1, sample_index=index, lora=self.lora,
+                        images=self.images)
 
     @property
     def hash_root(self) -> int:
         """Where its KV block hash chain starts: KV computed under one adapter is never another's."""
         return 0 if not self.lora else hash(("lora", self.lora))
+
+    def key_ids(self, lo: int, hi: int) -> list[int]:
+        """token_ids[lo:hi] as the KV cache keys them: an image's placeholders by the image's pixels."""
+        if self.images is None:
+            return self.token_ids[lo:hi]
+        return self.images.key_ids(self.token_ids, lo, hi)
+
+    @property
+    def position_delta(self) -> int:
+        """A token past the prompt at index i sits at position i + this (multimodal rotary; else 0)."""
+        return self.images.delta if self.images is not None else 0
 
     # --- what the kind implies ------------------------------------------------------------------
 

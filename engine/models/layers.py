@@ -44,7 +44,11 @@ class Rotary(nn.Module):
     """cos/sin for a step's positions, in HF's rotate-half layout. The variant (plain, linear, llama3,
     longrope) is cfg.rope_scaling; `theta` given: a plain rope of that base (Gemma 3's sliding layers).
     cos/sin cover the rotary part of a head (cfg.partial_rotary_factor); the frequencies stay float32
-    whatever the model's dtype."""
+    whatever the model's dtype.
+
+    Multimodal rotary (Qwen2-VL, cfg.mrope_section): positions may be [3, T], a (time, height, width) row
+    each; the frequencies' consecutive sections turn by rows 0, 1, 2, 0, ... in turn. Three equal rows
+    are the plain rope of that row, so [T] positions (text, decodes) take the plain path."""
 
     def __init__(self, cfg: ModelConfig, theta: float | None = None):
         super().__init__()
@@ -52,14 +56,27 @@ class Rotary(nn.Module):
         self.theta = cfg.rope_theta if theta is None else theta
         self.scaling = cfg.rope_scaling_dict if theta is None else None
         self.factor = attention_factor(self.scaling)
+        self.mrope_section = list(cfg.mrope_section) if cfg.mrope_section and theta is None else None
+        if self.mrope_section is not None and sum(self.mrope_section) != self.rotary_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to half the rotary dim ({self.rotary_dim // 2})")
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)
 
     def frequencies(self) -> torch.Tensor:
         return inverse_frequencies(self.rotary_dim, self.theta, self.scaling)   # [rotary_dim / 2] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions: [T] -> cos, sin: [T, rotary_dim] in dtype."""
-        return rotary_cos_sin(positions, self.inv_freq, dtype, self.factor)
+        """positions: [T] (or [3, T] with mrope_section) -> cos, sin: [T, rotary_dim] in dtype."""
+        if positions.dim() == 1:
+            return rotary_cos_sin(positions, self.inv_freq, dtype, self.factor)
+        if self.mrope_section is None or positions.shape[0] != 3:
+            raise ValueError(f"positions of shape {tuple(positions.shape)}: [3, T] needs a multimodal rotary model")
+        freqs = positions.float()[..., None] * self.inv_freq          # [3, T, rotary_dim / 2], as HF in float32
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.mrope_section, dim=-1))], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 class Attention(nn.Module):

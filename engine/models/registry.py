@@ -22,6 +22,7 @@ class Architecture:
     sliding_window_pattern: int = 0 # every n-th layer global, the others sliding, when config.json has no layer_types
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     renormalize_topk: bool = False  # MoE: top-k routing weights sum to 1 when config.json has no "norm_topk_prob"
+    vision: str | None = None       # a vision-language model's tower (engine.vision.config.KINDS); None: text only
 
 
 ARCHITECTURES: dict[str, Architecture] = {                     # config.json architectures[0] ->
@@ -38,8 +39,17 @@ ARCHITECTURES: dict[str, Architecture] = {                     # config.json arc
     "MixtralForCausalLM": Architecture("mixtral", sliding_window=True, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture("qwen2_moe", attention_bias=True),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True),
+    # vision-language: a tower, and a decoder whose switches are its text architecture's (text_architecture)
+    "Qwen2VLForConditionalGeneration": Architecture("qwen2_vl", attention_bias=True, vision="qwen2_vl"),
+    "Qwen2_5_VLForConditionalGeneration": Architecture("qwen2_vl", attention_bias=True, vision="qwen2_5_vl"),
+    "LlavaForConditionalGeneration": Architecture("llava", vision="llava"),
 }
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"                      # for a config.json without "architectures"
+
+# The decoders a vision-language model's layers may be: Qwen2-VL's is always Qwen2's; LLaVA's is its
+# text_config's model_type (these families' layers take the shared CausalLM around them as they are).
+_VISION_DECODERS = {"qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+LLAVA_TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,19 @@ def architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name!r}; supported: {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def text_architecture(name: str, text_config: dict) -> str:
+    """The HF text architecture whose switches and layers a vision-language architecture's decoder has;
+    ValueError for a LLaVA decoder of another family."""
+    kind = architecture(name).vision
+    if kind in _VISION_DECODERS:
+        return _VISION_DECODERS[kind]
+    model_type = text_config.get("model_type", "llama")
+    if model_type not in LLAVA_TEXT_MODEL_TYPES:
+        raise ValueError(f"{name} with a {model_type!r} text model is not supported; supported: "
+                         f"{', '.join(sorted(LLAVA_TEXT_MODEL_TYPES))}")
+    return LLAVA_TEXT_MODEL_TYPES[model_type]
 
 
 def model_class(name: str) -> type:

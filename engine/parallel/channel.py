@@ -30,6 +30,7 @@ class ForwardPlan:
     graphed: bool = False                                    # replays a CUDA graph (every rank captured the same)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     lora_spans: list[tuple[int, int, int]] = field(default_factory=list)   # (first row, rows, adapter): engine/lora
+    mrope_positions: list[list[int]] | None = None           # [3, T] multimodal rotary positions, else None
 
 
 class StepChannel:
