@@ -14,6 +14,9 @@
     moe.py        mixture of experts: router, stacked experts (kernels.fused_moe), the shared expert; MoECausalLM
                   loads per-expert checkpoint tensors into the stacks (switches: moe_config.py)
     mixtral.py, qwen2_moe.py, qwen3_moe.py: MoECausalLM with each family's checkpoint names
+    vision_language.py  VisionLanguageModel: a decoder whose image tokens take a vision tower's embeddings
+    qwen2_vl.py   Qwen2-VL, Qwen2.5-VL: the ViT (2-D rotary, windows, patch merger) and multimodal rotary
+    llava.py      LLaVA: CLIP's tower, the projector, a Llama/Mistral/Qwen2 decoder
 
 Importing this package does not import torch; `model_class` imports the family's module.
 """
