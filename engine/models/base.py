@@ -55,7 +55,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states before the final norm's output projection: [T, hidden]."""
-        x = self.embed(input_ids)
+        return self.run_layers(self.embed(input_ids), positions, kv_caches, meta)
+
+    def run_layers(self, x: torch.Tensor, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer stack and the final norm over embeddings x [T, hidden]."""
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

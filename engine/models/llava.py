@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models.qwen2_vl import activation
+from engine.models.qwen2_vl import VisionMLP, activation
 from engine.models.registry import model_class
 from engine.models.vision_language import VisionLanguageModel
 
@@ -36,15 +36,6 @@ class CLIPAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(b, n, -1))
 
 
-class CLIPMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1, self.fc2, self.act = nn.Linear(dim, hidden), nn.Linear(hidden, dim), activation(act)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class CLIPEncoderLayer(nn.Module):
     def __init__(self, vision):
         super().__init__()
@@ -52,7 +43,7 @@ class CLIPEncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(dim, eps=vision.layer_norm_eps)
         self.self_attn = CLIPAttention(dim, vision.num_heads)
         self.layer_norm2 = nn.LayerNorm(dim, eps=vision.layer_norm_eps)
-        self.mlp = CLIPMLP(dim, vision.intermediate_size, vision.hidden_act)
+        self.mlp = VisionMLP(dim, vision.intermediate_size, vision.hidden_act)
 
     def forward(self, x):
         x = x + self.self_attn(self.layer_norm1(x))

@@ -72,7 +72,7 @@ def _rotate(x, cos, sin):
 
 
 class VisionMLP(nn.Module):
-    """Qwen2-VL: fc2(act(fc1(x)))."""
+    """Qwen2-VL's and CLIP's (LLaVA): fc2(act(fc1(x)))."""
 
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()

@@ -61,12 +61,7 @@ class VisionLanguageModel(CausalLM):
         x = self.embed(input_ids)
         if image_rows is not None and image_rows.numel():
             x.index_copy_(0, image_rows, image_embeds.to(x.dtype))
-        cos, sin = self.rotary(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.run_layers(x, positions, kv_caches, meta)
 
     # --- weights ---------------------------------------------------------------------
 
