@@ -39,6 +39,13 @@ _TINY_CORPUS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _calibration_off(monkeypatch):
+    """--quantization auto takes the CPU-flag rule in tests, measuring nothing (a calibration loads the model
+    in every mode); tests/test_calibration.py measures on purpose (its fixtures unset this)."""
+    monkeypatch.setenv("JOBRUNNER_CALIBRATION", "off")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "default_model: needs the default model's GGUF file (fetched from PyPI)")
 

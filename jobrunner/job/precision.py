@@ -1,15 +1,20 @@
-"""`--quantization auto`: the fastest numeric mode whose quality stays within 2% perplexity of float.
+"""`--quantization auto`: the fastest numeric mode whose perplexity stays within 1% of float32's.
 
-Measured on the default model (benchmarks/RESULTS.md, issue 20; `python -m benchmarks.quant_report`):
-bfloat16 compute costs +0.2% perplexity and, on CPUs with AMX or AVX512_BF16, runs a job 2.1-2.2x
-faster than float32; w8a8 costs +0.8% and runs 1.7-2.8x faster on CPUs with VNNI (int8 dot
-products: torch._int_mm, or fbgemm with row scales; issue 34 in RESULTS.md); on AVX2 alone fbgemm's 7-bit
-activations cost +5.9%, over the 2%, so float32 is the fastest choice there. GGUF blocks as shipped times int8
-activations (llama.cpp's Q4_1 x Q8_1; issue 20 item 3: kernels/gguf_matmul.py, "q4xq8" in the quant
-report) is no candidate: no maintained CPU kernel for it is on PyPI, and torch's paths ran it 1.3-100x
-slower than float32 on an AVX2 EPYC (benchmarks/RESULTS.md). On a GPU the model's own dtype
-(bfloat16) already is the fast path: nothing more is chosen. The default stays exact (float32 on
-CPU): auto is asked for, never assumed.
+On CPU the choice is measured, once per model and machine (jobrunner/job/calibration.py: each mode's
+perplexity on a fixed text and its decode tokens/s, cached under the engine's cache). This module holds
+the machine's facts (its CPU's name and flags, its GPUs) and the rule by flags alone, which stands in
+where nothing is measured: `JOBRUNNER_CALIBRATION=off`, a dry resolve (`jobrunner validate`) before
+the first calibration, the ranks of a torchrun job. The flag rule rests on the default model's figures
+(benchmarks/RESULTS.md, issues 20 and 34; `python -m benchmarks.quant_report`): bfloat16 compute costs
++0.2% perplexity and, on CPUs with AMX or AVX512_BF16, runs a job 2.1-2.2x faster than float32; w8a8
+costs +0.8% and runs 1.7-2.8x faster on CPUs with VNNI (int8 dot products: torch._int_mm, or fbgemm
+with row scales); on AVX2 alone fbgemm's 7-bit activations cost +5.9%, so float32 is the choice there.
+Another model or machine may fall either side of the 1%: that is why the measurement decides.
+GGUF blocks as shipped times int8 activations (llama.cpp's Q4_1 x Q8_1; issue 20 item 3:
+kernels/gguf_matmul.py, "q4xq8" in the quant report) is no candidate: no maintained CPU kernel for it
+is on PyPI, and torch's paths ran it 1.3-100x slower than float32 on an AVX2 EPYC. On a GPU the
+model's own dtype (bfloat16) already is the fast path: nothing more is chosen. The default stays exact
+(float32 on CPU): auto is asked for, never assumed.
 """
 from __future__ import annotations
 
@@ -31,6 +36,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), "" where it is not said."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cuda_count(device: str) -> int:
     """The CUDA GPUs visible to a job on `device` (0 for cpu or mps, or without a usable CUDA)."""
     if not (device == "auto" or device.startswith("cuda")):
@@ -50,8 +68,14 @@ def on_gpu(device: str) -> bool:
     return cuda_count(device) > 0
 
 
+def measures(device: str, dtype: str) -> bool:
+    """Whether auto is decided by measurement (a CPU, the dtype left to auto); else auto_precision's rule."""
+    return not on_gpu(device) and dtype == "auto"
+
+
 def auto_precision(device: str, dtype: str) -> tuple[str, str, str]:
-    """(dtype, quantization, why) for `--quantization auto`; a dtype the user chose is kept."""
+    """(dtype, quantization, why) for `--quantization auto` by the CPU's flags alone (the module doc); a
+    GPU keeps the model's dtype, a dtype the user chose is kept."""
     if on_gpu(device):
         return dtype, "none", "GPU: the model's 16-bit dtype"
     if dtype != "auto":

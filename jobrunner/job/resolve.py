@@ -21,7 +21,8 @@ from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.config.lora import LoraOptions
 from jobrunner.config.tools import check_job_tools
 from jobrunner.job import checks, preload
-from jobrunner.job.precision import auto_precision, on_gpu
+from jobrunner.job.calibration import cpu_auto, output_record, summary
+from jobrunner.job.precision import auto_precision, measures, on_gpu
 from jobrunner.models import resolve_adapter, resolve_model
 
 log = logging.getLogger("jobrunner")
@@ -39,6 +40,8 @@ class Resolved:
     rows_done: int | None = None    # a rerun with every row in the output already: the rows read; else None
     lora: tuple[tuple[str, str, str], ...] = ()     # (name, local directory, content hash) of each adapter
     shipped: str | None = None  # a quantized checkpoint's scheme (engine.checkpoint_quantization), else None
+    calibration: dict | None = None     # how `--quantization auto` chose on this CPU (jobrunner.job.calibration's
+                                        # record, plain JSON); None: auto not asked, or decided without it
 
     @property
     def adapter_paths(self) -> tuple[tuple[str, str], ...]:
@@ -87,10 +90,12 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     if not dry:     # before the model loads: loading one can take minutes
         checks.check_output(cfg, {name: digest for name, _, digest in lora}, shipped)
     rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
-    dtype, quantization = precision(cfg, shipped)
+    resumes = None if dry or cfg.output.overwrite else cfg.output_url   # an output begun under auto keeps its mode
+    dtype, quantization, calibration = precision(cfg, shipped, model, measure=not dry and rows_done is None,
+                                                 resumes=resumes)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
-                    cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped)
+                    cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped, calibration=calibration)
 
 
 def shipped_scheme(cfg: JobConfig, model: str) -> str | None:
@@ -137,21 +142,35 @@ def adapters(lora: LoraOptions) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def precision(cfg: JobConfig, shipped: str | None = None) -> tuple[str, str]:
-    """(dtype, quantization) for the engine: `--quantization auto` picks both for this machine
-    (jobrunner.job.precision); w8a8 does not split over tensor-parallel ranks, so auto takes float there;
-    a quantized checkpoint (`shipped`) runs as shipped."""
+def precision(cfg: JobConfig, shipped: str | None = None, model: str | None = None, *, measure: bool = True,
+              resumes: str | None = None) -> tuple[str, str, dict | None]:
+    """(dtype, quantization, calibration record or None) for the engine. `--quantization auto` on CPU with
+    the dtype left to auto: the fastest mode within 1% of float32's perplexity, measured once per model
+    and machine (jobrunner.job.calibration; `measure` False, for a dry resolve: the cached figures, else
+    the flag rule); an output it `resumes` (its URL) that recorded a choice keeps that one, so no output
+    mixes modes. A GPU keeps the model's 16-bit dtype and a chosen --dtype is kept (precision.auto_precision);
+    w8a8 does not split over tensor-parallel ranks, so auto takes a float mode there; a quantized
+    checkpoint (`shipped`) runs as shipped. model: the resolved path (default: cfg's, as given)."""
     e = cfg.engine
     if e.quantization != "auto":
-        return e.dtype, e.quantization
+        return e.dtype, e.quantization, None
     if shipped is not None:
         log.info("--quantization auto: the checkpoint's own (%s)", shipped)
-        return e.dtype, "none"
-    dtype, quantization, why = auto_precision(e.device, e.dtype)
-    if quantization == "w8a8" and cfg.parallel.tensor_parallel > 1:
-        quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
-    log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
-    return dtype, quantization
+        return e.dtype, "none", None
+    tp = cfg.parallel.tensor_parallel > 1
+    if not measures(e.device, e.dtype):
+        dtype, quantization, why = auto_precision(e.device, e.dtype)
+        if quantization == "w8a8" and tp:
+            quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
+        log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
+        return dtype, quantization, None
+    kept = output_record(resumes) if resumes is not None else None
+    if kept is not None and not (tp and kept["quantization"] == "w8a8"):
+        record = {**kept, "resumed": True}      # the figures it rested on, where they were measured
+    else:
+        record = cpu_auto(model or e.model, e.threads, measure=measure, float_only=tp)
+    log.info("--quantization auto: %s", summary(record))
+    return record["dtype"], record["quantization"], record
 
 
 def float_dtype(device: str, dtype: str) -> str:
@@ -166,10 +185,10 @@ def resolve_engine(cfg: JobConfig) -> Resolved:
     and the precision only (fmt and columns empty, no output)."""
     model = model_path(cfg.engine.model)
     shipped = shipped_scheme(cfg, model)
-    dtype, quantization = precision(cfg, shipped)
+    dtype, quantization, calibration = precision(cfg, shipped, model)
     return Resolved(fmt="", columns=(), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
-                    lora=adapters(cfg.lora), shipped=shipped)
+                    lora=adapters(cfg.lora), shipped=shipped, calibration=calibration)
 
 
 def open_cache(url: str | None):

@@ -1,0 +1,217 @@
+"""--quantization auto on CPU by measurement (jobrunner/job/calibration.py): the pick rule on given
+figures, the cache, the off switch, the paths that measure nothing, the record in Resolved and the
+manifest, and one real calibration of a tiny model."""
+import json
+
+import pytest
+
+from jobrunner.config.job import job_config
+from jobrunner.job import calibration, precision
+from jobrunner.job.resolve import Resolved, resolve_engine
+from jobrunner.job.resolve import precision as resolve_precision
+from jobrunner.output.layout import FORMAT_MARK, MANIFEST
+
+MODEL = "dummy:smollm2-135m"        # identified by its built-in config: nothing on disk
+
+
+def figures(**modes):
+    """mode=(perplexity, tokens/s) -> the figures pick() reads."""
+    return {m: {"perplexity": p, "tokens_per_s": t} for m, (p, t) in modes.items()}
+
+
+@pytest.mark.parametrize("given,chosen", [
+    (figures(float32=(10.0, 50), bfloat16=(10.05, 100), w8a8=(10.09, 150)), "w8a8"),       # fastest within 1%
+    (figures(float32=(10.0, 50), bfloat16=(10.05, 100), w8a8=(10.2, 150)), "bfloat16"),    # w8a8 2% over
+    (figures(float32=(10.0, 50), bfloat16=(10.2, 100), w8a8=(10.5, 150)), "float32"),      # none within
+    (figures(float32=(10.0, 50), bfloat16=(10.0, 40)), "float32"),          # within, but slower
+    (figures(float32=(10.0, 50), bfloat16=(9.8, 60)), "bfloat16"),          # lower perplexity passes
+    (figures(float32=(10.0, 50), bfloat16=(10.0, 80), w8a8=(10.0, 80)), "bfloat16"),   # a tie: the more exact
+    (figures(float32=(10.0, 80), bfloat16=(10.0, 80)), "float32"),
+    (figures(float32=(10.0, 50), bfloat16=(None, 900), w8a8=(10.0, None)), "float32"),  # unmeasurable figures
+    (figures(bfloat16=(10.0, 100)), "float32"),                             # no float32 to compare with
+    (figures(float32=(None, 50), bfloat16=(10.0, 100)), "float32"),
+])
+def test_pick_fastest_within_one_percent(given, chosen):
+    assert calibration.pick(given) == chosen
+
+
+def test_pick_under_tensor_parallel_takes_a_float_mode():
+    given = figures(float32=(10.0, 50), bfloat16=(10.05, 100), w8a8=(10.05, 150))
+    assert calibration.pick(given, allowed=calibration.FLOAT_MODES) == "bfloat16"
+
+
+FAKE = {"float32": (12.0, 40.0), "bfloat16": (12.02, 90.0), "w8a8": (12.1, 120.0)}
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """calibration.measure_mode replaced by FAKE's figures; the modes it was asked for, in order."""
+    calls = []
+
+    def fake(model, mode, threads):
+        calls.append(mode)
+        ppl, tps = FAKE[mode]
+        return {"perplexity": ppl, "tokens_per_s": tps, "cpu_tokens_per_s": tps, "load_s": 0.0}
+
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(calibration.ENV, raising=False)
+    monkeypatch.setattr(calibration, "measure_mode", fake)
+    return calls
+
+
+def cpu_auto_cfg(**options):
+    return job_config("d.jsonl", model=MODEL, device="cpu", quantization="auto", **options)
+
+
+def test_measured_once_then_cached(measured, caplog):
+    caplog.set_level("INFO", logger="jobrunner")
+    first = resolve_engine(cpu_auto_cfg())
+    assert measured == ["float32", "bfloat16", "w8a8"]
+    assert (first.dtype, first.quantization) == ("auto", "w8a8")        # 12.1 is within 1% of 12.0
+    rec = first.calibration
+    assert rec["source"] == "measured" and rec["mode"] == "w8a8"
+    assert rec["exact"] == "--dtype float32 --quantization none"
+    assert rec["modes"]["bfloat16"] == {"perplexity": 12.02, "tokens_per_s": 90.0, "cpu_tokens_per_s": 90.0,
+                                        "load_s": 0.0}
+    assert "cpu" in rec["machine"] and isinstance(rec["machine"]["flags"], list)
+    line = [r.getMessage() for r in caplog.records if "--quantization auto" in r.getMessage()]
+    assert len(line) == 1 and "w8a8 ppl 12.1 (+0.8%) 120 tok/s" in line[0] and "--dtype float32" in line[0]
+
+    second = resolve_engine(cpu_auto_cfg())
+    assert measured == ["float32", "bfloat16", "w8a8"]                  # no engine loaded again
+    assert second.calibration["source"] == "cache" and second.calibration["modes"] == rec["modes"]
+    assert (second.dtype, second.quantization) == ("auto", "w8a8")
+
+
+def test_refresh_measures_again(measured, monkeypatch):
+    resolve_engine(cpu_auto_cfg())
+    monkeypatch.setenv(calibration.ENV, "refresh")
+    assert resolve_engine(cpu_auto_cfg()).calibration["source"] == "measured"
+    assert len(measured) == 6
+
+
+def test_off_switch_takes_the_flag_rule(measured, monkeypatch):
+    monkeypatch.setenv(calibration.ENV, "off")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    r = resolve_engine(cpu_auto_cfg())
+    assert (r.dtype, r.quantization) == ("bfloat16", "none") and measured == []
+    assert r.calibration["source"] == "flags" and "JOBRUNNER_CALIBRATION=off" in r.calibration["why"]
+
+
+def test_a_dry_resolve_measures_nothing(measured, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    cfg = cpu_auto_cfg()
+    dtype, quantization, rec = resolve_precision(cfg, None, MODEL, measure=False)
+    assert (dtype, quantization) == ("auto", "w8a8") and measured == []
+    assert rec["source"] == "flags" and "calibrated at first run" in rec["why"]
+    resolve_engine(cfg)                                  # measured and cached: a dry resolve reads it
+    assert resolve_precision(cfg, None, MODEL, measure=False)[2]["source"] == "cache" and len(measured) == 3
+
+
+def test_a_torchrun_rank_measures_nothing(measured, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
+    r = resolve_engine(cpu_auto_cfg())
+    assert (r.dtype, r.quantization) == ("auto", "none") and measured == [] and r.calibration["source"] == "flags"
+
+
+def test_paths_that_never_measure(measured, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512_vnni"}))
+    assert resolve_precision(cpu_auto_cfg(dtype="bfloat16"), None, MODEL) == ("bfloat16", "none", None)
+    assert resolve_precision(cpu_auto_cfg(), "W4A16", MODEL) == ("auto", "none", None)     # shipped: as shipped
+    assert resolve_precision(job_config("d.jsonl", model=MODEL, device="cpu"), None, MODEL) == ("auto", "none", None)
+    monkeypatch.setattr(precision, "cuda_count", lambda device: 1)
+    gpu = job_config("d.jsonl", model=MODEL, quantization="auto")                         # device auto, a GPU
+    assert resolve_precision(gpu, None, MODEL) == ("auto", "none", None)
+    assert measured == []
+
+
+def test_tensor_parallel_keeps_a_float_mode(measured):
+    dtype, quantization, rec = resolve_precision(cpu_auto_cfg(tensor_parallel=2), None, MODEL)
+    assert (dtype, quantization) == ("bfloat16", "none") and rec["mode"] == "bfloat16"
+    assert "w8a8" in rec["modes"]               # measured all the same: the cache serves a one-rank job too
+
+
+def test_a_resumed_output_keeps_its_mode(measured, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    kept = {"mode": "bfloat16", "dtype": "bfloat16", "quantization": "none", "why": "w", "source": "measured",
+            "modes": {}, "machine": {}, "exact": calibration.EXACT, "seconds": 1.0}
+    (out / MANIFEST).write_text(json.dumps({"format": FORMAT_MARK, "calibration": kept}))
+    dtype, quantization, rec = resolve_precision(cpu_auto_cfg(), None, MODEL, resumes=str(out))
+    assert (dtype, quantization) == ("bfloat16", "none") and rec["resumed"] and measured == []
+    # without a record (a new output, or one begun before records): measured
+    assert resolve_precision(cpu_auto_cfg(), None, MODEL, resumes=str(tmp_path / "new"))[1] == "w8a8"
+
+
+def test_resolved_json_carries_the_record(measured):
+    r = resolve_engine(cpu_auto_cfg())
+    back = Resolved.from_json(r.to_json())
+    assert back == r and back.calibration == r.calibration
+    json.loads(r.to_json(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    old = json.loads(r.to_json())
+    del old["calibration"]                      # a Resolved passed by a launcher from before the field
+    assert Resolved.from_json(json.dumps(old)).calibration is None
+
+
+def test_manifest_records_the_calibration(measured, tiny_hf_model_dir, tmp_path, monkeypatch):
+    from jobrunner.api.submit import submit
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "prompt": f"row {i}"}) + "\n" for i in range(3)))
+    model = str(tiny_hf_model_dir("llama"))
+    result = submit(str(data), str(tmp_path / "out"), model=model, device="cpu", quantization="auto",
+                    max_tokens=2, threads=1)
+    assert result.exit_code == 0
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["quantization"] == "w8a8" and manifest["calibration"]["mode"] == "w8a8"
+    assert manifest["calibration"]["modes"]["float32"]["perplexity"] == 12.0
+    assert set(manifest["calibration"]["modes"]) == {"float32", "bfloat16", "w8a8"}
+
+    # resumed where a calibration would now choose otherwise: the output keeps its mode
+    monkeypatch.setitem(FAKE, "w8a8", (13.0, 120.0))
+    monkeypatch.setenv(calibration.ENV, "refresh")
+    with data.open("a") as f:
+        f.write(json.dumps({"id": "3", "prompt": "row 3"}) + "\n")
+    assert submit(str(data), str(tmp_path / "out"), model=model, device="cpu", quantization="auto",
+                  max_tokens=2, threads=1).exit_code == 0
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["quantization"] == "w8a8" and manifest["calibration"]["resumed"] is True
+    assert len(measured) == 3                   # the resumed job measured nothing
+
+
+def test_a_real_calibration_of_a_tiny_model(tiny_hf_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(calibration.ENV, raising=False)
+    model = str(tiny_hf_model_dir("llama"))
+    rec = calibration.cpu_auto(model, threads=1)
+    assert rec["source"] == "measured" and rec["mode"] in calibration.MODES
+    assert rec["mode"] == calibration.pick(rec["modes"])
+    f32 = rec["modes"]["float32"]
+    assert 1 < f32["perplexity"] < 10_000 and f32["tokens_per_s"] > 0 and f32["cpu_tokens_per_s"] > 0
+    assert set(rec["modes"]) | set(rec["skipped"]) == set(calibration.MODES)
+    assert list((tmp_path / "cache" / "calibration").glob("*.json")) == [calibration.cache_path(model)]
+    assert calibration.cpu_auto(model, threads=1)["source"] == "cache"
+
+
+def test_a_mode_the_engine_refuses_is_skipped(measured, monkeypatch):
+    from engine import ConfigError
+
+    fake = calibration.measure_mode
+
+    def refuse_w8a8(model, mode, threads):
+        if mode == "w8a8":
+            raise ConfigError("--quantization w8a8: not on this machine")
+        return fake(model, mode, threads)
+
+    monkeypatch.setattr(calibration, "measure_mode", refuse_w8a8)
+    rec = calibration.cpu_auto(MODEL, 1)
+    assert rec["mode"] == "bfloat16" and set(rec["modes"]) == {"float32", "bfloat16"}
+    assert "not on this machine" in rec["skipped"]["w8a8"] and "w8a8 not run" in calibration.summary(rec)
+
+
+def test_without_the_text_file_the_flag_rule(measured, monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "TEXT_FILE", tmp_path / "missing.txt")
+    rec = calibration.cpu_auto(MODEL, 1)
+    assert rec["source"] == "flags" and measured == []
