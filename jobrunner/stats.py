@@ -35,6 +35,10 @@ def reached_engine(error, prompt_tokens) -> bool:
 
 
 REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
+# A run's images (jobrunner/images), in the rows the intake made requests of (computed, reused or from the
+# cache: a row's prompt_tokens already hold its image tokens), and the rows an image failed. Recorded only
+# by a run that read an image, so a text job's record is as it was.
+IMAGE_SUMS = ("images", "image_tokens", "image_errors")
 
 
 def percentile(values, q: float) -> float | None:
@@ -69,6 +73,7 @@ class JobStats:
         self.latency_rows = 0
         self.rows_reused = self.rows_from_cache = self.tokens_saved = self.cache_lookups = 0
         self.cache_lookup_s = self.cache_lookup_cpu_s = 0.0     # wall and this process's CPU seconds
+        self.images = self.image_tokens = self.image_errors = 0     # IMAGE_SUMS
         self.queue, self.prefill, self.decode = array("d"), array("d"), array("d")
         self._rng = random.Random(0)
 
@@ -125,6 +130,8 @@ class JobStats:
              "devices": devices, "device_hours": wall * devices / 3600, "model_weight_bytes": model_weight_bytes,
              "quantization": quantization, "interrupted": interrupted,
              **{k: getattr(self, k) for k in REUSE_SUMS}}
+        if self.images or self.image_errors:
+            s.update({k: getattr(self, k) for k in IMAGE_SUMS})
         s.update(prefix_figures(prefix))
         if engine_counters is not None:
             s["engine"] = dict(engine_counters)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine import SamplingParams, Tokenizer
-from jobs.messages import join_text_parts, tool_call_messages
+from jobs.messages import IMAGE_PART, has_images, join_text_parts, template_images, text_as_parts, tool_call_messages
 from jobs.row import NO_OPTIONS, RowOptions
 from jobs.spec import JobSpec
 from jobs.template import unescape
@@ -16,10 +16,26 @@ class RowError(ValueError):
     """This row cannot run; it becomes an output row with `error` set and the job goes on."""
 
 
-class PromptBuilder:
-    """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw."""
+@dataclass(frozen=True)
+class Prompt:
+    """A row's prompt: the text the tokenizer gets, whether the tokenizer adds its special tokens, and the
+    prompt's image sources in their order (opaque values: jobrunner/images reads them). Through the chat
+    template each image is one image token in the text, which the model's image processor expands."""
+    text: str
+    special: bool
+    images: tuple = ()
 
-    def __init__(self, spec: JobSpec, tokenizer: Tokenizer, template=None):
+
+class PromptBuilder:
+    """Row -> prompt token ids: a column, a template or a messages list, through the chat template or raw.
+    A row's images (its --image-column values, given to `prompt`, and the image parts of its messages) go
+    in the messages the chat template sees as {"type": "image"} parts: a plain prompt's in its user message
+    before the text; a messages list's where its image parts are (jobs.messages.template_images).
+    images: the model takes images; then a chat template that reads a message's content only as a list
+    of parts (LLaVA's: it renders a string content as nothing) gets every content as parts, text ones
+    {"type": "text", "text": ...}, as vLLM detects a template's content format."""
+
+    def __init__(self, spec: JobSpec, tokenizer: Tokenizer, template=None, images: bool = False):
         self.spec = spec.prompt
         self.tokenizer = tokenizer
         self.template = template                     # jobs.template.PromptTemplate or None
@@ -27,20 +43,46 @@ class PromptBuilder:
         self.chat = uses_chat(spec, tokenizer)
         self.kind = spec.kind
         self.tools = spec.tools                      # the job's; a row's own win (RowOptions.tools)
+        self.images = images
+        self._parts_only: bool | None = None          # the chat template renders only contents given as parts
 
-    def messages(self, data: dict, options: RowOptions = NO_OPTIONS) -> list[dict] | None:
-        """The row's chat messages, or None when the row is a plain prompt in no-chat mode."""
+    def messages(self, data: dict, options: RowOptions = NO_OPTIONS, images: tuple = ()) -> list[dict] | None:
+        """The row's chat messages, or None when the row is a plain prompt in no-chat mode. images: the
+        row's column images, each an {"type": "image"} part where it goes (see `prompt`)."""
+        return self._messages(data, options, images)[0]
+
+    def _messages(self, data: dict, options: RowOptions, images: tuple) -> tuple[list[dict] | None, tuple]:
+        """(the messages, or None for a plain prompt in no-chat mode; the image sources in prompt order)."""
+        msgs = None
         if options.messages is not None:                    # the row's own: always through the chat template
-            return _check_messages(options.messages)
-        if options.prompt is not None:                      # the row's own raw text: never
-            return None
-        if self.spec.messages_column:
-            return _check_messages(data.get(self.spec.messages_column))
+            msgs = _check_messages(options.messages)
+        elif options.prompt is not None:                    # the row's own raw text: never
+            return None, tuple(images)
+        elif self.spec.messages_column:
+            msgs = _check_messages(data.get(self.spec.messages_column))
+        if msgs is not None:
+            sources = ()
+            if images or has_images(msgs):
+                try:
+                    msgs, sources = template_images(msgs, tuple(images))
+                except ValueError as e:
+                    raise RowError(str(e)) from None
+            return self._contents(msgs), tuple(sources)
         text = self.text(data)
         if not self.chat:
-            return None
+            return None, tuple(images)
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": "user", "content": text}]
+        content = [IMAGE_PART] * len(images) + [{"type": "text", "text": text}] if images else text
+        return self._contents(msgs + [{"role": "user", "content": content}]), tuple(images)
+
+    def _contents(self, msgs: list[dict]) -> list[dict]:
+        """msgs, their string contents as text parts where the model takes images and its chat template
+        renders only parts (found once, by rendering a probe both ways); else as they are."""
+        if not self.images:
+            return msgs
+        if self._parts_only is None:
+            self._parts_only = _renders_parts_only(self.tokenizer)
+        return text_as_parts(msgs) if self._parts_only else msgs
 
     def text(self, data: dict, options: RowOptions = NO_OPTIONS) -> str:
         if options.prompt is not None:
@@ -62,20 +104,27 @@ class PromptBuilder:
 
     def render(self, data: dict, options: RowOptions = NO_OPTIONS) -> tuple[str, bool]:
         """The prompt text, and whether the tokenizer adds its special tokens (raw text: yes;
-        a rendered chat template already has them)."""
-        msgs = self.messages(data, options)
+        a rendered chat template already has them). A row with images: see `prompt`."""
+        p = self.prompt(data, options)
+        return p.text, p.special
+
+    def prompt(self, data: dict, options: RowOptions = NO_OPTIONS, images: tuple = ()) -> Prompt:
+        """The row's Prompt; `images`: its column images (--image-column's values, opaque). A raw prompt
+        (no chat template) with images must write the model's image token once per image itself."""
+        msgs, sources = self._messages(data, options, images)
         if msgs is None:
             if options.tools is not None or self.tools is not None:
                 raise RowError("tools are offered through the chat template: a raw prompt (--no-chat, "
                                "/v1/completions) cannot offer them")
             text = self.text(data, options)
-            return (f"{self.system}\n\n{text}" if self.system else text), True
+            return Prompt(f"{self.system}\n\n{text}" if self.system else text, True, sources)
         if not self.tokenizer.has_chat_template:
             raise RowError("messages need a chat template, and this model has none")
         kwargs = {**dict(self.spec.chat_template_kwargs), **options.chat_template_kwargs,     # the row's own win
                   **self._template_variables(options)}
         try:
-            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs), False
+            return Prompt(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs), False,
+                          sources)
         except Exception as e:  # a template's raise_exception, or a message it rejects
             raise RowError(f"chat template failed: {e}") from None
 
@@ -109,6 +158,18 @@ class PromptBuilder:
         return text, self.tokenizer.encode(text, add_special_tokens=special)
 
 
+def _renders_parts_only(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template drops a string content that it renders given as a text part."""
+    probe = "jobrunner-probe-7f3a"
+    try:
+        as_string = tokenizer.apply_chat_template([{"role": "user", "content": probe}], add_generation_prompt=True)
+        as_parts = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                                 add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses one of them: contents stay as rows give them
+        return False
+    return probe not in as_string and probe in as_parts
+
+
 def uses_chat(spec: JobSpec, tokenizer: Tokenizer) -> bool:
     """Whether a plain prompt goes through the chat template: --chat/--no-chat when given; else
     generate does when the model has one, and classify and score score raw text, as lm-eval
@@ -129,9 +190,9 @@ def _check_messages(value: Any) -> list[dict]:
         raise RowError(error)
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
-                isinstance(m.get("content"), str) or m.get("tool_calls") and m.get("content") is None):
-            raise RowError("every message needs a string role and a string content (or, an assistant's, "
-                           "tool_calls)")
+                isinstance(m.get("content"), (str, list)) or m.get("tool_calls") and m.get("content") is None):
+            raise RowError("every message needs a string role and a string content (or text and image parts; "
+                           "or, an assistant's, tool_calls)")
     return value
 
 

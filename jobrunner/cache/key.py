@@ -7,7 +7,9 @@ description is every field of engine.request.Request but its id and its prompt t
 output only), plus the job kind: the prompt's token ids, the sampling parameters (seed included),
 the kind's inputs (classify's candidates, score's score_from), a LoRA adapter's content hash, and any field a later change adds
 (a constraint: one more Request field is keyed with no change here). Never the row id or the
-dataset path.
+dataset path. A request's images by their keys (engine.ImageInput.key: a hash of the prepared pixels and
+grid), offsets and lengths, never their pixels; a request without images is keyed exactly as before images
+existed (its key bytes unchanged: caches written then still serve it).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ log = logging.getLogger("jobrunner")
 
 KEY_BYTES = 16
 # Request fields that never change a result: the row id, and the prompt text (the token ids decide).
-NOT_KEYED = frozenset({"id", "prompt", "prompt_token_ids"})     # token ids: hashed apart, as raw bytes
+NOT_KEYED = frozenset({"id", "prompt", "prompt_token_ids", "images"})     # token ids, images: keyed apart
 
 
 def is_deterministic(req: Request) -> bool:
@@ -71,6 +73,8 @@ def request_key(model: bytes, kind: str, req: Request, adapters: Mapping[str, st
     rest = {f.name: getattr(req, f.name) for f in fields(req) if f.name not in NOT_KEYED and f.name != "sampling"}
     if req.adapter is not None:
         rest["adapter"] = adapters[req.adapter]
+    if req.images:          # absent without images: a text request's key is as it always was
+        rest["images"] = [[im.key, im.offset, im.length] for im in req.images]
     h.update(_canonical({"kind": kind, **rest}).encode())
     return h.digest()
 

@@ -82,7 +82,7 @@ class Reuse:
         copies it found for it, as (row, notes): the result cache gets the leader's result, the copies
         get it too (not matched again here)."""
         if self.store is not None and is_deterministic(pending.request):
-            self.keys[pending.id] = request_key(self.model, self.kind, pending.engine_request(), self.adapters)
+            self.keys[pending.id] = request_key(self.model, self.kind, pending.keyed_request(), self.adapters)
         if copies:
             self.dedup.waiting[pending.id] = list(copies)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import engine       # engine.load_model_bundle: the loader (torch) loads at its first read
-from engine import ModelError
+from engine import ImageInput, ModelError
 from jobrunner.cli.model_split import fit_report
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import read_rows
+from jobrunner.images import NO_PIXELS, ImageError, ImagePrep, column_images
 from jobrunner.job import checks
+from jobrunner.job.intake import images_refused
 from jobrunner.job.precision import cuda_count
 from jobrunner.job.resolve import resolve
 from jobrunner.models import describe
@@ -41,14 +43,18 @@ def validate_job(cfg: JobConfig) -> dict:
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
     try:
-        builder = PromptBuilder(spec, tok, template)
+        builder = PromptBuilder(spec, tok, template, images=getattr(bundle, "image_processor", None) is not None)
         job = job_for(fmt, cfg, spec, tok, bundle.pooling, source, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
+    # a vision-language checkpoint's image processor (its preprocessor config: no weights needed)
+    processor = getattr(bundle, "image_processor", None)
+    images = _RowImages(cfg.input.image_column, cfg.input.messages_column, None if processor is None else
+                        ImagePrep(processor, cfg.input.image_limits(), dataset=cfg.input.dataset, workers=1))
     t = _Tally(openai=fmt == "openai-batch")
     for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, csv_delimiter=cfg.input.csv_delimiter):
         for row in batch[:None if cfg.input.limit is None else max(0, cfg.input.limit - t.rows)]:
-            t.add(row, builder, job, bundle.config.max_position_embeddings)
+            t.add(row, builder, job, bundle.config.max_position_embeddings, images)
     rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
     first_prompt = t.first_prompt
     ok = rows - bad
@@ -61,6 +67,7 @@ def validate_job(cfg: JobConfig) -> dict:
         **({"quantization": bundle.quantization.name} if bundle.quantization is not None else {}),
         "kind": cfg.kind.name, "rows": rows, "rows_ok": ok, "rows_with_errors": bad, "duplicate_ids": dup,
         "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest,
+        **({"images": t.images, "image_tokens": t.image_tokens} if t.images else {}),
         "max_output_tokens_total": out_tokens, "output": cfg.output_url,
         "estimated_seconds_upper": round(seconds, 1),
         **split,
@@ -83,13 +90,14 @@ class _Tally:
 
     def __init__(self, openai: bool = False):
         self.rows = self.bad = self.prompt_tokens = self.longest = self.dup = self.out_tokens = 0
+        self.images = self.image_tokens = 0     # in the rows that would run (prompt_tokens holds the image tokens)
         self.errors: dict[str, int] = {}
         self.openai = openai
         self.failed_lines: dict[str, str] = {}      # "line N" -> why (OpenAI batch files)
         self.seen: set[str] = set()
         self.first_prompt: tuple[str, str] | None = None
 
-    def add(self, row, builder, job, context: int) -> None:
+    def add(self, row, builder, job, context: int, images=None) -> None:
         self.rows += 1
         if row.id in self.seen:         # submit writes it as an error row (jobrunner/job/loop.py): counted so here
             self.dup += 1
@@ -97,11 +105,13 @@ class _Tally:
             return
         self.seen.add(row.id)
         try:
-            text, n_tokens, out_tokens = _check_row(builder, job, row, context)
+            text, n_tokens, out_tokens, req = _check_row(builder, job, row, context, images)
         except RowError as e:
             self._failed(row, str(e))
             return
         self.out_tokens += out_tokens
+        self.images += len(req.images)
+        self.image_tokens += sum(im.length for im in req.images)
         if self.first_prompt is None:
             self.first_prompt = (row.id, text)
         self.prompt_tokens += n_tokens
@@ -114,19 +124,58 @@ class _Tally:
             self.failed_lines.update([openai_failed_line(row, why)])
 
 
-def _check_row(builder, job, row, context: int) -> tuple[str, int, int]:
-    """The row's rendered prompt (the text the tokenizer gets), its token count and the most tokens it
-    may generate (its own max_tokens, an OpenAI line's body's, x n; 0 for an embedding); RowError where
-    submit would record an error row."""
+class _RowImages:
+    """A row's images as submit makes them (jobrunner/job/intake.py): the --image-column's values and the
+    messages' image parts, each fetched, decoded and prepared (so a bad image is counted as the row's error
+    here too), the prompt's image tokens expanded. prep: None for a model that takes no images."""
+
+    def __init__(self, column: str | None, messages_column: str | None, prep: ImagePrep | None):
+        self.column, self.messages_column, self.prep = column, messages_column, prep
+
+    def values(self, row) -> tuple:
+        try:
+            values = column_images((row.data or {}).get(self.column)) if self.column else ()
+        except ImageError as e:
+            raise RowError(f"--image-column {self.column!r}: {e}") from None
+        if self.prep is None and (why := images_refused(row, values, self.column, self.messages_column)):
+            raise RowError(why)
+        return values
+
+    def expanded(self, ids: list[int], values: tuple) -> tuple[list[int], tuple]:
+        """(the prompt's ids with its image tokens expanded, each image's (offset, tokens)); RowError as
+        submit's error row."""
+        if not values:
+            return ids, ()
+        try:
+            prepared = self.prep.prepared(values)
+        except ImageError as e:
+            raise RowError(str(e)) from None
+        processor = self.prep.processor
+        try:
+            ids, offsets = processor.expand(ids, [p.image for p in prepared])
+        except ValueError as e:
+            raise RowError(f"images: {e}") from None
+        return ids, tuple((off, p.num_tokens) for off, p in zip(offsets, prepared))
+
+
+def _check_row(builder, job, row, context: int, images: _RowImages | None = None) -> tuple[str, int, int, object]:
+    """The row's rendered prompt (the text the tokenizer gets), its token count, the most tokens it may
+    generate (its own max_tokens, an OpenAI line's body's, x n; 0 for an embedding) and its request (its
+    images: offsets and lengths only); RowError where submit would record an error row."""
     if row.error:
         raise RowError(row.error.split(": ", 1)[-1])
-    text, ids = builder.build(row.data, row.options)
+    images = images or _RowImages(None, None, None)
+    prompt = builder.prompt(row.data, row.options, images.values(row))
+    ids = builder.tokenizer.encode(prompt.text, add_special_tokens=prompt.special)
+    ids, runs = images.expanded(ids, prompt.images)
     req, _ = job.request(row.id, ids, row.data, row.options)
     too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
     if too_long:
         raise RowError(too_long)
+    if runs:
+        req = replace(req, images=tuple(ImageInput(NO_PIXELS, (0, 0, 0), 0, off, n) for off, n in runs))
     most = req.sampling.max_tokens * req.sampling.n if req.embed is None and req.sampling is not None else 0
-    return text, len(req.prompt_token_ids), most
+    return prompt.text, len(req.prompt_token_ids), most, req
 
 
 def openai_failed_line(row, error: str) -> tuple[str, str]:

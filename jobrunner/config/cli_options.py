@@ -30,6 +30,17 @@ OPTION_GROUPS: dict[str, list] = {
                      help="Column holding each row's prompt text."),
         click.option("--messages-column", help="Column holding a chat messages list [{role, content}, ...] "
                                                "(always rendered through the chat template)."),
+        click.option("--image-column", help="Column holding each row's images, put in its user message before the "
+                                            "prompt (or in a --messages-column's {\"type\": \"image\"} parts): "
+                                            "Hugging Face image structs {bytes, path}, bytes, paths (relative to "
+                                            "the dataset's folder) or URLs (http(s), data:, any fsspec URL), or "
+                                            "a list of them."),
+        click.option("--max-image-pixels", type=int, default=D.max_image_pixels, show_default=True,
+                     help="An image of more pixels fails its row (decompression bombs)."),
+        click.option("--max-image-bytes", type=int, default=D.max_image_bytes, show_default=True,
+                     help="An encoded image (a file, a download) of more bytes fails its row."),
+        click.option("--image-timeout", type=float, default=D.image_timeout, show_default=True,
+                     help="Seconds one download of an http(s) image may take (tried 3 times)."),
         click.option("--served-model-name", multiple=True,
                      help="OpenAI batch: another name a line's body.model may give the model (repeatable); a "
                           "line naming none of the model's names is an error line."),

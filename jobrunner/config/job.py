@@ -65,6 +65,9 @@ class JobConfig:
         if self.prompt.template and self.input.messages_column:
             raise JobConfigError("--template and --messages-column contradict each other: a row's prompt "
                                  "comes from one of them")
+        if self.input.image_column and kind == "tokens":
+            raise JobConfigError("--image-column needs a prompt the job builds (a prompt column, a template or "
+                                 "messages); --kind tokens takes token ids")
         if n > 1 and kind == "classify":
             raise JobConfigError("--n applies to generation, not to classify")
         if n > 1 and kind == "embed":
@@ -221,6 +224,7 @@ _NOT_FINGERPRINTED = {
     "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs",
     "async_scheduling", "kv_cache_memory", "limit", "device", "block_size", "show_prompt", "fail_on_empty",
     "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines", "max_loras",
+    "max_image_pixels", "max_image_bytes", "image_timeout",     # limits: which rows fail, never what one gets
     "ray"}      # where the workers run (Ray), like how many, never what a row gets
 # Options added after outputs were written with the fingerprint that lacks them (issues 17, 23, 29, 33).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
@@ -228,7 +232,8 @@ _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
                 "json_schema", "json", "regex", "choice", "grammar", "schema_column",
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
                 "json_schema_mode", "lora", "csv_delimiter",    # 29, 33, 41
-                "tools", "tool_choice", "tool_call_parser")     # 45
+                "tools", "tool_choice", "tool_call_parser",     # 45
+                "image_column")                                 # 44
 
 
 def _section_classes() -> list[tuple[str, type]]:

@@ -14,6 +14,7 @@ from typing import ClassVar
 from engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
 from jobrunner.config.constraints import validate_constraint_options
 from jobrunner.config.values import JobConfigError, check_device, either
+from jobrunner.images.sources import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S, ImageLimits
 from jobrunner.models import DEFAULT_MODEL
 from jobrunner.config.ray import RayOptions
 from jobs.reasoning import REASONING_PARSERS
@@ -46,6 +47,11 @@ class InputOptions:
     limit: int | None = None                # only the first N rows (for trying a job out)
     csv_max_lines: int = 10_000             # a CSV record over more lines: an unclosed quote (exit 2)
     csv_delimiter: str | None = None        # None: a tab for .tsv, else sniffed from the header (csv_reader)
+    # a row's images (jobrunner/images): a column of image structs, bytes, paths or URLs (or lists of them)
+    image_column: str | None = None
+    max_image_pixels: int = DEFAULT_MAX_PIXELS      # an image over this many pixels fails its row (bombs)
+    max_image_bytes: int = DEFAULT_MAX_BYTES        # an encoded image over this many bytes fails its row
+    image_timeout: float = DEFAULT_TIMEOUT_S        # seconds one fetch of an http(s) image may take
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -54,9 +60,18 @@ class InputOptions:
             _bad("--limit must be >= 0 (a number of rows)")
         if self.csv_max_lines < 1:
             _bad("--csv-max-lines must be >= 1 (the lines a CSV record may span)")
+        if self.max_image_pixels < 1 or self.max_image_bytes < 1:
+            _bad("--max-image-pixels and --max-image-bytes must be >= 1")
+        if not self.image_timeout > 0:
+            _bad("--image-timeout must be > 0 seconds")
         if self.csv_delimiter is not None and (len(self.csv_delimiter) != 1 or self.csv_delimiter in '"\r\n'):
             _bad(f"--csv-delimiter must be one character other than a quote or newline (a tab: $'\\t'), "
                  f"not {self.csv_delimiter!r}")
+
+    def image_limits(self) -> ImageLimits:
+        """How far the job goes for one image (jobrunner/images)."""
+        return ImageLimits(max_pixels=self.max_image_pixels, max_bytes=self.max_image_bytes,
+                           timeout_s=self.image_timeout)
 
 
 @dataclass(frozen=True)

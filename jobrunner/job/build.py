@@ -6,15 +6,20 @@ Job with another work source (jobrunner/parallel/worker.py: SharedUnits) and pro
 `jobrunner.generate` the same Job with another reader and its rows kept in memory (output.RowSink)."""
 from __future__ import annotations
 
+import json
 import logging
+import posixpath
 import threading
 from dataclasses import dataclass, replace
+
+import fsspec
 
 from engine import ConfigError, ModelError
 from jobrunner.cache.key import job_model_key
 from jobrunner.cache.reuse import Reuse
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import input_types, read_rows, rows_to_read
+from jobrunner.images import ImagePrep
 from jobrunner.job import checks
 from jobrunner.job.emit import Emitter
 from jobrunner.job.ending import JobResult, verdict
@@ -62,15 +67,18 @@ class JobParts:
 def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_config, *, rank: int = 0,
                part_prefix: str = "part", hits_now: bool = True, reader=None, done_ids=None,
                in_memory: bool = False, schema_from_rows: bool = False, fingerprint: dict | None = None,
-               stop=None) -> JobParts:
+               stop=None, image_processor=None) -> JobParts:
     """The parts of cfg's job on an engine of `info`, `tokenizer` and `engine_config` (engine.EngineInfo,
     its tokenizer, engine.EngineConfig). rank, part_prefix, hits_now: the work source's; reader: batches
     of Rows (else the dataset's); done_ids: the ids to skip (else those in the output's parts);
     in_memory: rows kept in a RowSink, cfg's output never touched (schema_from_rows: rows with no file
     behind them, typed from the first written, else declared from the dataset's columns); fingerprint: the output's (a Ray
     worker's: its driver's, whose paths are as given where the worker's are absolute), else cfg's;
-    stop: the threading.Event that stops the intake between batches."""
+    stop: the threading.Event that stops the intake between batches; image_processor: the engine's
+    (Engine.image_processor: a vision-language model's, else None; where no engine is at hand and info
+    says it takes images, read from the checkpoint: engine.load_image_processor)."""
     kind, builder = job_kind(cfg, resolved, info, tokenizer, engine_config.model)
+    images = _image_prep(cfg, info, engine_config, tokenizer, image_processor)
     manifest = job_manifest(cfg, resolved, info, engine_config.model, rank, fingerprint)
     writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows)
     stats = JobStats()
@@ -81,7 +89,8 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
                                           csv_delimiter=i.csv_delimiter))
     intake = Intake(reader, builder=builder, kind=kind, tokenizer=tokenizer, reuse=reuse, emit=emit, stats=stats,
                     done_ids=writer.done_ids, failed_ids=writer.failed_ids,
-                    limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop)
+                    limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop,
+                    image_column=i.image_column, images=images)
     planner = JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora)
     return JobParts(cfg, manifest, kind, intake, emit, planner, reuse, writer, stats, in_memory)
 
@@ -103,7 +112,7 @@ def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, w
         parts = open_parts(cfg, resolved, engine.info, engine.tokenizer, engine.config, rank=work.rank,
                            part_prefix=work.part_prefix, hits_now=work.hits_now, reader=reader, done_ids=done_ids,
                            in_memory=in_memory, schema_from_rows=schema_from_rows,
-                           fingerprint=fingerprint, stop=stop)
+                           fingerprint=fingerprint, stop=stop, image_processor=getattr(engine, "image_processor", None))
     except BaseException:
         if loaded:
             engine.close()
@@ -147,12 +156,35 @@ def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
     # unset sampling options: the checkpoint's; the context: for truncation
     spec = replace(cfg.job_spec(info.generation.sampling), context=info.max_model_len)
     template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
-    builder = PromptBuilder(spec, tokenizer, template)
+    builder = PromptBuilder(spec, tokenizer, template, images=getattr(info, "vision", False))
     try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai.routed)
         kind = job_for(resolved.fmt, cfg, spec, tokenizer, info.pooling, model, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     return kind, builder
+
+
+def _image_prep(cfg: JobConfig, info, engine_config, tokenizer, processor) -> ImagePrep | None:
+    """The job's image work (jobrunner/images) on the model's image processor; None for a model that takes
+    no images (its rows with images are error rows). Without the engine's processor (a Ray driver plans
+    on a worker's info), a vision model's is read from its checkpoint's config and preprocessor config."""
+    if processor is None and getattr(info, "vision", False):
+        processor = _checkpoint_image_processor(engine_config.model, tokenizer)
+    if processor is None:
+        return None
+    return ImagePrep(processor, cfg.input.image_limits(), dataset=cfg.input.dataset)
+
+
+def _checkpoint_image_processor(model: str, tokenizer):
+    import engine
+
+    def read(name: str) -> dict:
+        with fsspec.open(posixpath.join(model, name), "rb") as f:
+            return json.loads(f.read())
+    try:
+        return engine.load_image_processor(read("config.json"), read("preprocessor_config.json"), tokenizer)
+    except (OSError, ValueError) as e:
+        raise JobConfigError(f"model {model}: cannot read its image processor ({type(e).__name__}: {e})") from None
 
 
 def _reuse(cfg: JobConfig, resolved: Resolved, info, engine_config, stats):

@@ -5,31 +5,52 @@ value instead: its rows are neither rendered nor tokenized.
 On the way a row may end before it reaches the planner, written by the emitter: an id already in
 the output is skipped, a repeated id or a row that fails to build is an error row, a copy of an
 earlier row (dedup) gets that row's result, a result-cache hit is written at once (or held for the
-worker that claims its unit: `hits_now` false)."""
+worker that claims its unit: `hits_now` false).
+
+A row's images (its --image-column values, its messages' image parts: jobs.base.PromptBuilder.prompt) are
+fetched, decoded and prepared by the model's image processor in a thread pool (jobrunner/images): rows
+are staged a batch at a time (rendered, tokenized), their images submitted to the pool a bounded number
+ahead, and each row is made a request, in dataset order, once its images are ready: the tokens expanded
+at each image token (processor.expand), the request's engine.ImageInputs placed on them. A bad image (not
+found, not decodable, too large, a URL that fails after its retries) is that row's error; the job goes on."""
 from __future__ import annotations
 
 import logging
-from array import array
+from collections import deque
 from dataclasses import replace
 from typing import Iterator
 
 from jobrunner.idset import IdSet
-from jobrunner.job.pending import Interrupted, PendingRow
+from jobrunner.images import NO_PIXELS, ImageError, RowImages, column_images, image_inputs
+from jobrunner.job.pending import Interrupted, PendingRow, plan_tokens
 from jobs import RowError
+from jobs.messages import has_images
 
 log = logging.getLogger("jobrunner")
 
 # Rows held back for one batch lookup in the result cache are not packed yet (Python int lists, ~36
 # bytes a token): long prompts end a batch before its row count does.
 HELD_TOKENS = 4_000_000
+NO_IMAGES_MODEL = "this model takes no images"
+
+
+class _Staged:
+    """A row read, its prompt rendered and tokenized, its images (`values`) perhaps being prepared."""
+    __slots__ = ("row", "ids", "values", "future")
+
+    def __init__(self, row, ids, values=(), future=None):
+        self.row, self.ids, self.values, self.future = row, ids, values, future
 
 
 class Intake:
     """The rows a job runs. `reader()` gives batches of dataset Rows; `done_ids` / `failed_ids` are the
-    output's at open (IdSets, or empty); `limit` is --limit; `show_prompt` logs the first prompt."""
+    output's at open (IdSets, or empty); `limit` is --limit; `show_prompt` logs the first prompt.
+    image_column: --image-column; images: the job's jobrunner.images.ImagePrep (None: the model takes
+    no images, and a row with one is an error row)."""
 
     def __init__(self, reader, *, builder, kind, tokenizer, reuse, emit, stats, done_ids=None, failed_ids=None,
-                 limit: int | None = None, show_prompt: bool = False, hits_now: bool = True, stop=None):
+                 limit: int | None = None, show_prompt: bool = False, hits_now: bool = True, stop=None,
+                 image_column: str | None = None, images=None):
         self.reader, self.builder, self.kind, self.tokenizer = reader, builder, kind, tokenizer
         self.reuse, self.emit, self.stats = reuse, emit, stats
         self.done_ids, self.failed_ids = done_ids, failed_ids
@@ -37,25 +58,38 @@ class Intake:
         self.seen = IdSet()                 # ids read in this run, bar those done at open
         # the column holding the prompt's token ids, for a kind that takes them from the row; else None
         self.ids_column = getattr(kind, "prompt_ids_column", None)
+        self.image_column, self.images = image_column, images
+        self.image_token = getattr(getattr(images, "processor", None), "image_token_id", None)
+        # images prepared at once at most (the pool's threads, each a few ahead); staged ones to submit
+        self.ahead = 4 * images.workers if images is not None else 0
+        self._to_submit: deque[_Staged] = deque()
+        self._in_flight = 0
 
     def rows(self) -> Iterator[PendingRow]:
         """The rows that go on to the planner, in dataset order; the others are written on the way."""
         read, held, held_tokens = 0, [], 0     # held: rows waiting for a batch lookup in the result cache
-        for batch in self.reader():
-            if self.limit is not None:
-                batch = batch[:max(0, self.limit - read)]
-            read += len(batch)
-            for row, req, notes in self._requests(self._not_done(batch)):
-                held.append((row, req, notes))
-                held_tokens += len(req.prompt_token_ids)
-            if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
-                yield from self._past_cache(held)
-                held, held_tokens = [], 0
-            if self.stop is not None and self.stop.is_set():
-                raise Interrupted
-            if self.limit is not None and read >= self.limit:
-                break
-        yield from self._past_cache(held)
+        staged: deque[_Staged] = deque()       # rows read whose requests are not made yet (their images)
+        try:
+            for batch in self.reader():
+                if self.limit is not None:
+                    batch = batch[:max(0, self.limit - read)]
+                read += len(batch)
+                staged.extend(self._stage(self._not_done(batch)))
+                for made in self._requests(staged, final=False):
+                    held.append(made)
+                    held_tokens += len(made[1].prompt_token_ids)
+                if len(held) >= self.reuse.batch_rows or held_tokens >= HELD_TOKENS:
+                    yield from self._past_cache(held)
+                    held, held_tokens = [], 0
+                if self.stop is not None and self.stop.is_set():
+                    raise Interrupted
+                if self.limit is not None and read >= self.limit:
+                    break
+            held.extend(self._requests(staged, final=True))
+            yield from self._past_cache(held)
+        finally:
+            if self.images is not None:     # images not started are dropped (an interrupted job)
+                self.images.close()
 
     def _not_done(self, batch: list) -> list:
         """The batch less the ids done at open, however often they appear (their rows are all written)."""
@@ -68,9 +102,9 @@ class Intake:
             self.stats.rows_skipped_failed += sum(self.failed_ids.contains_many(skipped))
         return [row for row, d in zip(batch, done) if not d]
 
-    def _requests(self, batch: list):
-        """(row, request, notes) of the rows that run; an id's first row runs, each later one is a
-        duplicate error row; a copy of an earlier row (dedup) gets its result, now or when it is done."""
+    def _stage(self, batch: list) -> list[_Staged]:
+        """The batch's rows that go on, each with its prompt's ids and image values; an id's first row goes
+        on, each later one is a duplicate error row; a row whose prompt fails is an error row."""
         repeats = self.seen.add_new([row.id for row in batch])
         ready = []
         for row, repeat in zip(batch, repeats):
@@ -81,38 +115,114 @@ class Intake:
                 self.emit.error(row, row.error)
             elif (prompt := self._prompt(row)) is not None:
                 ready.append((row, *prompt))
-        for (row, _, _), ids in zip(ready, self._prompt_ids(ready)):
-            try:
-                req, notes = self.kind.request(row.id, ids, row.data, row.options)
-            except RowError as e:
-                self.emit.error(row, str(e))
-                continue
-            runs, result = self.reuse.admit(row, req, notes)
-            if runs:
-                yield row, req, notes
-            elif result is not None:
-                self.emit.output(row, notes, result, reused=True)
+        staged = [_Staged(row, ids, values) for (row, _, _, values), ids in zip(ready, self._prompt_ids(ready))]
+        self._to_submit.extend(s for s in staged if s.values)
+        return staged
 
-    def _prompt(self, row) -> tuple[str, bool] | tuple[object, None] | None:
-        """(text, whether special tokens are added), or None: the row's error is written. For a kind
-        that takes its prompt ids from the row: (the ids column's value as the row holds it, None),
+    def _requests(self, staged: deque, final: bool):
+        """(row, request, notes, RowImages or None) of the staged rows that run, in order, as far as their
+        images are ready (final: all, waiting for them); a copy of an earlier row (dedup) gets its result,
+        now or when it is done. Rows whose images are still being prepared, with none left to submit
+        behind them, wait for the next batch (the pool is kept busy meanwhile)."""
+        while staged:
+            self._submit()
+            head = staged[0]
+            if head.values and not final and not head.future.done() and not self._to_submit:
+                return
+            staged.popleft()
+            prepared = None
+            if head.values:
+                self._in_flight -= 1
+                try:
+                    prepared = head.future.result()
+                except ImageError as e:
+                    self.stats.image_errors += 1
+                    self.emit.error(head.row, str(e))
+                    continue
+            made = self._request(head.row, head.ids, head.values, prepared)
+            if made is not None:
+                yield made
+
+    def _submit(self) -> None:
+        """Rows' images to the pool, up to `ahead` being prepared at once."""
+        while self._to_submit and self._in_flight < self.ahead:
+            s = self._to_submit.popleft()
+            s.future = self.images.submit(s.values)
+            self._in_flight += 1
+
+    def _request(self, row, ids, values, prepared):
+        """(row, request, notes, RowImages or None) of a row that runs, or None: written already (an error, a
+        copy's result)."""
+        offsets = ()
+        try:
+            if prepared:
+                ids, offsets = self._expanded(ids, prepared)
+            elif self.image_token is not None and self.ids_column is None and self.image_token in ids:
+                raise RowError(f"the prompt holds the image token ({self.images.processor.image_token}) but the "
+                               f"row gives no image")
+            req, notes = self.kind.request(row.id, ids, row.data, row.options)
+            if prepared:
+                req = _with_images(req, notes, ids, image_inputs(prepared, offsets))
+        except RowError as e:
+            self.emit.error(row, str(e))
+            return None
+        if prepared:
+            self.stats.images += len(prepared)
+            self.stats.image_tokens += sum(im.length for im in req.images)
+        runs, result = self.reuse.admit(row, req, notes)
+        if not runs:
+            if result is not None:
+                self.emit.output(row, notes, result, reused=True)
+            return None
+        if not prepared:
+            return row, req, notes, None
+        images = RowImages.kept(self.images, values, prepared, self.image_token)
+        return row, replace(req, images=tuple(replace(im, pixels=NO_PIXELS) for im in req.images)), notes, images
+
+    def _expanded(self, ids: list[int], prepared) -> tuple[list[int], list[int]]:
+        """The prompt's ids with each image token repeated for its image's tokens, and each run's offset."""
+        processor = self.images.processor
+        try:
+            return processor.expand(ids, [p.image for p in prepared])
+        except ValueError as e:
+            found = sum(1 for t in ids if t == processor.image_token_id)
+            raise RowError(f"images: the prompt holds {found} image tokens ({processor.image_token}) for its "
+                           f"{len(prepared)} images ({e}); a raw prompt (no chat template) writes the token "
+                           f"once per image itself") from None
+
+    def _prompt(self, row) -> tuple[str, bool, tuple] | tuple[object, None, tuple] | None:
+        """(text, whether special tokens are added, image values), or None: the row's error is written. For a
+        kind that takes its prompt ids from the row: (the ids column's value as the row holds it, None, ()),
         nothing rendered (the kind checks the value)."""
         if self.ids_column is not None:
-            return (row.data or {}).get(self.ids_column), None
+            return (row.data or {}).get(self.ids_column), None, ()
         try:
-            text, special = self.builder.render(row.data, row.options)
+            column = column_images((row.data or {}).get(self.image_column)) if self.image_column else ()
+        except ImageError as e:
+            self.emit.error(row, f"--image-column {self.image_column!r}: {e}")
+            return None
+        if self.images is None and (why := images_refused(row, column, self.image_column,
+                                                          self.builder.spec.messages_column)):
+            self.emit.error(row, why)
+            return None
+        try:
+            if self.images is None:     # a text model (a row with images failed above): the prompt as always
+                text, special, values = *self.builder.render(row.data, row.options), ()
+            else:
+                p = self.builder.prompt(row.data, row.options, column)
+                text, special, values = p.text, p.special, p.images
         except RowError as e:
             self.emit.error(row, str(e))
             return None
         if self.show_prompt:        # --show-prompt: the first prompt only
             log.info("first prompt (row %s), exactly as the tokenizer gets it:\n%s", row.id, text)
             self.show_prompt = False
-        return text, special
+        return text, special, values
 
     def _prompt_ids(self, ready) -> list:
         """Each ready row's prompt ids: the row's own (nothing tokenized), else its text's, batch-tokenized."""
         if self.ids_column is not None:
-            return [ids for _, ids, _ in ready]
+            return [ids for _, ids, _, _ in ready]
         return self._encode(ready)
 
     def _encode(self, ready) -> list[list[int]]:
@@ -130,12 +240,14 @@ class Intake:
         """Rows past the result cache, looked up together (a lookup's cost is per bucket and shard
         touched, so a large batch amortizes it). A hit is written at once, unless every worker must plan
         the same rows (data-parallel: it waits in the plan like any row and is served when its unit is
-        claimed). The rest go on, their token ids packed."""
-        found = self.reuse.fetch([row.id for row, _, _ in held])
+        claimed). The rest go on, their token ids packed (planner ids at image positions: job/pending.py)."""
+        found = self.reuse.fetch([row.id for row, _, _, _ in held])
         sampling = None
-        for row, req, notes in held:
+        for row, req, notes, images in held:
             out = found.get(row.id)
             if out is not None and self.hits_now:
+                if images is not None:
+                    images.release()        # the row never runs
                 self.emit.finish(row, notes, out, from_cache=True)
                 continue
             if out is not None:
@@ -143,4 +255,35 @@ class Intake:
             if req.sampling == sampling:        # usually every row's: keep one object, not one a row
                 req = replace(req, sampling=sampling)
             sampling = req.sampling
-            yield PendingRow(row, array("I", req.prompt_token_ids), replace(req, prompt_token_ids=[]), notes)
+            yield PendingRow(row, plan_tokens(req.prompt_token_ids, req.images), replace(req, prompt_token_ids=[]),
+                             notes, images)
+
+
+def images_refused(row, column: tuple, image_column: str | None, messages_column: str | None) -> str | None:
+    """Why a row cannot run on a model that takes no images (it has some: `column`, its --image-column
+    values, or image parts in the messages the prompt is made of), or None."""
+    if column:
+        return f"--image-column {image_column!r}: {NO_IMAGES_MODEL}"
+    options, data = row.options, row.data or {}
+    msgs = options.messages if options.messages is not None else \
+        data.get(messages_column) if messages_column and options.prompt is None else None
+    if isinstance(msgs, list) and has_images(msgs):
+        kind = next(p["type"] for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)
+                    for p in m["content"] if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
+        return f"message content part of type {kind!r}: {NO_IMAGES_MODEL}"
+    return None
+
+
+def _with_images(req, notes, ids: list[int], images: tuple):
+    """req with its images, placed on its prompt as the kind left it (ids: the prompt before the kind): a
+    prompt --truncate-prompt cut keeps its images only where their runs are whole (a left cut moves them)."""
+    if notes.truncated_tokens:
+        kept = req.prompt_token_ids
+        left = len(ids) - len(kept)
+        if kept == ids[left:]:                  # its start was cut: the runs move with it
+            images = tuple(replace(im, offset=im.offset - left) for im in images)
+        if any(im.offset < 0 or im.offset + im.length > len(kept) for im in images):
+            raise RowError(f"--truncate-prompt would cut the prompt's images ({notes.truncated_tokens} tokens "
+                           f"dropped): images are kept whole or the row fails; raise the context or lower "
+                           f"--max-tokens")
+    return replace(req, images=images)

@@ -6,7 +6,7 @@ with an error naming the parameter. Keys we don't know fail the same way.
 
     data, error = parse_chat_body(body)                # a chat or completions line's row data
     params, error = body_params(body, chat=True)      # params: SamplingParams names (jobrunner.openai.rows)
-    messages, error = text_messages(body["messages"])  # content parts joined into one string
+    messages, error = text_messages(body["messages"])  # text parts joined into one string; image_url parts kept
 """
 from __future__ import annotations
 
@@ -170,9 +170,16 @@ def response_format_constraint(rf) -> Constraint | None:
 
 
 def text_messages(messages: list) -> tuple[list | None, str | None]:
-    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts); a tool-calling history
-    (assistant tool_calls, tool results) as jobs.messages.tool_call_messages accepts it; function calls,
-    audio and function messages are errors."""
+    """An OpenAI line's messages: text parts joined (jobs.messages.join_text_parts), a message with image_url
+    parts ({"type": "image_url", "image_url": {"url": an http(s) or data: URL, "detail": auto | low | high}})
+    kept as parts (its images are read at intake: jobrunner/images; `detail` changes nothing, as in vLLM);
+    a tool-calling history (assistant tool_calls, tool results) as jobs.messages.tool_call_messages accepts
+    it; function calls, audio and function messages are errors, and so are Hugging Face's image parts."""
+    hf = next((p for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"), None)
+    if hf is not None:
+        return None, ("message content part of type 'image' is not supported (an OpenAI line gives its images "
+                      "as image_url parts)")
     out, error = join_text_parts(messages)
     if error is None:
         error = tool_call_messages(out)[1]

@@ -3,7 +3,8 @@ that jobs/ knows nothing of OpenAI's wire format. The row's data keeps the parse
 (openai_batch.parse_record: messages, params, model, prompt, input, endpoint, line), which the output
 holds and the OpenAI output files are built from; the kinds read the options.
 
-    chat           data["messages"]                -> RowOptions.messages (the chat template renders them)
+    chat           data["messages"]                -> RowOptions.messages (the chat template renders them; image_url
+                                                      parts kept: the intake reads their images, jobrunner/images)
     completions    data["prompt"]                  -> RowOptions.prompt (raw text)
     embeddings     data["prompt"], data["input"]   -> prompt, kind "embed", texts (an input list), dimensions
     score, rerank  data["input"]                   -> kind "pairs", pairs (query, document), prompt (the first query)

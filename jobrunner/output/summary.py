@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobrunner.output.columns import reserved_columns
-from jobrunner.stats import PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
+from jobrunner.stats import IMAGE_SUMS, PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 from jobs import KINDS
 from jobs.metrics import job_metrics
@@ -68,12 +68,15 @@ def summary_of(tables: Tables, config: Mapping, runs: list[dict]) -> dict:
 
 
 def over_runs(runs: list[dict]) -> dict:
-    """Time, throughput, prefix optimum, engine counters and cost over the recorded runs, and the
+    """Time, throughput, prefix optimum, engine counters, images (when a run read any) and cost over the
+    recorded runs, and the
     last run's LATEST figures. Empty when no run is recorded."""
     if not runs:
         return {}
     sums = summed(runs, RUN_SUMS)
     out = {k: sums[k] for k in ("wall_s", "model_load_s", "device_hours", "duplicate_ids") + REUSE_SUMS}
+    if any(k in r for r in runs for k in IMAGE_SUMS):      # a run that read images (jobrunner/images)
+        out.update(summed(runs, IMAGE_SUMS))
     planned = [r for r in runs if r.get("planned_prompt_tokens")]
     if planned:
         out.update({k: sums[k] for k in PREFIX_SUMS})
