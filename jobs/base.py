@@ -69,7 +69,10 @@ class PromptBuilder:
                     raise RowError(str(e)) from None
             return self._contents(msgs), tuple(sources)
         text = self.text(data)
-        if not self.chat:
+        # a row with images goes through the chat template unless --no-chat says not: only the template
+        # places the image tokens (classify and score default to raw text)
+        chat = self.chat or bool(images) and self.spec.chat is None and self.tokenizer.has_chat_template
+        if not chat:
             return None, tuple(images)
         msgs = [{"role": "system", "content": self.system}] if self.system else []
         content = [IMAGE_PART] * len(images) + [{"type": "text", "text": text}] if images else text
@@ -173,7 +176,8 @@ def _renders_parts_only(tokenizer: Tokenizer) -> bool:
 def uses_chat(spec: JobSpec, tokenizer: Tokenizer) -> bool:
     """Whether a plain prompt goes through the chat template: --chat/--no-chat when given; else
     generate does when the model has one, and classify and score score raw text, as lm-eval
-    (no chat template by default) and vLLM's prompt logprobs do. Messages (a --messages-column,
+    (no chat template by default) and vLLM's prompt logprobs do; a row with images does when neither is
+    given (only the template places image tokens: PromptBuilder._messages). Messages (a --messages-column,
     a row's own: RowOptions.messages) always go through it: see PromptBuilder.messages."""
     if spec.prompt.chat is not None:
         return spec.prompt.chat

@@ -69,7 +69,7 @@ def test_responses_lines_give_response_objects(qwen, tmp_path):
     errors = {cid: x["error"] for cid, x in out.items() if x["error"]}
     assert errors["stateful"]["param"] == "previous_response_id"
     assert errors["effort"]["param"] == "reasoning" and "reasoning_effort" in errors["effort"]["message"]
-    assert errors["image"]["param"] == "input" and "input_image" in errors["image"]["message"]
+    assert errors["image"]["param"] == "input" and "takes no images" in errors["image"]["message"]   # a text model
     assert errors["format"]["param"] == "text"
 
 

@@ -25,7 +25,7 @@ log = logging.getLogger("jobrunner")
 
 # The options that name an input column, and the kinds or settings that read it.
 COLUMN_OPTIONS = ("id_column", "prompt_column", "messages_column", "labels_column", "reference_column",
-                  "score_column", "schema_column")
+                  "score_column", "schema_column", "image_column")
 
 
 def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
@@ -50,7 +50,7 @@ def check_dataset(cfg: JobConfig) -> tuple[str, list[str]]:
     options = cfg.options()
     wanted = [name for name in COLUMN_OPTIONS if options.get(name) and name in cfg.given]
     wanted += [name for name in ("messages_column", "labels_column", "reference_column", "score_column",
-                                 "schema_column") if options.get(name) and name not in wanted]
+                                 "schema_column", "image_column") if options.get(name) and name not in wanted]
     from_ids = getattr(KINDS[cfg.kind.name], "prompt_ids_column", None)     # the tokens kind: no prompt text
     if not (cfg.prompt.template or cfg.input.messages_column or from_ids) and "prompt_column" not in wanted:
         wanted.append("prompt_column")

@@ -9,7 +9,8 @@
              {"type": "function_call", "call_id": "call_...", "name": "f", "arguments": "{...}"}],
           "usage": {"input_tokens", "output_tokens", "total_tokens", ...}, ...}
 
-input items: messages ({role, content}: a string or input_text / output_text parts; `developer` is the
+input items: messages ({role, content}: a string or input_text / output_text / input_image parts (an
+image_url of a data: or http(s) URL, as chat image_url parts read it); `developer` is the
 system role), function_call items (an assistant message's tool_calls) and function_call_output items
 (tool messages); reasoning items of earlier turns are dropped, as chat templates drop earlier reasoning.
 `instructions` is a system message before them. Keys a batch cannot honour (previous_response_id,
@@ -81,8 +82,8 @@ def input_messages(items: Any, instructions: Any) -> tuple[list | None, str | No
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _joined(output)
-            if text is None:
+            text, _ = (output, None) if isinstance(output, str) else _chat_content(output)
+            if not isinstance(text, str):
                 return None, "input: a function_call_output's output must be a string or text parts"
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind != "reasoning":
@@ -96,20 +97,34 @@ def _message(item: dict) -> tuple[dict | None, str | None]:
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         return None, f"input message role must be user, assistant, system or developer, not {role!r}"
-    text = content if isinstance(content, str) else _joined(content)
-    if text is None:
-        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content or []]
-        bad = next((k for k in kinds if k not in _TEXT_PARTS), None)
-        return None, f"input content part of type {bad!r} is not supported (only text parts)"
+    if isinstance(content, str):
+        text = content
+    else:
+        text, error = _chat_content(content)
+        if error is not None:
+            return None, error
     return {"role": "system" if role == "developer" else role, "content": text}, None
 
 
-def _joined(parts) -> str | None:
-    """Text parts' texts joined by newlines (as chat content parts are); None if a part is not text."""
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS
-                                              and isinstance(p.get("text"), str) for p in parts):
-        return None
-    return "\n".join(p["text"] for p in parts)
+def _chat_content(parts) -> tuple[str | list | None, str | None]:
+    """Input parts as a chat message's content: text parts' texts joined by newlines (as chat content parts
+    are); with input_image parts ({image_url: a data: or http(s) URL}), chat parts in their order."""
+    if not isinstance(parts, list):
+        return None, "input message content must be a string or a list of parts"
+    out = []
+    for p in parts:
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind in _TEXT_PARTS and isinstance(p.get("text"), str):
+            out.append({"type": "text", "text": p["text"]})
+        elif kind == "input_image" and isinstance(p.get("image_url"), str):
+            out.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}})
+        elif kind == "input_image":
+            return None, "input_image parts need an image_url (a data: or http(s) URL); file_id is not supported"
+        else:
+            return None, f"input content part of type {kind!r} is not supported (only text and input_image parts)"
+    if all(p["type"] == "text" for p in out):
+        return "\n".join(p["text"] for p in out), None
+    return out, None
 
 
 def _chat_request(body: dict) -> tuple[dict | None, str | None]:

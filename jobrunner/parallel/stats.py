@@ -36,6 +36,9 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     s["started_at"] = min((x["started_at"] for _, x in summaries if x.get("started_at")), default=None)
     s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
+    for name in ("images", "image_tokens", "image_errors"):    # counted by each worker's intake, over every row
+        if name in first:
+            s[name] = first[name]
     s.update(wall_s=max(wall_s, 1e-9), model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries),
                                                         default=0.0),
              device=",".join(sorted({v["device"] for v in results})) or None,
