@@ -255,6 +255,9 @@ def summary_lines(s: dict, output: str) -> list[str]:
         if s.get("optimum_cache_hit_rate") is not None:
             hits += f" (the dataset's optimum: {s['optimum_cache_hit_rate']:.1%})"
         lines.append(("cache hits", hits))
+    if s.get("images") or s.get("image_errors"):
+        bad = f", {s['image_errors']:,} failed their rows" if s.get("image_errors") else ""
+        lines.append(("images", f"{s.get('images') or 0:,} ({s.get('image_tokens') or 0:,} of the prompt tokens){bad}"))
     if s.get("rows_reused") or s.get("rows_from_cache"):
         saved = f" (~{_usd(s['cost_saved_usd'])} saved)" if s.get("cost_saved_usd") is not None else ""
         lines.append(("reused", f"{s.get('rows_from_cache') or 0:,} rows from the cache, {s.get('rows_reused') or 0:,} "
