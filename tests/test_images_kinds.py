@@ -1,6 +1,6 @@
 """Image rows beyond plain generation, on the tiny Qwen2-VL checkpoint: a Parquet of image structs answers
-as the same requests written as OpenAI batch lines; classify, structured output and /v1/responses lines
-with input_image parts run over images."""
+as the same requests written as OpenAI batch lines; score, classify, structured output and /v1/responses
+lines with input_image parts run over images."""
 from __future__ import annotations
 
 import base64
@@ -40,8 +40,9 @@ def _data_url(png: bytes) -> str:
 
 def _struct_parquet(path, rows) -> str:
     table = pa.table({"id": [r["id"] for r in rows], "prompt": [r["prompt"] for r in rows],
-                      "image": [{"bytes": r["png"], "path": None} for r in rows]},
-                     schema=pa.schema([("id", pa.string()), ("prompt", pa.string()), ("image", STRUCT)]))
+                      "answer": ["a cat" for _ in rows], "image": [{"bytes": r["png"], "path": None} for r in rows]},
+                     schema=pa.schema([("id", pa.string()), ("prompt", pa.string()), ("answer", pa.string()),
+                                       ("image", STRUCT)]))
     pq.write_table(table, str(path))
     return str(path)
 
@@ -72,6 +73,17 @@ def test_a_parquet_of_image_structs_answers_as_openai_lines(qwen, pictures, tmp_
     for rid, body in answers.items():
         assert body.choices[0].message.content == from_parquet[rid]["output"]
         assert body.usage.prompt_tokens == from_parquet[rid]["prompt_tokens"]
+
+
+def test_score_over_images(qwen, pictures, tmp_path):
+    rows = [{"id": f"r{i}", "prompt": "what animal is it?", "png": png} for i, png in enumerate(pictures)]
+    ds = _struct_parquet(tmp_path / "ds.parquet", rows)
+    res = jobrunner.submit(ds, str(tmp_path / "score"), model=qwen, image_column="image", kind="score",
+                           score_column="answer")
+    assert res.exit_code == 0 and res.stats["images"] == len(rows)
+    out = read_results(str(tmp_path / "score")).to_pylist()
+    assert all(r["error"] is None and r["scored_tokens"] > 0 for r in out)
+    assert len({round(r["logprob"], 6) for r in out}) == len(rows)      # each image its own likelihood
 
 
 def test_classify_and_structured_output_over_images(qwen, pictures, tmp_path):
