@@ -244,7 +244,8 @@ def engine_info(rt: EngineRuntime, config: EngineConfig, max_len: int) -> Engine
                       block_size=config.block_size, weight_bytes=rt.weight_bytes, load_s=rt.load_s,
                       hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, pooling=rt.pooling,
                       generation=rt.generation, quantization=getattr(rt.model, "quantization", "none"),
-                      vision=rt.image_processor is not None)
+                      vision=rt.image_processor is not None,
+                      packed_weights=getattr(rt.model, "packed_weights", False))
 
 
 def vision_spec(model) -> VisionSpec | None:

@@ -19,6 +19,7 @@ from engine.generation_config import GenerationDefaults
 from engine.info import Tokenizer
 from engine.lora.adapter import check_adapter
 from engine.lora.modules import LoraSet, apply_loras
+from engine.packed_weights import pack_linears
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
@@ -165,6 +166,10 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
         from engine.quant import quantize_model
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
+    if config.packed_weights and device.type == "cpu":     # after quantizing: what is still float32 nn.Linear
+        added = pack_linears(model, batch_hint=min(config.max_num_seqs or 64, 64))
+        model.packed_weights = added is not None
+        weight_bytes += added or 0
     per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype, tp.size)
     budget = config.kv_cache_memory or _default_kv_budget(device, config)
     num_blocks = _agreed(budget // per_block, tp)

@@ -2,7 +2,7 @@
 
 A key is blake2b-128 over (the model key, the request's description). The model key covers the
 checkpoint's content (jobrunner/cache/identity.py) and the numeric mode (dtype, quantization, KV
-cache dtype, device type, torch's version, engine.numerics.NUMERICS_VERSION). The request's
+cache dtype, device type, torch's version, packed CPU weights, engine.numerics.NUMERICS_VERSION). The request's
 description is every field of engine.request.Request but its id and its prompt text (kept for the
 output only), plus the job kind: the prompt's token ids, the sampling parameters (seed included),
 the kind's inputs (classify's candidates, score's score_from), a LoRA adapter's content hash, and any field a later change adds
@@ -59,6 +59,8 @@ def job_model_key(model: str, info: EngineInfo, quantization: str, kv_cache_dtyp
     numeric_mode = {"dtype": info.dtype, "kv_dtype": info.kv_dtype, "kv_cache_dtype": kv_cache_dtype,
                     "quantization": quantization, "device": info.device_type,
                     "torch": ".".join(torch.__version__.split(".")[:2])}
+    if info.packed_weights:     # another summation order; keys of the F.linear path stay as they were
+        numeric_mode["packed_weights"] = True
     return model_key(checkpoint, numeric_mode)
 
 

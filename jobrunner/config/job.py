@@ -127,6 +127,7 @@ class JobConfig:
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_batched_tokens,
             enable_prefix_caching=e.prefix_cache, cuda_graphs=e.cuda_graphs,
             async_scheduling=e.async_scheduling, seed=self.sampling.seed or 0, num_threads=self.cpu_threads(),
+            packed_weights=e.packed_weights,
             grammar_timeout_s=e.grammar_timeout, tensor_parallel=self.parallel.tensor_parallel,
             loras=resolved.adapter_paths, max_loras=self.lora.max_loras)
 
@@ -221,7 +222,7 @@ def job_config(dataset: str = "", **options) -> JobConfig:
 # changes where and in what order sums are taken (a float's last bits), not what the job asks for.
 _NOT_FINGERPRINTED = {
     "output", "overwrite", "part_rows", "max_error_rate", "device_hourly_cost", "data_parallel", "tensor_parallel",
-    "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs",
+    "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "packed_weights",
     "async_scheduling", "kv_cache_memory", "limit", "device", "block_size", "show_prompt", "fail_on_empty",
     "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines", "max_loras",
     "max_image_pixels", "max_image_bytes", "image_timeout",     # limits: which rows fail, never what one gets

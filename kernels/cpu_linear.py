@@ -1,0 +1,53 @@
+"""Float32 linears on the CPU with their weights packed once into oneDNN's blocked layout.
+
+torch's F.linear runs float32 on MKL's sgemm. On a 2-core AVX-512 EPYC, oneDNN over a weight
+reordered once ran the default model's shapes 2.2-3.5x faster at every row count from 1 to 2048
+(benchmarks/cpu_linear.py), and one layout serves every row count (a weight packed for 1, 64 or 512
+rows ran each count within 10% of the best), so no batch-size buckets are kept: the packed weight
+replaces the dense one and costs no memory (an lm_head tied to the embeddings gets its own copy).
+
+Not bit-exact against F.linear: oneDNN sums in another order. The difference is float32 rounding,
+within PACKED_RTOL of the output's scale (checked at packing, and in tests/test_cpu_linear.py);
+greedy tokens still match transformers on the parity tests. Off: EngineConfig.packed_weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# |packed - F.linear| <= PACKED_RTOL * sqrt(K) * max|x| * max|w|: a few float32 ulps of a K-term sum.
+PACKED_RTOL = 2e-6
+
+
+def packing_available() -> bool:
+    """Whether this torch has oneDNN's linear ops (x86 and arm builds with mkldnn do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward over a float32 weight in oneDNN's layout; in/out_features as nn.Linear's."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linear(linear: nn.Linear, batch_hint: int = 64) -> PackedLinear:
+    """linear packed; ValueError when the packed product strays from F.linear's (a broken build)."""
+    packed = PackedLinear(linear, batch_hint)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, linear.in_features, generator=g)
+    ref = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    scale = linear.in_features ** 0.5 * x.abs().max() * linear.weight.abs().max() + (
+        0 if linear.bias is None else linear.bias.abs().max())
+    if not (packed(x) - ref).abs().max() <= PACKED_RTOL * scale:
+        raise ValueError(f"packed linear {linear.in_features}->{linear.out_features} disagrees with F.linear")
+    return packed

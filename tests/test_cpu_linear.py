@@ -1,0 +1,78 @@
+"""Float32 linears over weights packed for oneDNN (kernels/cpu_linear.py, engine/packed_weights.py):
+within PACKED_RTOL of F.linear at every row count, in place of exactly the float32 nn.Linear modules,
+a tied lm_head copied, greedy tokens as transformers', and the off switch giving F.linear's bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.request import Request, SamplingParams
+from kernels import PACKED_RTOL, PackedLinear, pack_linear, packing_available
+from tests.tiny import engine_for, hf_greedy, hf_model, prompts
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 200, 1000])
+@pytest.mark.parametrize("shape,bias", [((576, 960), False), ((1536, 576), True), ((64, 320), False)])
+def test_packed_within_tolerance_of_f_linear(shape, bias, rows):
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(*shape, bias=bias)
+    x = torch.randn(rows, shape[0], generator=g)
+    packed = pack_linear(lin, batch_hint=64)
+    ref = F.linear(x, lin.weight, lin.bias)
+    scale = shape[0] ** 0.5 * x.abs().max() * lin.weight.abs().max()
+    with torch.inference_mode():
+        out = packed(x)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert (out - ref).abs().max() <= PACKED_RTOL * scale
+
+
+def test_packed_takes_any_leading_shape_and_strides():
+    lin = nn.Linear(48, 40)
+    packed = pack_linear(lin)
+    x = torch.randn(3, 9, 48)[:, 2:7]                       # 3-D and not contiguous
+    torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_packs_float32_linears_and_copies_a_tied_head():
+    hf = hf_model("qwen2")                                   # tied embeddings
+    eng = engine_for(hf)
+    model = eng.rt.model
+    assert eng.info.packed_weights
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert linears == [] and isinstance(model.lm_head, PackedLinear)
+    assert model.embed_tokens.weight.layout == torch.strided          # lookups keep the dense rows
+    plain = engine_for(hf, packed_weights=False)
+    assert eng.info.weight_bytes - plain.info.weight_bytes == 320 * 64 * 4    # the head's copy, no more
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_tokens_equal_transformers_when_packed(arch):
+    hf = hf_model(arch)
+    eng = engine_for(hf)
+    assert eng.info.packed_weights
+    batch = prompts(3)
+    p = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = eng.generate([Request(str(i), ids, p) for i, ids in enumerate(batch)])
+    for ids, out in zip(batch, outs):
+        tokens, lps = hf_greedy(hf, ids, 12)
+        assert out.token_ids == tokens
+        ours = [lp.logprob for lp in out.completions[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, lps)) < 1e-4
+
+
+def test_off_switch_keeps_every_nn_linear():
+    hf = hf_model("qwen2")
+    eng = engine_for(hf, packed_weights=False)
+    assert not eng.info.packed_weights
+    assert not any(isinstance(m, PackedLinear) for m in eng.rt.model.modules())
+    assert eng.rt.model.lm_head.weight is eng.rt.model.embed_tokens.weight      # still tied: no copy
+
+
+def test_quantized_linears_are_left_to_their_kernels():
+    eng = engine_for(hf_model("llama"), quantization="int8")
+    kinds = {type(m).__name__ for m in eng.rt.model.modules()}
+    assert "Int8Linear" in kinds and "Linear" not in kinds
