@@ -48,7 +48,7 @@ def measured(monkeypatch, tmp_path):
     """calibration.measure_mode replaced by FAKE's figures; the modes it was asked for, in order."""
     calls = []
 
-    def fake(model, mode, threads):
+    def fake(model, mode, threads, packed_weights=True):
         calls.append(mode)
         ppl, tps = FAKE[mode]
         return {"perplexity": ppl, "tokens_per_s": tps, "cpu_tokens_per_s": tps, "load_s": 0.0}
@@ -81,6 +81,18 @@ def test_measured_once_then_cached(measured, caplog):
     assert measured == ["float32", "bfloat16", "w8a8"]                  # no engine loaded again
     assert second.calibration["source"] == "cache" and second.calibration["modes"] == rec["modes"]
     assert (second.dtype, second.quantization) == ("auto", "w8a8")
+
+
+def test_unpacked_weights_are_calibrated_apart(measured, monkeypatch):
+    seen = []
+    fake = calibration.measure_mode
+    monkeypatch.setattr(calibration, "measure_mode",
+                        lambda model, mode, threads, packed_weights=True: seen.append(packed_weights)
+                        or fake(model, mode, threads, packed_weights))
+    resolve_engine(cpu_auto_cfg())
+    assert resolve_engine(cpu_auto_cfg(packed_weights=False)).calibration["source"] == "measured"
+    assert seen == [True] * 3 + [False] * 3          # float32's speed differs: its own figures, its own file
+    assert calibration.cache_path(MODEL, True) != calibration.cache_path(MODEL, False)
 
 
 def test_refresh_measures_again(measured, monkeypatch):
@@ -200,10 +212,10 @@ def test_a_mode_the_engine_refuses_is_skipped(measured, monkeypatch):
 
     fake = calibration.measure_mode
 
-    def refuse_w8a8(model, mode, threads):
+    def refuse_w8a8(model, mode, threads, packed_weights=True):
         if mode == "w8a8":
             raise ConfigError("--quantization w8a8: not on this machine")
-        return fake(model, mode, threads)
+        return fake(model, mode, threads, packed_weights)
 
     monkeypatch.setattr(calibration, "measure_mode", refuse_w8a8)
     rec = calibration.cpu_auto(MODEL, 1)

@@ -62,7 +62,7 @@ log = logging.getLogger("jobrunner")
 ENV = "JOBRUNNER_CALIBRATION"       # off: the flag rule, nothing measured; refresh: measure again
 EXACT = "--dtype float32 --quantization none"
 TOLERANCE = 0.01                    # a mode's perplexity at most 1% over float32's
-CALIBRATION_VERSION = 1             # the text, the workload or the figures' meaning changed: measure again
+CALIBRATION_VERSION = 2             # the text, the workload or the figures' meaning changed: measure again
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
 # dtype auto is float32 on CPU, as the flag rule says it
 MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8")}
@@ -87,10 +87,11 @@ def pick(figures: Mapping[str, Mapping], tolerance: float = TOLERANCE, allowed=t
     return max(passing, key=lambda m: figures[m]["tokens_per_s"], default="float32")    # max: the first of equals
 
 
-def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_only: bool = False) -> dict:
+def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_only: bool = False,
+             packed_weights: bool = True) -> dict:
     """The record of auto's choice for `model` on this CPU: the cached figures, else measured now
     (`measure`; on `threads`, None: the free cores), else the flag rule. float_only: --tensor-parallel,
-    where w8a8 does not split."""
+    where w8a8 does not split. packed_weights: the job's (float32's speed depends on it)."""
     allowed = FLOAT_MODES if float_only else tuple(MODES)
     setting = os.environ.get(ENV, "on").strip().lower()
     if setting == "off":
@@ -99,13 +100,13 @@ def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_onl
         return by_flags("a torchrun rank measures nothing and reads no cache", float_only)
     if not TEXT_FILE.is_file():     # an install without the package's data
         return by_flags(f"{TEXT_FILE.name} is not installed", float_only)
-    path = cache_path(model)
+    path = cache_path(model, packed_weights)
     figures = read_cache(path) if path is not None and setting != "refresh" else None
     source = "cache"
     if figures is None:
         if not measure:
             return by_flags("auto: calibrated at first run", float_only)
-        figures, source = measure_all(model, threads), "measured"
+        figures, source = measure_all(model, threads, packed_weights), "measured"
         if "float32" not in figures["modes"]:
             return by_flags(f"float32 could not be measured ({figures['skipped'].get('float32')})", float_only)
         if path is not None:
@@ -166,14 +167,14 @@ def output_record(output_url: str) -> dict | None:
 # --- measuring -------------------------------------------------------------------------------
 
 
-def measure_all(model: str, threads: int | None) -> dict:
+def measure_all(model: str, threads: int | None, packed_weights: bool = True) -> dict:
     """Every mode's figures, one engine at a time: {"modes": {mode: figures}, "skipped": {mode: why},
     "machine", "seconds", "measured_at"}. A mode the engine refuses (or fails to run) is skipped."""
     t0 = time.perf_counter()
     modes, skipped = {}, {}
     for mode in MODES:
         try:
-            modes[mode] = measure_mode(model, mode, threads)
+            modes[mode] = measure_mode(model, mode, threads, packed_weights)
         except (ConfigError, ModelError, EngineFailure, RuntimeError, NotImplementedError, OSError) as e:
             skipped[mode] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             log.info("calibration: %s not run (%s)", mode, skipped[mode])
@@ -182,12 +183,13 @@ def measure_all(model: str, threads: int | None) -> dict:
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def measure_mode(model: str, mode: str, threads: int | None) -> dict:
+def measure_mode(model: str, mode: str, threads: int | None, packed_weights: bool = True) -> dict:
     """One mode's figures: {"perplexity", "tokens_per_s", "cpu_tokens_per_s", "threads", "other_load",
     "load_s"} (the module doc). threads: fixed, or None: the cores free at each repeat's start."""
     dtype, quantization = MODES[mode]
     config = EngineConfig(model=model, dtype=dtype, device="cpu", quantization=quantization,
-                          kv_cache_memory=KV_CACHE_BYTES, num_threads=threads or free_cores())
+                          kv_cache_memory=KV_CACHE_BYTES, num_threads=threads or free_cores(),
+                          packed_weights=packed_weights)
     t0 = time.perf_counter()
     with engine.Engine(config) as eng:
         load_s = time.perf_counter() - t0
@@ -236,7 +238,7 @@ def machine() -> dict:
 # --- the cache -------------------------------------------------------------------------------
 
 
-def cache_path(model: str) -> Path | None:
+def cache_path(model: str, packed_weights: bool = True) -> Path | None:
     """<cache>/calibration/<key>.json for `model` on this machine; None (with a warning) when the
     checkpoint cannot be identified (then nothing is cached: each job measures)."""
     import torch
@@ -248,7 +250,8 @@ def cache_path(model: str) -> Path | None:
         return None
     key = {"checkpoint": checkpoint, "cpu": cpu_name(), "flags": sorted(cpu_flags()), "cores": os.cpu_count(),
            "torch": torch.__version__, "numerics": engine.NUMERICS_VERSION, "calibration": CALIBRATION_VERSION,
-           "text": hashlib.blake2b(calibration_text().encode(), digest_size=8).hexdigest()}
+           "text": hashlib.blake2b(calibration_text().encode(), digest_size=8).hexdigest(),
+           **({} if packed_weights else {"packed_weights": False})}
     text = json.dumps(key, sort_keys=True, separators=(",", ":"))
     return engine.cache_root() / "calibration" / f"{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}.json"
 

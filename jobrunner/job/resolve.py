@@ -168,7 +168,8 @@ def precision(cfg: JobConfig, shipped: str | None = None, model: str | None = No
     if kept is not None and not (tp and kept["quantization"] == "w8a8"):
         record = {**kept, "resumed": True}      # the figures it rested on, where they were measured
     else:
-        record = cpu_auto(model or e.model, e.threads, measure=measure, float_only=tp)
+        record = cpu_auto(model or e.model, e.threads, measure=measure, float_only=tp,
+                          packed_weights=e.packed_weights)
     log.info("--quantization auto: %s", summary(record))
     return record["dtype"], record["quantization"], record
 
