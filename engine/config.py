@@ -28,8 +28,8 @@ class EngineConfig:
     cuda_graphs: bool = True            # on CUDA, replay captured graphs for pure-decode steps
     async_scheduling: bool = True       # schedule step k+1 while step k runs (engine/engine.py)
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
-    packed_weights: bool = True         # on CPU, float32 linears over weights packed once for oneDNN (not
-                                        # bit-exact against F.linear: engine/packed_weights.py); False: F.linear
+    packed_weights: bool = True         # on CPU, float32/bfloat16 linears over weights packed once for oneDNN
+                                        # (float32 not bit-exact against F.linear: engine/packed_weights.py)
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)

@@ -52,4 +52,4 @@ class EngineInfo:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)   # its sampling defaults
     quantization: str = "none"      # what the weights run as: ours (int4, ...) or a shipped checkpoint's scheme
     vision: bool = False            # takes images (Request.images): a vision-language model
-    packed_weights: bool = False    # float32 linears run on oneDNN over packed weights (engine/packed_weights.py)
+    packed_weights: bool = False    # CPU float linears run on oneDNN over packed weights (engine/packed_weights.py)

@@ -166,7 +166,7 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
         from engine.quant import quantize_model
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
-    if config.packed_weights and device.type == "cpu":     # after quantizing: what is still float32 nn.Linear
+    if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
         added = pack_linears(model, batch_hint=min(config.max_num_seqs or 64, 64))
         model.packed_weights = added is not None
         weight_bytes += added or 0

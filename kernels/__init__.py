@@ -8,7 +8,7 @@ from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, store_kv
 from kernels.attention_metadata import choose_num_splits
 from kernels.cpu_attention import CpuDecode, DecodeKey, compile_decode_package, load_decode_package
-from kernels.cpu_linear import PACKED_RTOL, PackedLinear, pack_linear, packing_available
+from kernels.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
 from kernels.lora import Segments, sgmv, sgmv_ref
@@ -29,8 +29,8 @@ __all__ = [
     "AttentionMetadata", "choose_num_splits", "paged_attention", "store_kv", "store_kv_int8",
     # the in-place CPU decode attention's package: compiled to a path, loaded (engine/cpu_decode.py decides when)
     "CpuDecode", "DecodeKey", "compile_decode_package", "load_decode_package",
-    # float32 linears on the CPU over weights packed once for oneDNN
-    "PACKED_RTOL", "PackedLinear", "pack_linear", "packing_available",
+    # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
+    "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_rtol", "packing_available",
     # layers
     "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
     "silu_and_mul",

@@ -1,5 +1,5 @@
-"""Float32 linears over weights packed for oneDNN (kernels/cpu_linear.py, engine/packed_weights.py):
-within PACKED_RTOL of F.linear at every row count, in place of exactly the float32 nn.Linear modules,
+"""Float32 and bfloat16 linears over weights packed for oneDNN (kernels/cpu_linear.py,
+engine/packed_weights.py): float32 within its tolerance of F.linear at every row count, bfloat16 equal, in place of exactly the float32 nn.Linear modules,
 a tied lm_head copied, greedy tokens as transformers', and the off switch giving F.linear's bits."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.request import Request, SamplingParams
-from kernels import PACKED_RTOL, PackedLinear, pack_linear, packing_available
+from kernels import PackedLinear, pack_linear, packed_rtol, packing_available
 from tests.tiny import engine_for, hf_greedy, hf_model, prompts
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
@@ -27,7 +27,24 @@ def test_packed_within_tolerance_of_f_linear(shape, bias, rows):
     with torch.inference_mode():
         out = packed(x)
     assert out.shape == ref.shape and out.dtype == torch.float32
-    assert (out - ref).abs().max() <= PACKED_RTOL * scale
+    assert (out - ref).abs().max() <= packed_rtol(torch.float32) * scale
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+def test_bfloat16_packed_gives_f_linear_bits(rows):
+    lin = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(pack_linear(lin)(x), F.linear(x, lin.weight))
+
+
+def test_bfloat16_engine_packs_and_matches_its_unpacked_run():
+    hf = hf_model("llama")
+    packed, plain = engine_for(hf, dtype="bfloat16"), engine_for(hf, dtype="bfloat16", packed_weights=False)
+    assert packed.info.packed_weights and isinstance(packed.rt.model.lm_head, PackedLinear)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+    batch = [Request(str(i), ids, p) for i, ids in enumerate(prompts(5))]
+    assert [o.token_ids for o in packed.generate(batch)] == [o.token_ids for o in plain.generate(batch)]
 
 
 def test_packed_takes_any_leading_shape_and_strides():

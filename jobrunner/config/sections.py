@@ -274,7 +274,7 @@ class EngineOptions:
     cuda_graphs: bool = True                # replay CUDA graphs for decode steps (GPUs only)
     async_scheduling: bool = True           # schedule the next step while the current one runs
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
-    packed_weights: bool = True             # float32 CPU linears on oneDNN over weights packed once
+    packed_weights: bool = True             # float32/bfloat16 CPU linears on oneDNN over weights packed once
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
 
     def __post_init__(self):

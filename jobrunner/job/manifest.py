@@ -20,7 +20,7 @@ def job_manifest(cfg, resolved, info, engine_model: str, rank: int = 0, fingerpr
                 "model_source": describe(cfg.engine.model, info.source), "dataset_format": resolved.fmt}
     if info.quantization != "none":     # ours (--quantization) or the checkpoint's own scheme
         manifest["quantization"] = info.quantization
-    if info.packed_weights:     # float32 linears on oneDNN (engine/packed_weights.py), not F.linear's bits
+    if info.packed_weights:     # CPU float linears on oneDNN (engine/packed_weights.py): float32 not F.linear's bits
         manifest["packed_weights"] = True
     if resolved.calibration is not None:    # how --quantization auto chose on this CPU, and the figures it rested on
         manifest["calibration"] = resolved.calibration
