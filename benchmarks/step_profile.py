@@ -18,6 +18,10 @@ import statistics
 import time
 from collections import defaultdict
 
+# matmul op -> ((M, K), N) from its input shapes: F.linear's mm takes x [M, K] and w.t() [K, N];
+# a packed linear (kernels/cpu_linear.py) x [M, K] and the weight [N, K]
+MATMULS = {"aten::mm": lambda s: (tuple(s[0][:2]), s[1][1]),
+           "mkldnn::_linear_pointwise": lambda s: (tuple(s[0][-2:]), s[1][0])}
 # op name -> group; the first key contained in the name wins (lower-cased)
 GROUPS = [
     ("cpu_attention", "attention"), ("attention", "attention"), ("sdpa", "attention"), ("flex", "attention"),
@@ -75,8 +79,8 @@ def _profile(engine, steps: int) -> dict:
         if ev.key in WRAPPERS or own <= 0:
             continue
         groups[group_of(ev.key)] += own
-        if ev.key == "aten::mm" and len(ev.input_shapes) >= 2 and ev.input_shapes[0] and ev.input_shapes[1]:
-            (m, k), (_, n) = ev.input_shapes[0][:2], ev.input_shapes[1][:2]
+        if ev.key in MATMULS and len(ev.input_shapes) >= 2 and ev.input_shapes[0] and ev.input_shapes[1]:
+            (m, k), n = MATMULS[ev.key](ev.input_shapes)
             entry = shapes[f"{m}x{k} @ {k}x{n}"]
             entry[0] += own
             entry[1] = 2 * m * k * n * ev.count / steps
@@ -209,10 +213,11 @@ def main(argv=None) -> None:
 
 
 def _matmul_params(engine) -> int:
-    """Weights a token multiplies: every linear layer's plus the output head's."""
+    """Weights a token multiplies: every linear layer's (plain or packed) plus the output head's."""
     import torch
-    return sum(m.weight.numel() for m in engine.rt.model.modules()
-               if isinstance(m, torch.nn.Linear) and m.weight is not None)
+    from kernels import PackedLinear
+    return sum(m.in_features * m.out_features for m in engine.rt.model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ governor following the load), and a load that arrives mid-job.
 
     python -m benchmarks.threads_load                         # 32 rows x 32 new tokens, load 0 and 1
     python -m benchmarks.threads_load --rows 64 --max-tokens 64 --loads 0,1 --repeats 2
+    python -m benchmarks.threads_load --max-tokens 64 --loads 0,1,2 --repeats 3 --choices 1,auto
 
 "Other load" here is K processes each spinning one core (a stand-in for the other jobs of a shared
 CI runner or Airflow worker); whatever else runs on the machine adds to it (the table says how much,
@@ -61,12 +62,15 @@ def main(argv=None) -> None:
     ap.add_argument("--late-load-s", type=float, default=10.0,
                     help="also run with one busy process starting this many seconds into the job (0: not)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--choices", default="1,2,auto", help="thread choices to run, of 1, 2 and auto (2 under load "
+                                                           "takes minutes a run)")
     args = ap.parse_args(argv)
 
     work = W.free_generation(W.our_tokenizer(), n=args.rows, min_tokens=64, max_tokens=128)
     tmp = Path(tempfile.mkdtemp(prefix="threads-load-"))
     data = work.write(tmp / "rows.jsonl")
-    choices = {"--threads 1": ["--threads", "1"], "--threads 2": ["--threads", "2"], "auto": []}
+    every = {"1": ("--threads 1", ["--threads", "1"]), "2": ("--threads 2", ["--threads", "2"]), "auto": ("auto", [])}
+    choices = dict(every[c] for c in args.choices.split(","))
     scenarios = [(f"{k} busy", k, 0.0) for k in map(int, args.loads.split(","))]
     if args.late_load_s:
         scenarios.append((f"1 busy from {args.late_load_s:.0f} s", 1, args.late_load_s))
