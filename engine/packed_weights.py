@@ -19,24 +19,31 @@ log = logging.getLogger("engine")
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int | None:
-    """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place. Returns the bytes added
-    (the tied head's copy), or None when nothing was packed (no oneDNN, or a packing that failed
-    its check: the model is left as it was)."""
+    """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place, one at a time
+    (the dense weight is freed as its packed one arrives: no second copy of the model at load).
+    Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
+    the first packing failed its check (then the model is left as it was)."""
     if not packing_available():
         log.info("engine: this torch has no oneDNN; linears run on F.linear")
         return None
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES and m.weight.device.type == "cpu"]
-    try:
-        packed = {name: pack_linear(m, batch_hint) for name, m in targets}
-    except (RuntimeError, ValueError) as e:
-        log.warning("engine: packing linears failed (%s); they run on F.linear", e)
-        return None
-    modules = dict(model.named_modules())
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", False)
-    for name, p in packed.items():
+    names = [name for name, m in model.named_modules()     # names only: each old module dies once replaced
+             if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES and m.weight.device.type == "cpu"]
+    added, packed = 0, 0
+    for name in names:
+        m = model.get_submodule(name)
+        try:
+            p = pack_linear(m, batch_hint)
+        except (RuntimeError, ValueError) as e:
+            log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,
+                        "every linear runs" if not packed else "it runs")
+            if not packed:
+                return None
+            continue
         parent, _, attr = name.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, p)
-    head_bytes = model.lm_head.in_features * model.lm_head.out_features * head.weight.element_size() if tied else 0
-    return head_bytes if "lm_head" in packed else 0
+        setattr(model.get_submodule(parent), attr, p)
+        packed += 1
+        if m is head and tied:
+            added += p.in_features * p.out_features * embed.weight.element_size()
+    return added if packed else None

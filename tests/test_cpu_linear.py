@@ -93,3 +93,14 @@ def test_quantized_linears_are_left_to_their_kernels():
     eng = engine_for(hf_model("llama"), quantization="int8")
     kinds = {type(m).__name__ for m in eng.rt.model.modules()}
     assert "Int8Linear" in kinds and "Linear" not in kinds
+
+
+def test_a_packing_that_fails_its_check_leaves_f_linear(monkeypatch, caplog):
+    import engine.packed_weights as pw
+
+    def broken(linear, batch_hint=64):
+        raise ValueError("packed linear disagrees with F.linear")
+    monkeypatch.setattr(pw, "pack_linear", broken)
+    eng = engine_for(hf_model("qwen2"))
+    assert not eng.info.packed_weights and "packing" in caplog.text
+    assert eng.rt.model.lm_head.weight is eng.rt.model.embed_tokens.weight
