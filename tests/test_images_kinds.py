@@ -75,24 +75,25 @@ def test_a_parquet_of_image_structs_answers_as_openai_lines(qwen, pictures, tmp_
         assert body.usage.prompt_tokens == from_parquet[rid]["prompt_tokens"]
 
 
-def test_score_over_images(qwen, pictures, tmp_path):
-    rows = [{"id": f"r{i}", "prompt": "what animal is it?", "png": png} for i, png in enumerate(pictures)]
+def _image_rows_job(qwen, pictures, tmp_path, prompt: str, name: str, **options) -> tuple[str, list[dict]]:
+    """One job over a Parquet of image structs, a row per picture: (the dataset, its result rows)."""
+    rows = [{"id": f"r{i}", "prompt": prompt, "png": png} for i, png in enumerate(pictures)]
     ds = _struct_parquet(tmp_path / "ds.parquet", rows)
-    res = jobrunner.submit(ds, str(tmp_path / "score"), model=qwen, image_column="image", kind="score",
-                           score_column="answer")
+    res = jobrunner.submit(ds, str(tmp_path / name), model=qwen, image_column="image", **options)
     assert res.exit_code == 0 and res.stats["images"] == len(rows)
-    out = read_results(str(tmp_path / "score")).to_pylist()
+    return ds, read_results(str(tmp_path / name)).to_pylist()
+
+
+def test_score_over_images(qwen, pictures, tmp_path):
+    _, out = _image_rows_job(qwen, pictures, tmp_path, "what animal is it?", "score", kind="score",
+                             score_column="answer")
     assert all(r["error"] is None and r["scored_tokens"] > 0 for r in out)
-    assert len({round(r["logprob"], 6) for r in out}) == len(rows)      # each image its own likelihood
+    assert len({round(r["logprob"], 6) for r in out}) == len(pictures)      # each image its own likelihood
 
 
 def test_classify_and_structured_output_over_images(qwen, pictures, tmp_path):
-    rows = [{"id": f"r{i}", "prompt": "is it a cat or a dog?", "png": png} for i, png in enumerate(pictures)]
-    ds = _struct_parquet(tmp_path / "ds.parquet", rows)
-    res = jobrunner.submit(ds, str(tmp_path / "cls"), model=qwen, image_column="image", kind="classify",
-                           labels="cat,dog")
-    assert res.exit_code == 0 and res.stats["images"] == len(rows)
-    out = read_results(str(tmp_path / "cls")).to_pylist()
+    ds, out = _image_rows_job(qwen, pictures, tmp_path, "is it a cat or a dog?", "cls", kind="classify",
+                              labels="cat,dog")
     assert all(r["error"] is None and r["label"] in ("cat", "dog") for r in out)
     # another image, another answer's probabilities: the rows did not share one image's computation
     assert len({json.dumps(r["label_probs"], sort_keys=True) for r in out}) > 1

@@ -371,7 +371,8 @@ def test_smoothquant_folding_keeps_the_float_function(tiny_hf_model_dir, arch):
     from engine.quant import smooth
     from engine.runtime import build_runtime
     bundle = load_model_bundle(str(tiny_hf_model_dir(arch)))
-    cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20)
+    # smoothing runs on F.linear's dense weights, before any packing (engine/runtime.py quantizes first)
+    cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20, packed_weights=False)
     plain, smoothed = build_runtime(cfg, bundle), build_runtime(cfg, bundle)
     ids = smooth.calibration_ids(bundle.tokenizer)
     before = smooth.input_amax(smoothed.model, ids)
