@@ -18,7 +18,7 @@ from kernels import PACKED_DTYPES, pack_linear, packing_available
 log = logging.getLogger("engine")
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int | None:
+def pack_linears(model: nn.Module) -> int | None:
     """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place, one at a time
     (the dense weight is freed as its packed one arrives: no second copy of the model at load).
     Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
@@ -30,11 +30,13 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int | None:
     tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", False)
     names = [name for name, m in model.named_modules()     # names only: each old module dies once replaced
              if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES and m.weight.device.type == "cpu"]
-    added, packed = 0, 0
+    added, packed, checked = 0, 0, set()
     for name in names:
         m = model.get_submodule(name)
+        shape = (m.in_features, m.out_features, m.weight.dtype, m.bias is not None)
         try:
-            p = pack_linear(m, batch_hint)
+            p = pack_linear(m, check=shape not in checked)     # per shape: every linear checked cost the default model ~0.25 s of load
+            checked.add(shape)
         except (RuntimeError, ValueError) as e:
             log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,
                         "every linear runs" if not packed else "it runs")

@@ -19,11 +19,11 @@ from engine.generation_config import GenerationDefaults
 from engine.info import Tokenizer
 from engine.lora.adapter import check_adapter
 from engine.lora.modules import LoraSet, apply_loras
-from engine.packed_weights import pack_linears
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.base import CausalLM
 from engine.model_runner import ModelRunner
+from engine.packed_weights import pack_linears
 from engine.parallel.group import SINGLE, TensorParallel, building
 from engine.parallel.launch import Followers
 from engine.parallel.shards import check_split
@@ -167,7 +167,7 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
-        added = pack_linears(model, batch_hint=min(config.max_num_seqs or 64, 64))
+        added = pack_linears(model)
         model.packed_weights = added is not None
         weight_bytes += added or 0
     per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype, tp.size)

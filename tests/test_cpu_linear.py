@@ -98,7 +98,7 @@ def test_quantized_linears_are_left_to_their_kernels():
 def test_a_packing_that_fails_its_check_leaves_f_linear(monkeypatch, caplog):
     import engine.packed_weights as pw
 
-    def broken(linear, batch_hint=64):
+    def broken(linear, **options):
         raise ValueError("packed linear disagrees with F.linear")
     monkeypatch.setattr(pw, "pack_linear", broken)
     eng = engine_for(hf_model("qwen2"))

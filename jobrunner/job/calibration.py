@@ -6,10 +6,11 @@ and measured the same way:
     perplexity   of calibration_text.txt (the opening of Conan Doyle's "A Scandal in Bohemia", 1891,
                  public domain; ~550 tokens of the default model) in one score request (score_from=1);
     tokens/s     of ROWS greedy rows of PROMPT_TOKENS prompt tokens each (distinct), NEW_TOKENS new each
-                 (ignore_eos), prefill included, after a warm-up: the best of REPEATS by the wall clock (tokens per CPU-second beside it; the choice
-                 takes the wall clock, what a job gets). Each repeat computes on the cores free when it
-                 starts, as a job's thread governor would give it (--threads N: N), and the cores other
-                 processes kept busy meanwhile are recorded ("other_load").
+                 (ignore_eos), prefill included, after a warm-up: the best of REPEATS by the wall clock
+                 (tokens per CPU-second beside it; the choice takes the wall clock, what a job gets).
+                 Each repeat computes on the cores free when it starts, as a job's thread governor
+                 would give it (--threads N: N), and the cores other processes kept busy meanwhile
+                 are recorded ("other_load").
 
 Perplexity does not depend on the machine's load; speed does. So a calibration on a loaded machine can
 understate a mode's speed and choose a slower mode that passes the same 1% test, never one that fails
