@@ -5,8 +5,7 @@
 
 The long row adds its own prefill and decode, not a padding of every short row's decode attention to
 its length: the ratio "with / without" is what to watch (a job that pads pays it on every step that row
-is in). Both runs are `jobrunner submit` as a user runs it, with the machine's state as it is (whether a
-`jobrunner warmup` package is there: the table says which decode path served).
+is in). Both runs are `jobrunner submit` as a user runs it, with the machine's state as it is.
 """
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.channel = channel                      # a tensor-parallel group's; None on one device
-        # the in-place CPU decode attention's packages (engine/cpu_decode.py), for float caches on CPU
+        # the in-place CPU decode attention (engine/cpu_decode.py builds and loads it), for float caches on CPU
         self.cpu_decode = DecodeKernels() if self.device.type == "cpu" else None
         cfg = model.config
         # One block more than the pool hands out: the padding rows of graph batches write there.

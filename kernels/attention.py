@@ -15,32 +15,19 @@ sliding_attention) or all of them; `softcap` bounds the scaled scores to softcap
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_ref import _decode_ref, _prefill_ref, paged_attention_ref, store_kv_ref
+from kernels.cpu_attention import decode_attention_cpu
 from kernels.cpu_prefill import prefill_attention_cpu
 from kernels.triton_utils import use_triton
-
-
-def _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key, cpu_decode) -> bool:
-    """The decode rows through the in-place package; False (and the package set aside) when it fails: a
-    package from an older build of this code, say. The gather path then serves."""
-    from kernels.cpu_attention import decode_attention_cpu
-    try:
-        out[:] = decode_attention_cpu(q, k_cache, v_cache, mask, scale, softcap, runner)
-        return True
-    except Exception as e:  # noqa: BLE001 - any failure of a compiled package: fall back, say so once
-        cpu_decode.set_aside(key, e)
-        return False
 
 
 def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, sliding: bool = True,
                         softcap: float | None = None) -> torch.Tensor:
     """The torch path for a float cache: decode rows through kernels/cpu_attention.py (blocks read in place)
-    when the step's meta.cpu_decode hands out a loaded package, else gathered (_decode_ref); prefill rows
+    when the step's meta.cpu_decode hands out the loaded kernel, else gathered (_decode_ref); prefill rows
     through kernels/cpu_prefill.py where it covers the layer, else gathered (_prefill_ref)."""
     if not meta._prepared:
         meta.prepare()
@@ -64,21 +51,18 @@ def _window_cuts(meta: AttentionMetadata, window: int | None) -> bool:
 
 
 def _decodes_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
-    """The decode rows q: [nd, Hq, D]: through the in-place package when one is loaded, else gathered."""
+    """The decode rows q: [nd, Hq, D]: through the in-place kernel when the engine hands one out, else gathered.
+    A kernel that fails is set aside for good (the engine logs why) and this step gathers."""
     cpu_decode = meta.cpu_decode
-    if cpu_decode is None:
-        return _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
-    from kernels.cpu_attention import decode_key
-    key = decode_key(q, k_cache, softcap)
-    runner = cpu_decode.runner(key)
-    mask = meta.decode_mask(k_cache.shape[0], window) if runner is not None else None
-    out = torch.empty_like(q)
-    if mask is not None and _run_package(out, q, k_cache, v_cache, mask, scale, softcap, runner, key, cpu_decode):
-        return out
-    t0 = time.perf_counter()
-    out = _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
-    cpu_decode.note_gather(key, time.perf_counter() - t0)
-    return out
+    lib = cpu_decode.library() if cpu_decode is not None else None
+    if lib is not None and lib.covers(q, k_cache):
+        nd = meta.num_decodes
+        try:
+            return decode_attention_cpu(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd], scale,
+                                        window, softcap, lib)
+        except Exception as e:  # noqa: BLE001 - a library this process can't run: fall back, say so once
+            cpu_decode.set_aside(e)
+    return _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):

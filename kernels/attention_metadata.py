@@ -33,7 +33,6 @@ class AttentionMetadata:
     _prefill: tuple | None = None
     _prefill_plan: object | None = None  # kernels.cpu_prefill.PrefillPlan, made on first use
     _window_masks: dict | None = None  # (part, decode group, window) -> mask, made on first use by a sliding layer
-    _decode_masks: dict | None = None  # (pool blocks, window) -> kernels.cpu_attention.DecodeMask or None
 
     @classmethod
     def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
@@ -122,19 +121,6 @@ class AttentionMetadata:
             windowed[:, 0, :, 0] |= ~q_valid                                          # padding rows: never NaN
             self._window_masks[key] = windowed
         return self._window_masks[key]
-
-    def decode_mask(self, num_blocks: int, window: int | None):
-        """The decode rows' block mask for the in-place CPU kernel (kernels/cpu_attention.py), made on first
-        use and shared by every layer; None when the kernel can't address this step's blocks."""
-        from kernels.cpu_attention import DecodeMask
-        if self._decode_masks is None:
-            self._decode_masks = {}
-        key = (num_blocks, window)
-        if key not in self._decode_masks:
-            nd = self.num_decodes
-            self._decode_masks[key] = DecodeMask.build(self.block_tables[:nd], self.seq_lens_t[:nd], self.block_size,
-                                                       num_blocks, window)
-        return self._decode_masks[key]
 
     def _gather(self, lo: int, hi: int, dev, rows: torch.Tensor | None = None):
         """Whole blocks are gathered (contiguous 16-slot runs: ~4x faster than slot by slot on CPU);

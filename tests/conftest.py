@@ -13,10 +13,6 @@ from pathlib import Path
 
 import pytest
 
-# A test session never starts the background build of the CPU decode attention package
-# (engine/cpu_decode.py); a package already built in the cache is used, as a job would.
-os.environ.setdefault("JOBRUNNER_CPU_DECODE_BUILD_AFTER", "inf")
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # A ChatML template, as small instruct models ship it.

@@ -177,10 +177,10 @@ def repair(ctx, dataset, **params):
 @job_options
 @click.pass_context
 def warmup(ctx, **params):
-    """Prepare the model once, before the first job: fetch and convert it and, on CPU, build the
-    in-place decode attention kernel for its shapes (minutes; a job never builds it on the cores it
-    runs on). Takes the job options that choose the model (-m, --quantization, --dtype, --block-size).
-    Idempotent: a second call takes seconds.
+    """Prepare the model once, before the first job: fetch and convert it and, on CPU, compile the
+    in-place decode attention kernel (about a second; a first job would do both itself). Takes the job
+    options that choose the model (-m, --quantization, --dtype, --block-size). Idempotent: a second call
+    takes seconds.
 
     \b
     Examples:
