@@ -7,7 +7,9 @@ paged_attention_ref over the same inputs in float32.
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,10 +206,17 @@ def test_mode_rejects_unknown(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_one_openmp_runtime_in_the_process(lib):
-    """The library's libgomp is the one torch loaded (same soname): one thread pool, not two spinning."""
-    with open("/proc/self/maps") as f:
-        gomp = {line.split()[-1] for line in f if "libgomp" in line}
-    assert len(gomp) == 1, gomp
+    """Loading the library maps no libgomp beside torch's (it binds to the one torch loaded, by soname): one
+    thread pool, not two spinning on the same cores. In a fresh process, where nothing else loaded one."""
+    script = (
+        "import sys, torch\n"
+        "from kernels.cpu_attention import load_decode_library\n"
+        "def gomp(): return {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}\n"
+        "before = gomp(); load_decode_library(sys.argv[1]); print(before == gomp(), sorted(gomp()))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(lib.path)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True"), done.stdout
 
 
 def test_tiny_model_greedy_same_on_both_paths(monkeypatch, tmp_path):

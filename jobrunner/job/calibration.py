@@ -63,7 +63,8 @@ log = logging.getLogger("jobrunner")
 ENV = "JOBRUNNER_CALIBRATION"       # off: the flag rule, nothing measured; refresh: measure again
 EXACT = "--dtype float32 --quantization none"
 TOLERANCE = 0.01                    # a mode's perplexity at most 1% over float32's
-CALIBRATION_VERSION = 3             # the text, the workload or the figures' meaning changed: measure again
+CALIBRATION_VERSION = 4             # the text, the workload or the figures' meaning changed: measure again
+                                    # (4: decode attention in place for bfloat16 too, issue 47 item 3)
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
 # dtype auto is float32 on CPU, as the flag rule says it
 MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8")}
