@@ -97,7 +97,13 @@ def decode_phase(engine, args) -> dict:
         engine.step()
     for _ in range(2):
         engine.step()
-    out = _with_python({"wall_s": _wall_per_step(engine, args.steps), **_profile(engine, args.steps)})
+    rt = engine.rt
+    # K and V a decode step's attention reads: every running row's context, in every layer
+    contexts = sum(s.num_tokens for s in engine.scheduler.running) + args.steps * args.seqs
+    row_bytes = 2 * rt.model_config.num_kv_heads * rt.model_config.head_dim * rt.kv_dtype.itemsize
+    kv_bytes = contexts * row_bytes * rt.model_config.num_layers
+    out = _with_python({"wall_s": _wall_per_step(engine, args.steps), **_profile(engine, args.steps),
+                        "kv_bytes": kv_bytes})
     while engine.has_unfinished():
         engine.step()
     return out
@@ -162,6 +168,10 @@ def print_phase(title: str, res: dict, flops: float) -> None:
     total = sum(res["groups"].values())
     for group, t in sorted(res["groups"].items(), key=lambda kv: -kv[1]):
         print(f"| {group} | {t * 1e3:.1f} | {100 * t / total:.0f}% |")
+    if "kv_bytes" in res:
+        attention = res["groups"].get("attention", 0.0)
+        print(f"\nDecode attention read {res['kv_bytes'] / 1e6:.0f} MB of K and V a step in {attention * 1e3:.1f} ms "
+              f"(profiled): {res['kv_bytes'] / max(attention, 1e-9) / 1e9:.1f} GB/s")
     print("\n| matmul | ms a step | GFLOP/s |\n|---|---|---|")
     for shape, m in sorted(res["matmuls"].items(), key=lambda kv: -kv[1]["ms"]):
         print(f"| {shape} | {m['ms']:.1f} | {m['gflops']:.1f} |")

@@ -59,9 +59,9 @@ static inline uint16_t to_bf16(float f) {          /* round to nearest even; NaN
 static inline float from_f16(_Float16 x) { return (float)x; }
 static inline _Float16 to_f16(float x) { return (_Float16)x; }
 
-/* dot(q, k) over D: q float32, k the cache's type. An omp simd reduction leaves gcc summing the lanes one
-   by one through the stack (16 dependent adds a dot product: most of pass 1's time); the vector paths
-   below reduce in registers. */
+/* The two inner loops, per KV head: qk (pass 1's scores) and pv (pass 2's weighted sum of V). Written with
+   AVX-512 intrinsics where the compiler targets them; portable loops elsewhere. (An omp simd reduction left
+   gcc summing a dot product's lanes one by one through the stack: most of pass 1's time.) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 static inline __m512 vload_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -69,16 +69,34 @@ static inline __m512 vload_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 static inline __m512 vload_f16(const _Float16 *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-#define DEFINE_DOT(SUFFIX, T)                                                                                 \
-static inline float dot_##SUFFIX(const float *q, const T *k, int D) {                                       \
-    __m512 a = _mm512_setzero_ps();                                                                           \
-    int d = 0;                                                                                                \
-    for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload_##SUFFIX(k + d, 0xffff), a); \
-    if (d < D) {                                                                                              \
-        const __mmask16 m = (__mmask16)((1u << (D - d)) - 1);                                                 \
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), vload_##SUFFIX(k + d, m), a);                    \
+/* The sums of four vectors' lanes, as one 4-lane vector: 14 shuffles and adds for four dot products, where
+   four _mm512_reduce_add_ps take 32. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));   /* a0 a1 a0 a1 */
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));   /* a2 a3 a2 a3 */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xee)); /* a0..a3 */
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+/* s[g * sstride] = q[g] . k for the G query heads of one KV head and one key row k (the cache's type, read
+   and widened once for four heads) */
+#define DEFINE_QK(SUFFIX, T)                                                                                  \
+static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *k, int G, int D) {           \
+    for (int g0 = 0; g0 < G; g0 += 4) {                                                                       \
+        const int gn = G - g0 < 4 ? G - g0 : 4;                                                               \
+        const float *q0 = q + (size_t)g0 * D;                                                                 \
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};   \
+        for (int d = 0; d < D; d += 16) {                                                                     \
+            const __mmask16 m = D - d >= 16 ? 0xffff : (__mmask16)((1u << (D - d)) - 1);                      \
+            const __m512 kv = vload_##SUFFIX(k + d, m);                                                       \
+            _Pragma("GCC unroll 4")                                                                           \
+            for (int g = 0; g < 4; g++)                                                                       \
+                if (g < gn) a[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + (size_t)g * D + d), kv, a[g]); \
+        }                                                                                                     \
+        float r[4];                                                                                           \
+        _mm_storeu_ps(r, reduce4(a[0], a[1], a[2], a[3]));                                                    \
+        for (int g = 0; g < gn; g++) s[(size_t)(g0 + g) * sstride] = r[g];                                   \
     }                                                                                                         \
-    return _mm512_reduce_add_ps(a);                                                                           \
 }
 /* acc[g, :] += sum_t p[g * pstride + t] * v[t * row + :] for the G query heads of one KV head over n keys:
    the accumulators stay in registers for the whole run (through memory, each key's update waited on the
@@ -124,15 +142,18 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
     }                                                                                                         \
 }
 #else
-#define DEFINE_DOT(SUFFIX, T)                                                                                 \
-static inline float dot_##SUFFIX(const float *q, const T *k, int D) {                                       \
-    float lanes[8] = {0};                                                                                     \
-    int d = 0;                                                                                                \
-    for (; d + 8 <= D; d += 8)                                                                                \
-        for (int j = 0; j < 8; j++) lanes[j] += q[d + j] * from_##SUFFIX(k[d + j]);                           \
-    float s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])); \
-    for (; d < D; d++) s += q[d] * from_##SUFFIX(k[d]);                                                       \
-    return s;                                                                                                 \
+#define DEFINE_QK(SUFFIX, T)                                                                                  \
+static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *k, int G, int D) {           \
+    for (int g = 0; g < G; g++) {                                                                             \
+        const float *qg = q + (size_t)g * D;                                                                  \
+        float lanes[8] = {0};                                                                                 \
+        int d = 0;                                                                                            \
+        for (; d + 8 <= D; d += 8)                                                                            \
+            for (int j = 0; j < 8; j++) lanes[j] += qg[d + j] * from_##SUFFIX(k[d + j]);                      \
+        float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])); \
+        for (; d < D; d++) sum += qg[d] * from_##SUFFIX(k[d]);                                                \
+        s[(size_t)g * sstride] = sum;                                                                         \
+    }                                                                                                         \
 }
 #define DEFINE_PV(SUFFIX, T)                                                                                  \
 static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T *v, int row, int n, int G, int D) { \
@@ -145,9 +166,9 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
         }                                                                                                     \
 }
 #endif
-DEFINE_DOT(f32, float)
-DEFINE_DOT(bf16, uint16_t)
-DEFINE_DOT(f16, _Float16)
+DEFINE_QK(f32, float)
+DEFINE_QK(bf16, uint16_t)
+DEFINE_QK(f16, _Float16)
 DEFINE_PV(f32, float)
 DEFINE_PV(bf16, uint16_t)
 DEFINE_PV(f16, _Float16)
@@ -188,7 +209,7 @@ static int plan_items(const int32_t *seq_lens, int B, int window, int threads, I
     return n;
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, DOT, PV)                                                                   \
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, QK, PV)                                                           \
 int NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride,                   \
          const int32_t *seq_lens, T *out, int B, int Hq, int Hk, int D, int BS, int window, float scale,      \
          float softcap, int threads) {                                                                        \
@@ -227,12 +248,9 @@ int NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tabl
                 for (int t = t0; t < t1; t++) {                                                               \
                     const int i = blk * BS + t - w.start;                                                     \
                     prefetch_row(kn + (size_t)t * row, row * (int)sizeof(T));                                 \
-                    for (int kh = 0; kh < Hk; kh++) {                                                         \
-                        const T *kr = kb + (size_t)t * row + (size_t)kh * D;                                  \
-                        for (int h = kh * G; h < (kh + 1) * G; h++) {                                         \
-                            scores[(size_t)h * split + i] = DOT(qf + (size_t)h * D, kr, D);                   \
-                        }                                                                                     \
-                    }                                                                                         \
+                    for (int kh = 0; kh < Hk; kh++)                                                           \
+                        QK(scores + (size_t)kh * G * split + i, split, qf + (size_t)kh * G * D,               \
+                           kb + (size_t)t * row + (size_t)kh * D, G, D);                                      \
                 }                                                                                             \
             }                                                                                                 \
             for (int h = 0; h < Hq; h++) {                                                                    \
@@ -293,9 +311,9 @@ int NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tabl
     return failed ? -1 : 0;                                                                                   \
 }
 
-DEFINE_DECODE(decode_attention_float32, float, from_f32, to_f32, dot_f32, pv_f32)
-DEFINE_DECODE(decode_attention_bfloat16, uint16_t, from_bf16, to_bf16, dot_bf16, pv_bf16)
-DEFINE_DECODE(decode_attention_float16, _Float16, from_f16, to_f16, dot_f16, pv_f16)
+DEFINE_DECODE(decode_attention_float32, float, from_f32, to_f32, qk_f32, pv_f32)
+DEFINE_DECODE(decode_attention_bfloat16, uint16_t, from_bf16, to_bf16, qk_bf16, pv_bf16)
+DEFINE_DECODE(decode_attention_float16, _Float16, from_f16, to_f16, qk_f16, pv_f16)
 
 /* The largest head_dim the combine's stack buffer takes (the loader checks it). */
 int decode_attention_max_head_dim(void) { return 1024; }

@@ -29,6 +29,19 @@ def lib(tmp_path_factory) -> ca.DecodeLibrary:
     return ca.load_decode_library(path)
 
 
+@pytest.fixture(scope="session")
+def portable_lib(tmp_path_factory) -> ca.DecodeLibrary:
+    """The same source built without AVX-512: its portable loops, whatever this CPU has."""
+    path = tmp_path_factory.mktemp("portable") / ca.library_name()
+    flags = ca.CFLAGS
+    ca.CFLAGS = flags + ("-mno-avx512f",)
+    try:
+        cd.build_library(path)
+    finally:
+        ca.CFLAGS = flags
+    return ca.load_decode_library(path)
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(20)
@@ -75,7 +88,9 @@ SHAPES = {  # Hq, Hk, D, block_size, seq_lens of the decode rows
 @pytest.mark.parametrize("window,softcap", [(None, None), (11, None), (None, 3.0), (700, 7.0)],
                          ids=["full", "window", "softcap", "window-softcap"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_decode_matches_reference(lib, shape, dtype, window, softcap, gen):
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_decode_matches_reference(request, build, shape, dtype, window, softcap, gen):
+    lib = request.getfixturevalue("lib" if build == "native" else "portable_lib")
     Hq, Hk, D, BS, lens = SHAPES[shape]
     q, k, v, meta = make_step([(1, L) for L in lens], len(lens), Hq, Hk, D, BS, dtype, gen, window)
     out = ca.decode_attention_cpu(q, k, v, meta.block_tables, meta.seq_lens_t, 0.3, window, softcap, lib)
