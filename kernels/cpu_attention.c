@@ -11,7 +11,8 @@
 
    Work item: (sequence, split). A split is a run of at most `split` keys; one sequence is several splits
    only when the step has too few sequences to keep every thread busy, or keys past SPLIT_MAX (bounding the
-   scores' scratch). Each item runs a two-pass softmax over its keys:
+   scores' scratch). Each thread takes a contiguous run of items, balanced by keys. Each item runs a
+   two-pass softmax over its keys:
        pass 1   s[h, i] = scale * q[h] . k[i]   (soft-capped), m[h] = max_i s[h, i]
        pass 2   p = exp(s - m), l[h] = sum_i p, acc[h] = sum_i p * v[i]
    and leaves (m, l, acc) for its sequence's combine: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
@@ -20,12 +21,14 @@
    Arithmetic is float32 whatever the cache's type (bfloat16 widened exactly, float16 through F16C).
    Built with OpenMP against the libgomp torch has loaded (same soname): one thread pool in the process. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define SPLIT_MIN 256      /* keys: below this a split's fixed costs show */
 #define SPLIT_MAX 4096     /* keys: the scores' scratch is Hq * SPLIT_MAX floats a thread */
+#define MAX_HEAD_DIM 1024  /* the combine's stack buffer (kernels/cpu_attention.py checks it) */
 
 /* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction, degree-6 polynomial (rel. error < 2e-7);
    plain arithmetic, so the compiler vectorizes the loop that calls it (libm's expf it would not). */
@@ -173,16 +176,31 @@ DEFINE_PV(f32, float)
 DEFINE_PV(bf16, uint16_t)
 DEFINE_PV(f16, _Float16)
 
-/* The next block's row, asked for while this block's row is computed: a block is a few KB at a random place
-   in the pool, too short for the hardware prefetcher to find its stride before it ends. */
-static inline void prefetch_row(const void *p, int bytes) {
-    for (int off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
+/* Prefetching. A block is a few KB at a random place in the pool: too short for the hardware prefetcher to
+   find its stream before it ends. So while a block is computed, the next one is asked for (into L2), its BS
+   rows spread over this block's n keys (key j of n asks for rows [j*BS/n, (j+1)*BS/n)): the whole block,
+   whatever either block's share of keys. After an item's last K block comes its first V block, after its
+   last V block the thread's next item's first K block. */
+static inline void prefetch_rows(const char *block, int j, int n, int BS, int row_bytes) {
+    if (!block) return;
+    const char *lo = block + (size_t)(j * BS / n) * row_bytes, *hi = block + (size_t)((j + 1) * BS / n) * row_bytes;
+    for (const char *p = lo; p < hi; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
 typedef struct { int b, start, stop; } Item;   /* keys [start, stop) of sequence b */
 
-/* Splits each sequence's visible keys into items; returns their count (items: at least B entries, and
-   one per `split` keys). */
+/* What one call works on; the item functions read it, the entry points fill it. */
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *tables;
+    int64_t table_stride;
+    const Item *items;
+    int n_items, Hq, Hk, G, D, BS, row, split;   /* row: Hk * D values a slot */
+    float scale, softcap;
+    float *part;                                  /* per item: m [Hq], l [Hq], acc [Hq, D] */
+} Work;
+
+/* Splits each sequence's visible keys into items of at most `split` keys; returns their count. */
 static int plan_items(const int32_t *seq_lens, int B, int window, int threads, Item **items_out, int *split_out) {
     long total = 0;
     for (int b = 0; b < B; b++) {
@@ -198,6 +216,7 @@ static int plan_items(const int32_t *seq_lens, int B, int window, int threads, I
         n += (int)((L - lo + split - 1) / split) + (L == lo);
     }
     Item *items = malloc(sizeof(Item) * (size_t)n);
+    if (!items) return -1;
     int i = 0;
     for (int b = 0; b < B; b++) {
         int L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0;
@@ -209,111 +228,149 @@ static int plan_items(const int32_t *seq_lens, int B, int window, int threads, I
     return n;
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, QK, PV)                                                           \
-int NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride,                   \
-         const int32_t *seq_lens, T *out, int B, int Hq, int Hk, int D, int BS, int window, float scale,      \
-         float softcap, int threads) {                                                                        \
-    if (B <= 0) return 0;                                                                                     \
-    const int G = Hq / Hk, row = Hk * D;                                                                      \
-    Item *items;                                                                                              \
-    int split;                                                                                                \
-    const int n = plan_items(seq_lens, B, window, threads, &items, &split);                                   \
-    /* per item: m [Hq], l [Hq], acc [Hq, D] */                                                               \
-    float *part = malloc(sizeof(float) * (size_t)n * Hq * (D + 2));                                          \
-    if (!items || !part) { free(items); free(part); return -1; }                                              \
-    int failed = 0;                                                                                           \
-    _Pragma("omp parallel num_threads(threads)")                                                              \
-    {                                                                                                         \
-        float *qf = malloc(sizeof(float) * ((size_t)Hq * D + (size_t)Hq * split));                            \
-        float *scores = qf + (size_t)Hq * D;                      /* [Hq, split] */                           \
-        if (!qf) { _Pragma("omp atomic write") failed = 1; }                                                  \
-        _Pragma("omp for schedule(dynamic, 1)")                                                               \
-        for (int it = 0; it < n; it++) {                                                                      \
-            if (!qf) continue;                                                                                \
-            const Item w = items[it];                                                                         \
-            const int32_t *table = tables + (int64_t)w.b * table_stride;                                      \
-            const int len = w.stop - w.start;                                                                 \
-            float *m = part + (size_t)it * Hq * (D + 2), *l = m + Hq, *acc = l + Hq;                          \
-            for (int t = w.start % BS; t < BS; t++)                                                           \
-                prefetch_row(k + ((int64_t)table[w.start / BS] * BS + t) * row, row * (int)sizeof(T));        \
-            for (int x = 0; x < Hq * D; x++) qf[x] = LOAD(q[(size_t)w.b * Hq * D + x]) * scale;               \
-            /* pass 1: scores */                                                                              \
-            for (int blk = w.start / BS; blk * BS < w.stop; blk++) {                                          \
-                const int t0 = (w.start > blk * BS ? w.start : blk * BS) - blk * BS;                          \
-                const int t1 = (w.stop < (blk + 1) * BS ? w.stop : (blk + 1) * BS) - blk * BS;                \
-                const T *kb = k + (int64_t)table[blk] * BS * row;                                             \
-                /* the next K block; after the last, pass 2's first V block */                                \
-                const T *kn = (blk + 1) * BS < w.stop ? k + (int64_t)table[blk + 1] * BS * row                \
-                                                      : v + (int64_t)table[w.start / BS] * BS * row;          \
+/* The first item of thread t of nt: items in order, cut where the keys before reach t / nt of all. Each
+   thread takes a contiguous run (so it knows its next item, to prefetch), balanced by keys. */
+static int first_item(const Item *items, int n, int t, int nt, long total) {
+    const long goal = total * t / nt;
+    long seen = 0;
+    int i = 0;
+    while (i < n && seen < goal) { seen += items[i].stop - items[i].start; i++; }
+    return i;
+}
+
+static inline const char *block_of(const Work *w, const void *cache, const Item *it, int key, size_t elem) {
+    const int32_t *table = w->tables + (int64_t)it->b * w->table_stride;
+    return (const char *)cache + (size_t)table[key / w->BS] * w->BS * w->row * elem;
+}
+
+/* One item: pass 1 (scores), the softmax's max and sum, pass 2 (V), into w->part[it]. qf: [Hq, D] scratch,
+   scores: [Hq, split]. next: the thread's next item, or NULL. */
+#define DEFINE_ITEM(SUFFIX, T)                                                                                \
+static void item_##SUFFIX(const Work *w, int it, const Item *next, float *qf, float *scores) {               \
+    const Item *x = &w->items[it];                                                                            \
+    const int Hq = w->Hq, G = w->G, D = w->D, BS = w->BS, row = w->row, split = w->split;                     \
+    const int len = x->stop - x->start, row_bytes = row * (int)sizeof(T);                                     \
+    float *m = w->part + (size_t)it * Hq * (D + 2), *l = m + Hq, *acc = l + Hq;                               \
+    const T *q = (const T *)w->q + (size_t)x->b * Hq * D;                                                     \
+    for (int i = 0; i < Hq * D; i++) qf[i] = from_##SUFFIX(q[i]) * w->scale;                                  \
+    for (int pass = 0; pass < 2; pass++) {                                                                    \
+        const void *cache = pass == 0 ? w->k : w->v;                                                          \
+        if (pass == 1) memset(acc, 0, sizeof(float) * (size_t)Hq * D);                                        \
+        for (int blk = x->start / BS; blk * BS < x->stop; blk++) {                                            \
+            const int t0 = (x->start > blk * BS ? x->start : blk * BS) - blk * BS;                            \
+            const int t1 = (x->stop < (blk + 1) * BS ? x->stop : (blk + 1) * BS) - blk * BS;                  \
+            const T *kv = (const T *)block_of(w, cache, x, blk * BS, sizeof(T));                              \
+            const char *ahead = (blk + 1) * BS < x->stop ? block_of(w, cache, x, (blk + 1) * BS, sizeof(T))   \
+                              : pass == 0 ? block_of(w, w->v, x, x->start, sizeof(T))                         \
+                              : next ? block_of(w, w->k, next, next->start, sizeof(T)) : NULL;                \
+            const int i0 = blk * BS + t0 - x->start;                                                          \
+            if (pass == 0) {                                                                                  \
                 for (int t = t0; t < t1; t++) {                                                               \
-                    const int i = blk * BS + t - w.start;                                                     \
-                    prefetch_row(kn + (size_t)t * row, row * (int)sizeof(T));                                 \
-                    for (int kh = 0; kh < Hk; kh++)                                                           \
-                        QK(scores + (size_t)kh * G * split + i, split, qf + (size_t)kh * G * D,               \
-                           kb + (size_t)t * row + (size_t)kh * D, G, D);                                      \
+                    prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);                                     \
+                    for (int kh = 0; kh < w->Hk; kh++)                                                        \
+                        qk_##SUFFIX(scores + (size_t)kh * G * split + i0 + t - t0, split, qf + (size_t)kh * G * D, \
+                                    kv + (size_t)t * row + (size_t)kh * D, G, D);                             \
                 }                                                                                             \
+            } else {                                                                                          \
+                for (int t = t0; t < t1; t++) prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);          \
+                for (int kh = 0; kh < w->Hk; kh++)                                                            \
+                    pv_##SUFFIX(acc + (size_t)kh * G * D, scores + (size_t)kh * G * split + i0, split,        \
+                                kv + (size_t)t0 * row + (size_t)kh * D, row, t1 - t0, G, D);                  \
             }                                                                                                 \
+        }                                                                                                     \
+        if (pass == 0)                                                                                        \
             for (int h = 0; h < Hq; h++) {                                                                    \
                 float *sh = scores + (size_t)h * split, mx = -INFINITY, sum = 0.0f;                           \
-                if (softcap > 0.0f)                                                                           \
-                    for (int i = 0; i < len; i++) sh[i] = softcap * tanhf(sh[i] / softcap);                   \
+                if (w->softcap > 0.0f)                                                                        \
+                    for (int i = 0; i < len; i++) sh[i] = w->softcap * tanhf(sh[i] / w->softcap);             \
                 for (int i = 0; i < len; i++) mx = sh[i] > mx ? sh[i] : mx;                                   \
                 _Pragma("omp simd reduction(+:sum)")                                                          \
                 for (int i = 0; i < len; i++) { sh[i] = exp_nonpos(sh[i] - mx); sum += sh[i]; }               \
                 m[h] = mx;                                                                                    \
                 l[h] = sum;                                                                                   \
             }                                                                                                 \
-            /* pass 2: the weighted sum of V */                                                               \
-            memset(acc, 0, sizeof(float) * (size_t)Hq * D);                                                   \
-            for (int blk = w.start / BS; blk * BS < w.stop; blk++) {                                          \
-                const int t0 = (w.start > blk * BS ? w.start : blk * BS) - blk * BS;                          \
-                const int t1 = (w.stop < (blk + 1) * BS ? w.stop : (blk + 1) * BS) - blk * BS;                \
-                const T *vb = v + (int64_t)table[blk] * BS * row;                                             \
-                const T *vn = (blk + 1) * BS < w.stop ? v + (int64_t)table[blk + 1] * BS * row : vb;          \
-                for (int t = t0; t < t1; t++) prefetch_row(vn + (size_t)t * row, row * (int)sizeof(T));      \
-                const int i0 = blk * BS + t0 - w.start;                                                       \
-                for (int kh = 0; kh < Hk; kh++)                                                               \
-                    PV(acc + (size_t)kh * G * D, scores + (size_t)kh * G * split + i0, split,                 \
-                       vb + (size_t)t0 * row + (size_t)kh * D, row, t1 - t0, G, D);                           \
-            }                                                                                                 \
+    }                                                                                                         \
+}
+
+/* out[b, h] = sum over b's items s of e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s */
+#define DEFINE_COMBINE(SUFFIX, T)                                                                             \
+static void combine_##SUFFIX(const Work *w, int first, int last, T *out) {                                  \
+    const int Hq = w->Hq, D = w->D;                                                                           \
+    float o[MAX_HEAD_DIM];                                                                                    \
+    for (int h = 0; h < Hq; h++) {                                                                            \
+        float M = -INFINITY, den = 0.0f;                                                                      \
+        for (int it = first; it < last; it++) {                                                               \
+            const float mi = w->part[(size_t)it * Hq * (D + 2) + h];                                          \
+            M = mi > M ? mi : M;                                                                              \
         }                                                                                                     \
-        /* the combine: items of one sequence are consecutive */                                              \
-        _Pragma("omp for schedule(static)")                                                                   \
-        for (int b = 0; b < B; b++) {                                                                         \
-            int first = 0;                                                                                    \
-            { int lo_ = 0, hi_ = n; while (lo_ < hi_) { int mid = (lo_ + hi_) / 2;                            \
-                if (items[mid].b < b) lo_ = mid + 1; else hi_ = mid; } first = lo_; }                        \
-            int last = first;                                                                                 \
-            while (last < n && items[last].b == b) last++;                                                    \
-            for (int h = 0; h < Hq; h++) {                                                                    \
-                float M = -INFINITY, den = 0.0f, o[1024];                                                    \
-                for (int it = first; it < last; it++) {                                                       \
-                    const float mi = part[(size_t)it * Hq * (D + 2) + h];                                     \
-                    M = mi > M ? mi : M;                                                                      \
-                }                                                                                             \
-                for (int d = 0; d < D; d++) o[d] = 0.0f;                                                      \
-                for (int it = first; it < last; it++) {                                                       \
-                    const float *pm = part + (size_t)it * Hq * (D + 2);                                       \
-                    if (items[it].stop == items[it].start) continue;                                          \
-                    const float c = exp_nonpos(pm[h] - M), *ah = pm + 2 * Hq + (size_t)h * D;                 \
-                    den += c * pm[Hq + h];                                                                    \
-                    for (int d = 0; d < D; d++) o[d] += c * ah[d];                                            \
-                }                                                                                             \
-                T *oh = out + ((size_t)b * Hq + h) * D;                                                       \
-                const float inv = den > 0.0f ? 1.0f / den : 0.0f;                                             \
-                for (int d = 0; d < D; d++) oh[d] = STORE(o[d] * inv);                                        \
-            }                                                                                                 \
+        for (int d = 0; d < D; d++) o[d] = 0.0f;                                                              \
+        for (int it = first; it < last; it++) {                                                               \
+            if (w->items[it].stop == w->items[it].start) continue;                                            \
+            const float *pm = w->part + (size_t)it * Hq * (D + 2);                                            \
+            const float c = exp_nonpos(pm[h] - M), *ah = pm + 2 * Hq + (size_t)h * D;                         \
+            den += c * pm[Hq + h];                                                                            \
+            for (int d = 0; d < D; d++) o[d] += c * ah[d];                                                    \
         }                                                                                                     \
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;                                                     \
+        T *oh = out + (size_t)h * D;                                                                          \
+        for (int d = 0; d < D; d++) oh[d] = to_##SUFFIX(o[d] * inv);                                          \
+    }                                                                                                         \
+}
+
+/* The entry point for one cache dtype: 0, or -1 when scratch could not be allocated. */
+#define DEFINE_DECODE(NAME, SUFFIX, T)                                                                            \
+int decode_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride, \
+                              const int32_t *seq_lens, T *out, int B, int Hq, int Hk, int D, int BS, int window, \
+                              float scale, float softcap, int threads) {                                      \
+    if (B <= 0) return 0;                                                                                     \
+    if (D > MAX_HEAD_DIM || Hk <= 0 || Hq % Hk) return -2;                                                    \
+    Item *items = NULL;                                                                                       \
+    int split = 0;                                                                                            \
+    const int n = plan_items(seq_lens, B, window, threads, &items, &split);                                   \
+    if (n < 0) return -1;                                                                                     \
+    float *part = malloc(sizeof(float) * (size_t)n * Hq * (D + 2));                                          \
+    if (!part) { free(items); return -1; }                                                                    \
+    const Work w = {q, k, v, tables, table_stride, items, n, Hq, Hk, Hq / Hk, D, BS, Hk * D, split, scale,   \
+                    softcap, part};                                                                           \
+    long total = 0;                                                                                           \
+    for (int i = 0; i < n; i++) total += items[i].stop - items[i].start;                                     \
+    int failed = 0;                                                                                           \
+    _Pragma("omp parallel num_threads(threads)")                                                              \
+    {                                                                                                         \
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                       \
+        const int lo = first_item(items, n, t, nt, total), hi = first_item(items, n, t + 1, nt, total);       \
+        float *qf = malloc(sizeof(float) * ((size_t)Hq * D + (size_t)Hq * split));                            \
+        if (!qf) {                                                                                            \
+            _Pragma("omp atomic write")                                                                       \
+            failed = 1;                                                                                       \
+        } else                                                                                                \
+            for (int it = lo; it < hi; it++)                                                                  \
+                item_##SUFFIX(&w, it, it + 1 < hi ? &items[it + 1] : NULL, qf, qf + (size_t)Hq * D);          \
         free(qf);                                                                                             \
+        _Pragma("omp barrier")                                                                                \
+        /* a sequence's items are consecutive: split the sequences between the threads */                    \
+        if (!failed) {                                                                                        \
+            const int b0 = (int)((long)B * t / nt), b1 = (int)((long)B * (t + 1) / nt);                       \
+            int it = 0;                                                                                       \
+            while (it < n && items[it].b < b0) it++;                                                          \
+            for (int b = b0; b < b1; b++) {                                                                   \
+                const int first = it;                                                                         \
+                while (it < n && items[it].b == b) it++;                                                      \
+                combine_##SUFFIX(&w, first, it, out + (size_t)b * Hq * D);                                    \
+            }                                                                                                 \
+        }                                                                                                     \
     }                                                                                                         \
     free(items);                                                                                              \
     free(part);                                                                                               \
     return failed ? -1 : 0;                                                                                   \
 }
 
-DEFINE_DECODE(decode_attention_float32, float, from_f32, to_f32, qk_f32, pv_f32)
-DEFINE_DECODE(decode_attention_bfloat16, uint16_t, from_bf16, to_bf16, qk_bf16, pv_bf16)
-DEFINE_DECODE(decode_attention_float16, _Float16, from_f16, to_f16, qk_f16, pv_f16)
-
-/* The largest head_dim the combine's stack buffer takes (the loader checks it). */
-int decode_attention_max_head_dim(void) { return 1024; }
+DEFINE_ITEM(f32, float)
+DEFINE_ITEM(bf16, uint16_t)
+DEFINE_ITEM(f16, _Float16)
+DEFINE_COMBINE(f32, float)
+DEFINE_COMBINE(bf16, uint16_t)
+DEFINE_COMBINE(f16, _Float16)
+DEFINE_DECODE(float32, f32, float)
+DEFINE_DECODE(bfloat16, bf16, uint16_t)
+DEFINE_DECODE(float16, f16, _Float16)

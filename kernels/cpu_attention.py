@@ -108,6 +108,8 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                     tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), B, hq, hk, d, bs,
                                     int(window or 0), float(scale), float(softcap or 0.0),
                                     torch.get_num_threads())
-    if rc != 0:
+    if rc == -1:
         raise MemoryError("decode_attention_cpu: the kernel could not allocate its scratch")
+    if rc != 0:
+        raise ValueError(f"decode_attention_cpu: the kernel refused its arguments ({rc})")
     return out
