@@ -7,7 +7,7 @@
    out      [B, Hq, D]
 
    The G = Hq / Hk query heads that share a KV head read its row once from L1: a token's K row of all Hk
-   heads is one contiguous run of Hk * D values, so a block is BS such runs and the prefetcher streams it.
+   heads is one contiguous run of Hk * D values, so a block is BS such runs, asked for ahead (below).
 
    Work item: (sequence, split). A split is a run of at most `split` keys; one sequence is several splits
    only when the step has too few sequences to keep every thread busy, or keys past SPLIT_MAX (bounding the
@@ -195,7 +195,7 @@ typedef struct {
     const int32_t *tables;
     int64_t table_stride;
     const Item *items;
-    int n_items, Hq, Hk, G, D, BS, row, split;   /* row: Hk * D values a slot */
+    int Hq, Hk, G, D, BS, row, split;            /* row: Hk * D values a slot */
     float scale, softcap;
     float *part;                                  /* per item: m [Hq], l [Hq], acc [Hq, D] */
 } Work;
@@ -330,7 +330,7 @@ int decode_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *t
     if (n < 0) return -1;                                                                                     \
     float *part = malloc(sizeof(float) * (size_t)n * Hq * (D + 2));                                          \
     if (!part) { free(items); return -1; }                                                                    \
-    const Work w = {q, k, v, tables, table_stride, items, n, Hq, Hk, Hq / Hk, D, BS, Hk * D, split, scale,   \
+    const Work w = {q, k, v, tables, table_stride, items, Hq, Hk, Hq / Hk, D, BS, Hk * D, split, scale,      \
                     softcap, part};                                                                           \
     long total = 0;                                                                                           \
     for (int i = 0; i < n; i++) total += items[i].stop - items[i].start;                                     \
