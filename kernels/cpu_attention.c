@@ -82,9 +82,12 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 /* s[g * sstride] = q[g] . k for the G query heads of one KV head and one key row k (the cache's type, read
-   and widened once for four heads) */
+   and widened once for four heads). q: the queries scaled, in float32; qt, scale: the queries as given and
+   the scale, for the variant that multiplies in the cache's type (bfloat16 below). */
 #define DEFINE_QK(SUFFIX, T)                                                                                  \
-static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *k, int G, int D) {           \
+static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, \
+                                int G, int D) {                                                               \
+    (void)qt; (void)scale;                                                                                    \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                       \
         const int gn = G - g0 < 4 ? G - g0 : 4;                                                               \
         const float *q0 = q + (size_t)g0 * D;                                                                 \
@@ -146,7 +149,9 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
 }
 #else
 #define DEFINE_QK(SUFFIX, T)                                                                                  \
-static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *k, int G, int D) {           \
+static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, \
+                                int G, int D) {                                                               \
+    (void)qt; (void)scale;                                                                                    \
     for (int g = 0; g < G; g++) {                                                                             \
         const float *qg = q + (size_t)g * D;                                                                  \
         float lanes[8] = {0};                                                                                 \
@@ -170,8 +175,34 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
 }
 #endif
 DEFINE_QK(f32, float)
-DEFINE_QK(bf16, uint16_t)
 DEFINE_QK(f16, _Float16)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+/* bfloat16 on AVX512_BF16: vdpbf16ps multiplies the queries and keys as given (each product exact in float32)
+   and sums them in float32, 32 values an instruction, with no widening: pass 1 was mostly widening. The
+   scale multiplies the sum, as torch's own bfloat16 attention scales its scores. */
+static inline void qk_bf16(float *s, int sstride, const float *q, const uint16_t *qt, float scale,
+                           const uint16_t *k, int G, int D) {
+    (void)q;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? G - g0 : 4;
+        const uint16_t *q0 = qt + (size_t)g0 * D;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int d = 0; d < D; d += 32) {
+            const __mmask32 m = D - d >= 32 ? 0xffffffffu : (__mmask32)((1u << (D - d)) - 1);
+            const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, k + d);
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++)
+                if (g < gn)
+                    a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + (size_t)g * D + d), kv);
+        }
+        float r[4];
+        _mm_storeu_ps(r, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
+        for (int g = 0; g < gn; g++) s[(size_t)(g0 + g) * sstride] = r[g];
+    }
+}
+#else
+DEFINE_QK(bf16, uint16_t)
+#endif
 DEFINE_PV(f32, float)
 DEFINE_PV(bf16, uint16_t)
 DEFINE_PV(f16, _Float16)
@@ -269,7 +300,7 @@ static void item_##SUFFIX(const Work *w, int it, const Item *next, float *qf, fl
                     prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);                                     \
                     for (int kh = 0; kh < w->Hk; kh++)                                                        \
                         qk_##SUFFIX(scores + (size_t)kh * G * split + i0 + t - t0, split, qf + (size_t)kh * G * D, \
-                                    kv + (size_t)t * row + (size_t)kh * D, G, D);                             \
+                                    q + (size_t)kh * G * D, w->scale, kv + (size_t)t * row + (size_t)kh * D, G, D); \
                 }                                                                                             \
             } else {                                                                                          \
                 for (int t = t0; t < t1; t++) prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);          \
