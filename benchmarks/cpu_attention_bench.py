@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     path = ensure_library()
     build_s = time.perf_counter() - t0
-    lib = ca.load_decode_library(path)
+    lib = ca.DecodeLibrary(path)
 
     def in_place(k, v):
         return ca.decode_attention_cpu(q, k, v, meta.block_tables, meta.seq_lens_t, scale, None, None, lib)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.config import cache_root
-from kernels import DecodeLibrary, compile_command, library_name, load_decode_library
+from kernels import DecodeLibrary, compile_command, library_name
 
 MODES = ("auto", "gather")
 BUILD_TIMEOUT_S = 120
@@ -89,7 +89,7 @@ class DecodeKernels:
             return None
         if self.loaded is None:
             try:
-                self.loaded = load_decode_library(ensure_library())
+                self.loaded = DecodeLibrary(ensure_library())
             except Exception as e:   # noqa: BLE001 - no compiler, a compile error, a library this OS can't load
                 log.warning("the in-place CPU decode attention is not available (%s); decode attention gathers "
                             "the KV blocks at every step instead (slower, same results)", e)

@@ -7,7 +7,7 @@ numpy only: triton is imported on first use of a Triton path (kernels/triton_uti
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, store_kv
 from kernels.attention_metadata import choose_num_splits
-from kernels.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name, load_decode_library
+from kernels.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
 from kernels.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
 from kernels.device import to_device
 from kernels.kv_int8 import store_kv_int8
@@ -29,7 +29,7 @@ __all__ = [
     "AttentionMetadata", "choose_num_splits", "paged_attention", "store_kv", "store_kv_int8",
     # the in-place CPU decode attention: its C library's compile command and name, its loader
     # (engine/cpu_decode.py builds, keeps and loads it)
-    "CpuDecode", "DecodeLibrary", "compile_command", "library_name", "load_decode_library",
+    "CpuDecode", "DecodeLibrary", "compile_command", "library_name",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_rtol", "packing_available",
     # layers

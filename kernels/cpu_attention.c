@@ -231,26 +231,28 @@ typedef struct {
     float *part;                                  /* per item: m [Hq], l [Hq], acc [Hq, D] */
 } Work;
 
+/* The first key a row of seq_len L sees: L - window under a sliding window, else 0. */
+static inline int first_key(int L, int window) { return (window > 0 && L > window) ? L - window : 0; }
+
 /* Splits each sequence's visible keys into items of at most `split` keys; returns their count. */
 static int plan_items(const int32_t *seq_lens, int B, int window, int threads, Item **items_out, int *split_out) {
     long total = 0;
     for (int b = 0; b < B; b++) {
-        int L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0;
-        total += L - lo;
+        total += seq_lens[b] - first_key(seq_lens[b], window);
     }
     long split = (total + 4L * threads - 1) / (4L * threads);   /* about four items a thread */
     if (split < SPLIT_MIN) split = SPLIT_MIN;
     if (split > SPLIT_MAX) split = SPLIT_MAX;
     int n = 0;
     for (int b = 0; b < B; b++) {
-        int L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0;
+        const int L = seq_lens[b], lo = first_key(L, window);
         n += (int)((L - lo + split - 1) / split) + (L == lo);
     }
     Item *items = malloc(sizeof(Item) * (size_t)n);
     if (!items) return -1;
     int i = 0;
     for (int b = 0; b < B; b++) {
-        int L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0;
+        const int L = seq_lens[b], lo = first_key(L, window);
         if (L == lo) { items[i++] = (Item){b, lo, lo}; continue; }
         for (int s = lo; s < L; s += (int)split) items[i++] = (Item){b, s, s + split < L ? s + (int)split : L};
     }

@@ -67,10 +67,6 @@ class DecodeLibrary:
                 and q.device.type == "cpu")
 
 
-def load_decode_library(path: Path) -> DecodeLibrary:
-    return DecodeLibrary(path)
-
-
 class CpuDecode(Protocol):
     """The engine's side of the in-place kernel, as the dispatch (kernels/attention.py) sees it."""
 

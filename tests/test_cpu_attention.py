@@ -26,7 +26,7 @@ KERNEL_TOL = {**TOL, torch.float16: dict(atol=2e-3, rtol=2e-3)}
 def lib(tmp_path_factory) -> ca.DecodeLibrary:
     path = tmp_path_factory.mktemp("kernel") / ca.library_name()
     cd.build_library(path)
-    return ca.load_decode_library(path)
+    return ca.DecodeLibrary(path)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,7 @@ def portable_lib(tmp_path_factory) -> ca.DecodeLibrary:
         cd.build_library(path)
     finally:
         ca.CFLAGS = flags
-    return ca.load_decode_library(path)
+    return ca.DecodeLibrary(path)
 
 
 @pytest.fixture
@@ -225,9 +225,9 @@ def test_one_openmp_runtime_in_the_process(lib):
     thread pool, not two spinning on the same cores. In a fresh process, where nothing else loaded one."""
     script = (
         "import sys, torch\n"
-        "from kernels.cpu_attention import load_decode_library\n"
+        "from kernels.cpu_attention import DecodeLibrary\n"
         "def gomp(): return {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}\n"
-        "before = gomp(); load_decode_library(sys.argv[1]); print(before == gomp(), sorted(gomp()))\n")
+        "before = gomp(); DecodeLibrary(sys.argv[1]); print(before == gomp(), sorted(gomp()))\n")
     done = subprocess.run([sys.executable, "-c", script, str(lib.path)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert done.returncode == 0, done.stderr
