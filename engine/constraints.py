@@ -52,7 +52,29 @@ class ConstraintError(ValueError):
 
 def grammar_text(c: Constraint) -> str:
     """The constraint as an llguidance grammar; raises ConstraintError when its spec is not even
-    well-formed (a schema that is not JSON, choices that are not a list of strings)."""
+    well-formed (a schema that is not JSON, choices that are not a list of strings). With
+    `c.reasoning`, the answer's grammar after an optional reasoning block (after_reasoning)."""
+    answer = _answer_grammar(c)
+    return answer if c.reasoning is None else after_reasoning(answer, *c.reasoning)
+
+
+def after_reasoning(answer: str, start: str, end: str) -> str:
+    """An llguidance grammar (its JSON form) of an optional reasoning block, `start`, any text, `end`
+    (lazy: the block ends at the first `end`, as the text's split does: jobs/reasoning.py), blanks, then
+    a text of the grammar `answer` (another grammar_text), referenced as the subgrammar @answer."""
+    try:
+        top = json.loads(answer)            # JSON schemas and regexes come as a grammar list
+    except json.JSONDecodeError:
+        top = None
+    if not (isinstance(top, dict) and "grammars" in top):
+        top = {"grammars": [{"lark_grammar": answer}]}     # Lark text
+    grammars = top["grammars"]
+    lark = (f"start: thought? @answer\nthought: think BLANK\nthink[lazy]: THINK\n"
+            f"THINK: {json.dumps(start)} /(?s:.*)/ {json.dumps(end)}\nBLANK: /[ \\t\\r\\n]*/\n")
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**grammars[0], "name": "answer"}, *grammars[1:]]})
+
+
+def _answer_grammar(c: Constraint) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
     if c.kind == "json":

@@ -104,6 +104,7 @@ class OutputProcessor:
         if seq is not None and req.constraint is not None:
             try:
                 seq.matcher = self.grammars.compile(req.constraint).deep_copy()
+                seq.matcher_sees_reasoning = req.constraint.reasoning is not None
             except ValueError as e:         # a ConstraintError, or the library's own
                 return self._fail(state, str(e))
         if seq is None:
@@ -217,7 +218,7 @@ class OutputProcessor:
     def _grammar_end(seq: Sequence, token: int) -> str | None:
         """A constrained sequence ends where its grammar does (EOS only where the grammar accepts:
         the bitmask allows nothing else). A reasoning model's constraint is on its answer: the
-        reasoning and its closing marker are not fed to the matcher."""
+        reasoning and its closing marker are not fed to the matcher, unless its grammar covers them."""
         if seq.matcher is None or not seq.constrained_from(seq.num_tokens - 1) or not advance(seq.matcher, token):
             return None
         return "error" if seq.matcher.is_error() else "stop"
@@ -346,7 +347,7 @@ class OutputProcessor:
             decode_s=max(now - prefill_done, 0.0), error=state.error,
             prompt_logprobs=state.prompt_logprobs, candidate_logprobs=state.candidate_logprobs,
             prompt_greedy=state.prompt_greedy, candidate_greedy=state.candidate_greedy,
-            embeddings=state.embeddings))
+            embeddings=state.embeddings, computed=state.first_scheduled is not None))
         del self._states[state.request.id]
 
 

@@ -84,9 +84,13 @@ CONSTRAINT_KINDS = ("json_schema", "json", "regex", "choice", "grammar")
 class Constraint:
     """What a generated text must match (engine/constraints.py compiles it). `spec` by kind:
     json_schema: the schema as JSON text; json: unused (any JSON object); regex: the pattern;
-    choice: a JSON list of the allowed strings; grammar: Lark or GBNF-style EBNF text."""
+    choice: a JSON list of the allowed strings; grammar: Lark or GBNF-style EBNF text.
+    `reasoning`: the (opening, closing) tags of a reasoning block the text may start with (a reasoning
+    model that may open its own reasoning, or answer at once): the grammar then covers the whole text,
+    an optional reasoning block, blanks, then the answer under `spec`."""
     kind: str
     spec: str = ""
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.kind not in CONSTRAINT_KINDS:
@@ -132,9 +136,15 @@ class Request:
 
     def context_error(self, context: int) -> str | None:
         """Why the request does not fit a model's context of `context` positions, or None."""
-        if self.tokens_needed > context:
-            return f"prompt of {self.tokens_needed} tokens exceeds the model's context of {context} tokens"
-        return None
+        if self.tokens_needed <= context:
+            return None
+        if self.more_inputs:
+            return f"an input of {self.tokens_needed} tokens exceeds the model's context of {context} tokens"
+        prompt = len(self.prompt_token_ids)     # as the row's prompt_tokens counts it
+        if self.tokens_needed > prompt:         # classify: a candidate follows the prompt
+            return (f"prompt of {prompt} tokens ({self.tokens_needed} with its longest candidate) exceeds the "
+                    f"model's context of {context} tokens")
+        return f"prompt of {prompt} tokens exceeds the model's context of {context} tokens"
 
 
 @dataclass
@@ -174,6 +184,7 @@ class RequestOutput:
     prompt_greedy: list[bool] | None = None
     candidate_greedy: list[list[bool]] | None = None
     embeddings: list[list[float]] | None = None      # embedding mode: one vector per input, the prompt's first
+    computed: bool = True               # False: it ended before any step (refused by the checks): no token computed
 
     @property
     def embedding(self) -> list[float] | None:

@@ -78,6 +78,8 @@ class Sequence:
     token_greedy: list[bool] = field(default_factory=list)      # whether each scored token is its position's argmax
     matcher: object | None = None  # constrained: its grammar matcher (engine/constraints.py), fed every sampled
                                    # token; it outlives preemption, since the sequence keeps its tokens
+    matcher_sees_reasoning: bool = False   # its grammar covers an optional reasoning block (Constraint.reasoning):
+                                           # fed every completion token, the reasoning's included
     # Reasoning models (sampling.reasoning_markers set): where the answer starts, as a token count
     # (prompt included); None while the sequence is reasoning. See `reasoning_end_in_prompt`.
     reasoning_end: int | None = None
@@ -95,7 +97,7 @@ class Sequence:
         """Sample `sample_index` of an n > 1 request: the parent's tokens so far, its own draws from then on."""
         return Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.sampling,
                         sample_index=sample_index, seed=self.seed, reasoning_end=self.reasoning_end, lora=self.lora,
-                        images=self.images)
+                        images=self.images, matcher_sees_reasoning=self.matcher_sees_reasoning)
 
     def candidate_child(self, candidate: list[int], index: int) -> Sequence:
         """A SCORE sequence for the rest of candidate `index` (its first token is scored already)."""
@@ -211,7 +213,10 @@ class Sequence:
 
     def constrained_from(self, position: int) -> bool:
         """Whether the token at `position` is under the sequence's constraint: not while reasoning,
-        nor the reasoning's closing marker (the answer starts at reasoning_end)."""
+        nor the reasoning's closing marker (the answer starts at reasoning_end); every one where the
+        grammar itself covers the reasoning (matcher_sees_reasoning)."""
+        if self.matcher_sees_reasoning:
+            return True
         return not self.in_reasoning and (self.reasoning_end is None or position >= self.reasoning_end)
 
     @property

@@ -5,13 +5,13 @@ a GGUF file's metadata (byte-level BPE rebuilt from tokens and merges, or a Sent
 vocabulary from pieces and scores (engine/sentencepiece_vocab.py), the way transformers' GGUF
 tokenizer converter does), or a byte-level fallback for dummy models.
 Chat templates render like transformers' `apply_chat_template(..., tokenize=False)`:
-same jinja sandbox, options and helpers, same special-token variables.
+same jinja sandbox, options and helpers, same special-token variables (engine/chat_template.py, which
+bounds a render's time and size).
 """
 from __future__ import annotations
 
 import json
 import posixpath
-from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -149,9 +149,10 @@ class Tokenizer:
         # transformers drops None-valued keys (e.g. OpenAI's content=None) before rendering
         msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables = {**self.special_tokens, **kwargs}
-        return self._template.render(messages=msgs, tools=variables.pop("tools", None),
-                                     documents=variables.pop("documents", None),
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        from engine.chat_template import render      # bounded: TemplateBoundError past MAX_SECONDS or MAX_CHARS
+        return render(self._template, messages=msgs, tools=variables.pop("tools", None),
+                      documents=variables.pop("documents", None),
+                      add_generation_prompt=add_generation_prompt, **variables)
 
     # -- constructors ---------------------------------------------------------------
 
@@ -307,39 +308,12 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> to
 # -- jinja --------------------------------------------------------------------------
 
 def _compile_template(source: str):
-    """Compile a chat template in the same sandbox, with the same options, as transformers."""
+    """Compile a chat template in the same sandbox, with the same options, as transformers (engine.chat_template:
+    within bounds of time and size)."""
     import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class GenerationBlock(Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text for training masks; render its body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters; transformers' does not
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    from engine.chat_template import compile_template
     try:
-        return env.from_string(source)
+        return compile_template(source)
     except jinja2.TemplateSyntaxError as e:
         raise ModelError(f"chat template does not compile: {e}") from e

@@ -6,16 +6,22 @@ hit rates and cost from sums, the same way for a run, for a data-parallel run ov
 
 Rows whose result was reused (the `reused` column: served by the result cache or a copy of another
 row, jobrunner/cache/reuse.py) count in rows, rows_ok/rows_failed and the prompt and completion tokens (they
-are the output's), but are no work done: throughput, the prefix-cache hit rate and the latency
-percentiles are over the computed rows alone (rows_computed, computed_prompt_tokens,
-computed_completion_tokens). An error row the engine never saw (a duplicate id, an unreadable record,
-a prompt over the context: no prompt tokens) is not computed either. A row of n > 1 samples is one
-row: its prompt counts once.
+are the output's), but are no work done: throughput, the prefix-cache hit rate, the cost per million
+tokens and the latency percentiles are over the computed rows alone (rows_computed, computed_prompt_tokens,
+computed_completion_tokens). A failed row whose prompt never reached a step of the engine (a duplicate id,
+an unreadable record: no prompt tokens; a prompt over the context, refused by the engine's checks: its
+prompt_tokens column keeps the count, its timings are null) is not computed, and its prompt tokens count
+in no job figure. A row of n > 1 samples is one row: its prompt counts once.
+
+Each run also has a time record (`time_record`): its wall and device time so far, which the writer stores
+in every part it flushes (output/parts.py), so a run killed with SIGKILL still counts in the summary.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
+import uuid
 from array import array
 
 LATENCY_SAMPLE = 100_000    # rows whose latencies are kept: percentiles exact up to here, estimated past it
@@ -28,11 +34,16 @@ ROW_SUMS = ("rows", "rows_ok", "rows_failed", "prompt_tokens", "cached_tokens", 
 # A record written before reused rows were told apart counted every row as computed.
 COMPUTED_BEFORE = {"rows_computed": "rows", "computed_prompt_tokens": "prompt_tokens",
                    "computed_completion_tokens": "completion_tokens"}
-# Rows whose result was reused (jobrunner/cache/reuse.py): a copy's, the cache's, and the tokens not computed.
-def reached_engine(error, prompt_tokens) -> bool:
-    """Whether a row that was not reused reached the engine: ok, or failed there (with its prompt's tokens)."""
-    return error is None or bool(prompt_tokens)
+RUN_ID_ENV = "JOBRUNNER_RUN_ID"     # a data-parallel launcher's workers share their run's id
 
+
+def reached_engine(error, prompt_tokens, prefill_s) -> bool:
+    """Whether a row's prompt reached the engine's steps (a reused row: its leader's): ok, or failed there
+    (with its prompt's tokens and its timings; a prompt the engine's checks refused has null timings)."""
+    return error is None or (bool(prompt_tokens) and prefill_s is not None)
+
+
+# Rows whose result was reused (jobrunner/cache/reuse.py): a copy's, the cache's, and the tokens not computed.
 
 REUSE_SUMS = ("rows_reused", "rows_from_cache", "tokens_saved", "cache_lookups", "cache_lookup_s", "cache_lookup_cpu_s")
 # A run's images (jobrunner/images), in the rows the intake made requests of (computed, reused or from the
@@ -66,6 +77,7 @@ class JobStats:
 
     def __init__(self):
         self.start = time.time()
+        self.run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
         self.rows = self.rows_ok = self.rows_failed = self.rows_skipped = self.duplicate_ids = 0
         self.rows_skipped_failed = 0        # of rows_skipped, those an earlier run wrote as error rows (progress)
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
@@ -84,12 +96,14 @@ class JobStats:
             self.rows_ok += 1
         else:
             self.rows_failed += 1
-        self.prompt_tokens += row.get("prompt_tokens") or 0
+        reached = reached_engine(row.get("error"), row.get("prompt_tokens"), row.get("prefill_s"))
+        prompt = (row.get("prompt_tokens") or 0) if reached else 0
+        self.prompt_tokens += prompt
         self.add_sample(row)
         if not row.get("reused"):
-            self.rows_computed += reached_engine(row.get("error"), row.get("prompt_tokens"))
+            self.rows_computed += reached
             self.cached_tokens += row.get("cached_tokens") or 0
-            self.computed_prompt_tokens += row.get("prompt_tokens") or 0
+            self.computed_prompt_tokens += prompt
             if row.get("error") is None:
                 self.add_latencies(row.get("queue_s") or 0.0, row.get("prefill_s") or 0.0, row.get("decode_s") or 0.0)
 
@@ -124,11 +138,9 @@ class JobStats:
                 prefix=None, engine_counters=None, device_hourly_cost: float | None = None, load_s: float = 0.0,
                 interrupted: bool = False) -> dict:
         """This run's record: its rows' figures, its time, throughput, prefix optimum and cost."""
-        wall = max(time.time() - self.start, 1e-9)
-        s = {"started_at": utc_iso(self.start), **self.row_figures(), "rows_skipped_done": self.rows_skipped,
-             "duplicate_ids": self.duplicate_ids, "wall_s": wall, "model_load_s": load_s, "device": device,
-             "devices": devices, "device_hours": wall * devices / 3600, "model_weight_bytes": model_weight_bytes,
-             "quantization": quantization, "interrupted": interrupted,
+        s = {**self.time_record(device=device, devices=devices, load_s=load_s, quantization=quantization),
+             **self.row_figures(), "rows_skipped_done": self.rows_skipped, "duplicate_ids": self.duplicate_ids,
+             "model_weight_bytes": model_weight_bytes, "interrupted": interrupted,
              **{k: getattr(self, k) for k in REUSE_SUMS}}
         if self.images or self.image_errors:
             s.update({k: getattr(self, k) for k in IMAGE_SUMS})
@@ -136,6 +148,19 @@ class JobStats:
         if engine_counters is not None:
             s["engine"] = dict(engine_counters)
         s.update(rates(s, device_hourly_cost))
+        return s
+
+
+    def time_record(self, *, device: str, devices: int, load_s: float, quantization: str,
+                    device_hourly_cost: float | None = None) -> dict:
+        """The run's time so far (and the rows it wrote; with a price, its cost): what each part it
+        flushes records, so the run counts in the summary however it ends."""
+        wall = max(time.time() - self.start, 1e-9)
+        s = {"run_id": self.run_id, "started_at": utc_iso(self.start), "wall_s": wall, "model_load_s": load_s,
+             "device": device, "devices": devices, "device_hours": wall * devices / 3600,
+             "quantization": quantization, **{k: getattr(self, k) for k in ROW_SUMS}}
+        if device_hourly_cost is not None:
+            s["cost_usd"] = s["device_hours"] * device_hourly_cost
         return s
 
 
@@ -159,9 +184,9 @@ def rates(s: dict, device_hourly_cost: float | None) -> dict:
     throughput over wall_s and cache hits (of the computed rows), cache hits against the prefix
     optimum, and with a price the cost."""
     wall = max(s["wall_s"], 1e-9)
-    tokens = s["prompt_tokens"] + s["completion_tokens"]
     computed = {k: s.get(k, s[before]) for k, before in COMPUTED_BEFORE.items()}
     prompt = computed["computed_prompt_tokens"]
+    tokens = prompt + computed["computed_completion_tokens"]
     out = {"prefill_tokens_per_s": prompt / wall, "decode_tokens_per_s": computed["computed_completion_tokens"] / wall,
            "rows_per_s": computed["rows_computed"] / wall,
            "cache_hit_rate": s["cached_tokens"] / prompt if prompt else 0.0}
@@ -172,13 +197,12 @@ def rates(s: dict, device_hourly_cost: float | None) -> dict:
     if device_hourly_cost is not None:
         cost = s["device_hours"] * device_hourly_cost
         out["cost_usd"] = cost
-        # one device-hour price over all tokens: a token costs the same whichever side it is on
+        # one device-hour price over the computed tokens: a token costs the same whichever side it is on
         out["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
         out["cost_saved_usd"] = cost_saved(cost, tokens, s.get("tokens_saved") or 0)
     return out
 
 
-def cost_saved(cost: float, tokens: int, saved: int) -> float | None:
+def cost_saved(cost: float, computed: int, saved: int) -> float | None:
     """What the reused rows' tokens would have cost at the price of those computed (None: none computed)."""
-    computed = tokens - saved
     return cost * saved / computed if computed > 0 else None

@@ -22,7 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 __all__ = ["url_fs", "join", "list_names", "atomic_write", "atomic_write_with", "write_lines",
-           "missing_backend_message", "CredentialsError", "credentials_error"]
+           "missing_backend_message", "CredentialsError", "credentials_error", "store_failure"]
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}   # URL protocol -> jobrunner extra
 
@@ -44,6 +44,10 @@ class CredentialsError(PermissionError):
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
                    "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError",
                    "CredentialUnavailableError"}
+# The base classes of the errors object-store clients raise for a store that fails or cannot be reached, beside
+# OSError (by class name, as above): botocore's (EndpointConnectionError, ReadTimeoutError, ClientError), aiohttp's,
+# gcsfs's HttpError, azure-core's AzureError.
+_STORE_FAILURES = {"BotoCoreError", "ClientError", "HttpError", "AzureError"}
 _CREDENTIALS = {
     "s3": "AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of "
           "~/.aws/credentials), or run where an instance or pod role provides them",
@@ -61,6 +65,12 @@ def credentials_error(url: str, err: BaseException) -> CredentialsError | None:
     which = _CREDENTIALS.get(_EXTRAS.get(protocol, ""), f"credentials for {protocol or 'its storage'}")
     first = (str(err).strip().splitlines() or [""])[0]
     return CredentialsError(f"cannot open {url}: no {which} ({type(err).__name__}: {first})")
+
+
+def store_failure(err: BaseException) -> bool:
+    """err is a storage failure: an OSError, or an object-store client's own error for a store that failed
+    or could not be reached (s3fs lets botocore's connection errors through untranslated)."""
+    return isinstance(err, OSError) or bool({c.__name__ for c in type(err).__mro__} & _STORE_FAILURES)
 
 
 def url_fs(url: str) -> tuple[Any, str]:

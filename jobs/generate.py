@@ -10,7 +10,7 @@ from jobs.base import RowError, sampling_params
 from jobs.constraint import requested_constraint, row_constraint
 from jobs.logprobs import TokenSpeller
 from jobs.metrics import Accuracy
-from jobs.reasoning import prompt_opens_reasoning, reasoning_markers, split_reasoning
+from jobs.reasoning import answer_constraint, prompt_opens_reasoning, reasoning_markers, split_reasoning
 from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 from jobs.schema_check import SchemaCheck, strict_refusal
 from jobs.spec import JobSpec
@@ -51,7 +51,9 @@ class GenerateJob:
         if forced is not None and constraint is not None:
             raise RowError("tool_choice required (or a named function) makes the reply tool calls: it cannot "
                            "also follow a response format or another constraint; drop one")
-        return Request(row_id, ids, sampling, constraint=forced or constraint), notes
+        constraint = answer_constraint(forced or constraint, self.spec.reasoning_parser, ids,
+                                       self.sampling.reasoning_markers)
+        return Request(row_id, ids, sampling, constraint=constraint), notes
 
     def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
                 notes: RowNotes = NO_NOTES) -> list[dict]:

@@ -6,7 +6,9 @@ in `pair_scores` (a list, in the pairs' order). Two ways, by what the model is:
              P(first label) / (P(first) + P(second)) at the prompt's end, as classify's label_probs.
              One request: the pairs' common prefix is the prompt (computed once), each pair's rest
              followed by each label a candidate; a label's logprob is the sum over its own tokens (the
-             candidate's last ones, RowNotes.label_tokens), given the pair's whole prompt.
+             candidate's last ones, RowNotes.label_tokens), given the pair's whole prompt. The row's
+             prompt_tokens are every pair's whole prompt, summed (as vLLM's usage counts a score line),
+             not the shared prefix the request holds.
     cosine   an embedding model (--kind embed, or a checkpoint whose sentence-transformers files say
              how it pools): each text embedded (one request, one vector each), a pair's score the
              cosine of its two vectors.
@@ -50,7 +52,7 @@ class PairScoreJob:
                 candidates.append(pair_ids[shared:] + tokens)
                 label_tokens.append(len(tokens))
         request = Request(row_id, ids[0][:shared], SamplingParams(max_tokens=0), candidates=candidates)
-        return request, RowNotes(label_tokens=tuple(label_tokens))
+        return request, RowNotes(label_tokens=tuple(label_tokens), pair_prompt_tokens=sum(map(len, ids)))
 
     def columns(self, out: RequestOutput, data: dict, options: RowOptions = NO_OPTIONS,
                 notes: RowNotes = NO_NOTES) -> list[dict]:
@@ -60,7 +62,10 @@ class PairScoreJob:
         if scores is None:
             return [{"output": None, "finish_reason": "error", "completion_tokens": 0,
                      "error": "the engine returned no scores for the pairs"}]
-        return [{"output": None, "finish_reason": "stop", "completion_tokens": 0, "pair_scores": scores}]
+        row = {"output": None, "finish_reason": "stop", "completion_tokens": 0, "pair_scores": scores}
+        if notes.pair_prompt_tokens:        # labels: the request's prompt is the pairs' shared prefix only
+            row["prompt_tokens"] = notes.pair_prompt_tokens
+        return [row]
 
     def _cosines(self, out: RequestOutput, options: RowOptions) -> list[float] | None:
         vectors, pairs = out.embeddings, options.pairs

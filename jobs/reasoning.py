@@ -6,11 +6,15 @@ answer starts (engine.sequence: `reasoning_end`, counted in Completion.reasoning
 the prompt closed the reasoning already, as Qwen3's template does with enable_thinking off;
 every token when the completion was cut before `</think>`, or wrote no marker at all). The text
 is split by its markers: text outside them is the answer, so a model that writes none answers
-with all of it and no reasoning (its reasoning_tokens then 0, jobs.generate).
+with all of it and no reasoning (its reasoning_tokens then 0, jobs.generate). A constraint (a JSON
+schema, forced tool calls) holds for the answer whether or not the model opens a reasoning block
+(answer_constraint).
 """
 from __future__ import annotations
 
-from engine import last_index_of
+from dataclasses import replace
+
+from engine import Constraint, last_index_of
 
 REASONING_PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 
@@ -44,3 +48,15 @@ def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str |
 def _inside(reasoning: str, start: str) -> str:
     """The reasoning without its opening tag (absent in R1's completions) and the blank lines around it."""
     return reasoning.lstrip().removeprefix(start).strip()
+
+
+def answer_constraint(c: Constraint | None, parser: str | None, prompt: list[int],
+                      markers: tuple[tuple[int, ...], tuple[int, ...]]) -> Constraint | None:
+    """The constraint on the answer as the engine applies it. A prompt with neither marker leaves the
+    model to open its own reasoning (Qwen3) or answer at once (a model that writes none): the grammar
+    then takes an optional reasoning block before the answer (Constraint.reasoning), since the engine's
+    own rule constrains only what follows a closing marker. A prompt that opened the reasoning (R1's
+    template) or closed it (enable_thinking off) keeps that rule."""
+    if c is None or parser is None or any(last_index_of(prompt, m) is not None for m in markers):
+        return c
+    return replace(c, reasoning=REASONING_PARSERS[parser])

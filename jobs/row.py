@@ -45,6 +45,7 @@ class RowNotes:
     truncated_tokens: int = 0               # prompt tokens --truncate-prompt dropped
     reasoning_open: bool = False            # the prompt left the reasoning open (its template opened <think>)
     label_tokens: tuple[int, ...] = ()      # pairs: each candidate's label tokens, at its end (jobs.pairs)
+    pair_prompt_tokens: int = 0             # pairs: every pair's whole prompt, summed (the row's prompt_tokens)
 
 
 NO_NOTES = RowNotes()

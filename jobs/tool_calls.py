@@ -43,10 +43,13 @@ class ToolCalls:
 
     def parse(self, req: ToolRequest, text: str | None) -> tuple[str | None, list[dict]]:
         """(content, calls) of a reply; a choice that allows one call (a named function, or
-        parallel_tool_calls false) keeps the first."""
+        parallel_tool_calls false) keeps the first. A forced choice's reply is calls by its grammar: no
+        content, whatever a cut (max_tokens) left of its last call."""
         if text is None:
             return None, []
         content, calls = self.parser().parse(text)
+        if req.forced:
+            content = None
         if calls and (req.choice == "function" or not req.parallel):
             calls = calls[:1]
         return content, calls

@@ -9,14 +9,15 @@ around a call (jobs/tool_grammar.py writes the same to enforce a call).
     content, calls = parser.parse(text)     # calls: [{"name": "f", "arguments": "<JSON text>"}, ...]
 
 A reply that holds no call of the family's shape (or one whose JSON does not parse) is all content,
-as vLLM's parsers answer; a reply cut inside its last call (max_tokens) keeps the calls before it.
+as vLLM's parsers answer; a reply cut inside its last call (max_tokens) keeps the calls before it, even
+where the cut call's strings hold the closing tag (calls are read as JSON, not split at the tag), and a
+cut call is never content: a Hermes reply cut in its first call has only the text before it.
 `parser_for_template` names the parser a chat template's own tool-call
 format fits, or None.
 """
 from __future__ import annotations
 
 import json
-import re
 
 _DECODER = json.JSONDecoder()
 
@@ -62,7 +63,7 @@ def _calls_of(values: list, rest: str | None) -> list[dict] | None:
     """The calls of parsed values; None unless every value is a call and nothing follows them, or only a
     last call cut short (max_tokens: the ones before it stand)."""
     calls = [_call(v) for v in values]
-    cut = rest is not None and rest.lstrip().startswith("{") and rest.count("{") > rest.count("}")
+    cut = rest is not None and _cut_json(rest.lstrip())
     if not calls or None in calls or rest is not None and not cut:
         return None
     return calls
@@ -72,29 +73,28 @@ class HermesParser:
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
     args_key = "arguments"
-    _block = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        if self.open not in text:
+        head, found, rest = text.partition(self.open)
+        if not found:
             return text, []
         calls = []
-        for m in self._block.finditer(text):
-            call = _call(_loads(m.group(1)) if m.group(2) else self._unclosed(m.group(1)))
-            if call is None and not m.group(2):     # a last call cut short (max_tokens): the ones before it stand
-                break
+        while rest is not None:                 # rest: the text after an opening tag
+            body = rest.lstrip()
+            try:
+                value, end = _DECODER.raw_decode(body)
+            except ValueError:
+                if _cut_json(body):             # a last call cut short (max_tokens): the ones before it stand
+                    break
+                return text, []
+            call, after = _call(value), body[end:].lstrip()
+            # its closing tag, or the start of it where the reply was cut
+            if call is None or not (after.startswith(self.close) or self.close.startswith(after)):
+                return text, []
             calls.append(call)
-        if not calls or None in calls:
-            return text, []
-        return text.split(self.open, 1)[0].strip() or None, calls
-
-
-    def _unclosed(self, block: str):
-        """The call of a last block whose closing tag was cut (max_tokens), if its JSON is whole."""
-        try:
-            value, end = _DECODER.raw_decode(block.strip())
-        except ValueError:
-            return None
-        return value if self.close.startswith(block.strip()[end:].strip()) else None
+            at = after.find(self.open)
+            rest = after[at + len(self.open):] if at >= 0 else None
+        return head.strip() or None, calls
 
 
 class Llama3JsonParser:
@@ -128,11 +128,31 @@ class MistralParser:
         return (head.strip() or None, calls) if calls else (text, [])
 
 
-def _loads(text: str):
-    try:
-        return json.loads(text.strip())
-    except ValueError:
-        return None
+def _cut_json(text: str) -> bool:
+    """Whether `text` is a JSON object cut short (max_tokens): nothing of it yet, or braces and brackets
+    still open at its end, counted outside strings (a string may hold any tag or brace)."""
+    if not text:
+        return True
+    if not text.startswith("{"):
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:              # the value closed, yet did not parse: not a cut one
+                return False
+    return True
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}

@@ -235,7 +235,7 @@ def test_messages_column_and_openai_lines(qwen, tmp_path):
         batch = tmp_path / "batch.jsonl"
         batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
         res = jobrunner.submit(str(batch), str(tmp_path / "bout"), model=qwen, any_model=True,
-                               output_format="openai-batch")
+                               output_format="openai-batch", image_allow_private=True)     # the loopback server
     finally:
         httpd.shutdown()
         httpd.server_close()

@@ -17,7 +17,7 @@ from PIL import Image
 from jobrunner.images import Fetcher, ImageError, ImageLimits, column_images, dataset_base, source_of
 from jobrunner.images.decode import decode
 
-FAST = ImageLimits(timeout_s=0.3, backoff_s=0.0)
+FAST = ImageLimits(timeout_s=0.3, backoff_s=0.0, allow_private=True)     # the loopback server: opted in
 
 
 def png(w=12, h=8, color=(200, 30, 40), mode="RGB") -> bytes:
@@ -101,7 +101,7 @@ def test_http_404_is_not_retried(server):
 
 
 def test_http_oversize_stops_reading(server):
-    limits = ImageLimits(max_bytes=1000, timeout_s=0.3, backoff_s=0.0)
+    limits = ImageLimits(max_bytes=1000, timeout_s=0.3, backoff_s=0.0, allow_private=True)
     server.routes["/big.png"] = [(200, b"x" * 5000)]                        # said by Content-Length
     server.routes["/big-stream.png"] = [(200, b"x" * 5000, {"no_length": True})]   # found while reading
     for path in ("/big.png", "/big-stream.png"):
@@ -120,7 +120,7 @@ def test_http_timeout_is_retried_then_fails(server):
 
 def test_http_backoff_doubles():
     waits = []
-    fetcher = Fetcher(ImageLimits(timeout_s=0.2, attempts=3, backoff_s=0.5), sleep=waits.append)
+    fetcher = Fetcher(ImageLimits(timeout_s=0.2, attempts=3, backoff_s=0.5, allow_private=True), sleep=waits.append)
     with pytest.raises(ImageError):
         fetcher.read(source_of("http://127.0.0.1:9/refused.png"))      # the discard port: refused
     assert waits == [0.5, 1.0]
@@ -156,7 +156,7 @@ def test_fsspec_memory_and_relative_paths(tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/imgs-test/ds/pics/a.png", data)
     fs.pipe("/imgs-test/ds/data.jsonl", b"{}\n")
-    assert read("memory://imgs-test/ds/pics/a.png") == data
+    assert read("memory://imgs-test/ds/pics/a.png", Fetcher(FAST, "memory://imgs-test/ds/data.jsonl")) == data
     # relative to the dataset's folder: its file's, a directory dataset itself, a glob's
     assert read("pics/a.png", Fetcher(FAST, "memory://imgs-test/ds/data.jsonl")) == data
     assert read({"bytes": None, "path": "pics/a.png"}, Fetcher(FAST, "memory://imgs-test/ds")) == data
@@ -165,7 +165,7 @@ def test_fsspec_memory_and_relative_paths(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"")
     assert read("sub/b.png", Fetcher(FAST, str(tmp_path / "x.parquet"))) == data
     assert read("sub/b.png", Fetcher(FAST, str(tmp_path / "*.parquet"))) == data
-    assert read(str(tmp_path / "sub" / "b.png")) == data                   # absolute: as it is
+    assert read(str(tmp_path / "sub" / "b.png"), Fetcher(FAST, str(tmp_path / "x.parquet"))) == data   # absolute
     with pytest.raises(ImageError, match="no such file"):
         read("sub/none.png", Fetcher(FAST, str(tmp_path / "x.parquet")))
     with pytest.raises(ImageError, match="over the 10 bytes"):

@@ -107,8 +107,10 @@ def test_merged_data_parallel_run_keeps_every_prefix_figure():
     assert {k: run[k] for k in prefix} == prefix
     assert run["cache_hit_of_block_optimum"] == pytest.approx(48 / 48)
     assert run["cost_per_million_tokens"] == pytest.approx(0.002 / 108 * 1e6) and "metrics" not in run
-    top = over_runs([run, run])
-    assert top["partial_block_optimum_cached_tokens"] == 110 and top["optimum_cache_hit_rate"] == 0.6
+    top = over_runs([run])
+    assert top["partial_block_optimum_cached_tokens"] == 55 and top["optimum_cache_hit_rate"] == 0.6
+    # two runs that planned: no plan is the output's (issue 58: never summed), each run keeps its own
+    assert "optimum_cache_hit_rate" not in over_runs([run, run])
 
 
 def _job(model_dir, ds, out, **kw):

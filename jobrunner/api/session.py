@@ -242,7 +242,7 @@ def _run_here(cfg: JobConfig, session: EngineSession | None, positions: dict):
 
     def reader():
         for batch in read_rows(cfg.input.dataset, resolved.fmt, id_column=cfg.input.id_column, batch_rows=1024,
-                               csv_delimiter=cfg.input.csv_delimiter):
+                               csv_delimiter=cfg.input.csv_delimiter, max_row_bytes=cfg.input.max_row_bytes):
             for row in batch:
                 positions.setdefault(row.id, []).append(row.index)
             yield batch

@@ -28,7 +28,7 @@ from jobrunner.output import OutputError
 from jobrunner.output.lease import OutputBusyError, OutputLease
 from jobrunner.parallel import distributed_env, run_parallel, wants_parallel
 from jobrunner.parallel.ray_driver import run_ray
-from jobrunner.storage import CredentialsError, credentials_error
+from jobrunner.storage import CredentialsError, credentials_error, store_failure
 
 log = logging.getLogger("jobrunner")
 
@@ -120,15 +120,31 @@ def output_lease(cfg: JobConfig):
             lease.acquire()
         except OutputBusyError as e:
             raise JobConfigError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - a store that refuses it: resolve's checks say why (exit 2 or 4)
-            if credentials_error(cfg.output_url, e) is None and not isinstance(e, PermissionError):
-                log.warning("output %s: cannot take its lease (%s: %s); the job runs without one, and a second "
-                            "job on this output would not be stopped", cfg.output_url, type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - a store that refuses it, or is down: exit 4 (a storage failure)
             lease = None
+            lease_refused(cfg, e)
         yield lease
     finally:
         if lease is not None:
-            lease.release()
+            lease.release()         # never raises: the job's own error, if any, stays the one reported
+
+
+def lease_refused(cfg: JobConfig, e: Exception) -> None:
+    """A lease the store would not give for a reason other than another job holding it: OutputStorageError
+    (exit 4) naming the reason, or with --lease-optional a warning, and the job runs without one. No
+    credentials or no permission to write: resolve's checks stop the job, in their order (a bad input first,
+    exit 2; then check_output, which writes in the output directory, exit 4)."""
+    if any(credentials_error(cfg.output_url, x) is not None or isinstance(x, PermissionError)
+           for x in (e, e.__cause__) if x is not None):
+        return
+    why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    if not cfg.output.lease_optional:
+        raise OutputStorageError(
+            f"output {cfg.output_url}: cannot take its lease ({why}); nothing was run. Fix the storage (or its "
+            "permissions), or pass --lease-optional to run without a lease (a second job on this output "
+            "would then not be stopped)") from None
+    log.warning("output %s: cannot take its lease (%s); the job runs without one (--lease-optional), and a "
+                "second job on this output would not be stopped", cfg.output_url, why)
 
 
 def _run(cfg: JobConfig) -> JobResult:
@@ -163,9 +179,12 @@ def api_errors(running: bool = False):
         raise
     except DatasetError as e:
         raise JobConfigError(str(e)) from e
-    except (OSError, OutputError) as e:
-        if running:
-            raise OutputStorageError(f"output storage failed: {e}. Nothing written is lost; "
+    except Exception as e:
+        if not (isinstance(e, OutputError) or store_failure(e)):
+            raise
+        if running:         # one line, the error that stopped the job (a store gone down mid-job)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise OutputStorageError(f"output storage failed: {first}. Nothing written is lost; "
                                      "fix the storage and run the same command again to resume.") from e
         if isinstance(e, OutputError):
             raise

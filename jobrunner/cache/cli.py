@@ -25,7 +25,11 @@ def cache():
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def stats(url, as_json):
-    """Shards, entries, bytes and ages of the cache at URL."""
+    """Shards, entries, bytes and ages of the cache at URL.
+
+    \b
+    Exit codes: 0 printed; 2 no cache at URL (a mistyped path is not an empty cache) or it cannot be read.
+    """
     from jobrunner.cache.maintenance import cache_stats
     try:
         s = cache_stats(url)
@@ -39,7 +43,12 @@ def stats(url, as_json):
 @click.option("--older-than", help="Delete entries written more than this long ago, e.g. 30d, 12h, 2w.")
 @click.option("--max-size", help="Then delete the oldest entries until the cache is at most this size, e.g. 10GB.")
 def prune(url, older_than, max_size):
-    """Delete the cache's oldest shards by age and/or total size."""
+    """Delete the cache's oldest shards by age and/or total size.
+
+    \b
+    Exit codes: 0 pruned (what was deleted is printed); 2 nothing asked to prune, a bad --older-than
+    or --max-size, or a cache that cannot be read or pruned.
+    """
     from jobrunner.cache.maintenance import parse_duration, prune as prune_cache
     if older_than is None and max_size is None:
         _fail("say what to prune: --older-than 30d and/or --max-size 10GB")

@@ -15,10 +15,11 @@ import click
 
 from engine import ModelError
 from jobrunner.cache.cli import cache as cache_commands
-from jobrunner.config.cli_options import GroupedCommand, job_options
-from jobrunner.config.job import JobConfig, JobConfigError, config_fields
+from jobrunner.config.cli_options import SECTIONS, GroupedCommand, job_options, some_job_options
+from jobrunner.config.job import NOT_FINGERPRINTED, JobConfig, JobConfigError, config_fields
 from jobrunner.config.ray import fold_cli
 from jobrunner.job.exit_codes import EXIT_STORAGE
+from jobrunner.job.progress import log_datefmt
 from jobrunner.models import known_models, pull as pull_model
 
 # Each command imports the modules that run it inside its function (the API, the dataset readers, the
@@ -38,7 +39,7 @@ def build_config(ctx: click.Context, dataset: str, params: dict) -> JobConfig:
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt=log_datefmt())
 
 
 def _fail_config(e: Exception) -> None:
@@ -125,7 +126,12 @@ def submit(ctx, dataset, **params):
 @job_options
 @click.pass_context
 def validate(ctx, dataset, **params):
-    """Check a dataset and options, count prompt tokens and estimate time, without generating."""
+    """Check a dataset and options, count prompt tokens and estimate time, without generating.
+
+    \b
+    Exit codes: 0 the job can run (the report follows); 2 bad configuration, or a dataset
+    or model that cannot be read; 130 interrupted.
+    """
     _setup_logging(params["verbose"])
     from jobrunner.dataset import DatasetError
     from jobrunner.cli.validate import validate_job
@@ -146,14 +152,27 @@ def validate(ctx, dataset, **params):
         click.echo(f"first prompt, exactly as the tokenizer gets it, between the ---- lines:\n----\n{prompt}\n----")
 
 
+# repair: the options that make the job's fingerprint, and -o; the submit command's others (how it runs) are
+# accepted, so that the submit command with `repair` for `submit` works, and left out of --help
+REPAIR_HIDDEN = NOT_FINGERPRINTED - {"output"}
+# warmup: the options that choose the model and how the engine loads it
+WARMUP_OPTIONS = (frozenset(SECTIONS["Model and engine"]) - {"plan"}) | {"lora", "max_loras", "tensor_parallel",
+                                                                         "config_file"}
+
+
 @main.command(cls=GroupedCommand)
 @click.argument("dataset")
-@job_options
+@some_job_options(hidden=REPAIR_HIDDEN)
 @click.pass_context
 def repair(ctx, dataset, **params):
-    """Rebuild an output's damaged _manifest.json from its part files and this job's options: the
-    submit command's dataset and options, with `repair` for `submit`. Then submit again to resume.
+    """Rebuild an output's damaged or missing _manifest.json from its part files and this job's options:
+    the submit command's dataset and options, with `repair` for `submit` (the options listed here make the
+    job's fingerprint; the others submit takes are accepted and ignored). Then submit again to resume.
     Reads no part and loads no model; refuses an output with an intact manifest or files not ours.
+
+    \b
+    Exit codes: 0 rebuilt; 2 bad configuration, or an output it refuses (not found, intact,
+    holding files not ours); 4 the manifest could not be written.
 
     \b
     Example:
@@ -174,13 +193,17 @@ def repair(ctx, dataset, **params):
 
 
 @main.command(cls=GroupedCommand)
-@job_options
+@some_job_options(only=WARMUP_OPTIONS)
 @click.pass_context
 def warmup(ctx, **params):
     """Prepare the model once, before the first job: fetch and convert it and, on CPU, compile the
     in-place decode attention kernel (about a second; a first job would do both itself). Takes the job
-    options that choose the model (-m, --quantization, --dtype, --block-size). Idempotent: a second call
-    takes seconds.
+    options that choose the model and load the engine (-m, --quantization, --dtype, --lora, ...).
+    Idempotent: a second call takes seconds.
+
+    \b
+    Exit codes: 0 ready; 2 bad configuration, or a model that cannot be found or loaded;
+    130 interrupted.
 
     \b
     Examples:
@@ -206,13 +229,18 @@ def warmup(ctx, **params):
                                                      "engine counters, each run), not the ten-line summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON (the whole _stats.json).")
 def stats(output, show_all, as_json):
-    """Print a job's summary; for a job killed before any run ended, a partial one from its parts."""
+    """Print a job's summary; for a job killed before any run ended, a partial one from its parts.
+
+    \b
+    Exit codes: 0 printed; 2 not a jobrunner output, or its summary cannot be read.
+    """
     from jobrunner.output.summary import job_summary
     from jobrunner.output import OutputError, read_manifest, read_stats
     try:
         s = read_stats(output)
         if s is None:       # no run wrote stats (killed): the rows' figures from the parts written so far
-            s = {"partial": True, **job_summary(output, (read_manifest(output) or {}).get("config") or {})}
+            manifest = read_manifest(output) or {}
+            s = {"partial": True, **job_summary(output, manifest.get("config") or {}), **_dataset_rows(manifest)}
     except OutputError as e:
         _fail_config(e)
     except (OSError, ValueError) as e:
@@ -240,7 +268,10 @@ def summary_lines(s: dict, output: str) -> list[str]:
     if "rows" in s:
         failed = s.get("rows_failed") or 0
         note = " (their errors are in the `error` column)" if failed else ""
-        lines.append(("rows", f"{s['rows']:,}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
+        of = ""
+        if s.get("dataset_rows") is not None:      # a partial summary: what is left of the dataset
+            of = f" of the dataset's {s['dataset_rows']:,} ({max(s['dataset_rows'] - s['rows'], 0):,} left)"
+        lines.append(("rows", f"{s['rows']:,}{of}: {s.get('rows_ok', 0):,} ok, {failed:,} failed{note}"))
     if isinstance(s.get("openai_output"), dict):   # one line per input line, in one of the two files
         lines.append(("openai", ", ".join(f"{n:,} lines in {name}" for name, n in s["openai_output"].items())))
     if s.get("constrained_incomplete"):
@@ -253,7 +284,7 @@ def summary_lines(s: dict, output: str) -> list[str]:
         lines.append(("tokens", f"{s['prompt_tokens']:,} prompt, {s.get('completion_tokens', 0):,} completion"))
         hits = f"{s.get('cache_hit_rate') or 0:.1%} of prompt tokens from the prefix cache"
         if s.get("optimum_cache_hit_rate") is not None:
-            hits += f" (the dataset's optimum: {s['optimum_cache_hit_rate']:.1%})"
+            hits += f" ({_optimum(s)})"
         lines.append(("cache hits", hits))
     if s.get("images") or s.get("image_errors"):
         bad = f", {s['image_errors']:,} failed their rows" if s.get("image_errors") else ""
@@ -293,6 +324,25 @@ def summary_lines(s: dict, output: str) -> list[str]:
     lines.append(("report", f"jobrunner report {shlex.quote(output)} (one HTML page: plots, failed rows, config)"))
     lines.append(("all figures", f"jobrunner stats --all {shlex.quote(output)} (or _stats.json)"))
     return [f"{k:12s} {v}" for k, v in lines]
+
+
+def _optimum(s: dict) -> str:
+    """The prefix plan's optimum: what a cache of full KV blocks could reach (what the engine's can), and a
+    token-level cache; over the dataset only when it fit one planning window."""
+    block = (s.get("block_optimum_cached_tokens") or 0) / s["planned_prompt_tokens"]
+    over = "the dataset's" if s.get("optimum_exact") else "each planning window's"
+    return f"{over} optimum: {block:.1%} in full KV blocks, {s['optimum_cache_hit_rate']:.1%} token by token"
+
+
+def _dataset_rows(manifest: dict) -> dict:
+    """{"dataset_rows": the rows of the job's dataset} where it can be counted from here, else {}."""
+    from jobrunner.dataset import count_rows
+    dataset = (manifest.get("config") or {}).get("dataset")
+    try:
+        n = count_rows(dataset, manifest.get("dataset_format") or "auto") if dataset else None
+    except Exception:  # noqa: BLE001 - informative only: a dataset moved or unreadable from here
+        return {}
+    return {} if n is None else {"dataset_rows": n}
 
 
 def _number(v) -> str:
@@ -352,6 +402,10 @@ def report(output, page):
     tokens, throughput, failed rows and configuration (plots inline; needs jobrunner[report]).
 
     \b
+    Exit codes: 0 written (its path is printed); 2 not a jobrunner output, or matplotlib missing;
+    4 the output could not be read or the page not written.
+
+    \b
     Example:
       jobrunner report out/ -o /tmp/nightly.html
     """
@@ -372,6 +426,9 @@ def report(output, page):
               help="Also write the comparison as an HTML page.")
 @click.option("--max-changed-rate", type=float, default=None, metavar="R",
               help="Exit 3 when more than this fraction of the common rows changed.")
+@click.option("--max-missing-rate", type=float, default=None, metavar="R",
+              help="Exit 3 when more than this fraction of the base's rows are absent from the candidate (an error "
+                   "row is present).")
 @click.option("--max-accuracy-drop", type=float, default=None, metavar="D",
               help="Exit 3 when accuracy over the common rows drops by more than D (a fraction: 0.01 = 1 point).")
 @click.option("--max-cost-increase", type=float, default=None, metavar="P",
@@ -382,10 +439,11 @@ def report(output, page):
 @click.option("--score-rtol", type=float, default=0.01, show_default=True,
               help="score: a row changed when its perplexity moved by more than this, relatively.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The bootstrap's seed.")
-def compare(base, candidate, as_json, page, max_changed_rate, max_accuracy_drop, max_cost_increase, min_cosine,
-            score_rtol, seed):
-    """What changed between two outputs of the same dataset, joined on id: rows only in one, changed
-    results, metric deltas with McNemar's test and a bootstrap interval, cost and configuration.
+def compare(base, candidate, as_json, page, max_changed_rate, max_missing_rate, max_accuracy_drop, max_cost_increase,
+            min_cosine, score_rtol, seed):
+    """What changed between two outputs of the same dataset, joined on id (an id's own row; a repeated
+    id's duplicate error rows are counted apart): rows only in one, changed results, metric deltas with
+    McNemar's test and a bootstrap interval, cost and configuration.
 
     \b
     Exit codes: 0 compared (every gate asked passed); 3 a gate crossed; 2 not comparable (different
@@ -399,8 +457,8 @@ def compare(base, candidate, as_json, page, max_changed_rate, max_accuracy_drop,
     from jobrunner.report.compare_page import lines, render
     try:
         r = compare_outputs(base, candidate, max_changed_rate=max_changed_rate, max_accuracy_drop=max_accuracy_drop,
-                            max_cost_increase=max_cost_increase, min_cosine=min_cosine, score_rtol=score_rtol,
-                            seed=seed)
+                            max_cost_increase=max_cost_increase, max_missing_rate=max_missing_rate,
+                            min_cosine=min_cosine, score_rtol=score_rtol, seed=seed)
         if page:
             write_page(render(r), page)
     except (NotComparableError, OutputError) as e:
@@ -414,7 +472,11 @@ def compare(base, candidate, as_json, page, max_changed_rate, max_accuracy_drop,
 @main.group(invoke_without_command=True)
 @click.pass_context
 def models(ctx):
-    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub)."""
+    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub).
+
+    \b
+    Exit codes: 0 listed.
+    """
     if ctx.invoked_subcommand is None:
         for m in known_models():
             state = f"cached at {m['path']}" if m["cached"] else "not cached"
@@ -424,7 +486,11 @@ def models(ctx):
 @models.command()
 @click.argument("name")
 def pull(name):
-    """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache."""
+    """Fetch a known model into the cache, or a Hugging Face Hub model (org/name[@revision]) into the HF cache.
+
+    \b
+    Exit codes: 0 fetched (its path is printed); 2 an unknown name, or a model that cannot be fetched.
+    """
     try:
         path = pull_model(name)
     except ModelError as e:

@@ -52,7 +52,8 @@ def validate_job(cfg: JobConfig) -> dict:
     images = _RowImages(cfg.input.image_column, cfg.input.messages_column, None if processor is None else
                         ImagePrep(processor, cfg.input.image_limits(), dataset=cfg.input.dataset, workers=1))
     t = _Tally(openai=fmt == "openai-batch")
-    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, csv_delimiter=cfg.input.csv_delimiter):
+    for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, csv_delimiter=cfg.input.csv_delimiter,
+                           max_row_bytes=cfg.input.max_row_bytes):
         for row in batch[:None if cfg.input.limit is None else max(0, cfg.input.limit - t.rows)]:
             t.add(row, builder, job, bundle.config.max_position_embeddings, images)
     rows, bad, prompt_tokens, longest, dup, errors = t.rows, t.bad, t.prompt_tokens, t.longest, t.dup, t.errors
@@ -168,14 +169,20 @@ def _check_row(builder, job, row, context: int, images: _RowImages | None = None
     prompt = builder.prompt(row.data, row.options, images.values(row))
     ids = builder.tokenizer.encode(prompt.text, add_special_tokens=prompt.special)
     ids, runs = images.expanded(ids, prompt.images)
-    req, _ = job.request(row.id, ids, row.data, row.options)
+    req, notes = job.request(row.id, ids, row.data, row.options)
     too_long = req.context_error(context)      # the engine's own rule, so submit fails the same rows
     if too_long:
         raise RowError(too_long)
     if runs:
         req = replace(req, images=tuple(ImageInput(NO_PIXELS, (0, 0, 0), 0, off, n) for off, n in runs))
     most = req.sampling.max_tokens * req.sampling.n if req.embed is None and req.sampling is not None else 0
-    return prompt.text, len(req.prompt_token_ids), most, req
+    return prompt.text, prompt_tokens(req, notes), most, req
+
+
+def prompt_tokens(req, notes) -> int:
+    """The row's prompt_tokens as submit writes them: the engine's count (an embedding's every input), or a
+    score line's pairs' whole prompts (jobs/pairs.py)."""
+    return notes.pair_prompt_tokens or len(req.prompt_token_ids) + sum(map(len, req.more_inputs or ()))
 
 
 def openai_failed_line(row, error: str) -> tuple[str, str]:

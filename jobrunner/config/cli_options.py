@@ -40,7 +40,17 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--max-image-bytes", type=int, default=D.max_image_bytes, show_default=True,
                      help="An encoded image (a file, a download) of more bytes fails its row."),
         click.option("--image-timeout", type=float, default=D.image_timeout, show_default=True,
-                     help="Seconds one download of an http(s) image may take (tried 3 times)."),
+                     help="Seconds one download of an http(s) image may take, all of it (connect, redirects, "
+                          "body: a server trickling bytes is cut there); tried 3 times."),
+        click.option("--image-hosts", multiple=True,
+                     help="Only these hosts serve http(s) images (repeatable; a name, an address or a pattern "
+                          "such as *.example.com); default: any public host."),
+        click.option("--image-allow-private", is_flag=True, default=None,
+                     help="Fetch http(s) images from private hosts too (loopback, 10/8, 172.16/12, 192.168/16, "
+                          "100.64/10, link-local, fc00::/7); cloud metadata addresses never."),
+        click.option("--image-root", multiple=True,
+                     help="A folder or store prefix (s3://bucket/prefix) image paths may be read from, past the "
+                          "dataset's own folder (repeatable); other paths fail their row."),
         click.option("--served-model-name", multiple=True,
                      help="OpenAI batch: another name a line's body.model may give the model (repeatable); a "
                           "line naming none of the model's names is an error line."),
@@ -48,6 +58,9 @@ OPTION_GROUPS: dict[str, list] = {
                      help="OpenAI batch: serve every line whatever model its body names (a file written for "
                           "another provider)."),
         click.option("--limit", type=int, help="Only the first N rows."),
+        click.option("--max-row-bytes", type=int, default=D.max_row_bytes, show_default=True,
+                     help="A dataset line (JSONL), record (CSV) or row (Parquet) of more bytes is an error row, "
+                          "read through without being held; the job goes on."),
         click.option("--csv-max-lines", type=int, default=D.csv_max_lines, show_default=True,
                      help="CSV: a record over more lines than this is an unclosed quote (exit 2, naming its line)."),
         click.option("--csv-delimiter",
@@ -176,6 +189,9 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--allow-all-failed", is_flag=True, default=False,
                      help="Exit 0 when every row failed (else 3: a job in which no row succeeded is a failure)."),
         click.option("--device-hourly-cost", type=float, help="USD per device-hour, for cost figures."),
+        click.option("--lease-optional", is_flag=True, default=False,
+                     help="Run without the output's lease when the store refuses it for a reason other than "
+                          "another job holding it (else exit 4); a second job on the output is then not stopped."),
     ],
     "Model and engine": [
         click.option("-m", "--model", default=D.model, show_default=True,
@@ -187,7 +203,8 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--quantization", type=click.Choice(JOB_QUANTIZATIONS),
                      default=D.quantization, show_default=True,
                      help="Weight quantization (w8a8: a CPU speed mode; fp8: sm_89+ GPUs; auto: the fastest mode "
-                          "within 2% perplexity of float for this machine, e.g. bfloat16 on AMX CPUs)."),
+                          "within 1% of float32's perplexity on this machine, e.g. bfloat16 on AMX CPUs; a GPU keeps "
+                          "the model's 16-bit dtype)."),
         click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=D.kv_cache_dtype,
                      show_default=True, help="KV cache storage; int8 and fp8 store it in 8 bits, so more rows fit."),
         click.option("--kv-cache-memory", help="KV cache size, e.g. 64MB or 8GiB (default: 2GiB on CPU, "
@@ -280,11 +297,22 @@ SECTIONS = {title: _names(opts) for title, opts in OPTION_GROUPS.items()}
 
 def job_options(f):
     """Every job option, then --verbose."""
-    opts = [o for group in OPTION_GROUPS.values() for o in group]
-    opts.append(click.option("-v", "--verbose", is_flag=True, help="Debug logging."))
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return some_job_options()(f)
+
+
+def some_job_options(only: frozenset[str] | None = None, hidden: frozenset[str] = frozenset()):
+    """A decorator: the job options named in `only` (None: every one), then --verbose; those in `hidden` are
+    accepted but left out of --help (a command that ignores them, given the submit command's options)."""
+    def decorate(f):
+        opts = [o for group in OPTION_GROUPS.values() for o in group
+                if only is None or _names([o])[0] in only]
+        opts.append(click.option("-v", "--verbose", is_flag=True, help="Debug logging."))
+        for opt in reversed(opts):
+            f = opt(f)
+        for param in f.__click_params__:
+            param.hidden = param.name in hidden
+        return f
+    return decorate
 
 
 class GroupedCommand(click.Command):

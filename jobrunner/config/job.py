@@ -225,8 +225,11 @@ _NOT_FINGERPRINTED = {
     "allow_all_failed", "max_num_seqs", "max_batched_tokens", "plan", "prefix_cache", "cuda_graphs", "packed_weights",
     "async_scheduling", "kv_cache_memory", "limit", "device", "block_size", "show_prompt", "fail_on_empty",
     "flush_seconds", "threads", "dedup", "cache", "cache_mode", "grammar_timeout", "csv_max_lines", "max_loras",
-    "max_image_pixels", "max_image_bytes", "image_timeout",     # limits: which rows fail, never what one gets
-    "ray"}      # where the workers run (Ray), like how many, never what a row gets
+    "max_row_bytes", "max_image_pixels", "max_image_bytes", "image_timeout",   # limits: which rows fail, not how
+    "image_hosts", "image_allow_private", "image_root",         # where images may come from: the same
+    "ray",      # where the workers run (Ray), like how many, never what a row gets
+    "lease_optional"}
+NOT_FINGERPRINTED = frozenset(_NOT_FINGERPRINTED)     # how a job runs, not what a row gets (`jobrunner repair`'s help)
 # Options added after outputs were written with the fingerprint that lacks them (issues 17, 23, 29, 33).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                 "top_logprobs", "chat_template_kwargs", "reasoning_parser", "truncate_prompt",      # issue 17

@@ -6,6 +6,7 @@ A field's name is its option's (`max_tokens` is --max-tokens, TOML `max_tokens`,
 names are unique over all sections, so a flat option finds its section (config.FIELD_SECTION)."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import dataclass
@@ -29,10 +30,19 @@ OUTPUT_FORMATS = ("parquet", "openai-batch")
 CACHE_MODES = ("read-write", "read-only", "write-only", "refresh")
 MAX_TOP_LOGPROBS = 20       # OpenAI's bound on top_logprobs, ours too (jobrunner/openai/request.py)
 JOB_QUANTIZATIONS = QUANTIZATIONS + ("auto",)   # auto: jobrunner.job.precision picks one (and the dtype)
+_HOST_PATTERN = re.compile(r"^[\w*?.-]+$")     # --image-hosts: a host name or address, * and ? as wildcards
 
 
 def _bad(message: str):
     raise JobConfigError(message)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -46,24 +56,34 @@ class InputOptions:
     any_model: bool = False                 # OpenAI batch: serve every line whatever its body.model names
     limit: int | None = None                # only the first N rows (for trying a job out)
     csv_max_lines: int = 10_000             # a CSV record over more lines: an unclosed quote (exit 2)
+    max_row_bytes: int = 4 << 20            # a longer line, record or row is an error row (dataset.files' default)
     csv_delimiter: str | None = None        # None: a tab for .tsv, else sniffed from the header (csv_reader)
     # a row's images (jobrunner/images): a column of image structs, bytes, paths or URLs (or lists of them)
     image_column: str | None = None
     max_image_pixels: int = DEFAULT_MAX_PIXELS      # an image over this many pixels fails its row (bombs)
     max_image_bytes: int = DEFAULT_MAX_BYTES        # an encoded image over this many bytes fails its row
-    image_timeout: float = DEFAULT_TIMEOUT_S        # seconds one fetch of an http(s) image may take
+    image_timeout: float = DEFAULT_TIMEOUT_S        # seconds one download of an http(s) image may take, all of it
+    image_hosts: tuple[str, ...] = ()               # http(s) image hosts allowed (names, *.patterns); empty: any
+    image_allow_private: bool = False               # http(s) images from private hosts too (loopback, 10/8, ...)
+    image_root: tuple[str, ...] = ()                # folders or store prefixes image paths may be under, past the dataset's
 
     def __post_init__(self):
         if self.format not in FORMATS:
             _bad(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}")
         if self.limit is not None and self.limit < 0:
             _bad("--limit must be >= 0 (a number of rows)")
+        if self.max_row_bytes < 1:
+            _bad("--max-row-bytes must be >= 1 (the bytes of a dataset's line, CSV record or Parquet row)")
         if self.csv_max_lines < 1:
             _bad("--csv-max-lines must be >= 1 (the lines a CSV record may span)")
         if self.max_image_pixels < 1 or self.max_image_bytes < 1:
             _bad("--max-image-pixels and --max-image-bytes must be >= 1")
         if not self.image_timeout > 0:
             _bad("--image-timeout must be > 0 seconds")
+        for host in self.image_hosts:
+            if not _HOST_PATTERN.match(host) and not _is_address(host):
+                _bad(f"--image-hosts takes host names or patterns such as images.example.com or *.example.com "
+                     f"(repeat the option for more), not {host!r}")
         if self.csv_delimiter is not None and (len(self.csv_delimiter) != 1 or self.csv_delimiter in '"\r\n'):
             _bad(f"--csv-delimiter must be one character other than a quote or newline (a tab: $'\\t'), "
                  f"not {self.csv_delimiter!r}")
@@ -71,7 +91,8 @@ class InputOptions:
     def image_limits(self) -> ImageLimits:
         """How far the job goes for one image (jobrunner/images)."""
         return ImageLimits(max_pixels=self.max_image_pixels, max_bytes=self.max_image_bytes,
-                           timeout_s=self.image_timeout)
+                           timeout_s=self.image_timeout, hosts=self.image_hosts,
+                           allow_private=self.image_allow_private, roots=self.image_root)
 
 
 @dataclass(frozen=True)
@@ -302,6 +323,7 @@ class OutputOptions:
     fail_on_empty: bool = False             # an empty dataset exits 2 instead of 0 with a warning
     allow_all_failed: bool = False          # a job whose every row failed exits 0, not 3
     device_hourly_cost: float | None = None
+    lease_optional: bool = False            # a lease that cannot be taken (an unknown store error) warns, not exit 4
 
     def __post_init__(self):
         if self.part_rows < 1:

@@ -55,19 +55,29 @@ def _stored_size(files: list[str]) -> int | None:
     return total
 
 
-def _chunk_lines(url: str) -> Iterator[list[bytes]]:
-    """The file's lines (newline removed, BOM removed), a large chunk's worth at a time."""
+def _line_marks(url: str) -> Iterator[tuple[int, int, bool]]:
+    """Per large chunk of the file (BOM removed): (the lines ending in it that are not blank, those that
+    are not empty (b"" or b"\\r"), whether it holds a quote); last, the line after the last newline's. A
+    line's bytes are never joined: one line of any length is counted in one pass, one chunk held."""
     f = open_binary(url)
-    tail, first = b"", True
+    blank, start = True, b""    # the line so far: all whitespace; its bytes while it has at most one, else None
+    first = True
     try:
         while chunk := f.read(_COUNT_CHUNK):
             if first:
                 chunk, first = chunk.removeprefix(b"\xef\xbb\xbf"), False
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()      # a line that goes on in the next chunk
-            yield lines
-        if tail:
-            yield [tail]            # the last line, without its newline
+            pieces = chunk.split(b"\n")
+            not_blank = not_empty = 0
+            for piece in pieces[:-1]:       # each ends a line
+                not_blank += not (blank and not piece.strip())
+                not_empty += not (start is not None and len(start) + len(piece) <= 1
+                                  and start + piece in (b"", b"\r"))
+                blank, start = True, b""
+            tail = pieces[-1]               # a line that goes on in the next chunk
+            blank = blank and not tail.strip()
+            start = start + tail if start is not None and len(start) + len(tail) <= 1 else None
+            yield not_blank, not_empty, b'"' in chunk
+        yield int(not blank), int(not (start is not None and start in (b"", b"\r"))), False
     except READ_ERRORS as e:
         raise DatasetError(f"cannot read {url}: {type(e).__name__}: {e}") from e
     finally:
@@ -76,15 +86,15 @@ def _chunk_lines(url: str) -> Iterator[list[bytes]]:
 
 def _count_jsonl(url: str) -> int:
     # a JSON record holds no raw newline: every line that isn't blank is a row (an error row if bad)
-    return sum(sum(1 for line in lines if line.strip()) for lines in _chunk_lines(url))
+    return sum(not_blank for not_blank, _, _ in _line_marks(url))
 
 
 def _count_csv(url: str) -> int:
     # Without a quote character a line is a record (an error row if bad) and an empty line is
     # skipped; the first record is the header.  A quoted cell may hold newlines: then parse.
     n = 0
-    for lines in _chunk_lines(url):
-        if any(b'"' in line for line in lines):
+    for _, not_empty, quoted in _line_marks(url):
+        if quoted:
             return sum(1 for _ in read_csv(url, None, None, None))
-        n += sum(1 for line in lines if line not in (b"", b"\r"))
+        n += not_empty
     return max(n - 1, 0)

@@ -4,7 +4,8 @@ The delimiter: the job's --csv-delimiter, else a tab for .tsv, else sniffed from
 (the most frequent of , ; tab | outside quotes; a comma when none is there), so a semicolon CSV
 as spreadsheets in many locales export it reads as it is.
 
-Multi-line quoted cells are fine: a row's error names its last line.  An unclosed quote is not
+Multi-line quoted cells are fine: a row's error names its last line. A record over --max-row-bytes is an
+error row, its lines past the bound read through and never held (`_Lines`).  An unclosed quote is not
 (it would swallow the rest of the file into one cell): check_quotes finds it before any row runs.
 (Named csv_reader so that `import csv` here is the standard library's.)
 """
@@ -15,8 +16,8 @@ import csv
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from jobrunner.dataset.files import decode, ext, lines, list_files
-from jobrunner.dataset.rows import LOST_ID, DatasetError, row_id, where
+from jobrunner.dataset.files import DEFAULT_MAX_ROW_BYTES, SNIFF_LINE_BYTES, LongLine, decode, ext, lines, list_files
+from jobrunner.dataset.rows import LOST_ID, DatasetError, row_id, too_long, where
 
 csv.field_size_limit(2**31 - 1)  # huge cells are rows, not errors
 
@@ -43,6 +44,8 @@ def _delimiter(url: str, given: str | None) -> str:
 def sniff_delimiter(url: str) -> str:
     """The most frequent of SNIFFED outside quotes in the first non-empty line (a comma on ties or none)."""
     for line in lines(url):
+        if isinstance(line, LongLine):
+            continue
         text = decode(line)[0] or line.decode("utf-8", errors="replace")
         if not text.strip():
             continue
@@ -53,23 +56,47 @@ def sniff_delimiter(url: str) -> str:
     return ","
 
 
-def _text_lines(url: str, bad: dict[int, str]) -> Iterator[str]:
-    """Decoded lines for csv.reader; lines with invalid UTF-8 are recorded in `bad`."""
-    for lineno, line in enumerate(lines(url), start=1):
-        text, err = decode(line)
-        if err:
-            bad[lineno] = err
-            text = line.decode("utf-8", errors="replace")
-        yield text
+class _Lines:
+    """Decoded lines for csv.reader; lines with invalid UTF-8 are recorded in `bad`, and so is each line
+    of a record past max_bytes (its lines since `new_record`), given to the reader as only its quotes'
+    parity: the record ends where it did, its cells are never held whole."""
+
+    def __init__(self, url: str, max_bytes: int = SNIFF_LINE_BYTES):
+        self.bad: dict[int, str] = {}
+        self.max_bytes = max_bytes
+        self._record_bytes = 0
+        self._lines = self._read(url)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._lines
+
+    def new_record(self) -> None:
+        self._record_bytes = 0
+
+    def _read(self, url: str) -> Iterator[str]:
+        for lineno, line in enumerate(lines(url, self.max_bytes), start=1):
+            long = isinstance(line, LongLine)
+            self._record_bytes += line.size if long else len(line)
+            if long or self._record_bytes > self.max_bytes:
+                self.bad.setdefault(lineno, too_long(self._record_bytes, self.max_bytes))
+                yield '"' * ((line.quotes if long else line.count(b'"')) % 2) + "\n"
+                continue
+            text, err = decode(line)
+            if err:
+                self.bad[lineno] = err
+                text = line.decode("utf-8", errors="replace")
+            yield text
 
 
 def check_quotes(url: str, max_lines: int, delimiter: str | None = None) -> None:
     """DatasetError naming the line where a quoted field opens that runs to the end of the file, or
     over more than max_lines lines (an unclosed quote that a later quote happens to close)."""
     for path in list_files(url):
-        reader = csv.reader(_text_lines(path, {}), delimiter=_delimiter(path, delimiter), strict=True)
+        source = _Lines(path)
+        reader = csv.reader(source, delimiter=_delimiter(path, delimiter), strict=True)
         start = 1       # the first line of the record being read
         while True:
+            source.new_record()
             try:
                 next(reader)
             except StopIteration:
@@ -89,7 +116,7 @@ def check_quotes(url: str, max_lines: int, delimiter: str | None = None) -> None
 
 def csv_header(url: str, delimiter: str | None = None) -> list[str]:
     """The column names: the first non-empty record."""
-    reader = csv.reader(_text_lines(url, {}), delimiter=_delimiter(url, delimiter))
+    reader = csv.reader(_Lines(url), delimiter=_delimiter(url, delimiter))
     for header in reader:
         if header:
             return header
@@ -100,7 +127,7 @@ def _header(url: str, cells: list[str], bad: dict[int, str], id_column: str | No
             columns: Sequence[str] | None) -> _Header:
     """The header record, checked (valid UTF-8, distinct names)."""
     if bad:
-        raise DatasetError(f"CSV header of {url} is not valid UTF-8 (line {min(bad)})")
+        raise DatasetError(f"CSV header of {url}: line {min(bad)}: {bad[min(bad)]}")
     if len(set(cells)) != len(cells):
         dup = sorted({c for c in cells if cells.count(c) > 1})
         raise DatasetError(f"CSV header of {url} repeats column names {dup}; rename them")
@@ -132,13 +159,17 @@ def _row(cells: list[str], first: int, last: int, h: _Header, bad: dict[int, str
 
 
 def read_csv(url: str, name: str | None, id_column: str | None, columns: Sequence[str] | None,
-             delimiter: str | None = None) -> Iterator[tuple[str | None, dict | None, str | None]]:
-    """(id or None, data or None, error or None) per record after the header."""
-    bad: dict[int, str] = {}
-    reader = csv.reader(_text_lines(url, bad), delimiter=_delimiter(url, delimiter))
+             delimiter: str | None = None,
+             max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[tuple[str | None, dict | None, str | None]]:
+    """(id or None, data or None, error or None) per record after the header; a record over
+    max_row_bytes is an error row."""
+    source = _Lines(url, max_row_bytes)
+    bad = source.bad
+    reader = csv.reader(source, delimiter=_delimiter(url, delimiter))
     h: _Header | None = None
     start = 1  # first line of the record being read
     while True:
+        source.new_record()
         try:
             cells = next(reader)
         except StopIteration:

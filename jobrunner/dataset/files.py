@@ -1,7 +1,7 @@
 """A dataset's files: listing them, their extensions and compression, and reading their lines.
 
 Every read goes through open_binary (decompressing by extension) and is bounded: lines() holds
-one line at a time, however long the file.
+one line at a time, however long the file, and no line longer than its bound (a LongLine stands for it).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import lzma
 import posixpath
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
@@ -23,6 +24,8 @@ _COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd",
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
                ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
 _CHUNK = 1 << 20             # bytes per read() when splitting lines
+DEFAULT_MAX_ROW_BYTES = 4 << 20     # --max-row-bytes: a longer line, cell or row is an error row
+SNIFF_LINE_BYTES = 64 << 20  # lines looked at for columns, types and the format: past this, skipped
 # Errors of reading a truncated or corrupt compressed file, a network error...
 READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)
 
@@ -119,30 +122,55 @@ def open_binary(url: str) -> IO[bytes]:
         raise DatasetError(f"cannot open {url}: {e}") from e
 
 
-def iter_lines(f: IO[bytes]) -> Iterator[bytes]:
-    """Lines (with their newline) from any object with read(n); bounded by one line."""
+@dataclass(frozen=True, slots=True)
+class LongLine:
+    """In place of a line over the bound: read, never held. quotes: its '"' characters, so that a CSV
+    reader keeps its place in a quoted field that goes on past the line."""
+    size: int       # its bytes, newline included
+    quotes: int
+
+
+def iter_lines(f: IO[bytes], max_bytes: int = SNIFF_LINE_BYTES) -> Iterator[bytes | LongLine]:
+    """Lines (with their newline) from any object with read(n): one line held at a time, of at most
+    max_bytes; a longer one is read through in chunks and given as a LongLine (linear, whatever its length)."""
     pending: list[bytes] = []  # pieces of a line that spans chunks (no quadratic copying)
+    held = 0                   # bytes in pending
+    long: LongLine | None = None    # the line being read through, once it is over max_bytes
     while chunk := f.read(_CHUNK):
         start = 0
-        while (nl := chunk.find(b"\n", start)) >= 0:
-            piece = chunk[start:nl + 1]
-            if pending:
+        while start < len(chunk):
+            nl = chunk.find(b"\n", start)
+            end = len(chunk) if nl < 0 else nl + 1
+            piece = chunk[start:end]
+            start = end
+            if long is None and held + len(piece) - (nl >= 0) > max_bytes:      # the newline not counted
+                long = LongLine(held + len(piece), sum(p.count(b'"') for p in pending) + piece.count(b'"'))
+                pending, held = [], 0
+            elif long is not None:
+                long = LongLine(long.size + len(piece), long.quotes + piece.count(b'"'))
+            else:
                 pending.append(piece)
-                piece, pending = b"".join(pending), []
-            yield piece
-            start = nl + 1
-        if start < len(chunk):
-            pending.append(chunk[start:])
-    if pending:
+                held += len(piece)
+            if nl < 0:
+                continue
+            if long is not None:
+                yield long
+            else:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+            pending, held, long = [], 0, None
+    if long is not None:
+        yield long
+    elif pending:
         yield b"".join(pending)
 
 
-def lines(url: str) -> Iterator[bytes]:
-    """Raw lines of a text file, BOM removed; read failures raise DatasetError."""
+def lines(url: str, max_bytes: int = SNIFF_LINE_BYTES) -> Iterator[bytes | LongLine]:
+    """Raw lines of a text file, BOM removed, each a LongLine past max_bytes; read failures raise
+    DatasetError."""
     f = open_binary(url)
     try:
         first = True
-        it = iter_lines(f)
+        it = iter_lines(f, max_bytes)
         while True:
             try:
                 line = next(it)
@@ -152,7 +180,7 @@ def lines(url: str) -> Iterator[bytes]:
                 raise DatasetError(f"cannot read {url}: {type(e).__name__}: {e}") from e
             if first:
                 first = False
-                if line.startswith(b"\xef\xbb\xbf"):
+                if isinstance(line, bytes) and line.startswith(b"\xef\xbb\xbf"):
                     line = line[3:]
             yield line
     finally:

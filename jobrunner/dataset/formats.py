@@ -7,7 +7,7 @@ import posixpath
 from typing import Any
 
 from jobrunner.openai import batch as openai_batch
-from jobrunner.dataset.files import lines, list_files, split_ext
+from jobrunner.dataset.files import LongLine, lines, list_files, split_ext
 from jobrunner.dataset.rows import DatasetError
 
 FORMATS = ("parquet", "jsonl", "csv", openai_batch.FORMAT)
@@ -25,6 +25,8 @@ def _norm_format(fmt: str) -> str:
 
 def _first_record(url: str) -> Any:
     for line in lines(url):
+        if isinstance(line, LongLine):
+            return None
         if line.strip():
             try:
                 return json.loads(line)

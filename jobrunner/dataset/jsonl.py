@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from jobrunner.openai import batch as openai_batch
-from jobrunner.dataset.files import decode, ext, lines
-from jobrunner.dataset.rows import JSONL_ID_TYPES, LOST_ID, DatasetError, id_problem, row_id, where
+from jobrunner.dataset.files import DEFAULT_MAX_ROW_BYTES, LongLine, decode, ext, lines
+from jobrunner.dataset.rows import JSONL_ID_TYPES, LOST_ID, DatasetError, id_problem, row_id, too_long, where
 
 _SNIFF_LINES = 1000          # JSONL records looked at to list columns and infer their types
 
@@ -46,6 +46,8 @@ def _sniff(url: str) -> dict[str, list]:
     for n, line in enumerate(lines(url)):
         if n >= _SNIFF_LINES:
             break
+        if isinstance(line, LongLine):
+            continue
         text, _ = decode(line)
         if not text or not text.strip():
             continue
@@ -55,8 +57,18 @@ def _sniff(url: str) -> dict[str, list]:
             continue
         if isinstance(rec, dict):
             for k, v in rec.items():
-                cols.setdefault(k, []).append(v)
+                cols.setdefault(k, []).append(_sample(v))
     return cols
+
+
+def _sample(value):
+    """What the types need of a value (its type; an int's range), not the value: a thousand long
+    records sniffed hold no more than a thousand short ones."""
+    if isinstance(value, str):
+        return ""
+    if isinstance(value, (list, dict)):
+        return type(value)()
+    return value
 
 
 def check_not_json_array(url: str) -> None:
@@ -64,6 +76,8 @@ def check_not_json_array(url: str) -> None:
     if ext(url)[0] != ".json":
         return
     for line in lines(url):
+        if isinstance(line, LongLine):
+            return          # a line too long to look at: read_jsonl makes it an error row
         if line.strip():
             if line.lstrip().startswith(b"["):
                 raise DatasetError(f"{url} holds a JSON array, not JSON Lines: "
@@ -72,13 +86,18 @@ def check_not_json_array(url: str) -> None:
 
 
 def read_jsonl(url: str, name: str | None, id_column: str | None, has_id: bool, openai: bool,
-               id_type: type | None = None) -> Iterator[tuple[object, dict | None, str | None]]:
+               id_type: type | None = None,
+               max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[tuple[object, dict | None, str | None]]:
     """(id value or None, data or None, error or None) per record; openai: records in the OpenAI batch
-    format. id_type: the dataset's ids' type (jsonl_types); an id of another is an error row."""
+    format. id_type: the dataset's ids' type (jsonl_types); an id of another is an error row. A line over
+    max_row_bytes is an error row, read through and never held."""
     if not openai:
         check_not_json_array(url)
     lost = LOST_ID if (has_id or openai) else None
-    for lineno, line in enumerate(lines(url), start=1):
+    for lineno, line in enumerate(lines(url, max_row_bytes), start=1):
+        if isinstance(line, LongLine):
+            yield lost, None, f"{where(name, lineno)}: {too_long(line.size, max_row_bytes)}"
+            continue
         text, err = decode(line)
         if err:
             rid = _salvage_id(line, "custom_id" if openai else id_column, has_id or openai, id_type)

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from jobrunner.openai import batch as openai_batch
 from jobrunner.dataset.csv_reader import csv_header, read_csv
-from jobrunner.dataset.files import list_files
+from jobrunner.dataset.files import DEFAULT_MAX_ROW_BYTES, list_files
 from jobrunner.dataset.formats import detect_format
 from jobrunner.dataset.jsonl import check_not_json_array, jsonl_columns, jsonl_types, read_jsonl
 from jobrunner.dataset.parquet import parquet_columns, parquet_schema, read_parquet
@@ -64,18 +64,20 @@ def input_types(url: str, fmt: str, id_column: str | None,
 
 
 def _parsed(f: str, path: str, name: str | None, id_col: str | None, columns: Sequence[str] | None,
-            batch_rows: int, id_type: type | None, csv_delimiter: str | None) -> _Parsed:
+            batch_rows: int, id_type: type | None, csv_delimiter: str | None, max_row_bytes: int) -> _Parsed:
     """The rows of one file of a dataset in format f."""
     if f == "parquet":
-        return read_parquet(path, name, id_col, columns, batch_rows)
+        return read_parquet(path, name, id_col, columns, batch_rows, max_row_bytes)
     if f == "csv":
-        return read_csv(path, name, id_col, columns, csv_delimiter)
+        return read_csv(path, name, id_col, columns, csv_delimiter, max_row_bytes)
     has_id = id_col is not None and id_col in jsonl_columns(path)
-    return read_jsonl(path, name, id_col, has_id, openai=(f == openai_batch.FORMAT), id_type=id_type)
+    return read_jsonl(path, name, id_col, has_id, openai=(f == openai_batch.FORMAT), id_type=id_type,
+                      max_row_bytes=max_row_bytes)
 
 
 def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_rows: int = 1024,
-              columns: Sequence[str] | None = None, csv_delimiter: str | None = None) -> Iterator[list[Row]]:
+              columns: Sequence[str] | None = None, csv_delimiter: str | None = None,
+              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[list[Row]]:
     """Rows in batches of at most `batch_rows` (the last may be smaller).
 
     id_column: rows take their id from it when the dataset has that column (a null, missing or
@@ -85,6 +87,7 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
     A caller that requires the column checks `dataset_columns` first.
     columns: keep only these (plus the id column); None keeps all.
     csv_delimiter: a CSV's delimiter; None: its own (csv_reader: by extension, else sniffed).
+    max_row_bytes: a longer line (JSONL), record (CSV) or row (Parquet) is an error row, never held whole.
     """
     if batch_rows < 1:
         raise ValueError("batch_rows must be >= 1")
@@ -96,7 +99,8 @@ def read_rows(url: str, fmt: str = "auto", id_column: str | None = "id", batch_r
     index = 0
     for path in files:
         name = posixpath.basename(path) if len(files) > 1 else None
-        for value, data, err in _parsed(f, path, name, id_col, columns, batch_rows, id_type, csv_delimiter):
+        for value, data, err in _parsed(f, path, name, id_col, columns, batch_rows, id_type, csv_delimiter,
+                                        max_row_bytes):
             if data is not None and columns is not None and f == "jsonl":
                 data = {k: v for k, v in data.items() if k in columns or k == id_col}
             if value is None:

@@ -51,6 +51,12 @@ def id_problem(value: Any, id_type: type | None) -> str | None:
     return None
 
 
+def too_long(size: int, max_row_bytes: int) -> str:
+    """The error of a line, cell or row over --max-row-bytes."""
+    return (f"{size} bytes, over --max-row-bytes {max_row_bytes}: the row is not read "
+            "(raise --max-row-bytes to run it)")
+
+
 def where(name: str | None, lineno: int) -> str:
     """How an error names a line: "line 7", or "part-1.jsonl line 7" in a dataset of several files."""
     return f"{name} line {lineno}" if name else f"line {lineno}"

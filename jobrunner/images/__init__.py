@@ -1,7 +1,10 @@
 """A row's images, from wherever users keep them to the engine's Request.images (issue 44).
 
     sources.py   an image value (bytes, an image struct, a path, any fsspec URL, http(s) and data: URLs)
-                 -> a Source -> its bytes (Fetcher: timeout, size limit, retries); ImageError for the row
+                 -> a Source -> its bytes (Fetcher: timeout, size limit, retries; paths confined to the
+                 dataset's folder or an --image-root); ImageError for the row
+    addresses.py which hosts an http(s) image may come from (public only unless allowed; --image-hosts)
+    download.py  one http(s) download: pinned to the checked address, redirects checked, a deadline, cancel
     decode.py    bytes -> an upright RGB PIL image, as Hugging Face decodes one; --max-image-pixels
     prepare.py   the model's image processor on them in a thread pool (ImagePrep), the ImageInputs of a
                  row, the pixels of waiting rows kept in bounded memory (PixelStore, RowImages)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-from jobrunner.images.sources import ImageError
+from jobrunner.images.errors import ImageError
 
 
 def pil():

@@ -16,9 +16,10 @@ pixels the store let go prepares them again when it is submitted (the loop's thr
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -67,12 +68,12 @@ class ImagePrep:
         self.fetcher = fetcher or Fetcher(limits, dataset)
         self.workers = workers or max(1, min(8, available_cores() // 2))
         self.store = PixelStore(budget)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
     def submit(self, values: tuple) -> Future:
         """A row's images prepared in the pool: the future's result is [Prepared, ...] in order, or ImageError."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="jobrunner-images")
+            self._pool = DaemonPool(self.workers, "jobrunner-images")
         return self._pool.submit(self.prepared, values)
 
     def prepared(self, values: tuple) -> list[Prepared]:
@@ -93,11 +94,53 @@ class ImagePrep:
                 from None
         return Prepared(prepared, image_key(prepared))
 
-    def close(self) -> None:
-        """Stop the pool; images not started are dropped (the job ends or was interrupted)."""
+    def close(self, stopping: bool = False) -> None:
+        """Stop the pool; images not started are dropped (the job ends or was interrupted). stopping: the
+        job was interrupted: downloads under way end now too (a row's images are not prepared again)."""
+        if stopping:
+            self.fetcher.cancel()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
+
+
+class DaemonPool:
+    """`workers` daemon threads running submitted calls (Futures). Not concurrent.futures' pool: its
+    threads are joined when the interpreter exits, so a fetch stuck on a slow server would hold an
+    interrupted job past its end; these never do."""
+
+    def __init__(self, workers: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Calls not started are cancelled; the threads end after the ones they run."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the caller's future holds it
+                future.set_exception(e)
 
 
 def _which(index: int, count: int) -> str:

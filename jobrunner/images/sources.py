@@ -5,49 +5,61 @@ turned into one `Source`, and `Fetcher.read(source)` -> the encoded image's byte
     {"bytes": b"...", "path": "x.png"}      Hugging Face datasets' Image struct: its bytes, else its path
     b"..." (bytes, bytearray, memoryview)   the encoded file itself
     "data:image/png;base64,..."             a data: URL (base64, or percent-encoded)
-    "http://..." / "https://..."            fetched with a timeout, a size limit and retries (urllib)
-    "s3://...", "memory://...", "file://..." any fsspec URL
+    "http://..." / "https://..."            downloaded under the host rule (download.py, addresses.py): public
+                                            hosts only unless allowed; a deadline, a size limit and retries
+    "s3://...", "memory://...", "file://..." an fsspec URL of the dataset's store, under its folder
     "images/x.png", "/abs/x.png"            a path; a relative one is relative to the dataset's location
     a PIL image                             as it is (jobrunner.generate over rows holding them)
 
 A row's --image-column holds one of these, or a list of them (several images a row), or null (none).
 Every failure is an ImageError whose message says which image and why: the row's error, the job goes on.
+
+Paths and storage URLs are read only under the dataset's folder (its store, bucket and prefix) or an
+--image-root: `../../etc/passwd`, `/proc/self/environ`, another bucket's object or a link out of the folder
+is refused with one message, whether or not anything is there; chained URLs (`simplecache::...`) never.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import os
 import posixpath
-import time
-import urllib.error
+import threading
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec.core
+
 from jobrunner import storage
+from jobrunner.images.addresses import HostRule
+from jobrunner.images.download import Downloads, Failure
+from jobrunner.images.errors import ImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000       # --max-image-pixels: decompression bombs stop here (PIL warns at 89M)
 DEFAULT_MAX_BYTES = 64 << 20          # an encoded image's bytes at most (a fetch stops reading past it)
-DEFAULT_TIMEOUT_S = 30.0              # one fetch's connect and read timeout
+DEFAULT_TIMEOUT_S = 30.0              # one download's deadline, all of it (connect, redirects, body)
 FETCH_ATTEMPTS = 3                    # a URL's tries: a timeout, a connection error, 408, 429 and 5xx are retried
 RETRY_BACKOFF_S = 0.5                 # before the second try; doubled before each later one
-_RETRIED_STATUS = {408, 425, 429, 500, 502, 503, 504}
-
-
-class ImageError(ValueError):
-    """This image cannot be had (fetched, read, decoded, or it is too large): its row's error."""
+# a path or storage URL outside the places images may be read from: one message, whatever is there
+OUTSIDE = "not read: outside the dataset's folder and every --image-root"
+CHAINED = "not read: chained URLs (simplecache::, zip::, ...) are never read for images"
+_PROTOCOLS = {"local": "file", "s3a": "s3", "gcs": "gs", "az": "abfs"}     # one store's other names
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """How far a job goes for one image (the input section's --max-image-pixels, --max-image-bytes and
-    --image-timeout); attempts and backoff_s: a URL's retries."""
+    """How far a job goes for one image (the input section's --max-image-pixels, --max-image-bytes,
+    --image-timeout, --image-hosts, --image-allow-private and --image-root); attempts and backoff_s: a
+    URL's retries."""
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_bytes: int = DEFAULT_MAX_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
     attempts: int = FETCH_ATTEMPTS
     backoff_s: float = RETRY_BACKOFF_S
+    hosts: tuple[str, ...] = ()             # http(s) hosts allowed (patterns); empty: any public host
+    allow_private: bool = False             # private hosts too (loopback, 10/8, ...; never metadata)
+    roots: tuple[str, ...] = ()             # folders or store prefixes paths may be read from, past the dataset's
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,7 @@ def source_of(value: Any) -> Source:
             raise ImageError("image is an empty string (a path or URL was expected)")
         if text.startswith("data:"):
             return Source("bytes", data_url_bytes(text))
-        if text.startswith(("http://", "https://")):
+        if text[:8].lower().startswith(("http://", "https://")):
             return Source("url", text)
         return Source("fsspec", text)
     if type(value).__module__.startswith("PIL.") and hasattr(value, "convert"):
@@ -128,12 +140,21 @@ def data_url_bytes(url: str) -> bytes:
 
 class Fetcher:
     """An image's bytes from its Source, within `limits`. dataset: the dataset's URL, the base of relative
-    paths: the dataset itself if it is a directory, the folder its glob or file is in otherwise (found on
-    the first relative path: a job without one does no IO for it)."""
+    paths and the folder paths are confined to: the dataset itself if it is a directory, the folder its
+    glob or file is in otherwise (found on the first path: a job without one does no IO for it); None:
+    the current directory. cancel(): the job stops, every download under way ends (any thread)."""
 
-    def __init__(self, limits: ImageLimits = ImageLimits(), dataset: str | None = None, sleep=time.sleep):
-        self.limits, self.dataset, self.sleep = limits, dataset, sleep
+    def __init__(self, limits: ImageLimits = ImageLimits(), dataset: str | None = None, sleep=None):
+        self.limits, self.dataset = limits, dataset
+        self._stop = threading.Event()
+        self.sleep = sleep or self._stop.wait          # a retry's backoff; cancel() ends it
+        self.downloads = Downloads(HostRule(limits.hosts, limits.allow_private), limits.max_bytes)
         self._base: str | None = None
+        self._places: list[tuple[str, str]] | None = None
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self.downloads.cancel()
 
     def read(self, source: Source):
         """The encoded bytes (or, kind "image", the image object itself); ImageError when they cannot be had."""
@@ -158,35 +179,26 @@ class Fetcher:
             if failure is None:
                 return data
             why, retry = failure
-            if not retry or attempt == self.limits.attempts:
+            if not retry or attempt == self.limits.attempts or self._stop.is_set():
                 tries = f" (after {attempt} tries)" if attempt > 1 else ""
                 raise ImageError(f"{source.describe()}: {why}{tries}")
             self.sleep(wait)
             wait *= 2
         raise AssertionError("unreachable")
 
-    def _http(self, source: Source):
-        limit = self.limits.max_bytes
-        request = urllib.request.Request(source.data, headers={"User-Agent": "jobrunner", "Accept": "image/*"})
+    def _http(self, source: Source, url: str | None = None):
         try:
-            with urllib.request.urlopen(request, timeout=self.limits.timeout_s) as response:
-                size = response.headers.get("Content-Length")
-                if size is not None and size.isdigit() and int(size) > limit:
-                    return None, (f"over the {limit} bytes an image may have ({size} bytes)", False)
-                data = response.read(limit + 1)
-        except urllib.error.HTTPError as e:
-            return None, (f"HTTP {e.code} {e.reason}", e.code in _RETRIED_STATUS)
-        except (TimeoutError, OSError, urllib.error.URLError) as e:      # a timeout, a refused connection, DNS
-            reason = getattr(e, "reason", None) or e
-            timed_out = isinstance(reason, TimeoutError) or "timed out" in str(reason)
-            why = f"no answer within {self.limits.timeout_s:g} s" if timed_out else f"cannot fetch it ({reason})"
-            return None, (why, True)
-        if len(data) > limit:
-            return None, (f"over the {limit} bytes an image may have", False)
-        return data, None
+            return self.downloads.get(url or source.data, self.limits.timeout_s), None
+        except Failure as f:
+            return None, (f.why, f.retry)
 
     def _fsspec(self, source: Source):
-        url = self._located(source.data)
+        try:
+            url = self._confined(source.data)
+        except ImageError as e:
+            return None, (str(e), False)
+        if url[:8].lower().startswith(("http://", "https://")):       # a dataset on a web server: its rule too
+            return self._http(source, url)
         limit = self.limits.max_bytes
         try:
             fs, path = storage.url_fs(url)
@@ -207,16 +219,45 @@ class Fetcher:
             return None, (f"over the {limit} bytes an image may have", False)
         return data, None
 
+    def _confined(self, value: str) -> str:
+        """value as fsspec opens it (a relative path joined to the dataset's folder) if it lies under the
+        dataset's folder or an --image-root; ImageError otherwise, before any IO on it."""
+        if "::" in value:
+            raise ImageError(CHAINED)
+        url = self._located(value)
+        protocol, path = _place(url)
+        if not any(protocol == p and (path == root or path.startswith(root.rstrip("/") + "/"))
+                   for p, root in self.places()):
+            raise ImageError(OUTSIDE)
+        return url
+
+    def places(self) -> list[tuple[str, str]]:
+        """(protocol, path) of the dataset's folder and of each --image-root."""
+        if self._places is None:
+            self._places = [_place(root) for root in (self.base(), *self.limits.roots)]
+        return self._places
+
     def _located(self, path: str) -> str:
         """A path or URL as fsspec opens it: relative paths joined to the dataset's location."""
-        if "://" in path or path.startswith("/") or self.dataset is None:
+        if "://" in path or path.startswith("/"):
             return path
-        return posixpath.join(self.base(), path)
+        return posixpath.join(self.base(), path)          # never bare: fsspec would expand a leading ~
 
     def base(self) -> str:
         if self._base is None:
-            self._base = dataset_base(self.dataset)
+            self._base = dataset_base(self.dataset) if self.dataset is not None else "."
         return self._base
+
+
+def _place(url: str) -> tuple[str, str]:
+    """(store, path) of a URL or path, as confinement compares them: a local path absolute with its links
+    resolved (a link out of the folder is outside), a store's path with its `..` taken out."""
+    protocol, path = fsspec.core.split_protocol(url)
+    protocol = (protocol or "file").lower()
+    protocol = _PROTOCOLS.get(protocol, protocol)
+    if protocol == "file":
+        return protocol, os.path.realpath(path)
+    return protocol, posixpath.normpath("/" + path.lstrip("/"))
 
 
 def dataset_base(dataset: str) -> str:

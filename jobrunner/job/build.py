@@ -11,6 +11,7 @@ import logging
 import posixpath
 import threading
 from dataclasses import dataclass, replace
+from functools import partial
 
 import fsspec
 
@@ -80,17 +81,18 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
     kind, builder = job_kind(cfg, resolved, info, tokenizer, engine_config.model)
     images = _image_prep(cfg, info, engine_config, tokenizer, image_processor)
     manifest = job_manifest(cfg, resolved, info, engine_config.model, rank, fingerprint)
-    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows)
     stats = JobStats()
+    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows,
+                     run_record=partial(_time_record, stats, info, cfg))
     reuse = _reuse(cfg, resolved, info, engine_config, stats)
     emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank)
     i = cfg.input
     reader = reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column, batch_rows=1024,
-                                          csv_delimiter=i.csv_delimiter))
+                                          csv_delimiter=i.csv_delimiter, max_row_bytes=i.max_row_bytes))
     intake = Intake(reader, builder=builder, kind=kind, tokenizer=tokenizer, reuse=reuse, emit=emit, stats=stats,
-                    done_ids=writer.done_ids, failed_ids=writer.failed_ids,
+                    done_ids=writer.done_ids, failed_ids=writer.failed_ids, done_repeats=writer.done_repeats,
                     limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop,
-                    image_column=i.image_column, images=images)
+                    image_column=i.image_column, images=images, context=info.max_model_len)
     planner = JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora)
     return JobParts(cfg, manifest, kind, intake, emit, planner, reuse, writer, stats, in_memory)
 
@@ -135,9 +137,16 @@ def _threads(cfg: JobConfig, engine):
     return ThreadGovernor(engine.set_threads, start, cores)
 
 
+def _time_record(stats: JobStats, info, cfg: JobConfig) -> dict:
+    """The run's time so far, as each part it flushes records it (output/parts.py, RUN_METADATA)."""
+    return stats.time_record(device=info.device, devices=cfg.parallel.tensor_parallel, load_s=info.load_s,
+                             quantization=info.quantization, device_hourly_cost=cfg.output.device_hourly_cost)
+
+
 def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_ids, in_memory: bool,
-            schema_from_rows: bool = False):
-    """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory."""
+            schema_from_rows: bool = False, run_record=None):
+    """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory
+    (each part recording `run_record()`)."""
     if in_memory and schema_from_rows:
         return RowSink(None, cfg.output.part_rows)
     i = cfg.input
@@ -146,7 +155,8 @@ def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_i
     if in_memory:
         return RowSink(schema, cfg.output.part_rows)
     checks.check_same_commit(cfg, manifest)
-    return checks.open_writer(cfg, manifest, ResultWriter, part_prefix, schema, done_ids)
+    return checks.open_writer(cfg, manifest, partial(ResultWriter, run_record=run_record), part_prefix, schema,
+                              done_ids)
 
 
 def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
@@ -220,7 +230,8 @@ def load_engine(cfg: JobConfig, resolved=None):
 
 
 def _progress(cfg: JobConfig, resolved: Resolved, engine):
-    return Progress(total=rows_to_read(cfg.input, resolved.fmt), counters=engine.counters)
+    return Progress(total=rows_to_read(cfg.input, resolved.fmt), counters=engine.counters,
+                    in_flight=lambda: engine.num_in_flight)
 
 
 def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:

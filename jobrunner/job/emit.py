@@ -31,6 +31,8 @@ class Emitter:
                     prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
         if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
             base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
+        elif not out.computed:      # refused by the engine's checks: no step ran it, no timings (not computed)
+            base.update(dict.fromkeys(("queue_s", "prefill_s", "decode_s")))
         rows = []
         for cols in self.kind.columns(out, row.data, row.options, notes):
             r = dict(base)
@@ -42,16 +44,18 @@ class Emitter:
             rows.append(r)
         self._write(rows)
 
-    def error(self, row, message: str) -> None:
-        """An error row: the row never reached the engine."""
+    def error(self, row, message: str, prompt_tokens: int = 0) -> None:
+        """An error row: the row never reached the engine. prompt_tokens: its prompt's, where it has one
+        (a prompt over the context); its timings are then null, as an engine-refused row's (not computed)."""
         if self.rank != 0:
             return
         line = (row.data or {}).get("line") if self.fmt == "openai-batch" else None
         if line is not None and not message.startswith("line "):    # as the reader's own errors name it
             message = f"line {line}: {message}"
         r = self._base(row)
-        r.update(output=None, finish_reason="error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
-                 queue_s=0.0, prefill_s=0.0, decode_s=0.0, error=message, reused=False)
+        timing = None if prompt_tokens else 0.0
+        r.update(output=None, finish_reason="error", prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
+                 queue_s=timing, prefill_s=timing, decode_s=timing, error=message, reused=False)
         self._write([r])
 
     def _base(self, row) -> dict:

@@ -2,8 +2,9 @@
 A kind whose prompt is token ids the row holds (`prompt_ids_column`, jobs/tokens.py) gets that column's
 value instead: its rows are neither rendered nor tokenized.
 
-On the way a row may end before it reaches the planner, written by the emitter: an id already in
-the output is skipped, a repeated id or a row that fails to build is an error row, a copy of an
+On the way a row may end before it reaches the planner, written by the emitter: a row already in
+the output is skipped (by its id's occurrence: output/done.py, so a duplicate's error row never makes
+its id done), a repeated id or a row that fails to build is an error row, a copy of an
 earlier row (dedup) gets that row's result, a result-cache hit is written at once (or held for the
 worker that claims its unit: `hits_now` false).
 
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import wait
 from dataclasses import replace
 from typing import Iterator
 
-from jobrunner.idset import IdSet
 from jobrunner.images import NO_PIXELS, ImageError, RowImages, column_images, image_inputs
 from jobrunner.job.pending import Interrupted, PendingRow, plan_tokens
+from jobrunner.output.done import Occurrences, duplicate_error, repeat_key
 from jobs import RowError
 from jobs.messages import has_images
 
@@ -32,6 +34,7 @@ log = logging.getLogger("jobrunner")
 # bytes a token): long prompts end a batch before its row count does.
 HELD_TOKENS = 4_000_000
 NO_IMAGES_MODEL = "this model takes no images"
+STOP_POLL_S = 0.2           # how often a wait for a row's images looks at the job's stop flag
 
 
 class _Staged:
@@ -43,22 +46,24 @@ class _Staged:
 
 
 class Intake:
-    """The rows a job runs. `reader()` gives batches of dataset Rows; `done_ids` / `failed_ids` are the
-    output's at open (IdSets, or empty); `limit` is --limit; `show_prompt` logs the first prompt.
+    """The rows a job runs. `reader()` gives batches of dataset Rows; `done_ids` / `failed_ids` /
+    `done_repeats` are the output's at open (IdSets, or empty: output/done.py); `limit` is --limit;
+    `show_prompt` logs the first prompt; `context`: the engine's, past which a request is an error row.
     image_column: --image-column; images: the job's jobrunner.images.ImagePrep (None: the model takes
     no images, and a row with one is an error row)."""
 
     def __init__(self, reader, *, builder, kind, tokenizer, reuse, emit, stats, done_ids=None, failed_ids=None,
-                 limit: int | None = None, show_prompt: bool = False, hits_now: bool = True, stop=None,
-                 image_column: str | None = None, images=None):
+                 done_repeats=None, limit: int | None = None, show_prompt: bool = False, hits_now: bool = True,
+                 stop=None, image_column: str | None = None, images=None, context: int | None = None):
         self.reader, self.builder, self.kind, self.tokenizer = reader, builder, kind, tokenizer
         self.reuse, self.emit, self.stats = reuse, emit, stats
-        self.done_ids, self.failed_ids = done_ids, failed_ids
+        self.done_ids, self.failed_ids, self.done_repeats = done_ids, failed_ids, done_repeats
         self.limit, self.show_prompt, self.hits_now, self.stop = limit, show_prompt, hits_now, stop
-        self.seen = IdSet()                 # ids read in this run, bar those done at open
+        self.occurrences = Occurrences()    # each row's occurrence of its id, every row read counted
         # the column holding the prompt's token ids, for a kind that takes them from the row; else None
         self.ids_column = getattr(kind, "prompt_ids_column", None)
         self.image_column, self.images = image_column, images
+        self.context = context      # the engine's: a longer request is refused here, never planned (its rule)
         self.image_token = getattr(getattr(images, "processor", None), "image_token_id", None)
         # images prepared at once at most (the pool's threads, each a few ahead); staged ones to submit
         self.ahead = 4 * images.workers if images is not None else 0
@@ -74,7 +79,7 @@ class Intake:
                 if self.limit is not None:
                     batch = batch[:max(0, self.limit - read)]
                 read += len(batch)
-                staged.extend(self._stage(self._not_done(batch)))
+                staged.extend(self._stage(*self._not_done(batch)))
                 for made in self._requests(staged, final=False):
                     held.append(made)
                     held_tokens += len(made[1].prompt_token_ids)
@@ -88,29 +93,37 @@ class Intake:
             held.extend(self._requests(staged, final=True))
             yield from self._past_cache(held)
         finally:
-            if self.images is not None:     # images not started are dropped (an interrupted job)
-                self.images.close()
+            if self.images is not None:     # images not started are dropped; interrupted: downloads cut
+                self.images.close(stopping=self.stop is not None and self.stop.is_set())
 
-    def _not_done(self, batch: list) -> list:
-        """The batch less the ids done at open, however often they appear (their rows are all written)."""
-        if not self.done_ids:
-            return batch
-        done = self.done_ids.contains_many([row.id for row in batch])
-        skipped = [row.id for row, d in zip(batch, done) if d]
-        self.stats.rows_skipped += len(skipped)
-        if skipped and self.failed_ids:
-            self.stats.rows_skipped_failed += sum(self.failed_ids.contains_many(skipped))
-        return [row for row, d in zip(batch, done) if not d]
+    def _not_done(self, batch: list) -> tuple[list, list[int]]:
+        """(the batch's rows not in the output at open, each one's occurrence of its id): an id's own row is
+        done when written, a duplicate's error row when that occurrence's is (output/done.py)."""
+        ids = [row.id for row in batch]
+        numbers = self.occurrences.number(ids)
+        if not self.done_ids and not self.done_repeats:
+            return batch, numbers
+        done = self.done_ids.contains_many(ids) if self.done_ids else [False] * len(ids)
+        repeats_done = self.done_repeats or ()
+        done = [d if k == 1 else repeat_key(id, k) in repeats_done for id, k, d in zip(ids, numbers, done)]
+        own = [id for id, k, d in zip(ids, numbers, done) if d and k == 1]
+        repeats = sum(1 for k, d in zip(numbers, done) if d and k > 1)
+        self.stats.rows_skipped += len(own) + repeats
+        self.stats.rows_skipped_failed += repeats       # a duplicate's row is an error row
+        if own and self.failed_ids:
+            self.stats.rows_skipped_failed += sum(self.failed_ids.contains_many(own))
+        kept = [i for i, d in enumerate(done) if not d]
+        return [batch[i] for i in kept], [numbers[i] for i in kept]
 
-    def _stage(self, batch: list) -> list[_Staged]:
+    def _stage(self, batch: list, numbers: list[int]) -> list[_Staged]:
         """The batch's rows that go on, each with its prompt's ids and image values; an id's first row goes
-        on, each later one is a duplicate error row; a row whose prompt fails is an error row."""
-        repeats = self.seen.add_new([row.id for row in batch])
+        on, each later one (`numbers`: its occurrence) is a duplicate error row; a row whose prompt fails is
+        an error row."""
         ready = []
-        for row, repeat in zip(batch, repeats):
-            if repeat:
+        for row, k in zip(batch, numbers):
+            if k > 1:
                 self.stats.duplicate_ids += 1
-                self.emit.error(row, f"duplicate id {row.id!r}: an earlier row has the same id")
+                self.emit.error(row, duplicate_error(row.id))
             elif row.error is not None:
                 self.emit.error(row, row.error)
             elif (prompt := self._prompt(row)) is not None:
@@ -134,7 +147,7 @@ class Intake:
             if head.values:
                 self._in_flight -= 1
                 try:
-                    prepared = head.future.result()
+                    prepared = self._images_of(head)
                 except ImageError as e:
                     self.stats.image_errors += 1
                     self.emit.error(head.row, str(e))
@@ -142,6 +155,14 @@ class Intake:
             made = self._request(head.row, head.ids, head.values, prepared)
             if made is not None:
                 yield made
+
+    def _images_of(self, staged: _Staged) -> list:
+        """A staged row's prepared images, waited for while the job is not stopped: SIGTERM during a slow
+        download interrupts the job at once (Interrupted), not after the download."""
+        while not wait([staged.future], timeout=STOP_POLL_S).done:
+            if self.stop is not None and self.stop.is_set():
+                raise Interrupted
+        return staged.future.result()
 
     def _submit(self) -> None:
         """Rows' images to the pool, up to `ahead` being prepared at once."""
@@ -165,6 +186,10 @@ class Intake:
                 req = _with_images(req, notes, ids, image_inputs(prepared, offsets))
         except RowError as e:
             self.emit.error(row, str(e))
+            return None
+        too_long = req.context_error(self.context) if self.context else None
+        if too_long:        # its prompt_tokens as the engine would count them; no work: not computed (stats.py)
+            self.emit.error(row, too_long, prompt_tokens=notes.pair_prompt_tokens or len(req.prompt_token_ids))
             return None
         if prepared:
             self.stats.images += len(prepared)
@@ -196,6 +221,8 @@ class Intake:
         nothing rendered (the kind checks the value)."""
         if self.ids_column is not None:
             return (row.data or {}).get(self.ids_column), None, ()
+        if self.stop is not None and self.stop.is_set():
+            raise Interrupted       # SIGTERM waits for one render at most (engine.chat_template.MAX_SECONDS)
         try:
             column = column_images((row.data or {}).get(self.image_column)) if self.image_column else ()
         except ImageError as e:

@@ -14,7 +14,7 @@ import json
 import posixpath
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.dataset.files import decode, list_files, lines
+from jobrunner.dataset.files import LongLine, decode, list_files, lines
 from jobrunner.dataset.rows import where
 
 SHOWN = 20          # problems named in the message; the rest are counted
@@ -32,6 +32,9 @@ def file_problems(url: str, limit: int | None = None) -> list[str]:
         for lineno, raw in enumerate(lines(path), start=1):
             if limit is not None and n >= limit:
                 return problems
+            if isinstance(raw, LongLine):   # too long to look at: read_jsonl makes it an error row
+                n += 1
+                continue
             text, _ = decode(raw)
             if text is None:
                 text = raw.decode("utf-8", errors="replace")

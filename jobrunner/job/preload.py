@@ -17,10 +17,10 @@ from engine import GenerationDefaults, ModelError
 from jobrunner import hub, storage
 from jobrunner.config.job import JobConfig
 from jobrunner.dataset import count_rows, read_rows
-from jobrunner.idset import IdSet
 from jobrunner.job import checks
 from jobrunner.models import model_record, resolve_model
 from jobrunner.output import layout, read_manifest
+from jobrunner.output.done import DoneRows, Occurrences
 from jobrunner.output.layout import PART_RE
 from jobrunner.output.values import id_key
 
@@ -65,10 +65,11 @@ def _generation_defaults(path: str) -> dict | None:
 
 
 def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
-    """The number of rows to read, when every one's id is already in the output (a rerun with
-    nothing left to do); else None. Cheap first: only an output with parts holding at least as many
-    ids as the dataset (count_rows) has rows is compared id by id; a damaged part, a dataset too
-    large to count, or any doubt answers None (the job then runs as usual)."""
+    """The number of rows to read, when every one is already in the output (a rerun with nothing left
+    to do: each row's id's occurrence, as the intake skips it, output/done.py); else None. Cheap first:
+    only an output with parts holding at least as many rows as the dataset (count_rows) has is compared
+    row by row; a damaged part, a dataset too large to count, or any doubt answers None (the job then
+    runs as usual)."""
     if cfg.output.overwrite:
         return None
     try:
@@ -81,12 +82,12 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
         done = _done_ids(cfg.output_url, n)
         if done is None:
             return None
-        read = 0
+        read, occurrences = 0, Occurrences()
         for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, columns=[cfg.input.id_column],
-                             csv_delimiter=cfg.input.csv_delimiter):
-            batch = batch[:n - read]
-            read += len(batch)
-            if not all(done.contains_many([row.id for row in batch])):
+                             csv_delimiter=cfg.input.csv_delimiter, max_row_bytes=cfg.input.max_row_bytes):
+            ids = [row.id for row in batch[:n - read]]
+            read += len(ids)
+            if not all(done.contains(ids, occurrences.number(ids))):
                 return None
             if read >= n:
                 break
@@ -110,8 +111,8 @@ def _check_same_model(cfg: JobConfig) -> None:
         checks.check_same_commit(cfg, {"hub": record})
 
 
-def _done_ids(output_url: str, at_least: int):
-    """The ids in the output's parts (an IdSet), None when fewer than at_least or a part is unreadable."""
+def _done_ids(output_url: str, at_least: int) -> DoneRows | None:
+    """What the output's parts hold, by occurrence; None when they hold fewer than at_least rows."""
     fs, root = storage.url_fs(output_url)
     parts = [storage.join(root, name) for name in layout.names(fs, root) if PART_RE.match(name)]
     rows = 0
@@ -120,11 +121,13 @@ def _done_ids(output_url: str, at_least: int):
             rows += pq.ParquetFile(f).metadata.num_rows
     if rows < at_least:
         return None
-    done = IdSet()
+    done = DoneRows()
     for path in parts:
         with fs.open(path, "rb") as f:
-            ids = pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id")
-            if ids.null_count:
+            pf = pq.ParquetFile(f)
+            t = pf.read(columns=[c for c in ("id", "error") if c in pf.schema_arrow.names], use_threads=False)
+            if t.column("id").null_count:
                 return None
-            done.update(id_key(x) for x in ids.to_pylist())     # the keys the parts give (output.values)
-    return done if len(done) >= at_least else None
+            keys = [id_key(x) for x in t.column("id").to_pylist()]     # the keys the parts give (output.values)
+            done.add(keys, t.column("error") if "error" in t.column_names else None)
+    return done

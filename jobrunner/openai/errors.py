@@ -25,6 +25,7 @@ _PARAMS = (
     (re.compile(r"^model '"), "model"),
     (re.compile(r"^(?:unsupported endpoint|url: )"), "url"),
     (re.compile(r"^(?:message |messages |every message|OpenAI batch body without messages)"), "messages"),
+    (re.compile(r"^image(?: \d+ of \d+)?: "), "messages"),      # a message's image (jobrunner.images), as its url
     (re.compile(r"^OpenAI batch record without a body"), "body"),
     (re.compile(r"^an OpenAI chat or completions line in an embed job"), "url"),
     (re.compile(r"^reasoning effort: "), "reasoning_effort"),

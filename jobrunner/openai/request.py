@@ -27,7 +27,7 @@ SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 # Renamed or reshaped below.
 RESHAPED = ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "logit_bias",
-            "chat_template_kwargs", "response_format", SCHEMA_MODE_KEY, "reasoning_effort")
+            "chat_template_kwargs", "response_format", SCHEMA_MODE_KEY, "reasoning_effort", "verbosity")
 # Change nothing in a batch run's output (parallel_tool_calls: without tools; with them, jobrunner.openai.tools reads it).
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
              "prompt_cache_key", "stream_options", "model")
@@ -36,6 +36,9 @@ NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix
                   "modalities": (["text"],)}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")   # a template's reasoning_effort
+# OpenAI's hint of how long an answer should be: checked and recorded in the row's params, no effect (our
+# models have no such control)
+VERBOSITIES = ("low", "medium", "high")
 
 
 def parse_chat_body(body: dict) -> tuple[dict | None, str | None]:
@@ -112,6 +115,10 @@ def _reshape(key: str, value: Any, body: dict, chat: bool, params: dict) -> str 
         if value not in REASONING_EFFORTS:
             return f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {value!r}"
         params["reasoning_effort"] = value
+    elif key == "verbosity":
+        if value not in VERBOSITIES:
+            return f"parameter 'verbosity' must be one of {', '.join(VERBOSITIES)}, not {value!r}"
+        params["verbosity"] = value
     return None
 
 

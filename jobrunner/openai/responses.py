@@ -2,7 +2,8 @@
 `Response` object out (it parses with openai.types.responses.Response).
 
     in   {"model": "...", "instructions": "...", "input": "text" | [items], "max_output_tokens": 300,
-          "text": {"format": {"type": "json_schema", "name": "x", "schema": {...}}}, "reasoning": {"effort": "low"},
+          "text": {"format": {"type": "json_schema", "name": "x", "schema": {...}}, "verbosity": "low"},
+          "reasoning": {"effort": "low"},
           "tools": [{"type": "function", "name": "f", "parameters": {...}}], "tool_choice": "auto", ...}
     out  {"id": "resp_...", "object": "response", "status": "completed" | "incomplete", "output": [
              {"type": "reasoning", ...}, {"type": "message", "content": [{"type": "output_text", ...}]},
@@ -22,7 +23,7 @@ import hashlib
 import json
 from typing import Any
 
-from jobrunner.openai.request import body_params
+from jobrunner.openai.request import VERBOSITIES, body_params
 from jobrunner.openai.tools import response_function_calls, responses_tools
 
 __all__ = ["ENDPOINT", "input_messages", "is_responses_rows", "parse_responses_body", "response_object"]
@@ -129,23 +130,13 @@ def _chat_content(parts) -> tuple[str | list | None, str | None]:
 
 def _chat_request(body: dict) -> tuple[dict | None, str | None]:
     """The body as a chat request's keys (body_params checks those): max_output_tokens as max_tokens,
-    text.format as response_format, reasoning.effort as reasoning_effort, flat function tools as chat ones."""
+    text as response_format and verbosity (_text_keys), reasoning.effort as reasoning_effort, flat
+    function tools as chat ones."""
     chat = {k: v for k, v in body.items() if k not in _OWN and k not in _NEUTRAL and k not in _NO_EFFECT}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    text = body.get("text")
-    if text is not None:
-        if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None:
-            return None, "text must be {\"format\": {...}} (verbosity is not supported)"
-        fmt = text.get("format")
-        if fmt is not None:
-            if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-                return None, f"text.format's type must be text, json_object or json_schema; got {fmt!r}"
-            if fmt["type"] == "json_schema":
-                if not isinstance(fmt.get("schema"), dict):
-                    return None, "text.format json_schema needs schema, a JSON schema object"
-                fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-            chat["response_format"] = fmt
+    if body.get("text") is not None and (error := _text_keys(body["text"], chat)):
+        return None, error
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict) or reasoning.get("summary") is not None or set(reasoning) - {
@@ -157,6 +148,28 @@ def _chat_request(body: dict) -> tuple[dict | None, str | None]:
         if body.get(key) is not None:
             chat[key] = body[key]
     return chat, None
+
+
+def _text_keys(text, chat: dict) -> str | None:
+    """`text` into the chat request: format as response_format; verbosity, OpenAI's hint of the answer's
+    length, as verbosity (recorded and echoed by the Response, no effect: our models have no such control).
+    What is wrong with it, or None."""
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        return "text must be {\"format\": {...}, \"verbosity\": ...}"
+    if text.get("verbosity") is not None:
+        if text["verbosity"] not in VERBOSITIES:
+            return f"text.verbosity must be one of {', '.join(VERBOSITIES)}, not {text['verbosity']!r}"
+        chat["verbosity"] = text["verbosity"]
+    fmt = text.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            return f"text.format's type must be text, json_object or json_schema; got {fmt!r}"
+        if fmt["type"] == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                return "text.format json_schema needs schema, a JSON schema object"
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        chat["response_format"] = fmt
+    return None
 
 
 def is_responses_rows(rows: list[dict]) -> bool:
@@ -188,12 +201,19 @@ def response_object(rows: list[dict], model: str, created: int, digest: str) -> 
         "tool_choice": choice if choice in ("none", "auto", "required") else {"type": "function", "name": choice},
         "parallel_tool_calls": params.get("parallel_tool_calls", True),
         "max_output_tokens": params.get("max_tokens"), "temperature": params.get("temperature"),
-        "top_p": params.get("top_p"), "text": {"format": _text_format(params.get("response_format"))},
+        "top_p": params.get("top_p"), "text": _text_config(params),
         "usage": {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
                   # cache_write_tokens: a prompt-cache write billed apart, which a batch run has none of
                   "input_tokens_details": {"cached_tokens": int(r.get("cached_tokens") or 0), "cache_write_tokens": 0},
                   "output_tokens_details": {"reasoning_tokens": int(r.get("reasoning_tokens") or 0)}},
     }
+
+
+def _text_config(params: dict) -> dict:
+    text = {"format": _text_format(params.get("response_format"))}
+    if params.get("verbosity") is not None:
+        text["verbosity"] = params["verbosity"]
+    return text
 
 
 def _text_format(rf: dict | None) -> dict:

@@ -4,6 +4,7 @@
     values.py      value typing, pinned kinds, the Arrow schema, to_json
     manifest.py    the manifest, fingerprint, config diff; the resume and overwrite policy
     parts.py       ResultWriter: buffered rows written as atomic, resumable parts
+    done.py        what the parts hold, by each id's occurrence: the rows a resumed job skips
     memory.py      RowSink: result rows kept in memory, as the parts would hold them (jobrunner.generate)
     completion.py  the end of a job: _stats.json/_stats.parquet, the manifest marked complete
     readers.py     reading parts, stored values, the stats and the manifest back

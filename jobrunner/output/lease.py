@@ -13,6 +13,8 @@ Invariants:
   another: after stale_s). Hosts sharing an output must agree on the time to within `stale_s`.
 - Release deletes the record only while it is still ours. One lease per job: a data-parallel launcher,
   rank 0 under torchrun or the Ray driver holds it for all the job's workers; workers never take it.
+- The heartbeat and release never raise: a store that fails under them (down mid-job) is warned of, and
+  the job's own error, if any, stays the one reported; a record left behind is a dead holder's.
 
 JOBRUNNER_LEASE_STALE_S sets stale_s (default 120).
 """
@@ -116,7 +118,13 @@ class OutputLease:
         if self._beat is not None:
             self._beat.join(timeout=5)
         if not self.lost.is_set():
-            self._remove_if(self.record["holder"])
+            try:
+                self._remove_if(self.record["holder"])
+            except Exception as e:  # noqa: BLE001 - a store gone down: the job's own error, not this, is the news
+                log.warning("output %s: could not remove its lease %s (%s: %s); the next run takes it over (on "
+                            "this host at once, from another after %.0f s)", self.output_url, self.path,
+                            type(e).__name__, _first_line(e), self.stale_s)
+                return
         if self._made_root:             # the job wrote nothing (refused before any part): leave no empty directory
             try:
                 if not storage.list_names(self.fs, self.root):
@@ -176,7 +184,7 @@ class OutputLease:
                 data: Any = json.loads(f.read() or b"null")
         except FileNotFoundError:
             return None
-        except (ValueError, OSError):
+        except ValueError:      # a torn record; a store that cannot be reached raises (the caller decides)
             return {"holder": None, "heartbeat": 0}
         if not isinstance(data, dict) or data.get("format") != LEASE_FORMAT:
             return {"holder": None, "heartbeat": 0}
@@ -198,17 +206,30 @@ class OutputLease:
         self._beat.start()
 
     def _heartbeat(self) -> None:
+        """Renew the record every stale_s / 6 until released or taken over. Never raises: a beat the store
+        refuses (down, throttling) is retried at the next one; stale_s allows five."""
         interval = max(self.stale_s / 6, 0.05)
         while not self._stop.wait(interval):
-            held = self._read()
-            if held is None or held.get("holder") != self.record["holder"]:
-                log.error("output %s: another job took this job's lease over (%s): this job looked dead to it; "
-                          "rows written from now on may be written twice", self.output_url,
-                          describe(held) if held else "the lease is gone")
-                self.lost.set()
-                return
-            self.record["heartbeat"] = time.time()
             try:
-                storage.atomic_write(self.fs, self.path, self._bytes())
-            except Exception as e:  # noqa: BLE001 - a missed beat is retried; stale_s allows five
-                log.warning("output %s: renewing its lease failed (%s); retrying", self.output_url, e)
+                if not self._beat_once():
+                    return
+            except Exception as e:  # noqa: BLE001 - retried at the next beat
+                log.warning("output %s: renewing its lease failed (%s: %s); retrying", self.output_url,
+                            type(e).__name__, _first_line(e))
+
+    def _beat_once(self) -> bool:
+        """One renewal; False when another job took the lease over (this one looked dead to it)."""
+        held = self._read()
+        if held is None or held.get("holder") != self.record["holder"]:
+            log.error("output %s: another job took this job's lease over (%s): this job looked dead to it; "
+                      "rows written from now on may be written twice", self.output_url,
+                      describe(held) if held else "the lease is gone")
+            self.lost.set()
+            return False
+        self.record["heartbeat"] = time.time()
+        storage.atomic_write(self.fs, self.path, self._bytes())
+        return True
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]

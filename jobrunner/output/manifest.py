@@ -104,6 +104,12 @@ def _check_existing(fs: Any, root: str, output_url: str, config: Mapping[str, An
     if old is None:
         if all(MANIFEST_TMP_RE.match(n) for n in names):  # empty, or killed writing its first manifest
             return None, names
+        if any(PART_RE.match(n) for n in names):    # a jobrunner output whose manifest was deleted
+            raise OutputError(
+                f"output {output_url} holds part files but no {MANIFEST}. If it is a jobrunner output whose "
+                f"manifest was lost, `jobrunner repair` with the job's dataset and options (the submit command "
+                f"with `repair` for `submit`) rebuilds it from the parts; then submit again to resume. Else "
+                f"choose another --output")
         raise OutputError(
             f"output {output_url} exists, is not empty and is not a jobrunner output "
             f"(no {MANIFEST}); choose another --output"
@@ -135,6 +141,22 @@ def check_output(output_url: str, config: Mapping[str, Any], overwrite: bool = F
         fs.makedirs(root, exist_ok=True)
     except OSError as e:
         raise OSError(f"cannot create the output directory {output_url}: {e}") from e
+    _check_writable(fs, root, output_url)
+
+
+def _check_writable(fs: Any, root: str, output_url: str) -> None:
+    """An OSError when no file can be written in root (a read-only existing output): found here, before a
+    model loads, not at the first part. The probe has the lease's temporary name: ours, and ignored as the
+    lease is by every check of the directory's contents should a kill leave it."""
+    probe = join(root, f"_tmp-{layout.LEASE}.{secrets.token_hex(6)}")
+    try:
+        fs.pipe_file(probe, b"")
+    except OSError as e:
+        raise OSError(f"cannot write in the output directory {output_url}: {e}") from e
+    try:
+        fs.rm(probe)
+    except FileNotFoundError:
+        pass
 
 
 def prepare_output(output_url: str, manifest: Mapping[str, Any], overwrite: bool = False) -> dict:

@@ -28,7 +28,7 @@ class RowSink:
     def __init__(self, schema: pa.Schema | None = None, part_rows: int = 10000):
         assert schema is None or kinds_of(schema) is not None, "a declared schema records its kinds"
         self.schema, self.part_rows = schema, part_rows
-        self.done_ids = self.failed_ids = IdSet()      # nothing done before: rows in memory start anew
+        self.done_ids = self.failed_ids = self.done_repeats = IdSet()   # nothing done before: rows in memory start anew
         self._tables: list[pa.Table] = []
         self._buffer: list[dict] = []
         self._kept: list[dict] | None = None      # the rows as written, once keep_rows() asked for them

@@ -1,12 +1,14 @@
 """ResultWriter: result rows buffered and written as atomic, resumable parquet parts.
 
 Invariants:
-- done_ids = ids in all readable part*.parquet files found at open (what a resumed
-  job skips), kept as an IdSet (16 bytes an id); rows written since are not added,
-  since the caller knows them. Given (`done_ids=`), the caller's instead, and no part's ids are
-  read (a Ray job's workers: its driver read them once and planned the rest, parallel/ray_plan.py).
-  A part that can't be read is renamed _corrupt-<name> and its ids are not done. failed_ids: those of
-  done_ids with an error row (a resumed job's progress counts them failed, as the summary does).
+- done = what all readable part*.parquet files found at open hold, by occurrence (output/done.py:
+  what a resumed job skips): done_ids, the ids whose own row is written (a duplicate's error row
+  never makes its id done), failed_ids, those of them with an error row (a resumed job's progress
+  counts them failed, as the summary does), done_repeats, the later occurrences whose duplicate error
+  row is written. IdSets (16 bytes an id); rows written since are not added, since the caller knows
+  them. Given (`done_ids=`), the caller's instead, and no part's ids are read (a Ray job's workers:
+  its driver read them once and planned the rest, parallel/ray_plan.py). A part that can't be read
+  is renamed _corrupt-<name> and its rows are not done.
 - Rows passed in one write() call always land in the same part (a multi-sample
   row is never half written).
 - A part is flushed once part_rows rows are buffered, or once the oldest buffered row has
@@ -19,6 +21,9 @@ Invariants:
   kind's columns; they are no work to redo).
 - A part never replaces another: its number is past every part of this prefix, and it is
   written under a temporary name and renamed (storage.atomic_write).
+- Each part records, in its schema metadata "jobrunner.run" (RUN_METADATA), what `run_record` gives
+  at its flush: the writing run's time so far (JobStats.time_record), so a run killed before it wrote
+  _stats.json still counts in the summary (output/summary.py); a part written without one records none.
 - Data-parallel workers sharing a directory: the launcher calls prepare_output
   once (it alone may --overwrite), each worker uses its own part_prefix and
   closes with stats=None; the launcher then calls completion.mark_complete (or write_stats
@@ -31,24 +36,26 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobrunner import storage
 from jobrunner.idset import IdSet
 from jobrunner.output import layout
 from jobrunner.output.completion import mark_complete, write_stats
+from jobrunner.output.done import DoneRows
 from jobrunner.output.layout import MANIFEST_TMP_RE, PART_RE, PREFIX_RE, OutputError
 from jobrunner.output.manifest import prepare_output, write_manifest
 from jobrunner.output.values import EXTRA_JSON, arrow_schema, id_key, infer_kinds, kinds_of, norm_row, to_table
 
 log = logging.getLogger("jobrunner")
 
-__all__ = ["ResultWriter"]
+__all__ = ["ResultWriter", "RUN_METADATA"]
+
+RUN_METADATA = b"jobrunner.run"     # a part's schema metadata: its run's time record, JSON (see the module doc)
 
 
 def _extras(t: pa.Table) -> list[str | None]:
@@ -76,7 +83,8 @@ class ResultWriter:
 
     def __init__(self, output_url: str, manifest: dict, part_rows: int = 10000,
                  overwrite: bool = False, part_prefix: str = "part", flush_seconds: float = 60.0,
-                 schema: pa.Schema | None = None, done_ids: IdSet | None = None):
+                 schema: pa.Schema | None = None, done_ids: IdSet | None = None,
+                 run_record: Callable[[], dict] | None = None):
         if part_rows < 1:
             raise ValueError("part_rows must be >= 1")
         if not flush_seconds > 0:
@@ -87,6 +95,7 @@ class ResultWriter:
         self.part_rows = part_rows
         self.flush_seconds = flush_seconds
         self.part_prefix = part_prefix
+        self.run_record = run_record    # the writing run's time record at each flush (RUN_METADATA)
         self.manifest = prepare_output(output_url, manifest, overwrite)
         self.fs, self.root = storage.url_fs(output_url)
         self._own_re = re.compile(rf"^(?:_corrupt-(?:\d+-)?)?{re.escape(part_prefix)}-(\d+)\.parquet$")
@@ -95,14 +104,13 @@ class ResultWriter:
         self._oldest: float | None = None      # clock() when the oldest buffered row came; None: buffer empty
         self._ok_buffered = False               # a buffered row has no error (see maybe_flush)
         self._schema: pa.Schema | None = None   # pinned: by the parts found at open, else `schema`
-        self.done_ids = IdSet()         # ids in the parts found at open; see the module doc
-        self.failed_ids = IdSet()       # of those, the ids with an error row
+        self.done = DoneRows()          # what the parts found at open hold; see the module doc
         self.parts: list[str] = []      # all valid part files at open, plus ours since
         self.corrupt: list[str] = []    # parts set aside at open (new names)
         self._next = 0
         self._scan(read_ids=done_ids is None)
         if done_ids is not None:       # the caller's: it read the parts (a Ray job's driver planned the rows)
-            self.done_ids = done_ids
+            self.done.ids = done_ids
         if self._schema is None and schema is not None:
             assert kinds_of(schema) is not None, "a declared schema records its kinds (values.arrow_schema)"
             self._schema = schema
@@ -129,12 +137,11 @@ class ResultWriter:
                     self._schema = self._read_schema(name)
                 self.parts.append(name)
                 continue
-            ids, schema, failed = self._read_part_ids(name)
+            ids, schema, errors = self._read_part_ids(name)
             if ids is None:
                 self.corrupt.append(self._set_aside(name, names))
                 continue
-            self.done_ids.update(ids)
-            self.failed_ids.update(failed)
+            self.done.add(ids, errors)
             self.parts.append(name)
             if self._schema is None and schema is not None:
                 self._schema = schema
@@ -159,13 +166,25 @@ class ResultWriter:
         return ids
 
     @property
+    def done_ids(self) -> IdSet:
+        return self.done.ids
+
+    @property
+    def failed_ids(self) -> IdSet:
+        return self.done.failed
+
+    @property
+    def done_repeats(self) -> IdSet:
+        return self.done.repeats
+
+    @property
     def buffered(self) -> int:
         """Rows written to this writer and not yet in a part."""
         return len(self._buffer)
 
-    def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None, list[str]]:
-        """(the part's row keys, its schema if it records its kinds, the keys of its error rows); (None,
-        None, []) when damaged. A null id's key is in extra_json (a value the id column's type can't hold:
+    def _read_part_ids(self, name: str) -> tuple[list[str] | None, pa.Schema | None, pa.ChunkedArray | None]:
+        """(the part's row keys, its schema if it records its kinds, its error column or None); (None, None,
+        None) when damaged. A null id's key is in extra_json (a value the id column's type can't hold:
         values.py)."""
         try:
             with self.fs.open(storage.join(self.root, name), "rb") as f:
@@ -174,17 +193,16 @@ class ResultWriter:
                 cols = ["id"] + [c for c in (EXTRA_JSON, "error") if c in schema.names]
                 t = pf.read(columns=cols, use_threads=False)
                 if t.num_rows != pf.metadata.num_rows:
-                    return None, None, []
+                    return None, None, None
                 ids = [_key(v, extra) for v, extra in zip(t.column("id").to_pylist(), _extras(t))]
                 if None in ids:
-                    return None, None, []
-                failed = ([k for k, bad in zip(ids, pc.is_valid(t.column("error")).to_pylist()) if bad]
-                          if "error" in t.column_names else [])
-                return ids, (schema if kinds_of(schema) is not None else None), failed
+                    return None, None, None
+                errors = t.column("error") if "error" in t.column_names else None
+                return ids, (schema if kinds_of(schema) is not None else None), errors
         except FileNotFoundError:
-            return [], None, []  # moved aside by another writer meanwhile
+            return [], None, None  # moved aside by another writer meanwhile
         except (pa.ArrowException, OSError, KeyError, ValueError, EOFError):
-            return None, None, []
+            return None, None, None
 
     def _set_aside(self, name: str, names: list[str]) -> str:
         new = f"_corrupt-{name}"
@@ -231,7 +249,7 @@ class ResultWriter:
         rows = self._buffer
         if self._schema is None:
             self._schema = self._pinned_by_others() or arrow_schema(infer_kinds(rows))
-        table = to_table(rows, self._schema)
+        table = self._with_run(to_table(rows, self._schema))
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd", row_group_size=max(len(rows), 1))
         data = sink.getvalue().to_pybytes()
@@ -248,6 +266,13 @@ class ResultWriter:
         self._buffer, self._oldest, self._ok_buffered = [], None, False
         self.parts.append(name)
         write_manifest(self.fs, self.root, self.output_url, self.manifest, complete=False)
+
+    def _with_run(self, table: pa.Table) -> pa.Table:
+        """The table with this run's record in its metadata (not the one a schema read from a part holds)."""
+        meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != RUN_METADATA}
+        if self.run_record is not None:
+            meta[RUN_METADATA] = json.dumps({**self.run_record(), "part_prefix": self.part_prefix}).encode()
+        return table.replace_schema_metadata(meta)
 
     def _pinned_by_others(self) -> pa.Schema | None:
         """The schema of a part another writer wrote since we opened (shared directories)."""

@@ -19,6 +19,7 @@ from jobrunner.config.job import JobConfig, JobConfigError
 
 from jobrunner.job.ending import JobResult, verdict, write_ending
 from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.job.progress import progress_line
 from jobrunner.output import OutputError, prepare_output
 from jobrunner.output.summary import job_summary
 from jobrunner.parallel import protocol
@@ -42,7 +43,7 @@ class Coordinator:
         self.result: JobResult | None = None
         self.error: Exception | None = None
         self.bar = None
-        self.last_log = self.last_progress = time.time()
+        self.last_log = self.last_progress = self.started = time.time()
 
     def run_in_thread(self) -> None:
         try:
@@ -166,8 +167,9 @@ class Coordinator:
             self.bar.refresh()
         elif time.time() - self.last_log >= 30:
             self.last_log = time.time()
-            log.info("%d%s rows, %d failed, %d tokens, %d workers", done, f"/{total}" if total else "", failed,
-                     tokens, len(ranks))
+            elapsed = max(time.time() - self.started, 1e-9)
+            log.info("%s", progress_line(done, total, rows, elapsed, failed=failed, tokens_per_s=tokens / elapsed,
+                                         more=f"{len(ranks)} workers"))
 
     def _exit_code(self, results: list[dict], summary: dict, complete: bool) -> int:
         codes = {v["exit_code"] for v in results}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict
 
 from jobrunner.config.job import JobConfig, JobConfigError, field_value
@@ -25,8 +26,10 @@ from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.worker import worker_loop
 from jobrunner.job.checks import check_gpus, check_spread_device
 from jobrunner.job.precision import cuda_count
+from jobrunner.job.progress import log_datefmt
 from jobrunner.job.resolve import Resolved
 from jobrunner.parallel.world import gpu_groups, preflight
+from jobrunner.stats import RUN_ID_ENV
 from jobrunner.threads import threads_each
 
 log = logging.getLogger("jobrunner")
@@ -86,9 +89,11 @@ def _start_workers(cfg: JobConfig, resolved, n: int, port: int, gpus: list[str] 
     """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
     tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
     worker_cfg = config_to_json(cfg)
+    run_id = uuid.uuid4().hex[:16]      # the workers' parts record one run (jobrunner/stats.py: time_record)
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
         env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,
+                   **{RUN_ID_ENV: run_id},
                    JOBRUNNER_WORKER_RESOLVED=resolved.to_json(),
                    RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -147,5 +152,5 @@ def config_from_json(text: str) -> JobConfig:
 
 def _setup_worker_logging(rank: int) -> None:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt=log_datefmt(),
                             format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")

@@ -28,6 +28,7 @@ from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import DatasetError
 from jobrunner.idset import IdSet
 from jobrunner.job.exit_codes import EXIT_CONFIG
+from jobrunner.job.progress import log_datefmt
 from jobrunner.job import build
 from jobrunner.job.build import open_job
 from jobrunner.parallel.launcher import config_from_json
@@ -132,7 +133,7 @@ class RayWorker:
     def __init__(self, rank: int):
         engine.Engine           # torch and the engine's modules, while the driver checks the job
         if not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt=log_datefmt(),
                                 format=f"%(asctime)s worker {rank} %(levelname)s %(message)s")
         self.rank = rank
         self.engine = None

@@ -34,6 +34,8 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     first = planner or first
     s = summed([x for _, x in summaries] + ([planner] if planner else []), ROW_SUMS + REUSE_SUMS)
     s["started_at"] = min((x["started_at"] for _, x in summaries if x.get("started_at")), default=None)
+    # whose parts this run wrote (output/summary.killed_runs: not counted again)
+    s["run_ids"] = sorted({x["run_id"] for x in [x for _, x in summaries] + [planner or {}] if x.get("run_id")})
     s["rows_skipped_done"] = first.get("rows_skipped_done", 0)      # every worker of round 0 saw the same
     s["duplicate_ids"] = first.get("duplicate_ids", 0)
     for name in ("images", "image_tokens", "image_errors"):    # counted by each worker's intake, over every row

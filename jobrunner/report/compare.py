@@ -3,7 +3,11 @@ changed, the metric deltas with a paired test, the token, cost and throughput de
 configuration differences, and the gates a scheduler reads (compare -> its exit code).
 
 Invariants:
-- A row is its first sample (sample_index null or 0) on both sides; ids are joined as strings.
+- A row is its first sample (sample_index null or 0) on both sides; ids are joined as strings, one
+  row per id: the id's own row (its first occurrence in the dataset). A repeated id's duplicate error
+  rows are counted apart (`rows.duplicates_in_base` / `_in_candidate`), never joined or changed.
+- Missing rows: the base's rows absent from the candidate, a share of the base's rows (an error row
+  is present: it was read and answered).
 - A common row changed when it failed on one side only, or both are ok and its result differs:
   classify its label (as the metrics key labels: normalized text unless --match exact), generate its
   output text, score its perplexity by more than score_rtol (relative), embed its cosine under
@@ -20,6 +24,7 @@ import polars as pl
 
 from jobs import KINDS
 from jobs.metrics import ClassificationMetrics, matches
+from jobrunner.output.done import DUPLICATE_ERROR_RE
 from jobrunner.output.values import EXTRA_JSON, FIXED_COLUMNS
 from jobrunner.report.distributions import distribution
 from jobrunner.report.kinds import classification, vector_norm
@@ -47,18 +52,19 @@ class NotComparableError(ValueError):
 
 def compare(base: str, candidate: str, *, max_changed_rate: float | None = None,
             max_accuracy_drop: float | None = None, max_cost_increase: float | None = None,
-            min_cosine: float = MIN_COSINE, score_rtol: float = SCORE_RTOL, top: int = TOP_CHANGED,
-            resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
+            max_missing_rate: float | None = None, min_cosine: float = MIN_COSINE, score_rtol: float = SCORE_RTOL,
+            top: int = TOP_CHANGED, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
     """The comparison of two output directories (any fsspec URLs) as a JSON-able dict, with the
     gates asked for and `exit_code` (0, or 3 when a gate is crossed). Raises NotComparableError."""
     return compare_outputs(open_output(base), open_output(candidate), max_changed_rate=max_changed_rate,
+                           max_missing_rate=max_missing_rate,
                            max_accuracy_drop=max_accuracy_drop, max_cost_increase=max_cost_increase,
                            min_cosine=min_cosine, score_rtol=score_rtol, top=top, resamples=resamples, seed=seed)
 
 
 def compare_outputs(base: Output, cand: Output, *, max_changed_rate=None, max_accuracy_drop=None,
                     max_cost_increase=None, min_cosine=MIN_COSINE, score_rtol=SCORE_RTOL, top=TOP_CHANGED,
-                    resamples=BOOTSTRAP_RESAMPLES, seed=0) -> dict:
+                    resamples=BOOTSTRAP_RESAMPLES, seed=0, max_missing_rate=None) -> dict:
     kind = _comparable_kind(base, cand)
     sides = Sides(base, cand, kind)
     rows = sides.overlap()
@@ -75,6 +81,8 @@ def compare_outputs(base: Output, cand: Output, *, max_changed_rate=None, max_ac
     result = {"base": base.url, "candidate": cand.url, "kind": kind, "rows": rows, "changed": changed,
               "metrics": metrics, "costs": costs, "config_differences": config_differences(base, cand)}
     result["gates"] = gates(result, max_changed_rate, max_accuracy_drop, max_cost_increase)
+    if max_missing_rate is not None:
+        result["gates"].insert(0, missing_gate(rows, max_missing_rate))
     result["exit_code"] = 3 if any(g["crossed"] for g in result["gates"]) else 0
     return result
 
@@ -121,7 +129,8 @@ class Sides:
         cols.append((pl.struct(self.inputs).hash() if self.inputs else pl.lit(0, pl.UInt64)).alias(f"inputs{suffix}"))
         if self.reference and out is self.reference_side:
             cols.append(pl.col(self.reference).cast(pl.String).alias("reference"))
-        return first_samples(out).select(cols)
+        own = first_samples(out).filter(~_duplicate_row())     # one row per id: its own
+        return own.select(cols).unique("id", keep="first", maintain_order=True)
 
     def joined(self) -> pl.LazyFrame:
         return self.side(self.base, "_b").join(self.side(self.cand, "_c"), on="id", how="inner")
@@ -138,8 +147,12 @@ class Sides:
 
         only_b, ids_b = only(b, c, "row_b")
         only_c, ids_c = only(c, b, "row_c")
+        duplicates = [collect(first_samples(o).filter(_duplicate_row()).select(pl.len())).item()
+                      for o in (self.base, self.cand)]
         return {"common": common, "only_in_base": only_b, "only_in_candidate": only_c,
-                "only_in_base_ids": ids_b, "only_in_candidate_ids": ids_c, "inputs_changed": inputs_changed}
+                "only_in_base_ids": ids_b, "only_in_candidate_ids": ids_c, "inputs_changed": inputs_changed,
+                "missing_rate": only_b / max(common + only_b, 1),
+                "duplicates_in_base": duplicates[0], "duplicates_in_candidate": duplicates[1]}
 
     # ---------------------------------------------------------------- what changed
 
@@ -279,6 +292,11 @@ class Sides:
         return {c: _delta(s[f"{c}_b"], s[f"{c}_c"]) for c in ("prompt_tokens", "completion_tokens")}
 
 
+def _duplicate_row() -> pl.Expr:
+    """A repeated id's duplicate error row (output/done.py), not the id's own."""
+    return pl.col("error").str.contains(DUPLICATE_ERROR_RE).fill_null(False)
+
+
 def _cosine(dtype) -> pl.Expr:
     b, c = pl.col("embedding_b"), pl.col("embedding_c")
     dot = (b * c).arr.sum() if isinstance(dtype, pl.Array) else (b * c).list.sum()
@@ -336,6 +354,12 @@ def config_differences(base: Output, cand: Output) -> list[dict]:
     a, b = flat(base), flat(cand)
     keys = [k for k in KEYS_FIRST if k in a or k in b] + sorted((set(a) | set(b)) - set(KEYS_FIRST))
     return [{"key": k, "base": a.get(k), "candidate": b.get(k)} for k in keys if a.get(k) != b.get(k)]
+
+
+def missing_gate(rows: dict, max_missing_rate: float) -> dict:
+    """--max-missing-rate: the share of the base's rows the candidate lacks (error rows are present)."""
+    rate = rows["missing_rate"]
+    return {"gate": "max_missing_rate", "limit": max_missing_rate, "value": rate, "crossed": rate > max_missing_rate}
 
 
 def gates(result: dict, max_changed_rate, max_accuracy_drop, max_cost_increase) -> list[dict]:

@@ -52,9 +52,12 @@ def _summary(fig: dict) -> str:
                           if m.get("evaluated_rows") else ""))
     items.append(("tokens", f"{s['prompt_tokens'] + s['completion_tokens']:,}",
                   f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} completion"))
-    optimum = s.get("optimum_cache_hit_rate")
-    items.append(("cache hits", pct(s["cache_hit_rate"]),
-                  f"the dataset's optimum: {pct(optimum)}" if optimum is not None else "of prompt tokens"))
+    optimum = s.get("optimum_cache_hit_rate")       # the output's plan only (output/summary.output_plan)
+    if optimum is not None:
+        block = (s.get("block_optimum_cached_tokens") or 0) / s["planned_prompt_tokens"]
+        over = "the dataset's" if s.get("optimum_exact") else "each planning window's"
+        optimum = f"{over} optimum: {pct(block)} in full KV blocks, {pct(optimum)} token by token"
+    items.append(("cache hits", pct(s["cache_hit_rate"]), optimum or "of prompt tokens"))
     if s.get("wall_s") is not None:
         runs = s.get("runs_recorded") or 1
         items.append(("wall time", seconds(s["wall_s"]), f"over {runs} runs" if runs > 1 else
