@@ -67,6 +67,7 @@ def _submit(root: Path, dataset: Path, model: str, *args: str, timeout: float = 
     cmd = [sys.executable, "-c", _RUN, "submit", str(dataset), "-o", str(out), "--model", model,
            "--max-tokens", "2", "--device", "cpu", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert "PEAK_MB" in p.stderr, f"the job died (exit {p.returncode}): {p.stderr[-2000:]}"
     peak = int(p.stderr.rsplit("PEAK_MB", 1)[1].split()[0])
     from jobrunner.output import read_results
     rows = {r["id"]: r for r in read_results(str(out)).to_pylist()} if (out / "_manifest.json").exists() else {}

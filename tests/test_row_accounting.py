@@ -159,5 +159,5 @@ def test_validate_submit_stats_and_a_resumed_progress_count_the_same_failed_rows
         finally:
             progress.LOG_EVERY_S = old
     assert r.exit_code == 0, r.output
-    lines = re.findall(r"(\d+)/10 rows, (\d+) failed", caplog.text)
+    lines = re.findall(r"(\d+)/10 rows \([\d.]+%\),(?: \d+ in flight,)? (\d+) failed", caplog.text)
     assert lines and all(int(f) >= 3 for _, f in lines), caplog.text

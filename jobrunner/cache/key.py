@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 
 import engine
-from engine import EngineInfo, Request, SamplingParams
+from engine import Constraint, EngineInfo, Request, SamplingParams
 from jobrunner.cache.identity import checkpoint_identity
 
 log = logging.getLogger("jobrunner")
@@ -92,6 +92,8 @@ def _canonical(value) -> str:
 
 
 def _plain(o):
+    if isinstance(o, Constraint):       # `reasoning` keyed only when set: keys made before it existed still hit
+        return {k: v for k, v in asdict(o).items() if not (k == "reasoning" and v is None)}
     if is_dataclass(o) and not isinstance(o, type):
         return asdict(o)
     if isinstance(o, (set, frozenset)):

@@ -21,7 +21,7 @@ FAILED_SHOWN = 50               # failed rows listed, in the parts' order
 ERROR_GROUPS = 20               # distinct error messages listed, most rows first
 IDS_PER_GROUP = 5
 # the run records' figures the summary shows (the parts have no clock)
-FROM_RUNS = ("optimum_cache_hit_rate", "wall_s", "model_load_s", "decode_tokens_per_s", "prefill_tokens_per_s",
+FROM_RUNS = ("optimum_cache_hit_rate", "planned_prompt_tokens", "block_optimum_cached_tokens", "optimum_exact", "wall_s", "model_load_s", "decode_tokens_per_s", "prefill_tokens_per_s",
              "rows_per_s", "cost_usd", "cost_per_million_tokens", "cost_saved_usd", "device", "devices",
              "quantization", "runs_recorded", "rows_reused", "rows_from_cache", "tokens_saved", "interrupted")
 RUN_FIGURES = ("started_at", "rows", "rows_skipped_done", "wall_s", "rows_per_s", "decode_tokens_per_s",
