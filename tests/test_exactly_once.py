@@ -75,6 +75,7 @@ def test_a_kill_right_after_the_first_part_loses_no_row_of_a_repeated_id(tmp_pat
     assert _rows(out) == _expected(REPEATED)        # each id's own row once, each duplicate's error row once
     stats = read_stats(out)
     assert stats["rows"] == len(REPEATED) and stats["rows_failed"] == 9
+    assert stats["duplicate_ids"] == 9      # counted from the parts: the killed run recorded none
     assert stats["runs"][-1]["rows_skipped_done"] == len(killed)
 
 

@@ -25,6 +25,7 @@ from jobrunner.output.columns import reserved_columns
 from jobrunner.stats import (IMAGE_SUMS, PREFIX_KEYS, PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates,
                              summed)
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
+from jobrunner.output.done import DUPLICATE_ERROR_RE
 from jobrunner.output.parts import RUN_METADATA
 from jobs import KINDS
 from jobs.metrics import job_metrics
@@ -73,7 +74,7 @@ def summary_of(tables: Tables, config: Mapping, runs: list[dict]) -> dict:
     s = table_figures(tables, config, marks)
     metrics = s.pop("metrics", None)
     runs = _in_order(runs, killed_runs(marks.values(), runs))
-    s.update(over_runs(runs, s))
+    s.update({k: v for k, v in over_runs(runs, s).items() if k != "duplicate_ids"})    # the parts' count
     if metrics is not None:
         s["metrics"] = metrics
     s["runs_recorded"] = len(runs)
@@ -180,10 +181,13 @@ def table_figures(tables: Tables, config: Mapping, marks: dict | None = None) ->
         return stored_name(ref, result_columns, names) if ref else None
 
     stats = JobStats()
+    duplicates = 0                  # rows written as a repeated id's error (output/done.py): every run's
     incomplete = []                 # per constrained sample: cut by max_tokens before its grammar ended
     checked = []                    # per sample under a JSON schema: did its output validate
     for table in tables(lambda names: wanted + [reference(names)]):
         _add_rows(stats, table, samples)
+        if "error" in table.column_names:
+            duplicates += pc.sum(pc.match_substring_regex(table["error"], DUPLICATE_ERROR_RE)).as_py() or 0
         if marks is not None:
             _add_mark(marks, table)
         if constrained:
@@ -196,6 +200,7 @@ def table_figures(tables: Tables, config: Mapping, marks: dict | None = None) ->
                 cols["reference"] = stored_values(table, name) if name else [None] * table.num_rows
             metrics.add_columns(cols)
     s = stats.row_figures()
+    s["duplicate_ids"] = duplicates
     if incomplete:
         s[CONSTRAINED_INCOMPLETE] = sum(map(bool, incomplete))
     if checked:
