@@ -128,7 +128,7 @@ def gguf_path(model: str) -> Path | None:
     """The GGUF file behind `model`, for the peers that read one (None: not a GGUF model)."""
     if model.endswith(".gguf"):
         return Path(model)
-    from jobrunner import models
+    from jobrunner.models import known as models
     if model in models.KNOWN_MODELS:
         return Path(models.pull(model))
     return None

@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
-    from engine.cpu_decode import ensure_library
-    from kernels import cpu_attention as ca
-    from kernels.attention import AttentionMetadata, paged_attention_ref
+    from jobrunner.engine.run.cpu_decode import ensure_library
+    from jobrunner.kernels.attention import cpu_attention as ca
+    from jobrunner.kernels.attention.attention import AttentionMetadata, paged_attention_ref
 
     torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype)

@@ -1,5 +1,5 @@
 """Float32 linears on CPU: torch's F.linear (MKL sgemm) against oneDNN over a weight packed once
-(kernels/cpu_linear.py, what the engine runs unless --no-packed-weights), per layer shape of the
+(kernels/matmul/cpu_linear.py, what the engine runs unless --no-packed-weights), per layer shape of the
 default model and per batch of M rows, side by side in one run.
 
     python -m benchmarks.cpu_linear                       # M = 1, 16, 64, 256, 1024; 2 threads
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import pack_linear, packed_rtol
+from jobrunner.kernels import pack_linear, packed_rtol
 
 SHAPES = {  # name -> (N, K): the default model's fused layers (30 of each) and its tied lm_head
     "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576),

@@ -1,4 +1,4 @@
-"""CPU prefill attention, one layer: the padded-SDPA reference against kernels/cpu_prefill.py (issue 34 item 3).
+"""CPU prefill attention, one layer: the padded-SDPA reference against kernels/attention/cpu_prefill.py (issue 34 item 3).
 
     python -m benchmarks.cpu_prefill_bench                 # the default model's heads, 2 threads
     python -m benchmarks.cpu_prefill_bench --threads 1     # CPU time is then the least disturbed by load
@@ -23,7 +23,7 @@ H_Q, H_K, D, BS = 9, 3, 64, 16
 def layout(seqs, prefix: int, consecutive: bool, rng: random.Random):
     """q, k_cache, v_cache, AttentionMetadata for prefill chunks seqs [(query_len, seq_len)]; the first
     `prefix` positions (whole blocks) of every sequence are the same blocks."""
-    from kernels.attention import AttentionMetadata
+    from jobrunner.kernels.attention.attention import AttentionMetadata
     shared_n = prefix // BS
     need = [-(-L // BS) for _, L in seqs]
     pool = list(range(shared_n + sum(need) + 3))
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kernels.attention_ref import _prefill_ref
-    from kernels.cpu_prefill import prefill_attention_cpu
+    from jobrunner.kernels.attention.reference import _prefill_ref
+    from jobrunner.kernels.attention.cpu_prefill import prefill_attention_cpu
     rng = random.Random(args.seed)
     short = [(n, 320 + n) for n in (rng.randint(16, 48) for _ in range(64))]
     cases = [("one 2048-token chunk", [(2048, 2048)], 0, True),

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="jobrunner's KV cache: an embedding row holds blocks only while it is computed")
     args = ap.parse_args(argv)
 
-    from jobrunner.models import resolve_model
+    from jobrunner.models.known import resolve_model
     gguf = Path(resolve_model(args.model))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     tmp = RESULTS / "tmp" / f"embed-{stamp}"

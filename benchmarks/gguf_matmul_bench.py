@@ -52,15 +52,15 @@ class Q4xQ8Linear(torch.nn.Module):
         self.bias = bias
 
     def forward(self, x):
-        from kernels.gguf_matmul import gguf_int8_matmul
+        from jobrunner.kernels.matmul.gguf_matmul import gguf_int8_matmul
         return gguf_int8_matmul(x, self.q, self.d, self.m, self.bias)
 
 
 def swap_to_q4xq8(model: torch.nn.Module) -> int:
     """Replaces every group-32 Int4Linear / Int8Linear of a model quantized with `int4` from a GGUF file
     (Q4_0/Q4_1 layers and the Q8_0 lm_head, as stored) by a Q4xQ8Linear; returns how many."""
-    from engine.quant.modules import Int4Linear, Int8Linear
-    from kernels.gguf_matmul import gguf_weight_from_int4, gguf_weight_from_int8
+    from jobrunner.engine.quant.linear import Int4Linear, Int8Linear
+    from jobrunner.kernels.matmul.gguf_matmul import gguf_weight_from_int4, gguf_weight_from_int8
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -92,10 +92,10 @@ def _bench(fn, budget_s: float = 0.3) -> float:
 
 def candidates(n: int, k: int, gen: torch.Generator, inductor: bool = False) -> dict:
     """label -> (prepared callable x -> y) for one Q4_1 weight [n, k]."""
-    from engine.quant import formats
-    from kernels import w8a8_matmul_fbgemm, w8a8_matmul_int_mm
-    from kernels.gguf_matmul import gguf_dequantize, gguf_int8_matmul, gguf_weight_from_int4, quantize_blocks_ref
-    from kernels.quant_matmul import _int4_matmul_cpu
+    from jobrunner.engine.quant import formats
+    from jobrunner.kernels import w8a8_matmul_fbgemm, w8a8_matmul_int_mm
+    from jobrunner.kernels.matmul.gguf_matmul import gguf_dequantize, gguf_int8_matmul, gguf_weight_from_int4, quantize_blocks_ref
+    from jobrunner.kernels.matmul.quant_matmul import _int4_matmul_cpu
 
     packed, s16, z16 = formats.quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32)   # Q4_1 blocks
     q, d, m = gguf_weight_from_int4(packed, s16, z16, k)

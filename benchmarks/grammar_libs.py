@@ -1,5 +1,5 @@
 """llguidance against xgrammar on this project's tokenizers: the measurement behind the choice of
-grammar engine (engine/constraints.py uses llguidance).
+grammar engine (engine/sample/constraints.py uses llguidance).
 
     python -m benchmarks.grammar_libs [--tokenizer PATH/tokenizer.json] [--steps 40]
 
@@ -24,7 +24,7 @@ from benchmarks.grammar_schemas import EXTRACTION_SCHEMAS
 
 
 def default_tokenizer_json() -> str:
-    from engine.config import cache_root
+    from jobrunner.engine.config.engine_config import cache_root
     for p in (cache_root() / "test-reference").glob("smollm2-135m-instruct-tokenizer-*/tokenizer.json"):
         return str(p)
     raise SystemExit("no default-model tokenizer.json in the cache; run the default_model tests once")
@@ -34,7 +34,7 @@ def token_bytes(tokenizer_json: str) -> tuple[list[bytes], list[int], int, objec
     """(bytes of each token, special ids, eos id, the tokenizers.Tokenizer) of a byte-level BPE."""
     import tokenizers
 
-    from engine.tokenizer import bytes_to_unicode
+    from jobrunner.engine.load.tokenizer import bytes_to_unicode
     tok = tokenizers.Tokenizer.from_file(tokenizer_json)
     back = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tok.get_vocab(with_added_tokens=True)

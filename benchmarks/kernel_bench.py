@@ -32,12 +32,12 @@ import torch
 
 def _sm90_cases():
     """(name, kernel, pointer/float arg types, constexprs, launch options); other args are i32."""
-    from kernels import triton_activation as tact
-    from kernels import triton_attention as tatt
-    from kernels import triton_kv_cache as tkv
-    from kernels import triton_norm as tnorm
-    from kernels import triton_moe as tmoe
-    from kernels import triton_rotary as trot
+    from jobrunner.kernels.activation import activation_triton as tact
+    from jobrunner.kernels.attention import attention_triton as tatt
+    from jobrunner.kernels.attention import kv_cache_triton as tkv
+    from jobrunner.kernels.norm import norm_triton as tnorm
+    from jobrunner.kernels.moe import moe_triton as tmoe
+    from jobrunner.kernels.rotary import rotary_triton as trot
     bf = "*bf16"
     cases = [
         ("rms_norm+residual", tnorm._rms_norm_kernel,
@@ -156,8 +156,8 @@ def _bench(fn, quick: bool) -> float:
 
 
 def _attention_case(seqs, num_decodes, Hq, Hk, D, BS, dtype, device, int8=False):
-    from kernels.attention import AttentionMetadata
-    from kernels.kv_int8 import quantize_int8_ref
+    from jobrunner.kernels.attention.attention import AttentionMetadata
+    from jobrunner.kernels.attention.kv_int8 import quantize_int8_ref
     nb = sum((L + BS - 1) // BS for _, L in seqs) + 1
     perm = torch.randperm(nb).tolist()
     tables, slots = [], []
@@ -208,12 +208,12 @@ def _row_adder(rows: list, quick: bool):
 
 def _time_pointwise(add, s: _Shapes) -> None:
     """rms_norm + residual, silu_and_mul and rotary."""
-    from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
-    from kernels.norm import rms_norm_ref
-    from kernels.rotary import apply_rotary_ref, inverse_frequencies, rotary_cos_sin
-    from kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
-    from kernels.triton_norm import rms_norm_triton
-    from kernels.triton_rotary import apply_rotary_triton
+    from jobrunner.kernels.activation.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+    from jobrunner.kernels.norm.norm import rms_norm_ref
+    from jobrunner.kernels.rotary.rotary import apply_rotary_ref, inverse_frequencies, rotary_cos_sin
+    from jobrunner.kernels.activation.activation_triton import gelu_tanh_and_mul_triton, silu_and_mul_triton
+    from jobrunner.kernels.norm.norm_triton import rms_norm_triton
+    from jobrunner.kernels.rotary.rotary_triton import apply_rotary_triton
     T, H, I, Hq, Hk, D, dev, dt = s.T, s.H, s.I, s.Hq, s.Hk, s.D, s.dev, s.dt
     e = 2  # bytes per bf16 element
     x, r = torch.randn(T, H, device=dev, dtype=dt), torch.randn(T, H, device=dev, dtype=dt)
@@ -233,9 +233,9 @@ def _time_pointwise(add, s: _Shapes) -> None:
 
 def _time_store_kv(add, s: _Shapes) -> None:
     """store_kv into a bf16 and an int8 cache."""
-    from kernels.attention import store_kv_ref
-    from kernels.kv_int8 import store_kv_int8_ref
-    from kernels.triton_kv_cache import store_kv_triton
+    from jobrunner.kernels.attention.attention import store_kv_ref
+    from jobrunner.kernels.attention.kv_int8 import store_kv_int8_ref
+    from jobrunner.kernels.attention.kv_cache_triton import store_kv_triton
     T, Hk, D, BS, dev, dt = s.T, s.Hk, s.D, s.BS, s.dev, s.dt
     e = 2  # bytes per bf16 element
     nb = T // BS + 8
@@ -252,9 +252,9 @@ def _time_store_kv(add, s: _Shapes) -> None:
 
 def _time_decode(add, s: _Shapes, quick: bool, tiny: bool) -> None:
     """Paged decode attention (split-K and not; int8 cache on the first batch size)."""
-    from kernels.attention import paged_attention_ref
-    from kernels.kv_int8 import paged_attention_int8_ref
-    from kernels.triton_attention import paged_attention_triton
+    from jobrunner.kernels.attention.attention import paged_attention_ref
+    from jobrunner.kernels.attention.kv_int8 import paged_attention_int8_ref
+    from jobrunner.kernels.attention.attention_triton import paged_attention_triton
     Hq, Hk, D, BS, dev, dt = s.Hq, s.Hk, s.D, s.BS, s.dev, s.dt
     e = 2  # bytes per bf16 element
     scale = D ** -0.5
@@ -279,8 +279,8 @@ def _time_decode(add, s: _Shapes, quick: bool, tiny: bool) -> None:
 
 def _time_prefill(rows: list, s: _Shapes, quick: bool, tiny: bool) -> None:
     """Paged prefill attention (reported in TFLOP/s, no GB/s)."""
-    from kernels.attention import paged_attention_ref
-    from kernels.triton_attention import paged_attention_triton
+    from jobrunner.kernels.attention.attention import paged_attention_ref
+    from jobrunner.kernels.attention.attention_triton import paged_attention_triton
     Hq, Hk, D, BS, dev, dt = s.Hq, s.Hk, s.D, s.BS, s.dev, s.dt
     scale = D ** -0.5
     prefill_cases = ([[(20, 30)]] if tiny else [[(512, 512)] * 2] if quick
@@ -317,8 +317,8 @@ def run_timings(quick: bool = False, device: str = "cuda", tiny: bool = False, o
 def _time_lora(add, s: _Shapes) -> None:
     """The segmented gather matmul of batched LoRA: shrink (H -> rank 16) and expand (16 -> H) over
     four adapters' segments of the step's tokens."""
-    from kernels.lora import Segments, sgmv_ref
-    from kernels.triton_lora import sgmv_triton
+    from jobrunner.kernels.lora.sgmv import Segments, sgmv_ref
+    from jobrunner.kernels.lora.sgmv_triton import sgmv_triton
     T, H, dev, dt, r = s.T, s.H, s.dev, s.dt, 16
     seg = Segments([(i * (T // 4), T // 4, i) for i in range(4)], torch.device(dev))
     x, a = torch.randn(T, H, device=dev, dtype=dt), torch.randn(4, r, H, device=dev, dtype=dt)
@@ -333,11 +333,11 @@ def _time_lora(add, s: _Shapes) -> None:
 def _time_moe(add, s: _Shapes, tiny: bool) -> None:
     """fused_moe at Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of 768, top 8): decode
     batches and a prefill step, bfloat16 and fp8 weights. GB/s counts the experts the batch touches."""
-    from kernels.moe import fused_moe_ref, route_topk
-    from kernels.triton_moe import fused_moe_triton
+    from jobrunner.kernels.moe.moe import fused_moe_ref, route_topk
+    from jobrunner.kernels.moe.moe_triton import fused_moe_triton
     dev, dt = s.dev, s.dt
     H, I, E, k = (64, 32, 8, 2) if tiny else (2048, 768, 128, 8)
-    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=dt) * H ** -0.5         # input-major (kernels/moe.py)
+    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=dt) * H ** -0.5         # input-major (kernels/moe/moe.py)
     w2 = torch.randn(E, I, H, device=dev, dtype=dt) * I ** -0.5
     variants = [("bf16", (w13, w2, None, None), 2)]            # (name, weights and scales, bytes per weight)
     if torch.device(dev).type == "cuda":

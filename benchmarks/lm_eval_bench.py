@@ -86,7 +86,7 @@ def write_tasks(root: Path, questions: int, docs: int) -> None:
 
 def float32_model_dir() -> Path:
     """The default model as a float32 safetensors directory both backends load (converted once)."""
-    from jobrunner.models import DEFAULT_MODEL, cache_root, pull
+    from jobrunner.models.known import DEFAULT_MODEL, cache_root, pull
     path = cache_root() / "lm-eval-bench" / "smollm2-135m-instruct-float32"
     if (path / "done").is_file():
         return path

@@ -1,4 +1,4 @@
-"""The logits processing step (engine/logits_process.py) alone: host build and device apply per step.
+"""The logits processing step (engine/sample/logits_process.py) alone: host build and device apply per step.
 
     python -m benchmarks.logits_process_bench --rows 64 --vocab 49152 --prompt 128 --generated 64
 
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from engine.logits_process import LogitsAdjust
-from engine.request import SamplingParams
-from engine.sequence import Sequence
+from jobrunner.engine.sample.logits_process import LogitsAdjust
+from jobrunner.engine.api.request import SamplingParams
+from jobrunner.engine.schedule.sequence import Sequence
 
 
 def main(argv: list[str] | None = None) -> None:

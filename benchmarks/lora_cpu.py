@@ -27,8 +27,8 @@ def make_adapters(workdir: Path, rank: int) -> dict[str, Path]:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from engine import load_model_bundle
-    from jobrunner.models import DEFAULT_MODEL, resolve_model
+    from jobrunner.engine import load_model_bundle
+    from jobrunner.models.known import DEFAULT_MODEL, resolve_model
     cfg = load_model_bundle(resolve_model(DEFAULT_MODEL)).config
     hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,

@@ -5,8 +5,8 @@ interleaved three times after a warm-up round. Prints wall and forward seconds p
     python -m benchmarks.lora_forward
 """
 import time
-from engine import Engine, EngineConfig, Request, SamplingParams
-from jobrunner.models import resolve_model, DEFAULT_MODEL
+from jobrunner.engine import Engine, EngineConfig, Request, SamplingParams
+from jobrunner.models.known import resolve_model, DEFAULT_MODEL
 W = "/tmp/lora-bench"
 e = Engine(EngineConfig(model=resolve_model(DEFAULT_MODEL), loras=tuple((f"a{i}", f"{W}/a{i}") for i in range(4)),
                         num_threads=2, enable_prefix_caching=False))

@@ -186,7 +186,7 @@ def hf_source(gguf: Path) -> tuple[str, dict]:
     try:
         import transformers
 
-        from jobrunner.models import cache_root
+        from jobrunner.models.known import cache_root
     except ImportError:
         return str(gguf), {}
     ref = cache_root() / "test-reference"

@@ -1,4 +1,4 @@
-"""Page faults and system time of CPU prefill steps: the C heap kept (engine/host_memory.py) or glibc's defaults.
+"""Page faults and system time of CPU prefill steps: the C heap kept (engine/run/host_memory.py) or glibc's defaults.
 
     python -m benchmarks.prefill_faults                      # the engine as it runs
     python -m benchmarks.prefill_faults --glibc-defaults     # the heap left to glibc
@@ -37,15 +37,15 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--glibc-defaults", action="store_true", help="don't keep the C heap (engine/host_memory.py)")
+    p.add_argument("--glibc-defaults", action="store_true", help="don't keep the C heap (engine/run/host_memory.py)")
     p.add_argument("--populate", action="store_true", help="touch the whole KV pool before the steps")
     args = p.parse_args(argv)
 
     from benchmarks.step_profile import _requests
-    from engine import host_memory
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.run import host_memory
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.models.known import resolve_model
     if args.glibc_defaults:
         host_memory.hold = lambda: False
     engine = Engine(EngineConfig(model=resolve_model(args.model), device="cpu", num_threads=args.threads,

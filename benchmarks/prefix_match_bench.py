@@ -13,9 +13,9 @@ import argparse
 import random
 import time
 
-from engine.kv_manager import KVCacheManager
-from engine.request import SamplingParams
-from engine.sequence import Sequence
+from jobrunner.engine.schedule.kv_manager import KVCacheManager
+from jobrunner.engine.api.request import SamplingParams
+from jobrunner.engine.schedule.sequence import Sequence
 
 VOCAB = 49152
 

@@ -21,7 +21,7 @@ max |x| = 1, then activations quantized per batch, 8-bit where exact, else 7-bit
 path (torch._int_mm) where this CPU has one. "bf16" is no quantization with bfloat16 compute (AMX
 or AVX512_BF16 CPUs make it several times faster than float32). "q4xq8" (benchmark-only, no --quantization
 scheme) keeps the GGUF blocks as stored and multiplies them with int8 activations per block of 32, as
-llama.cpp does (kernels/gguf_matmul.py; issue 20 item 3). Writes a Markdown table to stdout
+llama.cpp does (kernels/matmul/gguf_matmul.py; issue 20 item 3). Writes a Markdown table to stdout
 and to --out.
 """
 from __future__ import annotations
@@ -110,10 +110,10 @@ DTYPES = {"bf16": "bfloat16"}    # label -> compute dtype, where not the device'
 
 
 def build_engine(label: str, args, bundle):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.quant import quantize_model
-    from engine.runtime import _unique_tensors, build_runtime
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.quant import quantize_model
+    from jobrunner.engine.run.runtime import _unique_tensors, build_runtime
 
     scheme, extra = VARIANTS[label]
     cfg = EngineConfig(model=args.model, device=args.device, quantization=scheme if extra is None else "none",
@@ -137,7 +137,7 @@ def _chat(tok, text: str) -> list[int]:
 
 
 def measure(engine, args, tok) -> dict:
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.api.request import Request, SamplingParams
 
     out = {}
     greedy = engine.generate([Request(f"q{i}", _chat(tok, q), SamplingParams(max_tokens=args.check_tokens))
@@ -161,12 +161,12 @@ def measure(engine, args, tok) -> dict:
 
 
 def run(args) -> list[Row]:
-    from engine.config import ConfigError
-    from engine.loader import load_model_bundle
-    from engine.model_runner import ModelRunner
-    from engine.quant import check_quantization, w8a8_backend
-    from engine.runtime import resolve_device, resolve_dtype
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.config.engine_config import ConfigError
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.run.model_runner import ModelRunner
+    from jobrunner.engine.quant import check_quantization, w8a8_backend
+    from jobrunner.engine.run.runtime import resolve_device, resolve_dtype
+    from jobrunner.models.known import resolve_model
 
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
@@ -181,7 +181,7 @@ def run(args) -> list[Row]:
             b, qmax = w8a8_backend(device)
             row.note = f"{b}, weights +-{qmax}, activations per token"
         elif label == "w8a8-fbgemm":
-            from kernels import fbgemm_full_range
+            from jobrunner.kernels import fbgemm_full_range
             bits = 8 if fbgemm_full_range() else 7
             row.note = f"fbgemm, rows scaled, then one activation scale per batch ({bits}-bit)"
         elif label == "q4xq8":
@@ -281,7 +281,7 @@ def compile_check(arch: int = 90) -> list[str]:
     from triton.runtime.jit import JITFunction
 
     from benchmarks.kernel_bench import cubin_resources
-    from kernels import triton_quant_matmul as tq
+    from jobrunner.kernels.matmul import quant_matmul_triton as tq
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("--compile-check needs TRITON_INTERPRET unset")
     out = []

@@ -92,10 +92,10 @@ def plan_bytes(prompt_chars: int = 800, rows: int = 64) -> float:
     prompt's token ids as uint32), for prompts of `prompt_chars` characters of ~4 characters a token
     (plus the row's own columns)."""
     from array import array
-    from engine import Request, SamplingParams
+    from jobrunner.engine import Request, SamplingParams
     from jobrunner.dataset.rows import Row
-    from jobrunner.job.pending import PendingRow, ShippedUnit
-    from jobs.row import NO_NOTES
+    from jobrunner.pipeline.pending import PendingRow, ShippedUnit
+    from jobrunner.jobs.row import NO_NOTES
     rnd = random.Random(0)
     sampling = SamplingParams(max_tokens=16)
     units = [ShippedUnit([PendingRow(Row(i, f"row-{i}", {"id": f"row-{i}", "prompt": "x" * prompt_chars}),

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from jobrunner.output import mark_complete, prepare_output
 from jobrunner.output.schema import declared_schema
 from jobrunner.output.summary import over_runs
-from jobs import KINDS
+from jobrunner.jobs import KINDS
 
 LABELS = ["positive", "negative", "neutral"]
 PART_ROWS = 10_000

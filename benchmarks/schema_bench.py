@@ -46,11 +46,11 @@ def recheck(schema: dict, output: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.constraints import check_constraint
-    from engine.request import Constraint
+    from jobrunner.engine.sample.constraints import check_constraint
+    from jobrunner.engine.api.request import Constraint
     from jobrunner.api.submit import submit
     from jobrunner.output import read_results
-    from jobs.schema_check import with_mode
+    from jobrunner.jobs.schema_check import with_mode
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.schema_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct")

@@ -16,9 +16,9 @@ import torch
 
 
 def ours(path: str, rows: int, new: int) -> tuple[float, int]:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Request, SamplingParams
     eng = Engine(EngineConfig(model=path, dtype="float32"))
     g = torch.Generator().manual_seed(0)
     reqs = [Request(str(i), torch.randint(3, 1000, (32,), generator=g).tolist(),

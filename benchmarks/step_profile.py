@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 # matmul op -> ((M, K), N) from its input shapes: F.linear's mm takes x [M, K] and w.t() [K, N];
-# a packed linear (kernels/cpu_linear.py) x [M, K] and the weight [N, K]
+# a packed linear (kernels/matmul/cpu_linear.py) x [M, K] and the weight [N, K]
 MATMULS = {"aten::mm": lambda s: (tuple(s[0][:2]), s[1][1]),
            "mkldnn::_linear_pointwise": lambda s: (tuple(s[0][-2:]), s[1][0])}
 # op name -> group; the first key contained in the name wins (lower-cased)
@@ -49,7 +49,7 @@ def group_of(name: str) -> str:
 
 
 def _requests(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int, shared: int = 0):
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.api.request import Request, SamplingParams
     rng = random.Random(seed)
     prefix = [rng.randrange(16, vocab) for _ in range(shared)]
     return [Request(f"r{i}", prefix + [rng.randrange(16, vocab) for _ in range(prompt_len - shared)],
@@ -112,7 +112,7 @@ def decode_phase(engine, args) -> dict:
 
 def _timing_decode_kernel(run):
     """run() with the in-place CPU decode kernel's calls timed (no profiler): (run's value, seconds in it)."""
-    import kernels.attention as dispatch
+    import jobrunner.kernels.attention.attention as dispatch
     real, spent = dispatch.decode_attention_cpu, [0.0]
 
     def timed(*a, **kw):
@@ -214,9 +214,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.models.known import resolve_model
 
     model = resolve_model(args.model)
     engine = Engine(EngineConfig(model=model, device="cpu", num_threads=args.threads, quantization=args.quantization,
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
 def _matmul_params(engine) -> int:
     """Weights a token multiplies: every linear layer's (plain or packed) plus the output head's."""
     import torch
-    from kernels import PackedLinear
+    from jobrunner.kernels import PackedLinear
     return sum(m.in_features * m.out_features for m in engine.rt.model.modules()
                if isinstance(m, (torch.nn.Linear, PackedLinear)))
 

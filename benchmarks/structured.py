@@ -47,10 +47,10 @@ def timed(engine, requests, sync) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import Constraint, Request, SamplingParams
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Constraint, Request, SamplingParams
+    from jobrunner.models.known import resolve_model
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.structured", description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct")

@@ -1,5 +1,5 @@
 """Compute threads against other load: one job under 0 or more busy processes, with --threads 1,
---threads 2 and the automatic choice (threads from the free cores at start, then jobrunner/threads.py's
+--threads 2 and the automatic choice (threads from the free cores at start, then jobrunner/common/threads.py's
 governor following the load), and a load that arrives mid-job.
 
     python -m benchmarks.threads_load                         # 32 rows x 32 new tokens, load 0 and 1

@@ -162,8 +162,8 @@ def measure_copy_bandwidth(device) -> float:
 # ------------------------------------------------------------------------------ runs
 
 def _engine_config(args):
-    from engine.config import EngineConfig
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.models.known import resolve_model
 
     return EngineConfig(model=resolve_model(args.model), device=args.device, dtype=args.dtype, quantization=args.quantization,
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
@@ -175,7 +175,7 @@ def _engine_config(args):
 
 def _warm_up(engine, args, sync) -> float:
     """Runs args.warmup short requests before timing; their seconds (0.0: no warm-up)."""
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.api.request import Request, SamplingParams
 
     if not args.warmup:
         return 0.0
@@ -192,7 +192,7 @@ def _warm_up(engine, args, sync) -> float:
 def _timed_run(engine, args, work, sync) -> tuple[int, bool, float]:
     """Adds the workload's requests and steps the engine until done or past --time-limit
     (profiling --profile-steps of them); (requests finished, truncated, elapsed seconds)."""
-    from engine.request import EmbedParams, Request, SamplingParams
+    from jobrunner.engine.api.request import EmbedParams, Request, SamplingParams
 
     embed = EmbedParams(args.embed) if args.embed else None
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
@@ -235,7 +235,7 @@ def _our_figures(args, engine, work, finished: int, elapsed: float) -> dict:
 
 
 def run_ours(args, work) -> dict:
-    from engine.engine import Engine
+    from jobrunner.engine.core.engine import Engine
 
     cfg = _engine_config(args)
     t0 = time.perf_counter()
@@ -303,7 +303,7 @@ def _load_hf_model(model_name: str, device, dtype):
     import torch
     import transformers
 
-    from engine.loader import DUMMY_CONFIGS
+    from jobrunner.engine.load.loader import DUMMY_CONFIGS
     if model_name.startswith("dummy:"):
         spec = model_name[len("dummy:"):]
         if spec in DUMMY_CONFIGS:
@@ -374,7 +374,7 @@ def run_transformers(args, work) -> dict:
     model = _load_hf_model(args.model, device, dtype)
     load = time.perf_counter() - t0
     n = _hf_timed_run(model, args, work, device)
-    from engine.model_config import ModelConfig
+    from jobrunner.engine.config.model_config import ModelConfig
     mc = ModelConfig.from_hf({**model.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     arith = model_arith(mc, dtype.itemsize, dtype.itemsize)
     peak_tf, peak_bw = peaks(args, device)
@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.embed and args.engine != "ours":
         ap.error("--embed runs our engine only")
 
-    from engine.loader import load_model_bundle
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.models.known import resolve_model
     vocab = load_model_bundle(resolve_model(args.model)).config.vocab_size
     work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     if args.embed:

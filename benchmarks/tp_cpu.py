@@ -26,9 +26,9 @@ CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_s
 
 
 def _time(model: str, tp: int, threads: int, prompts: list[list[int]], output_len: int, repeats: int) -> list[float]:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Request, SamplingParams
 
     engine = Engine(EngineConfig(model=model, tensor_parallel=tp, num_threads=threads, kv_cache_memory=512 * 2**20))
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)

@@ -32,7 +32,7 @@ def images(n: int):
 
 def ours(path: str, pics, new: int) -> tuple[float, float, list]:
     """(rows/s, the tower's share of the time, the requests) from PIL images to generated tokens."""
-    from engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
+    from jobrunner.engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
     eng = Engine(EngineConfig(model=path, device="cpu", dtype="float32"))
     tower_s = [0.0]
     encode = eng.rt.model.encode_images

@@ -256,6 +256,6 @@ def openai_batch(tok, base: Workload, max_tokens: tuple[int, int] = (16, 128), s
 
 def our_tokenizer(model: str = "smollm2-135m-instruct"):
     """The tokenizer `jobrunner submit -m model` uses (reads metadata only, no weights)."""
-    from engine.loader import load_model_bundle
-    from jobrunner.models import resolve_model
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.models.known import resolve_model
     return load_model_bundle(resolve_model(model)).tokenizer

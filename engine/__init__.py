@@ -15,40 +15,39 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from engine.config import CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig, cache_root
-from engine.counters import EngineCounters
-from engine.embedding_config import CheckpointPooling
-from engine.errors import EngineFailure, ModelError
-from engine.generation_config import SAMPLING_KEYS, GenerationDefaults
-from engine.info import EngineInfo, Tokenizer
-from engine.kv_manager import common_prefix
-from engine.lora.adapter import AdapterSpec, check_adapter
-from engine.numerics import NUMERICS_VERSION
-from engine.request import (CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, ImageInput, Request,
-                            RequestOutput, SamplingParams, TokenLogprob)
-from engine.sequence import last_index_of
+from jobrunner.engine.config.engine_config import CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig, cache_root
+from jobrunner.engine.api.counters import EngineCounters
+from jobrunner.engine.config.embedding import CheckpointPooling
+from jobrunner.engine.api.errors import EngineFailure, ModelError
+from jobrunner.engine.config.generation import SAMPLING_KEYS, GenerationDefaults
+from jobrunner.engine.api.info import EngineInfo, Tokenizer
+from jobrunner.engine.schedule.kv_manager import common_prefix
+from jobrunner.engine.lora.adapter import AdapterSpec, check_adapter
+from jobrunner.engine.config.numerics import NUMERICS_VERSION
+from jobrunner.engine.api.request import CONSTRAINT_KINDS, POOLINGS, Completion, Constraint, EmbedParams, ImageInput, Request, RequestOutput, SamplingParams, TokenLogprob
+from jobrunner.engine.schedule.sequence import last_index_of
 
 if TYPE_CHECKING:
-    from engine.constraints import check_constraint
-    from engine.engine import Engine
-    from engine.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle
-    from engine.parallel.shards import check_split, rank_plan
-    from engine.vision.processor import ImageProcessor, PreparedImage, image_key, load_image_processor
+    from jobrunner.engine.sample.constraints import check_constraint
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle
+    from jobrunner.engine.parallel.shards import check_split, rank_plan
+    from jobrunner.engine.vision.processor import ImageProcessor, PreparedImage, image_key, load_image_processor
 
 # name -> the module that defines it, imported when the name is first read
 _LAZY = {
-    "Engine": "engine.engine",
-    "DUMMY_CONFIGS": "engine.loader",
-    "load_model_bundle": "engine.loader",
-    "checkpoint_quantization": "engine.loader",
-    "check_constraint": "engine.constraints",
-    "check_split": "engine.parallel.shards",
-    "rank_plan": "engine.parallel.shards",
+    "Engine": "jobrunner.engine.core.engine",
+    "DUMMY_CONFIGS": "jobrunner.engine.load.loader",
+    "load_model_bundle": "jobrunner.engine.load.loader",
+    "checkpoint_quantization": "jobrunner.engine.load.loader",
+    "check_constraint": "jobrunner.engine.sample.constraints",
+    "check_split": "jobrunner.engine.parallel.shards",
+    "rank_plan": "jobrunner.engine.parallel.shards",
     # numpy and PIL, no torch: loaded on first use all the same (PIL costs a text job's start-up)
-    "ImageProcessor": "engine.vision.processor",
-    "PreparedImage": "engine.vision.processor",
-    "image_key": "engine.vision.processor",
-    "load_image_processor": "engine.vision.processor",
+    "ImageProcessor": "jobrunner.engine.vision.processor",
+    "PreparedImage": "jobrunner.engine.vision.processor",
+    "image_key": "jobrunner.engine.vision.processor",
+    "load_image_processor": "jobrunner.engine.vision.processor",
 }
 
 __all__ = ["AdapterSpec", "check_adapter", "CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS",

@@ -41,11 +41,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
 import jobrunner
-from engine import load_model_bundle
+from jobrunner.engine import load_model_bundle
 from jobrunner.api.submit import build_config
 from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import Row
-from jobrunner.models import DEFAULT_MODEL, resolve_model
+from jobrunner.models.known import DEFAULT_MODEL, resolve_model
 from jobrunner.output import EXTRA_JSON, read_results, stored_values
 
 log = logging.getLogger("jobrunner.lm_eval")

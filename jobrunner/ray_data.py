@@ -13,7 +13,7 @@ Read back, only the part files count: `ray.data.read_parquet` over the directory
 """
 from __future__ import annotations
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.api.submit import submit
 from jobrunner.output import layout
 

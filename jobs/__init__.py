@@ -1,13 +1,13 @@
 """Job kinds: each turns a row into an engine request and an engine output into result columns.
 No file IO and no torch here. A kind is told what to do by a JobSpec (jobs.spec), never by the
 CLI's configuration."""
-from jobs.base import PromptBuilder, RowError
-from jobs.classify import ClassifyJob
-from jobs.embed import EmbedJob
-from jobs.generate import GenerateJob
-from jobs.score import ScoreJob
-from jobs.tokens import TokensJob
-from jobs.spec import ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
+from jobrunner.jobs.base import PromptBuilder, RowError
+from jobrunner.jobs.classify import ClassifyJob
+from jobrunner.jobs.embed import EmbedJob
+from jobrunner.jobs.generate import GenerateJob
+from jobrunner.jobs.score import ScoreJob
+from jobrunner.jobs.tokens import TokensJob
+from jobrunner.jobs.spec import ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
 # The job kinds, by name: the one list of them (the CLI's --kind choices are its keys).
 KINDS = {"generate": GenerateJob, "classify": ClassifyJob, "score": ScoreJob, "embed": EmbedJob,

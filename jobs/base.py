@@ -5,11 +5,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine import SamplingParams, Tokenizer
-from jobs.messages import IMAGE_PART, has_images, join_text_parts, template_images, text_as_parts, tool_call_messages
-from jobs.row import NO_OPTIONS, RowOptions
-from jobs.spec import JobSpec
-from jobs.template import unescape
+from jobrunner.engine import SamplingParams, Tokenizer
+from jobrunner.jobs.messages import IMAGE_PART, has_images, join_text_parts, template_images, text_as_parts, tool_call_messages
+from jobrunner.jobs.row import NO_OPTIONS, RowOptions
+from jobrunner.jobs.spec import JobSpec
+from jobrunner.jobs.template import unescape
 
 
 class RowError(ValueError):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 
-from engine import Request, RequestOutput, SamplingParams
-from jobs.base import RowError, uses_chat
-from jobs.metrics import ClassificationMetrics
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.spec import JobSpec
+from jobrunner.engine import Request, RequestOutput, SamplingParams
+from jobrunner.jobs.base import RowError, uses_chat
+from jobrunner.jobs.metrics import ClassificationMetrics
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.spec import JobSpec
 
 
 class ClassifyJob:

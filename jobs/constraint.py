@@ -1,17 +1,17 @@
 """A row's structured-output constraint: the row's own (RowOptions.constraint: an OpenAI batch body's
 `response_format`, jobrunner.openai.request), else the JSON schema in the row's --schema-column, else the
 job's (--json-schema, --json, --regex, --choice, --grammar). Plain data; the engine compiles it
-(engine/constraints.py), and a schema that does not compile makes the row an error. A JSON schema is
+(engine/sample/constraints.py), and a schema that does not compile makes the row an error. A JSON schema is
 compiled under the row's schema mode (its own, RowOptions.schema_mode, else --json-schema-mode;
 jobs/schema_check.py)."""
 from __future__ import annotations
 
 import json
 
-from engine import Constraint
-from jobs.base import RowError
-from jobs.row import NO_OPTIONS, RowOptions
-from jobs.schema_check import with_mode
+from jobrunner.engine import Constraint
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import NO_OPTIONS, RowOptions
+from jobrunner.jobs.schema_check import with_mode
 
 
 def row_constraint(job: Constraint | None, schema_column: str | None, data: dict,

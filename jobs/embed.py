@@ -1,4 +1,4 @@
-"""embed: each row's prompt -> one vector, its model's final hidden states pooled (engine/pooling.py).
+"""embed: each row's prompt -> one vector, its model's final hidden states pooled (engine/sample/pooling.py).
 
 Nothing is generated: the engine runs the prompt once, pools it and frees its KV blocks at once.
 The pooling, normalization and size come from EmbedSpec over the checkpoint's sentence-transformers
@@ -15,10 +15,10 @@ from __future__ import annotations
 from array import array
 from dataclasses import replace
 
-from engine import CheckpointPooling, Request, RequestOutput
-from jobs.base import RowError
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.spec import JobSpec
+from jobrunner.engine import CheckpointPooling, Request, RequestOutput
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.spec import JobSpec
 
 
 class EmbedJob:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine import Request, RequestOutput
-from jobs.base import RowError, sampling_params
-from jobs.constraint import requested_constraint, row_constraint
-from jobs.logprobs import TokenSpeller
-from jobs.metrics import Accuracy
-from jobs.reasoning import answer_constraint, prompt_opens_reasoning, reasoning_markers, split_reasoning
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.schema_check import SchemaCheck, strict_refusal
-from jobs.spec import JobSpec
-from jobs.tool_calls import ToolCalls
-from jobs.truncation import truncate_prompt
+from jobrunner.engine import Request, RequestOutput
+from jobrunner.jobs.base import RowError, sampling_params
+from jobrunner.jobs.constraint import requested_constraint, row_constraint
+from jobrunner.jobs.logprobs import TokenSpeller
+from jobrunner.jobs.metrics import Accuracy
+from jobrunner.jobs.reasoning import answer_constraint, prompt_opens_reasoning, reasoning_markers, split_reasoning
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.schema_check import SchemaCheck, strict_refusal
+from jobrunner.jobs.spec import JobSpec
+from jobrunner.jobs.tool_calls import ToolCalls
+from jobrunner.jobs.truncation import truncate_prompt
 
 
 class GenerateJob:

@@ -7,7 +7,7 @@ and the OpenAI batch output (jobrunner.openai.response) read the same:
 """
 from __future__ import annotations
 
-from engine import TokenLogprob
+from jobrunner.engine import TokenLogprob
 
 
 class TokenSpeller:

@@ -7,9 +7,9 @@ body's `model`, vLLM's convention; any other name the job's model answers to is 
 """
 from __future__ import annotations
 
-from engine import Request, RequestOutput
-from jobs.base import RowError
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.engine import Request, RequestOutput
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 
 
 class LoraJob:

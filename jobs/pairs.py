@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from engine import Request, RequestOutput, SamplingParams, common_prefix
-from jobs.base import RowError
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.engine import Request, RequestOutput, SamplingParams, common_prefix
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 
 
 class PairScoreJob:

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import Constraint
-from jobs.tools import ToolRequest
+from jobrunner.engine import Constraint
+from jobrunner.jobs.tools import ToolRequest
 
 @dataclass(frozen=True, slots=True)
 class RowOptions:

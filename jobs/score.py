@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import math
 
-from engine import Request, RequestOutput, SamplingParams
-from jobs.base import RowError
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.spec import JobSpec
+from jobrunner.engine import Request, RequestOutput, SamplingParams
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.spec import JobSpec
 
 
 class ScoreJob:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import POOLINGS, CheckpointPooling, Constraint, EmbedParams, SamplingParams
-from jobs.tools import ToolRequest
+from jobrunner.engine import POOLINGS, CheckpointPooling, Constraint, EmbedParams, SamplingParams
+from jobrunner.jobs.tools import ToolRequest
 
 MATCH_MODES = ("exact", "normalized", "contains")   # how an output is compared with its reference (metrics.matches)
 NORMALIZE_MODES = ("sum", "mean")                   # classify: a label's score from its tokens' logprobs

@@ -15,15 +15,15 @@ A kind whose prompt is token ids the row holds names their column in `prompt_ids
 intake then neither renders nor tokenizes its rows (no prompt text, no prompt column) and passes
 that column's value, as the row has it, to `request` as `prompt_ids`; the kind checks it (a bad or
 missing value: RowError, an error row). Kinds without the attribute get the ids of their rendered
-prompt (jobrunner/job/intake.py).
+prompt (jobrunner/pipeline/intake.py).
 """
 from __future__ import annotations
 
-from engine import Request, RequestOutput, SamplingParams
-from jobs.base import RowError
-from jobs.generate import GenerateJob
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.spec import JobSpec
+from jobrunner.engine import Request, RequestOutput, SamplingParams
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.generate import GenerateJob
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.spec import JobSpec
 
 CONTEXT, CONTINUATIONS = "context_ids", "continuation_ids"
 

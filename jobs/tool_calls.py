@@ -9,13 +9,13 @@ the grammar of a forced choice (jobs/tool_grammar.py) and the calls parsed from 
 """
 from __future__ import annotations
 
-from engine import Constraint
-from jobs.base import RowError
-from jobs.row import RowOptions
-from jobs.spec import JobSpec
-from jobs.tool_grammar import tool_call_constraint
-from jobs.tool_parsers import TOOL_PARSERS, parser_for_template
-from jobs.tools import ToolRequest
+from jobrunner.engine import Constraint
+from jobrunner.jobs.base import RowError
+from jobrunner.jobs.row import RowOptions
+from jobrunner.jobs.spec import JobSpec
+from jobrunner.jobs.tool_grammar import tool_call_constraint
+from jobrunner.jobs.tool_parsers import TOOL_PARSERS, parser_for_template
+from jobrunner.jobs.tools import ToolRequest
 
 
 class ToolCalls:

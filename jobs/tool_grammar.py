@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 
-from engine import Constraint
-from jobs.schema_check import LENIENT
-from jobs.tools import ToolRequest
+from jobrunner.engine import Constraint
+from jobrunner.jobs.schema_check import LENIENT
+from jobrunner.jobs.tools import ToolRequest
 
 # JSON on one line, as chat templates write calls (the engine's JSON_STYLE for json_schema constraints)
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}

@@ -1,7 +1,7 @@
 """--truncate-prompt: a prompt too long for the model's context is cut instead of failing its row."""
 from __future__ import annotations
 
-from jobs.base import RowError
+from jobrunner.jobs.base import RowError
 
 TRUNCATE_MODES = ("none", "left", "right")
 

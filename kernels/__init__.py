@@ -2,33 +2,28 @@
 
 Each op lives in its own module beside its reference (`*_ref`). The engine imports only
 the names below, never a module of this package. Importing this package needs torch and
-numpy only: triton is imported on first use of a Triton path (kernels/triton_utils.py).
+numpy only: triton is imported on first use of a Triton path (kernels/common/triton_utils.py).
 """
-from kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from kernels.attention import AttentionMetadata, paged_attention, store_kv
-from kernels.attention_metadata import choose_num_splits
-from kernels.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
-from kernels.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
-from kernels.device import to_device
-from kernels.kv_int8 import store_kv_int8
-from kernels.lora import Segments, sgmv, sgmv_ref
-from kernels.moe import fused_moe, fused_moe_ref, moe_by_expert, route_topk
-from kernels.norm import rms_norm
-from kernels.quant_matmul import (AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range,
-                                  fp8_matmul, fp8_matmul_ref,
-                                  int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4,
-                                  w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref)
-from kernels.shipped_quant import (dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref,
-                                   quantize_act_int8, w8a8_shipped_matmul,
-                                   w8a8_shipped_matmul_ref)
-from kernels.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
-from kernels.token_mask import apply_token_bitmask
+from jobrunner.kernels.activation.activation import gelu_tanh_and_mul, silu_and_mul
+from jobrunner.kernels.attention.attention import AttentionMetadata, paged_attention, store_kv
+from jobrunner.kernels.attention.metadata import choose_num_splits
+from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
+from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
+from jobrunner.kernels.common.device import to_device
+from jobrunner.kernels.attention.kv_int8 import store_kv_int8
+from jobrunner.kernels.lora.sgmv import Segments, sgmv, sgmv_ref
+from jobrunner.kernels.moe.moe import fused_moe, fused_moe_ref, moe_by_expert, route_topk
+from jobrunner.kernels.norm.norm import rms_norm
+from jobrunner.kernels.matmul.quant_matmul import AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.matmul.shipped_quant import dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref, quantize_act_int8, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
+from jobrunner.kernels.rotary.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
+from jobrunner.kernels.token_mask.token_mask import apply_token_bitmask
 
 __all__ = [
     # attention over the paged KV cache (float or int8 cache)
     "AttentionMetadata", "choose_num_splits", "paged_attention", "store_kv", "store_kv_int8",
     # the in-place CPU decode attention: its C library's compile command and name, its loader
-    # (engine/cpu_decode.py builds, keeps and loads it)
+    # (engine/run/cpu_decode.py builds, keeps and loads it)
     "CpuDecode", "DecodeLibrary", "compile_command", "library_name",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_rtol", "packing_available",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from jobrunner.kernels.attention.attention import AttentionMetadata
 
 # Output against the float32 reference computed from the same inputs
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -29,7 +29,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 def run_job(engine, dataset: str, output: str, **kw):
     from jobrunner.config.job import job_config
-    from jobrunner.job.build import open_job
+    from jobrunner.pipeline.build import open_job
     kw = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "device": "cpu", **kw}
     job = open_job(job_config(dataset, output=output, model=engine.config.model, **kw), engine=engine)
     return job.run()

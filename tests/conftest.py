@@ -50,8 +50,8 @@ def pytest_configure(config):
 def default_gguf_path() -> Path:
     """Path of the default model's GGUF file (SmolLM2-135M-Instruct Q4_1), pulled into the
     jobrunner cache if needed; the test is skipped when it cannot be fetched."""
-    from engine.errors import ModelError
-    from jobrunner.models import pull
+    from jobrunner.engine.api.errors import ModelError
+    from jobrunner.models.known import pull
 
     try:
         return pull(DEFAULT_MODEL)
@@ -68,7 +68,7 @@ def _cached_reference(name: str, build, save, load):
 
     import transformers
 
-    from jobrunner.models import cache_root
+    from jobrunner.models.known import cache_root
 
     path = cache_root() / "test-reference" / f"{name}-transformers-{transformers.__version__}"
     if not (path / "done").is_file():

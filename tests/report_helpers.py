@@ -16,8 +16,8 @@ from jobrunner.output.completion import mark_complete
 from jobrunner.output.schema import VECTOR, declared_schema
 from jobrunner.output.summary import job_summary
 from jobrunner.output.values import vector_kind
-from jobs import KINDS
-from jobs.metrics import matches
+from jobrunner.jobs import KINDS
+from jobrunner.jobs.metrics import matches
 
 LABELS = ["positive", "negative", "neutral"]
 INPUTS = {"prompt": pa.string(), "input_label": pa.string()}

@@ -65,7 +65,7 @@ def test_generate_keeps_input_order_when_ids_repeat(model):
 
 
 def test_generate_closes_the_engine_it_loads(model, monkeypatch):
-    from engine import Engine
+    from jobrunner.engine import Engine
     closed, close = [], Engine.close
     monkeypatch.setattr(Engine, "close", lambda self: (closed.append(self), close(self))[-1])
     jobrunner.generate([{"prompt": "Hello"}], model=model, **SMALL)
@@ -74,7 +74,7 @@ def test_generate_closes_the_engine_it_loads(model, monkeypatch):
 
 
 def test_an_engine_session_serves_many_calls_on_one_engine(model, monkeypatch, tmp_path):
-    from engine import Engine
+    from jobrunner.engine import Engine
     loaded, init = [], Engine.__init__
     monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: (loaded.append(self), init(self, *a, **k))[-1])
     rows = [{"id": "b", "prompt": "The quick brown fox"}, {"id": "a", "prompt": "Hello world!"}]

@@ -6,8 +6,8 @@ blocks that end in a placeholder are hashed for the prefix cache once their toke
 """
 import pytest
 
-from engine.request import Request, SamplingParams
-from engine.sequence import PLACEHOLDER, Sequence
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.schedule.sequence import PLACEHOLDER, Sequence
 from tests.kernel_cases import cuda_only
 from tests.tiny import engine_for, forbid_launch_syncs, hf_model, prompts
 

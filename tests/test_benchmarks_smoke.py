@@ -180,8 +180,8 @@ def test_throughput_runs_without_polars_and_gguf(tmp_path):
 
 def test_throughput_arithmetic():
     from benchmarks.throughput import context_sums, figures, model_arith
-    from engine.loader import DUMMY_CONFIGS
-    from engine.model_config import ModelConfig
+    from jobrunner.engine.load.loader import DUMMY_CONFIGS
+    from jobrunner.engine.config.model_config import ModelConfig
     arith = model_arith(ModelConfig.from_hf(DUMMY_CONFIGS["llama-3.1-8b"]), 2, 2)
     # Llama-3.1-8B: about 7.5 G matmul parameters (the issue's ~15 GFLOP a token), 128 KiB of KV a token
     assert 7.4e9 < arith["matmul_params"] < 7.6e9 and arith["kv_bytes_per_token"] == 131072

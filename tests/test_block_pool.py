@@ -1,9 +1,9 @@
 """Block pool, KV manager and scheduler on tiny pools, with exact block ids. No model, no torch."""
-from engine.block_pool import BlockPool
-from engine.kv_manager import WAIT, KVCacheManager, PrefixMatch
-from engine.request import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from jobrunner.engine.schedule.block_pool import BlockPool
+from jobrunner.engine.schedule.kv_manager import WAIT, KVCacheManager, PrefixMatch
+from jobrunner.engine.api.request import SamplingParams
+from jobrunner.engine.schedule.scheduler import Scheduler
+from jobrunner.engine.schedule.sequence import Sequence
 
 
 def seq(tokens, max_tokens=4, **kw):
@@ -118,7 +118,7 @@ def test_partial_match_looks_only_at_blocks_sharing_a_token(monkeypatch):
     cached sequences, admitting a new one compares its tokens with the few blocks that could match,
     not with every cached sequence's first block (that scan grew with the cache: 21 ms an admission
     at 50,000 cached sequences)."""
-    import engine.kv_manager as km
+    import jobrunner.engine.schedule.kv_manager as km
     kv = KVCacheManager(400, block_size=4)
     for i in range(100):                       # 100 cached prompts, first tokens 1000..1099, 6 tokens each
         s = seq([1000 + i, 1, 2, 3, 4, 5])

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.chat_template import MAX_CHARS, TemplateBoundError, compile_template, render
+from jobrunner.engine.load.chat_template import MAX_CHARS, TemplateBoundError, compile_template, render
 from jobrunner.config.sections import InputOptions
 from jobrunner.dataset import count_rows, read_rows
 from jobrunner.dataset.files import DEFAULT_MAX_ROW_BYTES
@@ -41,7 +41,7 @@ def _model(root: Path, template: str | None = None) -> str:
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(TINY))
     if template is not None:
-        from engine.tokenizer import Tokenizer
+        from jobrunner.engine.load.tokenizer import Tokenizer
         Tokenizer.bytes_fallback(259).inner.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
         (folder / "chat_template.jinja").write_text(template)

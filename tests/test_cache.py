@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from jobrunner.job.exit_codes import EXIT_OK
+from jobrunner.pipeline.exit_codes import EXIT_OK
 from tests.cache_helpers import MAX_TOKENS, outputs, prompts, run_job, tiny_model, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     from jobrunner.config.job import job_config
     model = tiny_model(tmp_path_factory.mktemp("cache-model"))
     return load_engine(job_config("unused", model=model, device="cpu"))
@@ -143,7 +143,7 @@ def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypat
     cache = str(tmp_path / "cache")
     ds = write_jsonl(tmp_path / "d.jsonl", [{"id": f"n{i}", "prompt": p} for i, p in enumerate(prompts(4))])
     run_job(engine, ds, str(tmp_path / "a"), cache=cache)
-    import engine as engine_pkg      # the public name the cache key reads
+    import jobrunner.engine as engine_pkg      # the public name the cache key reads
     monkeypatch.setattr(engine_pkg, "NUMERICS_VERSION", engine_pkg.NUMERICS_VERSION + 1)
     assert run_job(engine, ds, str(tmp_path / "b"), cache=cache).stats["rows_from_cache"] == 0
 
@@ -151,7 +151,7 @@ def test_a_cache_of_another_numeric_path_is_not_used(engine, tmp_path, monkeypat
 def test_cache_url_from_toml_and_environment(tmp_path, monkeypatch):
     from jobrunner.api.submit import build_config
     from jobrunner.config.job import JobConfigError
-    from jobrunner.job.resolve import cache_url
+    from jobrunner.pipeline.resolve import cache_url
     toml = tmp_path / "job.toml"
     toml.write_text('cache = "/tmp/c1"\ncache_mode = "read-only"\ndedup = false\n')
     monkeypatch.setenv("JOBRUNNER_CACHE_URL", "/tmp/env-cache")
@@ -201,7 +201,7 @@ def test_two_data_parallel_workers_share_one_cache(engine, tmp_path):
 def test_long_prompts_end_a_lookup_batch_before_its_row_count(engine, tmp_path, monkeypatch):
     """Rows held for one batch lookup are unpacked token lists: their tokens bound the batch too, and
     every row is still served (from the cache on the second run)."""
-    import jobrunner.job.intake as J
+    import jobrunner.pipeline.intake as J
     from jobrunner.cache.reuse import Reuse
     rows = [{"id": f"t{i}", "prompt": p} for i, p in enumerate(prompts(12))]
     ds = write_jsonl(tmp_path / "d.jsonl", rows)

@@ -75,7 +75,7 @@ def _outputs(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     from jobrunner.config.job import job_config
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("s3-model")), device="cpu"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine.request import Request, SamplingParams
+from jobrunner.engine.api.request import Request, SamplingParams
 from jobrunner.cache.identity import checkpoint_identity
 from jobrunner.cache.key import is_deterministic, model_key, request_key
 from jobrunner.cache.store import CacheStore

@@ -1,4 +1,4 @@
-"""--quantization auto on CPU by measurement (jobrunner/job/calibration.py): the pick rule on given
+"""--quantization auto on CPU by measurement (jobrunner/pipeline/calibration.py): the pick rule on given
 figures, the cache, the off switch, the paths that measure nothing, the record in Resolved and the
 manifest, and one real calibration of a tiny model."""
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job import calibration, precision
-from jobrunner.job.resolve import Resolved, resolve_engine
-from jobrunner.job.resolve import precision as resolve_precision
+from jobrunner.pipeline import calibration, precision
+from jobrunner.pipeline.resolve import Resolved, resolve_engine
+from jobrunner.pipeline.resolve import precision as resolve_precision
 from jobrunner.output.layout import FORMAT_MARK, MANIFEST
 
 MODEL = "dummy:smollm2-135m"        # identified by its built-in config: nothing on disk
@@ -208,7 +208,7 @@ def test_a_real_calibration_of_a_tiny_model(tiny_hf_model_dir, tmp_path, monkeyp
 
 
 def test_a_mode_the_engine_refuses_is_skipped(measured, monkeypatch):
-    from engine import ConfigError
+    from jobrunner.engine import ConfigError
 
     fake = calibration.measure_mode
 

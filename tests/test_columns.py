@@ -6,10 +6,10 @@ import pytest
 
 from jobrunner.output.columns import input_names, reserved_columns
 from jobrunner.config.job import job_config
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
 from jobrunner.output import read_results
-from jobs import KINDS
+from jobrunner.jobs import KINDS
 
 
 def test_colliding_inputs_are_prefixed_and_stay_distinct():

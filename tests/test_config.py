@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from jobrunner.cli.main import build_config, main, submit
 from jobrunner.config.job import JobConfig, job_config, JobConfigError, config_fields, field_value
-from jobs import PromptBuilder
+from jobrunner.jobs import PromptBuilder
 
 
 def config_from(tmp_path, toml: str, *args: str) -> JobConfig:
@@ -151,7 +151,7 @@ def test_messages_always_use_the_chat_template(kind):
     cfg = job_config("x", kind=kind, messages_column="m", chat=False, **KIND_NEEDS[kind])
     row = {"m": [{"role": "user", "content": "hi"}]}
     assert PromptBuilder(cfg.job_spec(), ChatTokenizer()).render(row)[0] == "<user>hi<assistant>"
-    from jobrunner.openai.rows import row_options
+    from jobrunner.openai.row_options import row_options
     openai_row = {"params": {}, "messages": [{"role": "user", "content": "hi"}]}
     spec = job_config("x", kind=kind, **KIND_NEEDS[kind]).job_spec()
     assert PromptBuilder(spec, ChatTokenizer()).render(openai_row, row_options(openai_row))[0] == "<user>hi<assistant>"
@@ -191,7 +191,7 @@ def test_an_option_of_another_kind_is_refused_and_sampling_ranges_are_the_engine
 
 
 def test_resolved_round_trips_as_the_workers_get_it():
-    from jobrunner.job.resolve import Resolved
+    from jobrunner.pipeline.resolve import Resolved
     r = Resolved(fmt="jsonl", columns=("id", "prompt"), model="dummy:x", dtype="auto", float_dtype="float32",
                  quantization="none", cache_url=None)
     assert Resolved.from_json(r.to_json()) == r

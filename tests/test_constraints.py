@@ -15,13 +15,13 @@ pytest.importorskip("llguidance")
 
 from conftest import make_tiny_tokenizer  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.constraints import ConstraintError, Grammars, check_constraint  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.request import Constraint, Request, SamplingParams  # noqa: E402
-from engine.runtime import build_runtime  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from kernels import apply_token_bitmask  # noqa: E402
+from jobrunner.engine.config.engine_config import EngineConfig  # noqa: E402
+from jobrunner.engine.sample.constraints import ConstraintError, Grammars, check_constraint  # noqa: E402
+from jobrunner.engine.core.engine import Engine  # noqa: E402
+from jobrunner.engine.api.request import Constraint, Request, SamplingParams  # noqa: E402
+from jobrunner.engine.run.runtime import build_runtime  # noqa: E402
+from jobrunner.engine.load.tokenizer import Tokenizer  # noqa: E402
+from jobrunner.kernels import apply_token_bitmask  # noqa: E402
 from tests.tiny import bundle_of, hf_model, prompts  # noqa: E402
 
 EOS = 2         # the tiny tokenizer's <|im_end|>

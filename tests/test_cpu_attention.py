@@ -1,5 +1,5 @@
-"""The in-place CPU decode attention (kernels/cpu_attention.py and .c) against the gather reference, and the
-engine's side of it (engine/cpu_decode.py: where the library is kept, its build, the modes, the fallbacks).
+"""The in-place CPU decode attention (kernels/attention/cpu_attention.py and .c) against the gather reference, and the
+engine's side of it (engine/run/cpu_decode.py: where the library is kept, its build, the modes, the fallbacks).
 
 The kernel is compiled here for real (about a second) once per session; each case compares it with
 paged_attention_ref over the same inputs in float32.
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_decode as cd
-from kernels import cpu_attention as ca
-from kernels.attention import paged_attention, paged_attention_ref
+from jobrunner.engine.run import cpu_decode as cd
+from jobrunner.kernels.attention import cpu_attention as ca
+from jobrunner.kernels.attention.attention import paged_attention, paged_attention_ref
 from tests.attention_helpers import TOL, paged_tensors
 
 KERNEL_TOL = {**TOL, torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -136,7 +136,7 @@ def test_launcher_checks_what_the_kernel_trusts(lib, gen):
 @pytest.mark.parametrize("int8", [False, True], ids=["float-cache", "int8-cache"])
 def test_dispatch_mixed_step(lib, int8, gen):
     """Decodes through the kernel, prefill chunks through their own path; int8 caches stay on the reference."""
-    from kernels.kv_int8 import paged_attention_int8_ref, quantize_int8_ref
+    from jobrunner.kernels.attention.kv_int8 import paged_attention_int8_ref, quantize_int8_ref
     seqs = [(1, 21), (1, 90), (7, 7), (12, 35)]
     q, k, v, meta = make_step(seqs, 2, 6, 3, 32, 16, torch.float32, gen, window=30)
     meta.cpu_decode = handing = Handing(lib)
@@ -166,7 +166,7 @@ def test_a_failing_kernel_is_set_aside_and_the_reference_serves(lib, gen):
 
 
 def test_engine_side_builds_once_under_the_cache_root(monkeypatch, tmp_path):
-    from engine.config import cache_root
+    from jobrunner.engine.config.engine_config import cache_root
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
     monkeypatch.delenv("JOBRUNNER_CPU_DECODE", raising=False)
     path = cd.library_path()
@@ -225,7 +225,7 @@ def test_one_openmp_runtime_in_the_process(lib):
     thread pool, not two spinning on the same cores. In a fresh process, where nothing else loaded one."""
     script = (
         "import sys, torch\n"
-        "from kernels.cpu_attention import DecodeLibrary\n"
+        "from jobrunner.kernels.attention.cpu_attention import DecodeLibrary\n"
         "def gomp(): return {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}\n"
         "before = gomp(); DecodeLibrary(sys.argv[1]); print(before == gomp(), sorted(gomp()))\n")
     done = subprocess.run([sys.executable, "-c", script, str(lib.path)], capture_output=True, text=True,

@@ -1,5 +1,5 @@
-"""Float32 and bfloat16 linears over weights packed for oneDNN (kernels/cpu_linear.py,
-engine/packed_weights.py): float32 within its tolerance of F.linear at every row count, bfloat16 equal, in place of exactly the float32 nn.Linear modules,
+"""Float32 and bfloat16 linears over weights packed for oneDNN (kernels/matmul/cpu_linear.py,
+engine/run/packed_weights.py): float32 within its tolerance of F.linear at every row count, bfloat16 equal, in place of exactly the float32 nn.Linear modules,
 a tied lm_head copied, greedy tokens as transformers', and the off switch giving F.linear's bits."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.request import Request, SamplingParams
-from kernels import PackedLinear, pack_linear, packed_rtol, packing_available
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.kernels import PackedLinear, pack_linear, packed_rtol, packing_available
 from tests.tiny import engine_for, hf_greedy, hf_model, prompts
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
@@ -96,7 +96,7 @@ def test_quantized_linears_are_left_to_their_kernels():
 
 
 def test_a_packing_that_fails_its_check_leaves_f_linear(monkeypatch, caplog):
-    import engine.packed_weights as pw
+    import jobrunner.engine.run.packed_weights as pw
 
     def broken(linear, **options):
         raise ValueError("packed linear disagrees with F.linear")

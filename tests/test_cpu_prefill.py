@@ -1,4 +1,4 @@
-"""The CPU prefill attention (kernels/cpu_prefill.py: context and own parts through the fused flash kernel,
+"""The CPU prefill attention (kernels/attention/cpu_prefill.py: context and own parts through the fused flash kernel,
 merged by logsumexp) against the padded-SDPA reference, on random paged layouts."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.attention_helpers import TOL, paged_tensors
-from kernels.attention import paged_attention, paged_attention_ref
-from kernels import cpu_prefill
-from kernels.cpu_prefill import PrefillPlan
+from jobrunner.kernels.attention.attention import paged_attention, paged_attention_ref
+from jobrunner.kernels.attention import cpu_prefill
+from jobrunner.kernels.attention.cpu_prefill import PrefillPlan
 
 
 @pytest.fixture

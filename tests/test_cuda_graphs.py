@@ -5,8 +5,8 @@ are checked everywhere; on a GPU the graphs are captured and replayed for real.
 """
 import pytest
 
-from engine.cuda_graphs import batch_buckets
-from engine.request import Request, SamplingParams
+from jobrunner.engine.run.cuda_graphs import batch_buckets
+from jobrunner.engine.api.request import Request, SamplingParams
 from tests.kernel_cases import cuda_only
 from tests.tiny import engine_for, hf_model, prompts
 

@@ -10,8 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.dataset import counting, files
-from jobrunner.dataset import (DatasetError, count_rows, dataset_columns, detect_format,
-                               list_files, read_rows)
+from jobrunner.dataset import DatasetError, count_rows, dataset_columns, detect_format, list_files, read_rows
 
 
 @pytest.fixture

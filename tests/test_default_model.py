@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.request import Request, SamplingParams
+from jobrunner.engine.api.request import Request, SamplingParams
 
 pytestmark = pytest.mark.default_model
 
@@ -21,8 +21,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
     return Engine(EngineConfig(model=str(default_gguf_path)))
 
 

@@ -18,10 +18,10 @@ import torch
 from click.testing import CliRunner
 
 from conftest import TINY_VOCAB, save_tiny_tokenizer
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import load_model_bundle
-from engine.request import Request, SamplingParams
+from jobrunner.engine.config.engine_config import EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.load.loader import load_model_bundle
+from jobrunner.engine.api.request import Request, SamplingParams
 from jobrunner.cli.main import main
 from tests.tiny import hf_greedy
 
@@ -120,7 +120,7 @@ def test_quantized_paths(family, options):
     """w8a8 (SmoothQuant only where a plain norm feeds qkv and gate_up: not Gemma's or OLMo 2's layers) and
     the int8 KV cache (windows and soft-caps over an int8 cache) run each family; on these tiny models with
     their flat distributions, the first token of at least 4 of 5 prompts is the float engine's."""
-    from engine.quant import smooth
+    from jobrunner.engine.quant import smooth
 
     name, _, path = family
     batch = _prompts()
@@ -187,8 +187,8 @@ def test_published_config_formats():
     base and sliding_window_pattern) and Phi-3-mini-128k (rope_scaling of "type" longrope, 128k context)."""
     import math
 
-    from engine.model_config import ModelConfig
-    from engine.models.layers import Rotary
+    from jobrunner.engine.config.model_config import ModelConfig
+    from jobrunner.engine.models.layers import Rotary
 
     gemma3 = ModelConfig.from_hf({
         "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
@@ -211,8 +211,8 @@ def test_published_config_formats():
 
 def test_layer_types_of_another_length_than_the_layers_is_a_model_error():
     """Not an IndexError halfway through the build, nor extra entries silently dropped."""
-    from engine.errors import ModelError
-    from engine.loader import _model_config
+    from jobrunner.engine.api.errors import ModelError
+    from jobrunner.engine.load.loader import _model_config
     gemma2 = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import jobrunner
-from engine.embedding_config import CheckpointPooling, read_checkpoint_pooling
-from engine.request import EmbedParams, Request
+from jobrunner.engine.config.embedding import CheckpointPooling, read_checkpoint_pooling
+from jobrunner.engine.api.request import EmbedParams, Request
 from jobrunner.config.job import JobConfigError
 from jobrunner.output import read_results
-from jobs.spec import EmbedSpec
+from jobrunner.jobs.spec import EmbedSpec
 from tests.kernel_cases import cuda_only
 from tests.tiny import engine_for, forbid_launch_syncs, hf_model, prompts
 

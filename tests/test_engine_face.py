@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-import engine as engine_pkg
-from engine import EngineCounters, EngineInfo, Request, SamplingParams
+import jobrunner.engine as engine_pkg
+from jobrunner.engine import EngineCounters, EngineInfo, Request, SamplingParams
 from tests.tiny import engine_for, hf_model, prompts
 
 # what jobrunner/ and jobs/ import from the engine (import-linter forbids them its submodules)
@@ -74,7 +74,7 @@ def test_an_open_engine_raises_the_gc_threshold_and_the_last_close_restores_it(t
     """The engine's process-wide changes are scoped: they last while an engine is open (tests/test_engine_scope.py)."""
     import gc
 
-    from engine import Engine, EngineConfig
+    from jobrunner.engine import Engine, EngineConfig
     gc.collect()                                    # an unclosed engine of an earlier test, collected now, not below
     before = gc.get_threshold()
     path = str(tiny_hf_model_dir("llama"))

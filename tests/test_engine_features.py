@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.request import Request, SamplingParams
+from jobrunner.engine.api.request import Request, SamplingParams
 from tests.tiny import engine_for, hf_model, prompts
 
 

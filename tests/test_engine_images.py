@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
+from jobrunner.engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
 from vision_checkpoints import checkpoint, sample_images
 
 NEW = 6

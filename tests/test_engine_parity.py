@@ -1,7 +1,7 @@
 """Greedy output token-identical to HF transformers (float32, CPU) on tiny random models of each architecture."""
 import pytest
 
-from engine.request import Request, SamplingParams
+from jobrunner.engine.api.request import Request, SamplingParams
 from tests.tiny import ARCHS, engine_for, hf_greedy, hf_model, prompts
 
 

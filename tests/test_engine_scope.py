@@ -1,11 +1,11 @@
-"""An engine's process-wide settings (engine/process_settings.py) last while it is open: a `with` block, close()
+"""An engine's process-wide settings (engine/run/process_settings.py) last while it is open: a `with` block, close()
 (twice is fine) or the collection of an engine never closed gives the process its values back."""
 import gc
 
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, Request, SamplingParams
+from jobrunner.engine import Engine, EngineConfig, Request, SamplingParams
 from tests.cache_helpers import tiny_model
 
 
@@ -64,7 +64,7 @@ def test_an_engine_never_closed_gives_them_back_when_collected(config, settings)
 
 
 def test_an_engine_that_fails_to_open_gives_back_what_its_runtime_changed(config, settings, monkeypatch):
-    from engine import engine as engine_module
+    from jobrunner.engine.core import engine as engine_module
     _, threads_before = settings
 
     def broken(*args, **kwargs):

@@ -12,11 +12,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.job import build
+from jobrunner.pipeline import build
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
 from jobrunner.output import OutputError, ResultWriter, check_output, prepare_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

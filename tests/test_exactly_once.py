@@ -17,8 +17,8 @@ from click.testing import CliRunner
 import jobrunner
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config
-from jobrunner.job import build
-from jobrunner.job.build import open_job
+from jobrunner.pipeline import build
+from jobrunner.pipeline.build import open_job
 from jobrunner.output import ResultWriter, read_results, read_stats
 from jobrunner.output.done import DoneRows, Occurrences, duplicate_error
 from tests.report_helpers import classify_rows, write_output

@@ -8,13 +8,13 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.job import build
+from jobrunner.pipeline import build
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.build import open_job
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
+from jobrunner.pipeline.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.output import read_results
-from jobrunner.job.progress import Progress
+from jobrunner.pipeline.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = f"dummy:{ROOT}/benchmarks/configs/tiny-llama.json"
@@ -140,7 +140,7 @@ def test_every_row_failed_exits_3_on_the_command_line_unless_allowed(tmp_path):
 def test_a_model_that_fails_to_load_exits_2_with_its_error_not_as_storage(tmp_path, monkeypatch):
     """A checkpoint file gone while the engine loads it (another worker's conversion, a cache cleaned) is
     the model's failure: its error and exit 2, not "output storage failed" and exit 4 (issue 41, item 4)."""
-    import engine
+    from jobrunner import engine
 
     def gone(self, config):
         raise FileNotFoundError(2, "No such file or directory", "/cache/float/x/model.safetensors")

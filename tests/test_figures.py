@@ -22,7 +22,7 @@ from jobrunner.output.completion import mark_complete
 from jobrunner.output.manifest import prepare_output
 from jobrunner.output.schema import declared_schema
 from jobrunner.output.summary import job_summary
-from jobs import KINDS
+from jobrunner.jobs import KINDS
 from tests.report_helpers import INPUTS, classify_rows, run_record, write_output
 
 LONG = "word " * 400            # over the tiny models' 256 positions
@@ -187,7 +187,7 @@ def test_score_and_rerank_lines_count_every_pairs_whole_prompt(tiny_hf_model_dir
     """usage.prompt_tokens of a /score or /rerank line under --kind classify: each pair's prompt, summed (as
     classify counts the same prompts one a row), not the pairs' shared prefix the request holds."""
     from jobrunner.config.job import job_config
-    from jobrunner.job.build import load_engine, open_job
+    from jobrunner.pipeline.build import load_engine, open_job
     from tests import openai_fixtures as fx
     from tests.test_openai_scores import NAMES, RERANK
     from tests.test_openai_tools import run_batch

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import jobrunner
-from engine.generation_config import GenerationDefaults
+from jobrunner.engine.config.generation import GenerationDefaults
 from jobrunner.config.job import job_config, JobConfigError
 
 SMALL = dict(chat=False, max_tokens=12, kv_cache_memory="4MB", seed=7)
@@ -76,9 +76,9 @@ def test_a_job_samples_with_the_checkpoint_defaults(tiny_hf_model_dir, tmp_path)
 
 
 def test_every_eos_id_of_the_generation_config_stops(tiny_hf_model_dir, tmp_path):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Request, SamplingParams
 
     def generate(model):
         engine = Engine(EngineConfig(model=model, kv_cache_memory=4 * 2**20))

@@ -7,10 +7,10 @@ import fsspec
 import pytest
 
 from conftest import _gguf_add_hparams, _gguf_add_tensors, read_json
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import Request, SamplingParams
-from engine.tokenizer import Tokenizer
+from jobrunner.engine.config.engine_config import EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.load.tokenizer import Tokenizer
 from tiny import hf_greedy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Numbers 0123456789!"

@@ -1,13 +1,13 @@
-"""kernels/gguf_matmul.py: GGUF blocks (Q4_0, Q4_1, Q8_0 as shipped) times int8 activations."""
+"""kernels/matmul/gguf_matmul.py: GGUF blocks (Q4_0, Q4_1, Q8_0 as shipped) times int8 activations."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from engine.gguf import RawTensor, dequantize
-from engine.quant import formats
-from kernels import gguf_matmul as gm
+from jobrunner.engine.load.gguf import RawTensor, dequantize
+from jobrunner.engine.quant import formats
+from jobrunner.kernels.matmul import gguf_matmul as gm
 
 # float32 output of a float32 sum over blocks; bfloat16 rounds the output once (8 bits of mantissa)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
@@ -103,12 +103,12 @@ def test_tiny_gguf_model_runs_on_its_blocks_times_int8_activations(tiny_gguf_pat
     (mean 0.005), and its greedy tokens match float's on at least 4 of 6 prompts' first 4 tokens."""
     pytest.importorskip("gguf")
     from benchmarks.gguf_matmul_bench import Q4xQ8Linear, swap_to_q4xq8
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.loader import load_model_bundle
-    from engine.quant import quantize_model
-    from engine.request import Request, SamplingParams
-    from engine.runtime import build_runtime
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.quant import quantize_model
+    from jobrunner.engine.api.request import Request, SamplingParams
+    from jobrunner.engine.run.runtime import build_runtime
     bundle = load_model_bundle(str(tiny_gguf_path("llama", qtype)))
     cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20)
     float_engine = Engine(cfg, runtime=build_runtime(cfg, bundle))

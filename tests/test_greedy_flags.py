@@ -4,7 +4,7 @@ continuation the engine itself generated greedily is greedy at every token; one 
 at that token and after it only by chance."""
 from __future__ import annotations
 
-from engine import Request, SamplingParams
+from jobrunner.engine import Request, SamplingParams
 from tiny import engine_for, hf_model, prompts
 
 

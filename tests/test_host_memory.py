@@ -1,4 +1,4 @@
-"""engine/host_memory.py: while a CPU engine is open its freed activations stay mapped, so a step does not
+"""engine/run/host_memory.py: while a CPU engine is open its freed activations stay mapped, so a step does not
 fault them in again; the last engine to close gives the heap back."""
 import os
 import subprocess

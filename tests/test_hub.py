@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine.errors import ModelError
-from jobrunner import hub, models
+from jobrunner.engine.api.errors import ModelError
+from jobrunner.models import hub, known as models
 from jobrunner.cli.main import main
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from jobrunner import idset
-from jobrunner.idset import IdSet
+from jobrunner.common import idset
+from jobrunner.common.idset import IdSet
 
 
 @pytest.fixture

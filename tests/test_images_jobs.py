@@ -19,10 +19,10 @@ import pytest
 from PIL import Image
 
 import jobrunner
-from engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
+from jobrunner.engine import Engine, EngineConfig, ImageInput, Request, SamplingParams, image_key
 from jobrunner.config.job import job_config
-from jobrunner.job.build import load_engine, open_parts
-from jobrunner.job.resolve import resolve
+from jobrunner.pipeline.build import load_engine, open_parts
+from jobrunner.pipeline.resolve import resolve
 from jobrunner.output import read_results
 from vision_checkpoints import LLAVA_TEMPLATE, QWEN_TEMPLATE, checkpoint, sample_images
 

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine import Constraint, ImageInput, Request, SamplingParams
-from engine.tokenizer import Tokenizer
+from jobrunner.engine import Constraint, ImageInput, Request, SamplingParams
+from jobrunner.engine.load.tokenizer import Tokenizer
 from jobrunner.cache.key import request_key
 from jobrunner.images import ImagePrep, PixelStore, RowImages, image_inputs
-from jobrunner.job.pending import IMAGE_PLAN_BASE, IMAGE_PLAN_SPAN, PendingRow, image_plan_ids, plan_tokens
+from jobrunner.pipeline.pending import IMAGE_PLAN_BASE, IMAGE_PLAN_SPAN, PendingRow, image_plan_ids, plan_tokens
 from jobrunner.openai import batch as openai_batch
 from jobrunner.openai.request import text_messages
-from jobrunner.openai.rows import row_options
-from jobs import JobSpec, PromptBuilder, PromptSpec, RowError
-from jobs.messages import IMAGE_PART, join_text_parts, template_images
-from jobs.row import RowOptions
+from jobrunner.openai.row_options import row_options
+from jobrunner.jobs import JobSpec, PromptBuilder, PromptSpec, RowError
+from jobrunner.jobs.messages import IMAGE_PART, join_text_parts, template_images
+from jobrunner.jobs.row import RowOptions
 from vision_checkpoints import QWEN_TEMPLATE, tokenizer as vl_tokenizer
 
 
@@ -53,7 +53,7 @@ class FakeProcessor:
         return FakePrepared(rgb, (1, image.height, image.width), max(1, image.width // 4))
 
     def expand(self, ids, images):
-        from engine.vision.processor import ImageProcessor
+        from jobrunner.engine.vision.processor import ImageProcessor
         return ImageProcessor.expand(self, ids, images)
 
 

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_ERROR_RATE, EXIT_OK
+from jobrunner.pipeline.build import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -29,7 +29,7 @@ ROWS = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate([
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     return load_engine(job_config("unused"))
 
 
@@ -189,7 +189,7 @@ def test_bad_configuration_exits_2_before_work(default_gguf_path, tmp_path):
 
 
 def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine, tmp_path):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     ds = write_jsonl(tmp_path / "q.jsonl", ROWS)
     other = load_engine(job_config("unused", max_batched_tokens=24, max_num_seqs=2))
     for params in (dict(), dict(temperature=0.9, top_p=0.95, seed=3)):
@@ -201,11 +201,11 @@ def test_same_job_twice_gives_identical_outputs_even_with_other_batching(engine,
 def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_both(tmp_path, monkeypatch):
     """Small windows and a short engine queue, so r0's part is written before its duplicate is read
     (rows are read 1024 at a time: the duplicate comes in the second batch)."""
-    from jobrunner.job import build, plan
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline import build, plan
+    from jobrunner.pipeline.build import load_engine
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
-    for module in (plan, build):        # the planner's window (jobrunner/job/plan.py), and dedup's
+    for module in (plan, build):        # the planner's window (jobrunner/pipeline/plan.py), and dedup's
         monkeypatch.setattr(module, "WINDOW_ROWS", 50)
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(1100)] + [{"id": "r0", "prompt": "again"}]
     ds = write_jsonl(tmp_path / "dup.jsonl", rows)
@@ -226,7 +226,7 @@ def test_duplicate_of_an_already_written_row_is_an_error_row_and_resume_skips_bo
 
 
 def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
-    from jobrunner import stats as S
+    from jobrunner.common import run_stats as S
     monkeypatch.setattr(S, "LATENCY_SAMPLE", 1000)
     st = S.JobStats()
     n = 20_000
@@ -249,9 +249,9 @@ def test_latency_percentiles_come_from_a_bounded_sample(monkeypatch):
 def test_windows_of_long_prompts_end_at_a_token_budget(tmp_path, monkeypatch, planned):
     """Long prompts fill a planning window by tokens before rows: the job reads, plans and runs
     several windows and still writes every row once, the same rows as with one window."""
-    from jobrunner.job import plan as job_plan
-    from jobrunner.job.build import load_engine
-    from jobrunner.job.plan import JobPlanner
+    from jobrunner.pipeline import plan as job_plan
+    from jobrunner.pipeline.build import load_engine
+    from jobrunner.pipeline.plan import JobPlanner
     tiny = f"dummy:{os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'configs', 'tiny-llama.json')}"
     engine = load_engine(job_config("unused", model=tiny, kv_cache_memory=4 * 10**6))
     rows = [{"id": f"r{i}", "prompt": ("shared context " * 8 if i % 2 else "") + "word " * (5 + 7 * (i % 5))}

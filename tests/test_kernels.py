@@ -23,18 +23,16 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from kernels.attention import (AttentionMetadata, paged_attention, paged_attention_ref, store_kv,  # noqa: E402
-                               store_kv_ref)
-from kernels.kv_int8 import (dequantize_kv_int8_ref, paged_attention_int8_ref, quantize_int8_ref,  # noqa: E402
-                             store_kv_int8, store_kv_int8_ref)
-from kernels.norm import rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rotary import apply_rotary, apply_rotary_ref, inverse_frequencies, rotary_cos_sin  # noqa: E402
-from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
-from kernels.triton_attention import choose_num_splits, paged_attention_triton  # noqa: E402
-from kernels.triton_kv_cache import store_kv_triton  # noqa: E402
-from kernels.triton_norm import rms_norm_triton  # noqa: E402
-from kernels.triton_rotary import apply_rotary_triton  # noqa: E402
+from jobrunner.kernels.activation.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from jobrunner.kernels.attention.attention import AttentionMetadata, paged_attention, paged_attention_ref, store_kv, store_kv_ref
+from jobrunner.kernels.attention.kv_int8 import dequantize_kv_int8_ref, paged_attention_int8_ref, quantize_int8_ref, store_kv_int8, store_kv_int8_ref
+from jobrunner.kernels.norm.norm import rms_norm, rms_norm_ref  # noqa: E402
+from jobrunner.kernels.rotary.rotary import apply_rotary, apply_rotary_ref, inverse_frequencies, rotary_cos_sin  # noqa: E402
+from jobrunner.kernels.activation.activation_triton import silu_and_mul_triton  # noqa: E402
+from jobrunner.kernels.attention.attention_triton import choose_num_splits, paged_attention_triton  # noqa: E402
+from jobrunner.kernels.attention.kv_cache_triton import store_kv_triton  # noqa: E402
+from jobrunner.kernels.norm.norm_triton import rms_norm_triton  # noqa: E402
+from jobrunner.kernels.rotary.rotary_triton import apply_rotary_triton  # noqa: E402
 
 from tests.kernel_cases import HAS_CUDA, cuda_only, device_dtype_cases  # noqa: E402
 
@@ -285,7 +283,7 @@ def attention_one_by_one(q, k, v, meta, scale, window=None, softcap=None):
 def test_decode_gather_groups_rows_by_length(window, softcap, gen):
     """One long row among short ones: the gather path pads each group of like length to its own longest,
     not every row to the long one, and computes what each sequence alone would (issue 41)."""
-    from kernels.attention_metadata import length_groups
+    from jobrunner.kernels.attention.metadata import length_groups
     lens = [5, 900, 12, 7, 30, 33, 2000, 9]
     q, (k, v), meta = make_step([(1, L) for L in lens], len(lens), 4, 2, 16, 16, torch.float32, "cpu", gen,
                                 window=window)
@@ -363,7 +361,7 @@ def test_launchers_reject_bad_inputs():
 
 def test_dispatch_follows_env(monkeypatch, gen):
     """CPU tensors: references unless JOBRUNNER_TRITON=1, then the Triton kernels (interpreted)."""
-    import kernels.triton_norm as tn
+    import jobrunner.kernels.norm.norm_triton as tn
     calls = []
     real = tn.rms_norm_triton
     monkeypatch.setattr(tn, "rms_norm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -13,10 +13,10 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref  # noqa: E402
-from kernels.attention import paged_attention_ref  # noqa: E402
-from kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
-from kernels.triton_activation import gelu_tanh_and_mul_triton  # noqa: E402
+from jobrunner.kernels.activation.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref  # noqa: E402
+from jobrunner.kernels.attention.attention import paged_attention_ref  # noqa: E402
+from jobrunner.kernels.rotary.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+from jobrunner.kernels.activation.activation_triton import gelu_tanh_and_mul_triton  # noqa: E402
 
 from tests.kernel_cases import cuda_only  # noqa: E402
 from tests.test_kernels import (ATTN_TOL, CASES, TOL, attention_ref_fp32, attention_triton, make_step,  # noqa: E402
@@ -31,7 +31,7 @@ def gen():
 def _ref(q, cache, meta, scale, **switches):
     """The float32 reference of attention_ref_fp32, with the layer's switches."""
     if len(cache) == 4:
-        from kernels.kv_int8 import paged_attention_int8_ref
+        from jobrunner.kernels.attention.kv_int8 import paged_attention_int8_ref
         kq, vq, ks, vs = cache
         return paged_attention_int8_ref(q.float(), kq, vq, ks, vs, meta, scale, **switches)
     return paged_attention_ref(q.float(), cache[0].float(), cache[1].float(), meta, scale, **switches)

@@ -1,4 +1,4 @@
-"""The FP8 block-scaled GEMM (kernels/triton_fp8_block.py) against kernels.shipped_quant's reference.
+"""The FP8 block-scaled GEMM (kernels/matmul/fp8_block_triton.py) against kernels.shipped_quant's reference.
 
 CPU tensors run in Triton's interpreter (see tests/test_kernels.py). The interpreter loads float8 and
 dots it correctly, but its float -> float8 cast truncates and loses carries and its float32 ->
@@ -31,10 +31,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.shipped_quant import (FP8_MAX, _nonzero, fake_quantize_fp8, fp8_weight_matmul,  # noqa: E402
-                                   fp8_weight_matmul_ref)
-from kernels.triton_fp8_block import (_fp8_block_matmul, fp8_block_matmul_triton,  # noqa: E402
-                                      quantize_act_fp8_triton)
+from jobrunner.kernels.matmul.shipped_quant import FP8_MAX, _nonzero, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref
+from jobrunner.kernels.matmul.fp8_block_triton import _fp8_block_matmul, fp8_block_matmul_triton, quantize_act_fp8_triton
 
 from tests.kernel_cases import HAS_CUDA, cuda_only  # noqa: E402
 
@@ -206,7 +204,7 @@ def test_deepseek_shapes_cuda(dtype, m, n, k, gen):
 def test_dispatch_passes_unquantized_x(monkeypatch, gen):
     """fp8_weight_matmul takes the kernel (JOBRUNNER_TRITON=1 on CPU) for dynamic groups of bk, before
     any fake quantization: the kernel gets x itself; other activation schemes keep the torch path."""
-    import kernels.triton_fp8_block as fb
+    import jobrunner.kernels.matmul.fp8_block_triton as fb
     seen = []
     real = fb.fp8_block_matmul_triton
 

@@ -1,4 +1,4 @@
-"""The segmented gather matmul (kernels/lora.py): the Triton kernel against the torch reference over
+"""The segmented gather matmul (kernels/lora/sgmv.py): the Triton kernel against the torch reference over
 odd shapes, ranks and empty segments (CPU: Triton's interpreter)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.lora import Segments, sgmv_ref  # noqa: E402
-from kernels.triton_lora import sgmv_triton  # noqa: E402
+from jobrunner.kernels.lora.sgmv import Segments, sgmv_ref  # noqa: E402
+from jobrunner.kernels.lora.sgmv_triton import sgmv_triton  # noqa: E402
 
 from tests.kernel_cases import device_dtype_cases  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The fused-MoE Triton kernel against its torch reference (kernels/moe.py), in Triton's interpreter
+"""The fused-MoE Triton kernel against its torch reference (kernels/moe/moe.py), in Triton's interpreter
 on CPU (float16, float32) and compiled on CUDA when there is one; see tests/test_kernels.py."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.moe import fused_moe, fused_moe_ref, route_topk  # noqa: E402
-from kernels.triton_moe import align_to_blocks, fused_moe_triton  # noqa: E402
+from jobrunner.kernels.moe.moe import fused_moe, fused_moe_ref, route_topk  # noqa: E402
+from jobrunner.kernels.moe.moe_triton import align_to_blocks, fused_moe_triton  # noqa: E402
 
 from tests.kernel_cases import cuda_only, device_dtype_cases  # noqa: E402
 
@@ -26,7 +26,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=1e-2,
 def _problem(t, e, k, h, inter, dtype, device, seed=0, only_experts=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g)
-    w13 = torch.randn(e, h, 2 * inter, generator=g) * h ** -0.5           # input-major, as kernels/moe.py
+    w13 = torch.randn(e, h, 2 * inter, generator=g) * h ** -0.5           # input-major, as kernels/moe/moe.py
     w2 = torch.randn(e, inter, h, generator=g) * inter ** -0.5
     logits = torch.randn(t, e, generator=g)
     if only_experts is not None:           # the other experts get no token

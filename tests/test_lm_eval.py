@@ -84,7 +84,7 @@ def test_tiny_models_match_hf(tiny_hf_model_dir, arch):
 @pytest.fixture(scope="session")
 def default_model_dir(hf_default_model, hf_default_tokenizer, tmp_path_factory):
     """The default model's float32 conversion and its tokenizer in one directory both backends load."""
-    from jobrunner.models import cache_root
+    from jobrunner.models.known import cache_root
     import transformers
     ref = cache_root() / "test-reference"
     version = transformers.__version__
@@ -120,7 +120,7 @@ class _Spy:
     """Counts the requests our engine is given (every job's requests go through Engine.add_request)."""
 
     def __init__(self, monkeypatch):
-        from engine.engine import Engine
+        from jobrunner.engine.core.engine import Engine
         self.added = 0
         add = Engine.add_request
 
@@ -207,9 +207,9 @@ def test_parallel_runs_match_hf(tiny_hf_model_dir, parallel):
 def test_requests_reach_the_engine_as_token_ids_and_results_come_back_as_values(tiny_hf_model_dir, monkeypatch):
     """In process, lm-eval's requests go to the job as Rows of token ids (no file, no prompt text, nothing
     rendered or tokenized again: EngineSession.run_rows) and the backend gets the kind's values back."""
-    from engine.engine import Engine
-    from engine.tokenizer import Tokenizer
-    from jobs.base import PromptBuilder
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.tokenizer import Tokenizer
+    from jobrunner.jobs.base import PromptBuilder
     import jobrunner.api.session as session
     import jobrunner.lm_eval_model as backend
     lm = backend.JobrunnerLM(pretrained=str(tiny_hf_model_dir("llama")), dtype="float32", device="cpu",

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DEFAULT_MODEL, TINY_MODEL_VOCAB, read_json
-from engine.errors import ModelError
-from engine.gguf import GGUFFile, dequantize
-from engine.loader import DUMMY_CONFIGS, load_model_bundle
+from jobrunner.engine.api.errors import ModelError
+from jobrunner.engine.load.gguf import GGUFFile, dequantize
+from jobrunner.engine.load.loader import DUMMY_CONFIGS, load_model_bundle
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -183,9 +183,9 @@ def test_unsupported_architecture(tiny_hf_model_dir, tmp_path):
 
 
 def test_registry_names_every_family_and_lists_supported_architectures():
-    from engine.model_config import ModelConfig
-    from engine.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
-    from engine.models.base import CausalLM
+    from jobrunner.engine.config.model_config import ModelConfig
+    from jobrunner.engine.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
+    from jobrunner.engine.models.base import CausalLM
 
     assert all(issubclass(model_class(name), CausalLM) for name in ARCHITECTURES)
     assert all(g.hf in ARCHITECTURES for g in GGUF_ARCHITECTURES.values())
@@ -286,7 +286,7 @@ def test_truncated_gguf_names_the_file(tiny_gguf_path, tmp_path):
 
 @pytest.mark.default_model
 def test_default_model_bundle(default_gguf_path):
-    from jobrunner.models import resolve_model
+    from jobrunner.models.known import resolve_model
     b = load_model_bundle(resolve_model(DEFAULT_MODEL))
     c = b.config
     assert b.weight_format == "gguf" and str(default_gguf_path) in b.source

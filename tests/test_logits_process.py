@@ -1,4 +1,4 @@
-"""Logits processing (engine/logits_process.py): repetition penalty against transformers' own
+"""Logits processing (engine/sample/logits_process.py): repetition penalty against transformers' own
 processor, frequency and presence penalties against OpenAI's formula, logit_bias, min_tokens;
 then whole greedy generations, batched and with async scheduling, against a transformers loop
 that applies the same processors step by step."""
@@ -7,9 +7,9 @@ import torch
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor)
 
-from engine.logits_process import LogitsAdjust
-from engine.request import Request, SamplingParams
-from engine.sequence import PLACEHOLDER, Sequence
+from jobrunner.engine.sample.logits_process import LogitsAdjust
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.schedule.sequence import PLACEHOLDER, Sequence
 from tests.tiny import engine_for, hf_model, prompts
 
 VOCAB = 50

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_tokenizer
-from engine.config import ConfigError, EngineConfig
-from engine.engine import Engine
-from engine.request import Request, SamplingParams
+from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.api.request import Request, SamplingParams
 from tests.lora_helpers import ATTENTION, make_adapter
 from tests.test_moe import _SIZES, MOE_CONFIGS
 from tests.tiny import hf_greedy, hf_model, prompts

@@ -166,7 +166,7 @@ def test_the_planner_groups_rows_by_adapter():
 
 
 def test_cache_keys_hash_the_adapter_content_not_its_name():
-    from engine import Request
+    from jobrunner.engine import Request
     from jobrunner.cache.key import request_key
     req = Request("1", [1, 2, 3], adapter="a")
     base = request_key(b"m", "generate", Request("1", [1, 2, 3]))

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from jobs.metrics import Accuracy, ClassificationMetrics, job_metrics, matches, normalize_text
+from jobrunner.jobs.metrics import Accuracy, ClassificationMetrics, job_metrics, matches, normalize_text
 
 
 def test_matching_modes():

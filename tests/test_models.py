@@ -8,10 +8,10 @@ import zipfile
 import pytest
 
 from conftest import DEFAULT_MODEL
-from engine.errors import ModelError
-from jobrunner import models
+from jobrunner.engine.api.errors import ModelError
+from jobrunner.models import known as models
 from jobrunner.config.job import JobConfigError, job_config
-from jobrunner.job.resolve import model_path
+from jobrunner.pipeline.resolve import model_path
 
 
 def test_resolve_model_passes_checkpoints_through(tmp_path):

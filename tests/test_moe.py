@@ -16,13 +16,13 @@ import torch
 from click.testing import CliRunner
 
 from conftest import TINY_VOCAB, save_tiny_tokenizer
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import load_model_bundle
-from engine.model_runner import ModelRunner
-from engine.models import model_class
-from engine.request import Request, SamplingParams
-from engine.runtime import build_model, build_runtime
+from jobrunner.engine.config.engine_config import EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.load.loader import load_model_bundle
+from jobrunner.engine.run.model_runner import ModelRunner
+from jobrunner.engine.models import model_class
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.run.runtime import build_model, build_runtime
 from tests.tiny import hf_greedy, prompts
 
 _SIZES = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -137,9 +137,9 @@ def test_int8_experts_keep_the_output_close(moe_model):
 def test_fp8_experts_and_unsupported_schemes(moe_model):
     """fp8 experts (a CUDA scheme for the whole model; the experts' transform and the torch path run
     here) stay within fp8's precision of the float block; int4 and w8a8 refuse MoE models."""
-    from engine.config import ConfigError
-    from engine.quant import quantize_model
-    from engine.quant.experts import quantize_experts
+    from jobrunner.engine.config.engine_config import ConfigError
+    from jobrunner.engine.quant import quantize_model
+    from jobrunner.engine.quant.experts import quantize_experts
 
     _, path = moe_model
     model = build_model(load_model_bundle(str(path)), torch.device("cpu"), torch.float32)

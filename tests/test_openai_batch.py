@@ -11,8 +11,8 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
 from jobrunner.openai.request import body_params, text_messages
 from jobrunner.output import read_results
 from tests.test_logits_process import _reference_greedy
@@ -27,7 +27,7 @@ def model_dir(tiny_hf_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     return load_engine(job_config("unused", model=str(model_dir), kv_cache_memory=8 * 2**20, device="cpu"))
 
 
@@ -133,7 +133,7 @@ def test_every_line_parses_with_the_openai_types_and_matches_transformers(engine
 
     # penalties, logit_bias and min_tokens: the same text as transformers with the same processors
     pen = dict(penalties, logit_bias=((17, 0.5),), max_tokens=10)
-    from engine.request import SamplingParams
+    from jobrunner.engine.api.request import SamplingParams
     expected = _reference_greedy(hf, ids, SamplingParams(**pen), eos=2)
     assert chat["penalties"].choices[0].message.content == engine.tokenizer.decode(expected)
     assert chat["penalties"].usage.completion_tokens == len(expected) >= 6
@@ -148,8 +148,8 @@ def test_every_line_parses_with_the_openai_types_and_matches_transformers(engine
 
 
 def test_chat_template_kwargs_reach_the_template(engine):
-    from jobs import PromptBuilder
-    from jobs.spec import JobSpec, PromptSpec
+    from jobrunner.jobs import PromptBuilder
+    from jobrunner.jobs.spec import JobSpec, PromptSpec
     tok = engine.tokenizer
     saved = tok.chat_template
     try:
@@ -158,7 +158,7 @@ def test_chat_template_kwargs_reach_the_template(engine):
         spec = JobSpec("generate", PromptSpec(chat_template_kwargs=(("enable_thinking", False),)))
         builder = PromptBuilder(spec, tok)
         assert builder.render({"prompt": "hi"})[0] == "hi<think></think>"
-        from jobrunner.openai.rows import row_options
+        from jobrunner.openai.row_options import row_options
         row = {"messages": USER, "params": {"chat_template_kwargs": {"enable_thinking": True}}}
         assert builder.render(row, row_options(row))[0] == "The quick brown fox"          # the row's own wins
     finally:

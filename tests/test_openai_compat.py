@@ -12,8 +12,8 @@ from openai.types.chat import ChatCompletion
 
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config, JobConfigError
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
 from tests import openai_fixtures as fx
 from tests.test_openai_batch import engine, model_dir  # noqa: F401 (fixtures: one tiny llama engine a module)
 

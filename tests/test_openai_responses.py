@@ -90,9 +90,9 @@ def test_the_input_becomes_the_chat_it_stands_for():
 
 
 def test_a_reasoning_effort_reaches_a_template_that_takes_it(qwen, tmp_path):
-    from jobs import PromptBuilder
-    from jobs.spec import JobSpec
-    from jobrunner.openai.rows import row_options
+    from jobrunner.jobs import PromptBuilder
+    from jobrunner.jobs.spec import JobSpec
+    from jobrunner.openai.row_options import row_options
     saved = qwen.tokenizer.chat_template
     try:
         qwen.tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from jobrunner.config.job import job_config
-from jobrunner.job.build import load_engine, open_job
+from jobrunner.pipeline.build import load_engine, open_job
 from jobrunner.openai.scores import pairs, parse_score_body
 from jobrunner.output import read_results
 from tests import openai_fixtures as fx

@@ -12,20 +12,20 @@ import pytest
 from openai.types import BatchError
 from openai.types.chat import ChatCompletion
 
-from engine import Completion, RequestOutput
+from jobrunner.engine import Completion, RequestOutput
 from jobrunner.config.job import JobConfigError, job_config
-from jobrunner.job.build import load_engine, open_job
-from jobrunner.job.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import load_engine, open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
 from jobrunner.openai.errors import error_object
 from jobrunner.openai.request import body_params, text_messages
-from jobrunner.openai.rows import row_options
-from jobs import PromptBuilder
-from jobs.generate import GenerateJob
-from jobs.row import RowOptions
-from jobs.spec import JobSpec
-from jobs.tool_grammar import tool_call_constraint
-from jobs.tool_parsers import TOOL_PARSERS, parser_for_template
-from jobs.tools import tool_request
+from jobrunner.openai.row_options import row_options
+from jobrunner.jobs import PromptBuilder
+from jobrunner.jobs.generate import GenerateJob
+from jobrunner.jobs.row import RowOptions
+from jobrunner.jobs.spec import JobSpec
+from jobrunner.jobs.tool_grammar import tool_call_constraint
+from jobrunner.jobs.tool_parsers import TOOL_PARSERS, parser_for_template
+from jobrunner.jobs.tools import tool_request
 from tests import tool_templates
 
 pytest.importorskip("llguidance")
@@ -148,7 +148,7 @@ class _SpecialMarker:
 ])
 def test_a_forced_choice_is_a_grammar_of_the_familys_calls(name, choice, parallel, text, ok):
     import llguidance
-    from engine.constraints import _byte_tokenizer, grammar_text
+    from jobrunner.engine.sample.constraints import _byte_tokenizer, grammar_text
     c = tool_call_constraint(TOOL_PARSERS[name], tool_request([WEATHER, FLIGHT], choice, parallel), "strict", None)
     m = llguidance.LLMatcher(_byte_tokenizer(), grammar_text(c), log_level=0)
     data = list(text.encode())
@@ -210,7 +210,7 @@ HISTORY = [{"role": "system", "content": "You answer with tools."}, *ASK,
 @pytest.mark.parametrize("messages", [ASK, HISTORY], ids=["ask", "history"])
 def test_the_prompt_is_the_templates_own_rendering_of_the_tools(tiny_hf_model_dir, arch, template, messages):
     import transformers
-    from engine.tokenizer import Tokenizer
+    from jobrunner.engine.load.tokenizer import Tokenizer
     model_dir = tiny_hf_model_dir(arch, max_position_embeddings=2048)
     ours = Tokenizer.from_hf_dir(None, str(model_dir))
     ours.chat_template = getattr(tool_templates, template)
@@ -347,7 +347,7 @@ def test_a_datasets_rows_are_offered_the_tools_file(qwen, tmp_path):
                       (dict(tools=json.dumps([WEATHER]), kind="classify", labels=("a", "b")), "generate only")):
         with pytest.raises(JobConfigError, match=words):
             job_config(str(ds), **kw).job_spec()
-    from jobrunner.config.tools import check_job_tools
+    from jobrunner.config.tool_options import check_job_tools
     for kw, words in ((dict(chat=False), "need --chat"), (dict(tool_choice="required", json=True), "contradicts")):
         with pytest.raises(JobConfigError, match=words):
             check_job_tools(job_config(str(ds), tools=json.dumps([WEATHER]), **kw))

@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli.main import main
-from jobrunner.job import build
-from jobrunner.job.calibration import TOLERANCE
-from jobrunner.job.progress import Progress, progress_line
+from jobrunner.pipeline import build
+from jobrunner.pipeline.calibration import TOLERANCE
+from jobrunner.pipeline.progress import Progress, progress_line
 from jobrunner.output.lease import OutputLease
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_log_lines_in_a_file_carry_the_date(tmp_path):
 
 
 def test_plain_progress_lines_show_percentage_rows_in_flight_and_eta(monkeypatch, caplog):
-    monkeypatch.setattr("jobrunner.job.progress.LOG_EVERY_S", 0.0)
+    monkeypatch.setattr("jobrunner.pipeline.progress.LOG_EVERY_S", 0.0)
     monkeypatch.setattr("sys.stderr", open(os.devnull, "w"))        # not a terminal: log lines, no bar
     progress = Progress(total=300, in_flight=lambda: 64)
     stats = SimpleNamespace(rows=0, rows_skipped=0, rows_failed=0, rows_skipped_failed=0, prompt_tokens=900,

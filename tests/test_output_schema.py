@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
 from jobrunner.output import EXTRA_JSON, ResultWriter, read_results
 from jobrunner.output import values as V
 from jobrunner.output.schema import declared_schema
-from jobs import KINDS
+from jobrunner.jobs import KINDS
 
 MANIFEST = {"config": {"model": "m", "kind": "classify"}}
 
@@ -106,7 +106,7 @@ def test_an_output_written_without_a_declared_schema_resumes_with_its_own(tmp_pa
 
 @pytest.fixture(scope="module")
 def engines(tiny_hf_model_dir):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     made = {}
 
     def get(arch):

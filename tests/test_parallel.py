@@ -14,10 +14,11 @@ from collections import Counter
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
-from jobrunner.parallel import data_parallel_size, distributed_env, launcher, run_parallel
-from jobrunner.parallel.stats import merge_stats
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
+from jobrunner.parallel import data_parallel_size, distributed_env, run_parallel
+from jobrunner.parallel import launcher
+from jobrunner.parallel.merged_stats import merge_stats
 from jobrunner.output import read_results, read_stats
 from tests import faulty_worker
 

@@ -8,20 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobrunner.planner import (
-    PlanItem,
-    PrefixStats,
-    WorkUnit,
-    block_level_reuse,
-    cacheable_prefix_tokens,
-    cut_window,
-    join_threshold,
-    lcp,
-    partial_block_tokens,
-    plan,
-    prefix_stats,
-    spread_units,
-)
+from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, block_level_reuse, cacheable_prefix_tokens, cut_window, join_threshold, lcp, partial_block_tokens, plan, prefix_stats, spread_units
 from jobrunner.planner.window import encode, iter_windows
 
 

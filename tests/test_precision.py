@@ -1,9 +1,9 @@
 """--quantization auto: the fastest mode within 2% perplexity of float, by what the CPU has."""
 import pytest
 
-from jobrunner.job import precision
+from jobrunner.pipeline import precision
 from jobrunner.config.job import JobConfigError, job_config
-from jobrunner.job.resolve import resolve_engine
+from jobrunner.pipeline.resolve import resolve_engine
 
 
 @pytest.mark.parametrize("flags,expected", [

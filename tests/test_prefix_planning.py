@@ -6,7 +6,7 @@ import random
 import pytest
 
 from jobrunner.config.job import job_config
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.build import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -27,7 +27,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     return load_engine(job_config("unused", kv_cache_memory=32 * 10**6, max_num_seqs=8))
 
 

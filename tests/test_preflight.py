@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from jobrunner.job import checks, build
+from jobrunner.pipeline import checks, build
 from jobrunner.cli.main import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +127,7 @@ def test_n_over_1_at_the_checkpoints_greedy_default_exits_before_the_model(tmp_p
 
 
 def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
-    from jobrunner.job import preload
+    from jobrunner.pipeline import preload
     from jobrunner.config.job import job_config
     cfg_dir = tmp_path / "m"
     cfg_dir.mkdir()
@@ -174,7 +174,7 @@ class _Tok:
 
 def _classify(**options):
     from jobrunner.config.job import job_config
-    from jobs import make_job
+    from jobrunner.jobs import make_job
     cfg = job_config("d.jsonl", kind="classify", labels=("positive", "negative"), **options)
     return make_job(cfg.job_spec(), _Tok())
 
@@ -210,8 +210,8 @@ def test_label_delimiter_is_in_help():
 # --- 16: messages with text content parts ------------------------------------------------------
 
 def test_messages_column_accepts_text_parts():
-    from jobs.base import _check_messages
-    from jobs import RowError
+    from jobrunner.jobs.base import _check_messages
+    from jobrunner.jobs import RowError
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert _check_messages(parts) == [{"role": "user", "content": "a\nb"}]
     with pytest.raises(RowError, match="image_url"):
@@ -221,8 +221,8 @@ def test_messages_column_accepts_text_parts():
 # --- 16: the progress line while a long prompt is prefilled ------------------------------------
 
 def test_progress_counts_tokens_computed_before_any_row_ends(monkeypatch, caplog):
-    from jobrunner.job import progress
-    from jobrunner.stats import JobStats
+    from jobrunner.pipeline import progress
+    from jobrunner.common.run_stats import JobStats
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     counters = SimpleNamespace(tokens_computed=100)
     p = progress.Progress(total=1, counters=lambda: counters)     # the engine's counters(): a snapshot
@@ -240,8 +240,8 @@ def test_hub_hint_names_hf_hub_offline_only_when_it_is_set(monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from engine.errors import ModelError
-    from jobrunner import hub
+    from jobrunner.engine.api.errors import ModelError
+    from jobrunner.models import hub
 
     def unreachable(*a, **k):
         raise LocalEntryNotFoundError("cannot reach the Hub")

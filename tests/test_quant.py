@@ -17,12 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.config import ConfigError, EngineConfig  # noqa: E402
-from engine.gguf import RawTensor, dequantize  # noqa: E402
-from engine.quant import (Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear,  # noqa: E402
-                          check_quantization, parse_scheme, quantize_model, w8a8_backend)
-from engine.quant import formats  # noqa: E402
-from kernels import quant_matmul as qm  # noqa: E402
+from jobrunner.engine.config.engine_config import ConfigError, EngineConfig  # noqa: E402
+from jobrunner.engine.load.gguf import RawTensor, dequantize  # noqa: E402
+from jobrunner.engine.quant import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear, check_quantization, parse_scheme, quantize_model, w8a8_backend
+from jobrunner.engine.quant import formats  # noqa: E402
+from jobrunner.kernels.matmul import quant_matmul as qm  # noqa: E402
 
 from tests.kernel_cases import HAS_CUDA, device_dtype_cases  # noqa: E402
 
@@ -134,7 +133,7 @@ def _int8_weights(n, k, group, gen, device="cpu"):
                          ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_int8_triton_matches_ref(device, dtype, m, n, k, group, bias, gen):
-    from kernels.triton_quant_matmul import int8_matmul_triton
+    from jobrunner.kernels.matmul.quant_matmul_triton import int8_matmul_triton
     q, s = _int8_weights(n, k, group, gen, device)
     x = randn(m, k, gen=gen).to(device, dtype)
     b = randn(n, gen=gen).to(device, dtype) if bias else None
@@ -148,7 +147,7 @@ def test_int8_triton_matches_ref(device, dtype, m, n, k, group, bias, gen):
                          ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_int4_triton_matches_ref(device, dtype, m, n, k, group, bias, gen):
-    from kernels.triton_quant_matmul import int4_matmul_triton
+    from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton
     packed, s, z = (t.to(device) for t in formats.quantize_int4(randn(n, k, gen=gen, scale=0.1), group))
     x = randn(m, k, gen=gen).to(device, dtype)
     b = randn(n, gen=gen).to(device, dtype) if bias else None
@@ -158,7 +157,7 @@ def test_int4_triton_matches_ref(device, dtype, m, n, k, group, bias, gen):
 
 
 def test_triton_launchers_check_inputs(gen):
-    from kernels.triton_quant_matmul import int4_matmul_triton, int8_matmul_triton
+    from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
     q, s = _int8_weights(8, 32, None, gen)
     with pytest.raises(ValueError, match="x: expected"):
         int8_matmul_triton(torch.randn(2, 31), q, s)
@@ -239,7 +238,7 @@ def test_fbgemm_row_scales_keep_small_rows_precise_beside_a_large_one(gen):
 
 def test_fbgemm_full_range_probe_agrees_with_the_cpu():
     """VNNI CPUs take 8-bit activations exactly; AVX2 ones saturate and must keep reduce_range."""
-    from jobrunner.job.precision import VNNI_FLAGS, cpu_flags
+    from jobrunner.pipeline.precision import VNNI_FLAGS, cpu_flags
     if any(f in cpu_flags() for f in VNNI_FLAGS):
         assert qm.fbgemm_full_range()
 
@@ -255,7 +254,7 @@ def test_w8a8_error_against_float(gen):
 def test_w8a8_backend_probe_on_cpus_without_vnni():
     """oneDNN limited to AVX2 (as on CPUs without VNNI) saturates full-range int8 products: the
     probe must notice and pick 7-bit weights (exact there) or fbgemm."""
-    code = ("import torch; from engine.quant import w8a8_backend; from kernels import quant_matmul as qm;"
+    code = ("import torch; from jobrunner.engine.quant import w8a8_backend; from kernels import quant_matmul as qm;"
             "b, qmax = w8a8_backend(torch.device('cpu')); print(b, qmax, qm.int_mm_exact(127))")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
@@ -272,9 +271,9 @@ def test_w8a8_backend_probe_on_cpus_without_vnni():
 def test_fp8_refused_off_cuda_before_any_work(tiny_hf_model_dir):
     with pytest.raises(ConfigError, match="fp8 needs a CUDA GPU"):
         check_quantization("fp8", "cpu")
-    from engine.engine import Engine
-    from engine.loader import load_model_bundle
-    from engine.runtime import build_model
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.run.runtime import build_model
     model = build_model(load_model_bundle(str(tiny_hf_model_dir("llama"))), torch.device("cpu"), torch.float32)
     before = model.layers[0].mlp.down_proj
     with pytest.raises(ConfigError, match="fp8"):
@@ -314,14 +313,14 @@ def test_parse_scheme():
 
 
 def _tiny_model(tiny_hf_model_dir, **kw):
-    from engine.loader import load_model_bundle
-    from engine.runtime import build_model
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.run.runtime import build_model
     bundle = load_model_bundle(str(tiny_hf_model_dir("llama", **kw)))
     return build_model(bundle, torch.device("cpu"), torch.float32), bundle
 
 
 def _weight_bytes(model):
-    from engine.runtime import _unique_tensors
+    from jobrunner.engine.run.runtime import _unique_tensors
     return sum(t.numel() * t.element_size() for t in _unique_tensors(model))
 
 
@@ -351,8 +350,8 @@ def test_quantize_model_swaps_modules(tiny_hf_model_dir, scheme, cls, tied):
 
 
 def test_quantized_engine_runs_tiny_model(tiny_hf_model_dir):
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Request, SamplingParams
     path = str(tiny_hf_model_dir("llama"))
     outs = {}
     for scheme in ("none", "int8", "int4", "w8a8"):
@@ -366,12 +365,12 @@ def test_quantized_engine_runs_tiny_model(tiny_hf_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])     # grouped-query attention; qwen2 adds a qkv bias
 def test_smoothquant_folding_keeps_the_float_function(tiny_hf_model_dir, arch):
-    from engine.engine import Engine
-    from engine.loader import load_model_bundle
-    from engine.quant import smooth
-    from engine.runtime import build_runtime
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.quant import smooth
+    from jobrunner.engine.run.runtime import build_runtime
     bundle = load_model_bundle(str(tiny_hf_model_dir(arch)))
-    # smoothing runs on F.linear's dense weights, before any packing (engine/runtime.py quantizes first)
+    # smoothing runs on F.linear's dense weights, before any packing (engine/run/runtime.py quantizes first)
     cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20, packed_weights=False)
     plain, smoothed = build_runtime(cfg, bundle), build_runtime(cfg, bundle)
     ids = smooth.calibration_ids(bundle.tokenizer)
@@ -389,7 +388,7 @@ def test_smoothquant_folding_keeps_the_float_function(tiny_hf_model_dir, arch):
 
 
 def _score(engine, ids):
-    from engine.request import Request
+    from jobrunner.engine.api.request import Request
     return torch.tensor(engine.generate([Request("s", ids, score_from=1)])[0].prompt_logprobs)
 
 
@@ -398,9 +397,9 @@ def test_tiny_gguf_blocks_give_float_logits(tiny_gguf_path, qtype, scheme):
     """GGUF Q4_0/Q4_1 -> int4 and Q8_0 -> int8 straight from the file's bytes: the quantized model
     computes what the float model dequantized from the same file computes."""
     pytest.importorskip("gguf")
-    from engine.engine import Engine
-    from engine.loader import load_model_bundle
-    from engine.runtime import build_runtime
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.run.runtime import build_runtime
     bundle = load_model_bundle(str(tiny_gguf_path("llama", qtype)))
     cfg = EngineConfig(model="unused", kv_cache_memory=1 << 20)
     float_engine = Engine(cfg, runtime=build_runtime(cfg, bundle))
@@ -431,16 +430,16 @@ QUESTIONS = ["What is the capital of France?", "Write a Python function that rev
 @pytest.fixture(scope="module")
 def default_bundle(default_gguf_path):
     pytest.importorskip("gguf")
-    from engine.loader import load_model_bundle
+    from jobrunner.engine.load.loader import load_model_bundle
     return load_model_bundle(str(default_gguf_path))
 
 
 @pytest.fixture(scope="module")
 def default_runs(default_bundle):
     """scheme -> (weight_bytes, greedy token ids per prompt, logprobs of a scored text), one engine at a time."""
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
-    from engine.runtime import build_runtime
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Request, SamplingParams
+    from jobrunner.engine.run.runtime import build_runtime
     tok = default_bundle.tokenizer
     text = tok.encode("Batch inference runs every row of a dataset through the model and writes the results "
                       "back, with token counts and timings, so a nightly job can be checked the next morning.")

@@ -36,8 +36,8 @@ os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", 
 ray = pytest.importorskip("ray")
 
 from jobrunner.config.job import job_config  # noqa: E402
-from jobrunner.job.exit_codes import EXIT_OK  # noqa: E402
-from jobrunner.job.build import open_job  # noqa: E402
+from jobrunner.pipeline.exit_codes import EXIT_OK  # noqa: E402
+from jobrunner.pipeline.build import open_job  # noqa: E402
 from jobrunner.output import read_results, read_stats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

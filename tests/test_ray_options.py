@@ -67,7 +67,7 @@ def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, mon
     """What a worker in Ray's working directory is shipped: the driver's local paths made absolute (URLs and
     built-in dummy names as they are), its JOBRUNNER_* and HF_* variables (issue 41, items 3 and 4)."""
     from jobrunner.parallel.ray_cluster import for_workers, worker_env
-    from jobrunner.job.resolve import Resolved
+    from jobrunner.pipeline.resolve import Resolved
     monkeypatch.chdir(tmp_path)
     (tmp_path / "base").mkdir()
     (tmp_path / "lora").mkdir()
@@ -157,10 +157,10 @@ def test_a_lost_workers_bundles_come_back_less_its_written_rows():
     from array import array
     from types import SimpleNamespace
 
-    from engine import Request
+    from jobrunner.engine import Request
     from jobrunner.dataset.rows import Row
-    from jobrunner.idset import IdSet
-    from jobrunner.job.pending import PendingRow, ShippedUnit
+    from jobrunner.common.idset import IdSet
+    from jobrunner.pipeline.pending import PendingRow, ShippedUnit
     from jobrunner.parallel.ray_plan import refill
 
     def row(i):

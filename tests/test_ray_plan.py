@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import polars as pl
 
 from jobrunner.config.job import job_config
-from jobrunner.idset import IdSet
-from jobrunner.job.build import load_engine, open_job, open_parts
-from jobrunner.job.resolve import resolve
+from jobrunner.common.idset import IdSet
+from jobrunner.pipeline.build import load_engine, open_job, open_parts
+from jobrunner.pipeline.resolve import resolve
 from jobrunner.parallel.ray_plan import Shipper
 
 

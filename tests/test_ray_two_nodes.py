@@ -18,8 +18,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from jobrunner.config.job import job_config  # noqa: E402
-from jobrunner.job.exit_codes import EXIT_OK  # noqa: E402
-from jobrunner.job.build import open_job  # noqa: E402
+from jobrunner.pipeline.exit_codes import EXIT_OK  # noqa: E402
+from jobrunner.pipeline.build import open_job  # noqa: E402
 from jobrunner.output import read_stats  # noqa: E402
 from tests.test_ray import OPTIONS, ROOT, TINY, Driver, _outputs, _session_pids  # noqa: E402
 

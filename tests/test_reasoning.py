@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from engine.request import Request, SamplingParams
-from engine.sequence import Sequence
-from jobs.reasoning import split_reasoning
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.schedule.sequence import Sequence
+from jobrunner.jobs.reasoning import split_reasoning
 from tests.tiny import engine_for, hf_model, prompts
 
 MARKERS = ((100,), (101, 102))          # <think>, </think> as token ids (a closing tag of two tokens)
@@ -54,7 +54,7 @@ def test_split_reasoning(text, opened, expected):
 
 
 def test_the_prompt_opening_the_reasoning_is_told_from_one_closing_it():
-    from jobs.reasoning import prompt_opens_reasoning
+    from jobrunner.jobs.reasoning import prompt_opens_reasoning
     markers = ((100,), (101,))
     assert prompt_opens_reasoning([5, 100], markers)                 # R1's template
     assert not prompt_opens_reasoning([5, 100, 7, 101, 3], markers)  # closed (enable_thinking off)
@@ -86,9 +86,9 @@ def test_engine_counts_reasoning_tokens(async_scheduling):
 
 
 def test_job_splits_the_answer_and_reports_reasoning(tiny_hf_model_dir, tmp_path):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     from jobrunner.config.job import job_config
-    from jobrunner.job.build import open_job
+    from jobrunner.pipeline.build import open_job
     from openai.types.chat import ChatCompletion
 
     engine = load_engine(job_config("unused", model=str(tiny_hf_model_dir("llama")), kv_cache_memory=8 * 2**20))

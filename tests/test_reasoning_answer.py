@@ -10,9 +10,9 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from engine import Constraint
-from engine.constraints import _byte_tokenizer, grammar_text
-from jobs.reasoning import answer_constraint
+from jobrunner.engine import Constraint
+from jobrunner.engine.sample.constraints import _byte_tokenizer, grammar_text
+from jobrunner.jobs.reasoning import answer_constraint
 from tests.test_openai_responses import TICKET
 from tests.test_openai_tools import ASK, _line, qwen, run_batch  # noqa: F401 (qwen: the tiny Qwen2 engine)
 

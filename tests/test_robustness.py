@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobrunner.config.job import job_config
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.build import open_job
 
 pytestmark = pytest.mark.default_model
 
@@ -23,7 +23,7 @@ rows = st.lists(st.fixed_dictionaries({"id": st.one_of(st.sampled_from(["a", "b"
 
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     return load_engine(job_config("unused"))
 
 

@@ -59,9 +59,9 @@ def test_the_engine_refuses_a_constraint_that_matches_nothing_for_its_tokenizer(
     """A row's constraint (--schema-column, OpenAI response_format) compiles in the engine: one that
     can match no text is that row's error, not a row generated to finish_reason "error"."""
     from conftest import TINY_MODEL_VOCAB, make_tiny_tokenizer
-    from engine.constraints import ConstraintError, Grammars
-    from engine.request import Constraint
-    from engine.tokenizer import Tokenizer
+    from jobrunner.engine.sample.constraints import ConstraintError, Grammars
+    from jobrunner.engine.api.request import Constraint
+    from jobrunner.engine.load.tokenizer import Tokenizer
     grammars = Grammars(Tokenizer(make_tiny_tokenizer(), eos_token_ids=(2,)), (2,), TINY_MODEL_VOCAB)
     assert grammars.compile(Constraint("regex", "(yes|no)")) is not None
     with pytest.raises(ConstraintError, match="can match no text"):
@@ -96,7 +96,7 @@ def test_openai_lines_with_n_count_one_row_and_one_prompt(tmp_path, tiny, caplog
 
 @pytest.fixture(scope="module")
 def cache_engine(tmp_path_factory):
-    from jobrunner.job.build import load_engine
+    from jobrunner.pipeline.build import load_engine
     from jobrunner.config.job import job_config
     from tests.cache_helpers import tiny_model
     return load_engine(job_config("unused", model=tiny_model(tmp_path_factory.mktemp("m")), device="cpu"))
@@ -151,7 +151,7 @@ def test_validate_submit_stats_and_a_resumed_progress_count_the_same_failed_rows
     assert re.search(r"rows_computed\s+6\b", st.output), st.output
     # the same job resumed with more rows: its progress line starts from the 3 failed rows already written
     more = jsonl(tmp_path / "d.jsonl", rows + [{"id": "new", "prompt": "a new row"}])
-    import jobrunner.job.progress as progress
+    import jobrunner.pipeline.progress as progress
     with caplog.at_level(logging.INFO, logger="jobrunner"):
         old, progress.LOG_EVERY_S = progress.LOG_EVERY_S, 0.0
         try:

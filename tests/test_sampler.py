@@ -3,8 +3,8 @@ rows independent of their batch mates, one fixed draw per (seed, sample, positio
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import SampleRow, draw_uniform, sample
+from jobrunner.engine.api.request import SamplingParams
+from jobrunner.engine.sample.sampler import SampleRow, draw_uniform, sample
 
 LOGITS = torch.log(torch.tensor([0.05, 0.30, 0.10, 0.40, 0.15]))
 N = 20000

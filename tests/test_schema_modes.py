@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from engine.constraints import check_constraint, integer_keywords_as_ints  # noqa: E402
-from engine.request import Constraint  # noqa: E402
-from jobs.schema_check import SchemaCheck, with_mode  # noqa: E402
+from jobrunner.engine.sample.constraints import check_constraint, integer_keywords_as_ints  # noqa: E402
+from jobrunner.engine.api.request import Constraint  # noqa: E402
+from jobrunner.jobs.schema_check import SchemaCheck, with_mode  # noqa: E402
 from tests.cli_helpers import jsonl, submit  # noqa: E402
 
 GOOD = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

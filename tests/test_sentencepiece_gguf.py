@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from jobrunner.engine.load.tokenizer import Tokenizer
 
 pytest.importorskip("sentencepiece")
 from sentencepiece_gguf import train, write_sentencepiece_gguf  # noqa: E402

@@ -22,11 +22,11 @@ import json
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig
-from engine.engine import Engine
-from engine.loader import load_model_bundle
-from engine.request import Request, SamplingParams
-from engine.runtime import build_model
+from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.load.loader import load_model_bundle
+from jobrunner.engine.api.request import Request, SamplingParams
+from jobrunner.engine.run.runtime import build_model
 
 ct = pytest.importorskip("compressed_tensors")
 from quantized_checkpoints import (SCHEMES, dequantized_state_dict, make_awq, make_compressed,  # noqa: E402
@@ -97,7 +97,7 @@ def test_activation_quantized_experts_follow_the_scheme(scheme, tmp_path):
     """Each expert's projections: the checkpoint's float weight (compressed-tensors' decompression)
     times the input quantized as its scheme says (kernels' quantizers, bit-exact to compressed-tensors':
     tests/test_shipped_kernels.py); and the whole model runs."""
-    from kernels import fake_quantize_fp8, quantize_act_int8
+    from jobrunner.kernels import fake_quantize_fp8, quantize_act_int8
     path = make_compressed(tmp_path / "ckpt", "qwen3_moe", scheme)
     dense = dequantized_state_dict(path)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]

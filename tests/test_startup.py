@@ -9,8 +9,8 @@ import textwrap
 
 import torch
 
-from engine import float_cache
-from engine.loader import load_model_bundle
+from jobrunner.engine.load import float_cache
+from jobrunner.engine.load.loader import load_model_bundle
 
 
 def _weights(bundle) -> dict:
@@ -19,7 +19,7 @@ def _weights(bundle) -> dict:
 
 
 def _count_gguf_parses(monkeypatch) -> list:
-    import engine.gguf
+    import jobrunner.engine.load.gguf  # FIXME-RENAME was import engine.gguf
     parses = []
     original = engine.gguf.GGUFFile.__init__
 
@@ -99,9 +99,9 @@ def test_a_model_too_large_to_copy_loads_from_the_file(tiny_gguf_path, tmp_path,
 def test_building_an_engine_imports_neither_dynamo_nor_sympy(tiny_gguf_path, tmp_path):
     code = textwrap.dedent(f"""
         import sys
-        from engine.config import EngineConfig
-        from engine.engine import Engine
-        from engine.request import Request, SamplingParams
+        from jobrunner.engine.config.engine_config import EngineConfig
+        from jobrunner.engine.core.engine import Engine
+        from jobrunner.engine.api.request import Request, SamplingParams
         engine = Engine(EngineConfig(model={str(tiny_gguf_path("llama", "Q8_0"))!r}, kv_cache_memory=1 << 20))
         engine.generate([Request("a", [1, 2, 3], SamplingParams(max_tokens=2))])
         print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))

@@ -2,10 +2,10 @@
 where the whole completion first contains a stop string, and the text is cut before it."""
 import pytest
 
-from engine.request import SamplingParams
-from engine.sequence import Sequence
-from engine.stop import StopChecker
-from engine.tokenizer import Tokenizer
+from jobrunner.engine.api.request import SamplingParams
+from jobrunner.engine.schedule.sequence import Sequence
+from jobrunner.engine.core.stop import StopChecker
+from jobrunner.engine.load.tokenizer import Tokenizer
 
 TEXT = ("Let me think. The answer is 42.\n\nNext: café ☕ → 東京 and ÿ bytes; END of the "
         "reply, then more words that follow the end marker 🙂 END")

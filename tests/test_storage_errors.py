@@ -13,7 +13,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("flask")
 
-from jobrunner.job import build  # noqa: E402
+from jobrunner.pipeline import build  # noqa: E402
 from jobrunner.cli.main import main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

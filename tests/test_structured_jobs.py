@@ -98,7 +98,7 @@ def test_grammar_file_and_timeout_option(tmp_path, tiny, prompts, monkeypatch):
     assert r.exit_code == 0, r.output
     stopped = [row["output"] for row in rows if row["finish_reason"] == "stop"]
     assert stopped and all(re.fullmatch(r"\{[a-z]{1,4}\}", t) for t in stopped)
-    import engine as ec             # the public name jobrunner calls
+    import jobrunner.engine as ec             # the public name jobrunner calls
     slow = ec.check_constraint
 
     def never_done(c):
@@ -143,9 +143,9 @@ def test_openai_response_format(tmp_path, tiny):
 @pytest.mark.default_model
 def test_every_constraint_kind_on_the_default_model(default_gguf_path):
     """Chat prompts that invite each kind, one engine; every row that stops is valid, and most stop."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import Constraint, Request, SamplingParams
+    from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.engine.core.engine import Engine
+    from jobrunner.engine.api.request import Constraint, Request, SamplingParams
 
     engine = Engine(EngineConfig(model=str(default_gguf_path), kv_cache_memory=64 * 2**20))
     tok = engine.tokenizer

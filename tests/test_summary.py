@@ -8,10 +8,10 @@ from click.testing import CliRunner
 
 from jobrunner.cli.main import main
 from jobrunner.config.job import job_config
-from jobrunner.job.exit_codes import EXIT_OK
-from jobrunner.job.build import open_job
-from jobrunner.stats import percentile
-from jobrunner.parallel.stats import merge_stats
+from jobrunner.pipeline.exit_codes import EXIT_OK
+from jobrunner.pipeline.build import open_job
+from jobrunner.common.run_stats import percentile
+from jobrunner.parallel.merged_stats import merge_stats
 from jobrunner.output.summary import job_summary, over_runs, part_figures, stored_name
 from jobrunner.output import ResultWriter, read_results, read_stats, write_stats
 

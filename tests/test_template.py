@@ -1,6 +1,6 @@
 import pytest
 
-from jobs.template import PromptTemplate, TemplateRowError, unescape
+from jobrunner.jobs.template import PromptTemplate, TemplateRowError, unescape
 
 
 def test_substitution_and_columns():

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from conftest import save_tiny_tokenizer
-from engine.config import ConfigError, EngineConfig
-from engine.engine import Engine
-from engine.loader import load_model_bundle
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel.group import TensorParallel
-from engine.parallel.shards import ShardPlan, check_split
-from engine.request import Request, SamplingParams
+from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.load.loader import load_model_bundle
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.run.model_runner import ModelRunner
+from jobrunner.engine.parallel.group import TensorParallel
+from jobrunner.engine.parallel.shards import ShardPlan, check_split
+from jobrunner.engine.api.request import Request, SamplingParams
 from tests.test_dense_families import _COMMON, FAMILIES
 from tests.test_moe import _SIZES, MOE_CONFIGS
 from tests.tiny import prompts
@@ -182,7 +182,7 @@ def _one_process_peak_mb(model: str, options: dict) -> float:
     """The peak RSS of a fresh process that builds the whole model, as a follower process builds its half."""
     import subprocess
     import sys
-    code = ("import sys; from engine.config import EngineConfig; from engine.engine import Engine; "
+    code = ("import sys; from jobrunner.engine.config.engine_config import EngineConfig; from jobrunner.engine.core.engine import Engine; "
             f"Engine(EngineConfig(model={model!r}, **{options!r})); "
             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -194,7 +194,7 @@ def test_a_lost_rank_ends_the_engine_with_engine_failure(checkpoints):
     """Rank 1 killed mid-run: the next step raises EngineFailure naming it, and the other ranks are ended."""
     import signal
 
-    from engine.errors import EngineFailure
+    from jobrunner.engine.api.errors import EngineFailure
 
     engine = Engine(EngineConfig(model=str(checkpoints("llama")), tensor_parallel=2, num_threads=1))
     for i, ids in enumerate(_prompts()):
@@ -214,7 +214,7 @@ def test_a_shard_that_cannot_be_built_stops_every_rank(checkpoints, tmp_path, mo
 
     from safetensors.torch import load_file, save_file
 
-    import engine.parallel.launch as launch
+    import jobrunner.engine.parallel.launch as launch
 
     src = checkpoints("llama")
     for f in src.iterdir():

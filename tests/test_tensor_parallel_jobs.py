@@ -172,7 +172,7 @@ def test_option_checks_exit_2_before_any_work(setup, tmp_path):
 
 
 def test_threads_are_shared_by_the_ranks(setup):
-    from jobrunner.job.resolve import resolve_engine
+    from jobrunner.pipeline.resolve import resolve_engine
     assert job_config("x", threads=4, tensor_parallel=2).cpu_threads() == 2
     assert job_config("x", threads=1, tensor_parallel=2).cpu_threads() == 1        # at least one each
     cfg = job_config("x", model=setup["model"], threads=6, tensor_parallel=4)
@@ -185,7 +185,7 @@ def test_threads_are_shared_by_the_ranks(setup):
 def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
     """No GPU here: the device arithmetic alone, with 4 GPUs pretended."""
     from jobrunner.config.job import JobConfigError
-    from jobrunner.job import checks
+    from jobrunner.pipeline import checks
     from jobrunner.parallel import world
     assert world.gpu_groups("3,5,6,7", 4, 2, 2) == ["3,5", "6,7"]     # the user's CUDA_VISIBLE_DEVICES honoured
     assert world.gpu_groups(None, 4, 4, 1) == ["0", "1", "2", "3"]

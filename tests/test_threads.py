@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jobrunner import threads
+from jobrunner.common import threads
 from jobrunner.config.job import job_config, JobConfigError
 
 
@@ -123,7 +123,7 @@ def test_other_load_sees_another_process():
 
 def test_a_job_follows_the_load_unless_its_threads_are_fixed(monkeypatch, tmp_path, tiny_hf_model_dir):
     import torch
-    from jobrunner.job.build import open_job
+    from jobrunner.pipeline.build import open_job
     before = torch.get_num_threads()
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"id": {i}, "prompt": "p{i}"}}\n' for i in range(3)))

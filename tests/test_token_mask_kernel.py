@@ -1,4 +1,4 @@
-"""The grammar-mask kernel (kernels/triton_token_mask.py) against its torch reference, in Triton's
+"""The grammar-mask kernel (kernels/token_mask/token_mask_triton.py) against its torch reference, in Triton's
 interpreter on CPU (and on the GPU when there is one)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels.token_mask import apply_token_bitmask, apply_token_bitmask_ref  # noqa: E402
-from kernels.triton_token_mask import apply_token_bitmask_triton  # noqa: E402
+from jobrunner.kernels.token_mask.token_mask import apply_token_bitmask, apply_token_bitmask_ref  # noqa: E402
+from jobrunner.kernels.token_mask.token_mask_triton import apply_token_bitmask_triton  # noqa: E402
 from tests.kernel_cases import device_dtype_cases  # noqa: E402
 
 

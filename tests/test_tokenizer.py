@@ -8,8 +8,8 @@ import jinja2
 import pytest
 
 from conftest import TINY_CHAT_TEMPLATE, make_tiny_tokenizer
-from engine.errors import ModelError
-from engine.tokenizer import Tokenizer
+from jobrunner.engine.api.errors import ModelError
+from jobrunner.engine.load.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

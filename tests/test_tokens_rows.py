@@ -26,9 +26,9 @@ class Spies:
     batch-tokenized (every kind's prompt goes through PromptBuilder.render and encode_batch)."""
 
     def __init__(self, monkeypatch):
-        from engine.engine import Engine
-        from engine.tokenizer import Tokenizer
-        from jobs.base import PromptBuilder
+        from jobrunner.engine.core.engine import Engine
+        from jobrunner.engine.load.tokenizer import Tokenizer
+        from jobrunner.jobs.base import PromptBuilder
         self.prompts, self.renders, self.encodes = {}, 0, 0
         add, render, encode = Engine.add_request, PromptBuilder.render, Tokenizer.encode_batch
 

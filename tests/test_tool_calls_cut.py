@@ -6,13 +6,13 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion
 
-from engine import Completion, RequestOutput
+from jobrunner.engine import Completion, RequestOutput
 from jobrunner.openai.response import response_body
-from jobs.generate import GenerateJob
-from jobs.row import RowOptions
-from jobs.spec import JobSpec
-from jobs.tool_parsers import TOOL_PARSERS
-from jobs.tools import tool_request
+from jobrunner.jobs.generate import GenerateJob
+from jobrunner.jobs.row import RowOptions
+from jobrunner.jobs.spec import JobSpec
+from jobrunner.jobs.tool_parsers import TOOL_PARSERS
+from jobrunner.jobs.tools import tool_request
 from tests.test_openai_tools import ASK, WEATHER, _line, qwen, run_batch  # noqa: F401 (qwen: the tiny Qwen2 engine)
 
 pytest.importorskip("llguidance")

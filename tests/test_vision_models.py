@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import load_model_bundle
-from engine.model_config import ModelConfig
-from engine.models.vision_language import checkpoint_name
-from engine.request import ImageInput
-from engine.runtime import build_model
-from engine.vision.positions import mrope_positions
-from engine.vision.processor import PreparedImage, image_key, load_image_processor, smart_resize
-from kernels import AttentionMetadata
+from jobrunner.engine.load.loader import load_model_bundle
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.vision_language import checkpoint_name
+from jobrunner.engine.api.request import ImageInput
+from jobrunner.engine.run.runtime import build_model
+from jobrunner.engine.vision.positions import mrope_positions
+from jobrunner.engine.vision.processor import PreparedImage, image_key, load_image_processor, smart_resize
+from jobrunner.kernels import AttentionMetadata
 from tests.vision_checkpoints import KINDS, LLAVA_PREPROCESSOR, QWEN_PREPROCESSOR, checkpoint, sample_images
 
 transformers = pytest.importorskip("transformers")
@@ -350,7 +350,7 @@ def test_dummy_weights(made):
 
 def test_quantized_decoder(made):
     """int8 quantizes the decoder's linears and embedding; the tower stays float and still feeds it."""
-    from engine.quant import quantize_model
+    from jobrunner.engine.quant import quantize_model
 
     path, _, bundle, _ = made("qwen2_vl")
     model = quantize_model(build_model(bundle, CPU, torch.float32), "int8", bundle)

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobrunner.cli.main import main
-from engine import cpu_decode as cd
+from jobrunner.engine.run import cpu_decode as cd
 
 
 @pytest.fixture

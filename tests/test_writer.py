@@ -22,9 +22,7 @@ from hypothesis import strategies as st
 
 from jobrunner.openai.batch import write_openai_batch_output
 from jobrunner.output import values as V
-from jobrunner.output import (EXTRA_JSON, FIXED_COLUMNS, OutputError, ResultWriter, fingerprint,
-                              iter_result_parts, mark_complete, prepare_output, read_results, read_stats,
-                              stored_values)
+from jobrunner.output import EXTRA_JSON, FIXED_COLUMNS, OutputError, ResultWriter, fingerprint, iter_result_parts, mark_complete, prepare_output, read_results, read_stats, stored_values
 
 CONFIG = {"model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0.0,
           "sampling": {"seed": 1, "stop": ["\n"]}}

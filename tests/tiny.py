@@ -5,10 +5,10 @@ import types
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_config import ModelConfig
-from engine.runtime import build_runtime
+from jobrunner.engine.config.engine_config import EngineConfig
+from jobrunner.engine.core.engine import Engine
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.run.runtime import build_runtime
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
 
@@ -85,8 +85,8 @@ def step_tiny_llama(plan: list[list[tuple[int, int]]], cpu_decode=None) -> list[
     prompts, stepped as `plan` says ((sequence, query tokens) per step; one-token entries are decodes,
     put first), each sequence taking its greedy token once its prompt and outputs are computed.
     -> each sequence's tokens. cpu_decode: the steps' in-place decode kernel (None: the gather path)."""
-    from engine.models.llama import LlamaForCausalLM
-    from kernels import AttentionMetadata
+    from jobrunner.engine.models.llama import LlamaForCausalLM
+    from jobrunner.kernels import AttentionMetadata
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,

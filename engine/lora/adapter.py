@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ConfigError
+from jobrunner.engine.config.engine_config import ConfigError
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # projections an adapter may target: the HF names of what the shared layers fuse or keep

@@ -20,6 +20,6 @@
 
 Importing this package does not import torch; `model_class` imports the family's module.
 """
-from engine.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, architecture, model_class
+from jobrunner.engine.config.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, architecture, model_class
 
 __all__ = ["ARCHITECTURES", "GGUF_ARCHITECTURES", "architecture", "model_class"]

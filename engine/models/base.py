@@ -17,11 +17,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.layers import RMSNorm, Rotary
-from engine.parallel.group import current as current_group
-from engine.parallel.shards import ShardPlan
-from kernels import AttentionMetadata
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.layers import RMSNorm, Rotary
+from jobrunner.engine.parallel.group import current as current_group
+from jobrunner.engine.parallel.shards import ShardPlan
+from jobrunner.kernels import AttentionMetadata
 
 
 class CausalLM(nn.Module):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
-from engine.models.layers import Attention, GatedMLP, GemmaRMSNorm, Rotary
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.base import CausalLM
+from jobrunner.engine.models.layers import Attention, GatedMLP, GemmaRMSNorm, Rotary
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -6,8 +6,8 @@ scales each block's output before it joins the residual stream, here.
 """
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):

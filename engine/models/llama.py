@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
-from engine.models.layers import Attention, GatedMLP, RMSNorm
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.base import CausalLM
+from jobrunner.engine.models.layers import Attention, GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):

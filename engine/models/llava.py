@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.qwen2_vl import VisionMLP, activation
-from engine.models.registry import model_class
-from engine.models.vision_language import VisionLanguageModel
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.qwen2_vl import VisionMLP, activation
+from jobrunner.engine.config.architectures import model_class
+from jobrunner.engine.models.vision_language import VisionLanguageModel
 
 
 class CLIPAttention(nn.Module):

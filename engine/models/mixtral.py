@@ -5,7 +5,7 @@ the block block_sparse_moe and each expert's projections w1 (gate), w3 (up) and 
 """
 from __future__ import annotations
 
-from engine.models.moe import MoECausalLM
+from jobrunner.engine.models.moe import MoECausalLM
 
 
 class MixtralForCausalLM(MoECausalLM):

@@ -26,13 +26,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP
-from engine.models.llama import LlamaDecoderLayer
-from engine.parallel.group import current as current_group
-from engine.parallel.shards import ShardPlan
-from kernels import fused_moe, route_topk
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.base import CausalLM
+from jobrunner.engine.models.layers import GatedMLP
+from jobrunner.engine.models.llama import LlamaDecoderLayer
+from jobrunner.engine.parallel.group import current as current_group
+from jobrunner.engine.parallel.shards import ShardPlan
+from jobrunner.kernels import fused_moe, route_topk
 
 
 class Experts(nn.Module):
@@ -41,7 +41,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
-        # input-major, the transpose of nn.Linear's weight (kernels/moe.py says why)
+        # input-major, the transpose of nn.Linear's weight (kernels/moe/moe.py says why)
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))    # [E, H, 2I]: gate, up columns
         self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))         # [E, I, H]
         self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
-from engine.models.layers import Attention, GatedMLP, RMSNorm
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.base import CausalLM
+from jobrunner.engine.models.layers import Attention, GatedMLP, RMSNorm
 
 
 class Olmo2Attention(Attention):

@@ -8,7 +8,7 @@ in config.json applies to every layer, as in HF's Phi3.
 """
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from jobrunner.engine.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -6,7 +6,7 @@ unless config.json sets use_sliding_window.
 """
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from jobrunner.engine.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

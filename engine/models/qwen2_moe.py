@@ -3,11 +3,11 @@
 Beside the routed experts each sparse layer has a shared expert, a gated MLP of
 shared_expert_intermediate_size whose output is scaled by sigmoid(shared_expert_gate(x)).
 norm_topk_prob (default off) renormalizes the top k; decoder_sparse_step and mlp_only_layers
-leave some layers dense (engine/models/moe_config.py).
+leave some layers dense (engine/config/moe_config.py).
 """
 from __future__ import annotations
 
-from engine.models.moe import MoECausalLM
+from jobrunner.engine.models.moe import MoECausalLM
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):

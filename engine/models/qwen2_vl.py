@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.layers import RMSNorm
-from engine.models.llama import LlamaDecoderLayer
-from engine.models.vision_language import VisionLanguageModel, segment_attention
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.layers import RMSNorm
+from jobrunner.engine.models.llama import LlamaDecoderLayer
+from jobrunner.engine.models.vision_language import VisionLanguageModel, segment_attention
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ set apart from hidden_size / num_heads in Qwen3's configs.
 """
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from jobrunner.engine.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

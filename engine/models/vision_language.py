@@ -20,9 +20,9 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
-from kernels import AttentionMetadata
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.models.base import CausalLM
+from jobrunner.kernels import AttentionMetadata
 
 # checkpoint prefix -> ours, tried in order (the first that matches renames)
 _RENAMES = (

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.parallel.group import TensorParallel
+from jobrunner.engine.parallel.group import TensorParallel
 
 
 @dataclass

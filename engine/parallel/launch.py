@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.parallel.channel import StepChannel
-from engine.parallel.group import TensorParallel
+from jobrunner.engine.config.engine_config import EngineConfig
+from jobrunner.engine.parallel.channel import StepChannel
+from jobrunner.engine.parallel.group import TensorParallel
 
 log = logging.getLogger("jobrunner")
 
-FOLLOWER_COMMAND = [sys.executable, "-m", "engine.parallel.follower"]
+FOLLOWER_COMMAND = [sys.executable, "-m", "jobrunner.engine.run.follower"]
 EXIT_LOST = 1             # the process exit code when a lost rank leaves rank 0 stuck (jobrunner's "workers lost")
 LOST_GRACE_S = 60.0       # a step still running this long after a rank died is stuck in a collective
 RENDEZVOUS_TIMEOUT = timedelta(minutes=2)   # the ranks' start-up (imports) before the group forms; no weights yet

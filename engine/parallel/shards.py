@@ -27,9 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.config import ConfigError
-from engine.model_config import ModelConfig
-from engine.parallel.group import TensorParallel
+from jobrunner.engine.config.engine_config import ConfigError
+from jobrunner.engine.config.model_config import ModelConfig
+from jobrunner.engine.parallel.group import TensorParallel
 
 # select(): the whole tensor, nothing of it, or (dim, [(start, length), ...]) joined along dim in order
 WHOLE = None

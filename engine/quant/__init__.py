@@ -4,10 +4,10 @@
     quantize_model(model, scheme, bundle)       # in place, after the float weights are loaded
 
 Schemes: none | int8 | int4 (int4-g32, -g64, -g128) | w8a8 | fp8. Layouts and kernels:
-kernels/quant_matmul.py; modules: engine/quant/modules.py; float/GGUF -> layouts: formats.py.
+kernels/matmul/quant_matmul.py; modules: engine/quant/linear.py; float/GGUF -> layouts: formats.py.
 """
-from engine.quant.apply import SCHEMES, check_quantization, parse_scheme, quantize_model, w8a8_backend
-from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, W8A8Linear
+from jobrunner.engine.quant.apply import SCHEMES, check_quantization, parse_scheme, quantize_model, w8a8_backend
+from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, W8A8Linear
 
 __all__ = ["SCHEMES", "check_quantization", "parse_scheme", "quantize_model", "w8a8_backend", "Fp8Linear",
            "Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear", "W8A8Linear"]

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import ConfigError
-from engine.quant import formats, smooth
-from engine.quant.experts import check_expert_scheme, quantize_experts
-from engine.quant.modules import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
-from kernels import int_mm_exact
+from jobrunner.engine.config.engine_config import ConfigError
+from jobrunner.engine.quant import formats, smooth
+from jobrunner.engine.quant.experts import check_expert_scheme, quantize_experts
+from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
+from jobrunner.kernels import int_mm_exact
 
 SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)

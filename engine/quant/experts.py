@@ -1,5 +1,5 @@
 """A MoE block's stacked experts, quantized: int8 or float8 (e4m3) weights with a float32 scale per
-output channel of each expert (layouts: kernels/moe.py; the modules: engine/models/moe.py).
+output channel of each expert (layouts: kernels/moe/moe.py; the modules: engine/models/moe.py).
 
 Weight-only: the fused-MoE kernel converts the 1-byte weights to the activations' dtype in registers
 and scales its float32 accumulators, so only a byte per weight crosses memory in the decode steps
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ConfigError
-from engine.quant import formats
+from jobrunner.engine.config.engine_config import ConfigError
+from jobrunner.engine.quant import formats
 
 EXPERT_SCHEMES = ("int8", "fp8")
 

@@ -1,4 +1,4 @@
-"""Weight transforms: float (or GGUF blocks) -> the quantized layouts of kernels/quant_matmul.py.
+"""Weight transforms: float (or GGUF blocks) -> the quantized layouts of kernels/matmul/quant_matmul.py.
 
 Each function takes one weight [N, K] (rows = output channels) and returns the tensors a
 quantized module holds. GGUF's quantized blocks run along rows, 32 elements a block, so a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import AMAX_FLOOR, FP8_MAX, pack_int4
+from jobrunner.kernels import AMAX_FLOOR, FP8_MAX, pack_int4
 
 GGUF_INT8_TYPES = ("Q8_0",)
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1")

@@ -63,7 +63,7 @@ def calibration_ids(tokenizer, n: int = CALIBRATION_TOKENS) -> list[int]:
 def input_amax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Max |x| per input channel of every decoder linear over one prefill of token_ids (float model).
     Keys like "layers.3.mlp.down_proj"; values float32 [in_features]."""
-    from kernels import AttentionMetadata
+    from jobrunner.kernels import AttentionMetadata
 
     cfg = model.config
     device = model.norm.weight.device
@@ -104,7 +104,7 @@ def applies_to(model: nn.Module) -> bool:
     """The factors fold into the RMSNorm before qkv_proj (input_layernorm) and the one before gate_up_proj
     (post_attention_layernorm): Llama's layer (Qwen, Phi-3 and Granite use it). Gemma's (1 + weight)
     sandwich norms and OLMo 2's post-norms have no such norm: those models quantize unsmoothed."""
-    from engine.models.llama import LlamaDecoderLayer
+    from jobrunner.engine.models.llama import LlamaDecoderLayer
     return all(isinstance(layer, LlamaDecoderLayer) for layer in model.layers)
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.models import registry
+from jobrunner.engine.config import architectures as registry
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -146,7 +146,7 @@ def load_image_processor(hf_config: dict, preprocessor: dict, tokenizer=None) ->
     if arch not in registry.ARCHITECTURES or registry.ARCHITECTURES[arch].vision is None:
         return None
     kind = registry.ARCHITECTURES[arch].vision
-    from engine.vision.config import VisionConfig
+    from jobrunner.engine.config.vision_config import VisionConfig
     vision = VisionConfig.from_hf(hf_config, kind, registry.text_architecture(arch, hf_config.get("text_config") or {}))
     default_token = "<image>" if kind == "llava" else "<|image_pad|>"
     token = (tokenizer.id_to_token(vision.image_token_id) if tokenizer is not None else None) or default_token

@@ -33,12 +33,12 @@ from jobrunner.api.messages import api_message, check_known
 from jobrunner.api.submit import JobFailedError, api_errors, build_config
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import read_rows
-from jobrunner.job import checks, preload
-from jobrunner.job.build import load_engine, open_job
-from jobrunner.job.ending import JobResult
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, rows_verdict
-from jobrunner.job.progress import Progress
-from jobrunner.job.resolve import cache_url, resolve, resolve_engine
+from jobrunner.pipeline import checks, preload
+from jobrunner.pipeline.build import load_engine, open_job
+from jobrunner.pipeline.ending import JobResult
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, rows_verdict
+from jobrunner.pipeline.progress import Progress
+from jobrunner.pipeline.resolve import cache_url, resolve, resolve_engine
 from jobrunner.output.values import id_key
 
 __all__ = ["EngineSession", "generate", "open_engine"]

@@ -21,14 +21,14 @@ from contextlib import contextmanager
 from jobrunner.api.messages import api_message, check_known
 from jobrunner.config.job import JobConfig, JobConfigError, config_fields, field_value
 from jobrunner.dataset import DatasetError
-from jobrunner.job.build import finish_done, open_job
-from jobrunner.job.ending import JobResult
-from jobrunner.job.resolve import resolve
+from jobrunner.pipeline.build import finish_done, open_job
+from jobrunner.pipeline.ending import JobResult
+from jobrunner.pipeline.resolve import resolve
 from jobrunner.output import OutputError
 from jobrunner.output.lease import OutputBusyError, OutputLease
 from jobrunner.parallel import distributed_env, run_parallel, wants_parallel
 from jobrunner.parallel.ray_driver import run_ray
-from jobrunner.storage import CredentialsError, credentials_error, store_failure
+from jobrunner.common.storage import CredentialsError, credentials_error, store_failure
 
 log = logging.getLogger("jobrunner")
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from jobrunner.config.values import JobConfigError, parse_size
+from jobrunner.config.option_values import JobConfigError, parse_size
 
 # maintenance (pyarrow) is imported by the command that uses it: `jobrunner --help` loads no pyarrow
 

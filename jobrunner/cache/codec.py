@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from engine import Completion, RequestOutput, TokenLogprob
+from jobrunner.engine import Completion, RequestOutput, TokenLogprob
 
 
 def encode_output(out: RequestOutput) -> bytes:

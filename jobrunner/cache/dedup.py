@@ -9,7 +9,7 @@ finished leaders are kept for copies still to come.
 """
 from __future__ import annotations
 
-from engine import RequestOutput
+from jobrunner.engine import RequestOutput
 
 
 class Dedup:

@@ -13,8 +13,8 @@ import hashlib
 import posixpath
 import re
 
-import engine      # engine.DUMMY_CONFIGS, read only for a dummy: model, loads the engine's loader (torch)
-from jobrunner.storage import url_fs
+from jobrunner import engine      # engine.DUMMY_CONFIGS, read only for a dummy: model, loads the engine's loader (torch)
+from jobrunner.common.storage import url_fs
 
 FULL_HASH_BYTES = 64 * 2**20
 GGUF_HEADER_BYTES = 8 * 2**20

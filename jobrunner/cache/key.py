@@ -21,8 +21,8 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 
-import engine
-from engine import Constraint, EngineInfo, Request, SamplingParams
+from jobrunner import engine
+from jobrunner.engine import Constraint, EngineInfo, Request, SamplingParams
 from jobrunner.cache.identity import checkpoint_identity
 
 log = logging.getLogger("jobrunner")

@@ -12,9 +12,9 @@ import time
 
 import pyarrow.parquet as pq
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.cache.shards import LAYOUT, SHARD_RE, VALUES_RE, created_ns, values_path
-from jobrunner.stats import utc_iso
+from jobrunner.common.run_stats import utc_iso
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$", re.I)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

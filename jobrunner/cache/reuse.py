@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine import RequestOutput
+from jobrunner.engine import RequestOutput
 from jobrunner.cache.codec import decode_output, encode_output
 from jobrunner.cache.key import is_deterministic, request_key
 from jobrunner.cache.dedup import Dedup

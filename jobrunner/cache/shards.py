@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from jobrunner import storage
+from jobrunner.common import storage
 
 LAYOUT = "jobrunner-cache-v1"
 MARK = b"jobrunner-cache"

@@ -23,9 +23,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jobrunner import storage
-from jobrunner.cache.shards import CHECK_BYTES, LAYOUT, SHARD_RE, VALUES_RE, ShardError, bucket_of, read_index, \
-    read_records, shard_name, write_shard
+from jobrunner.common import storage
+from jobrunner.cache.shards import CHECK_BYTES, LAYOUT, SHARD_RE, VALUES_RE, ShardError, bucket_of, read_index, read_records, shard_name, write_shard
 
 log = logging.getLogger("jobrunner")
 

@@ -13,14 +13,14 @@ import sys
 
 import click
 
-from engine import ModelError
+from jobrunner.engine import ModelError
 from jobrunner.cache.cli import cache as cache_commands
 from jobrunner.config.cli_options import SECTIONS, GroupedCommand, job_options, some_job_options
 from jobrunner.config.job import NOT_FINGERPRINTED, JobConfig, JobConfigError, config_fields
 from jobrunner.config.ray import fold_cli
-from jobrunner.job.exit_codes import EXIT_STORAGE
-from jobrunner.job.progress import log_datefmt
-from jobrunner.models import known_models, pull as pull_model
+from jobrunner.pipeline.exit_codes import EXIT_STORAGE
+from jobrunner.pipeline.progress import log_datefmt
+from jobrunner.models.known import known_models, pull as pull_model
 
 # Each command imports the modules that run it inside its function (the API, the dataset readers, the
 # output): they load pyarrow and fsspec, which `jobrunner --help` and a command's option parsing never need.
@@ -179,7 +179,7 @@ def repair(ctx, dataset, **params):
       jobrunner repair reviews.parquet -o out/ --kind classify --labels yes,no
     """
     _setup_logging(params["verbose"])
-    from jobrunner.job.manifest import repair_manifest
+    from jobrunner.pipeline.manifest_entries import repair_manifest
     from jobrunner.output import OutputError
     try:
         cfg = build_config(ctx, dataset, params)
@@ -453,7 +453,8 @@ def compare(base, candidate, as_json, page, max_changed_rate, max_missing_rate, 
     Example:
       jobrunner compare runs/yesterday runs/today --max-changed-rate 0.05 --max-accuracy-drop 0.01
     """
-    from jobrunner.report import NotComparableError, OutputError, compare as compare_outputs, write_page
+    from jobrunner.report import NotComparableError, OutputError, write_page
+    from jobrunner.report import compare as compare_outputs
     from jobrunner.report.compare_page import lines, render
     try:
         r = compare_outputs(base, candidate, max_changed_rate=max_changed_rate, max_accuracy_drop=max_accuracy_drop,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 
-import engine       # engine.check_split and rank_plan: the engine's shard plans (torch) load at their first read
-from engine import CPU_KV_CACHE_BYTES, ConfigError
+from jobrunner import engine       # engine.check_split and rank_plan: the engine's shard plans (torch) load at their first read
+from jobrunner.engine import CPU_KV_CACHE_BYTES, ConfigError
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.precision import on_gpu
+from jobrunner.pipeline.precision import on_gpu
 from jobrunner.parallel.world import data_parallel_size
 
 GiB = 2**30

@@ -3,20 +3,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import engine       # engine.load_model_bundle: the loader (torch) loads at its first read
-from engine import ImageInput, ModelError
+from jobrunner import engine       # engine.load_model_bundle: the loader (torch) loads at its first read
+from jobrunner.engine import ImageInput, ModelError
 from jobrunner.cli.model_split import fit_report
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import read_rows
 from jobrunner.images import NO_PIXELS, ImageError, ImagePrep, column_images
-from jobrunner.job import checks
-from jobrunner.job.intake import images_refused
-from jobrunner.job.precision import cuda_count
-from jobrunner.job.resolve import resolve
-from jobrunner.models import describe
+from jobrunner.pipeline import checks
+from jobrunner.pipeline.intake import images_refused
+from jobrunner.pipeline.precision import cuda_count
+from jobrunner.pipeline.resolve import resolve
+from jobrunner.models.known import describe
 from jobrunner.openai.errors import error_object
-from jobrunner.openai.kinds import job_for
-from jobs import PromptBuilder, RowError
+from jobrunner.openai.job_kind import job_for
+from jobrunner.jobs import PromptBuilder, RowError
 
 # Rough sustained rates for the estimate (float32 matmul on a 2-core CPU; bf16 on a modern GPU).
 CPU_FLOPS, GPU_FLOPS = 100e9, 300e12
@@ -100,7 +100,7 @@ class _Tally:
 
     def add(self, row, builder, job, context: int, images=None) -> None:
         self.rows += 1
-        if row.id in self.seen:         # submit writes it as an error row (jobrunner/job/loop.py): counted so here
+        if row.id in self.seen:         # submit writes it as an error row (jobrunner/pipeline/loop.py): counted so here
             self.dup += 1
             self._failed(row, "duplicate id: an earlier row has the same id")
             return
@@ -126,7 +126,7 @@ class _Tally:
 
 
 class _RowImages:
-    """A row's images as submit makes them (jobrunner/job/intake.py): the --image-column's values and the
+    """A row's images as submit makes them (jobrunner/pipeline/intake.py): the --image-column's values and the
     messages' image parts, each fetched, decoded and prepared (so a bad image is counted as the row's error
     here too), the prompt's image tokens expanded. prep: None for a model that takes no images."""
 

@@ -1,7 +1,7 @@
 """`jobrunner warmup`: what a first job would otherwise pay for, paid once in the foreground.
 
-That is a small GGUF's float32 conversion (engine/float_cache.py: tens of seconds for the default model) and,
-on CPU, the in-place decode attention's compile (engine/cpu_decode.py: about a second, once per CPU and
+That is a small GGUF's float32 conversion (engine/load/float_cache.py: tens of seconds for the default model) and,
+on CPU, the in-place decode attention's compile (engine/run/cpu_decode.py: about a second, once per CPU and
 version of the kernel; a job that finds it absent builds it itself). Idempotent: a second warmup finds
 both in the cache.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-from engine import Request, SamplingParams
+from jobrunner.engine import Request, SamplingParams
 from jobrunner.config.job import JobConfig
-from jobrunner.job import build      # build.load_engine, read at each call (tests replace it)
-from jobrunner.job.resolve import resolve_engine
-from jobrunner.models import describe
+from jobrunner.pipeline import build      # build.load_engine, read at each call (tests replace it)
+from jobrunner.pipeline.resolve import resolve_engine
+from jobrunner.models.known import describe
 
 
 def warmup(cfg: JobConfig) -> dict:

@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import click
 
-from jobrunner.config.job import (CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS,
-                              JOB_QUANTIZATIONS, POOLINGS, option_defaults)
+from jobrunner.config.job import CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS, JOB_QUANTIZATIONS, POOLINGS, option_defaults
 from jobrunner.config.ray import RayOptions
-from jobs.reasoning import REASONING_PARSERS
-from jobs.schema_check import SCHEMA_MODES
-from jobs.tool_parsers import TOOL_PARSERS
-from jobs.truncation import TRUNCATE_MODES
+from jobrunner.jobs.reasoning import REASONING_PARSERS
+from jobrunner.jobs.schema_check import SCHEMA_MODES
+from jobrunner.jobs.tool_parsers import TOOL_PARSERS
+from jobrunner.jobs.truncation import TRUNCATE_MODES
 
 D = SimpleNamespace(**option_defaults())    # the defaults, read from the config's sections
 R = RayOptions()                            # --ray-*'s defaults

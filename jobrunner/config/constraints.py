@@ -7,10 +7,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import engine       # engine.check_constraint, read at the check: its grammar compiler loads torch
-from engine import Constraint
-from jobrunner.config.values import JobConfigError
-from jobs.schema_check import with_mode
+from jobrunner import engine       # engine.check_constraint, read at the check: its grammar compiler loads torch
+from jobrunner.engine import Constraint
+from jobrunner.config.option_values import JobConfigError
+from jobrunner.jobs.schema_check import with_mode
 
 # JobConfig field -> its option
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "choice": "--choice",
@@ -70,7 +70,7 @@ def check_job_constraint(cfg) -> None:
 
 
 def _read(url: str, option: str) -> str:
-    from jobrunner import storage       # fsspec: for a --grammar or --json-schema file, not at the CLI's start
+    from jobrunner.common import storage       # fsspec: for a --grammar or --json-schema file, not at the CLI's start
     try:
         fs, path = storage.url_fs(url)
         with fs.open(path, "rb") as f:

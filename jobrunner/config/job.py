@@ -17,21 +17,18 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS   # left unset: the model's generation_config.json value
-from engine import POOLINGS, SamplingParams
+from jobrunner.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jobrunner.engine import SAMPLING_KEYS as SAMPLING_DEFAULT_KEYS   # left unset: the model's generation_config.json value
+from jobrunner.engine import POOLINGS, SamplingParams
 from jobrunner.config.constraints import job_constraint
-from jobrunner.config.tools import job_tools
-from jobrunner.config.sections import (CACHE_MODES, FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS,
-                                       ClassifyKind, EmbedKind, EngineOptions, GenerateKind, InputOptions, KindOptions,
-                                       OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions,
-                                       ScoreKind)
-from jobrunner.config.values import JobConfigError, check_device, parse_size, split_labels
+from jobrunner.config.tool_options import job_tools
+from jobrunner.config.sections import CACHE_MODES, FOREIGN_KIND_OPTION, FORMATS, JOB_QUANTIZATIONS, KIND_OPTIONS, OUTPUT_FORMATS, ClassifyKind, EmbedKind, EngineOptions, GenerateKind, InputOptions, KindOptions, OutputOptions, ParallelOptions, PromptOptions, ReuseOptions, SamplingOptions, ScoreKind
+from jobrunner.config.option_values import JobConfigError, check_device, parse_size, split_labels
 from jobrunner.config.ray import RayOptions
 from jobrunner.config.lora import LoraOptions, lora_pairs
-from jobrunner.threads import threads_each
-from jobs import KINDS
-from jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
+from jobrunner.common.threads import threads_each
+from jobrunner.jobs import KINDS
+from jobrunner.jobs.spec import MATCH_MODES, NORMALIZE_MODES, ClassifySpec, EmbedSpec, EvalSpec, JobSpec, PromptSpec, ScoreSpec
 
 log = logging.getLogger("jobrunner")
 

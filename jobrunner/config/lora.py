@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from jobrunner.config.values import JobConfigError
+from jobrunner.config.option_values import JobConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@-]+$")
 PLAN_MARK = 2**32 - 1                          # planner tokens: an adapter's rows start with PLAN_MARK - index

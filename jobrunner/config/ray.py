@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from jobrunner.config.values import JobConfigError
+from jobrunner.config.option_values import JobConfigError
 
 # the command line's parameter names (cli_options' "Ray" group) -> RayOptions' fields
 CLI_PARAMS = {"ray": "address", "ray_min_workers": "min_workers", "ray_max_workers": "max_workers",

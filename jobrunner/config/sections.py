@@ -12,17 +12,17 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
+from jobrunner.engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
 from jobrunner.config.constraints import validate_constraint_options
-from jobrunner.config.values import JobConfigError, check_device, either
+from jobrunner.config.option_values import JobConfigError, check_device, either
 from jobrunner.images.sources import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S, ImageLimits
-from jobrunner.models import DEFAULT_MODEL
+from jobrunner.models.known import DEFAULT_MODEL
 from jobrunner.config.ray import RayOptions
-from jobs.reasoning import REASONING_PARSERS
-from jobs.schema_check import SCHEMA_MODES
-from jobs.spec import MATCH_MODES, NORMALIZE_MODES
-from jobs.tool_parsers import TOOL_PARSERS
-from jobs.truncation import TRUNCATE_MODES
+from jobrunner.jobs.reasoning import REASONING_PARSERS
+from jobrunner.jobs.schema_check import SCHEMA_MODES
+from jobrunner.jobs.spec import MATCH_MODES, NORMALIZE_MODES
+from jobrunner.jobs.tool_parsers import TOOL_PARSERS
+from jobrunner.jobs.truncation import TRUNCATE_MODES
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")

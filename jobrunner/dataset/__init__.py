@@ -24,7 +24,7 @@ from jobrunner.dataset.files import list_files
 from jobrunner.dataset.formats import FORMATS, detect_format
 from jobrunner.dataset.reading import dataset_columns, input_types, read_rows
 from jobrunner.dataset.rows import DatasetError, Row
-from jobrunner.storage import missing_backend_message
+from jobrunner.common.storage import missing_backend_message
 
 __all__ = ["DatasetError", "Row", "FORMATS", "detect_format", "list_files",
            "dataset_columns", "input_types", "read_rows", "count_rows", "rows_to_read", "COUNT_MAX_BYTES", "missing_backend_message"]

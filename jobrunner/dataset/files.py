@@ -16,7 +16,7 @@ from typing import IO, Any
 import fsspec
 import pyarrow as pa
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.dataset.rows import DatasetError
 
 _COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd",

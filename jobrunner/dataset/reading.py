@@ -15,8 +15,8 @@ from jobrunner.dataset.formats import detect_format
 from jobrunner.dataset.jsonl import check_not_json_array, jsonl_columns, jsonl_types, read_jsonl
 from jobrunner.dataset.parquet import parquet_columns, parquet_schema, read_parquet
 from jobrunner.dataset.rows import LOST_ID, Row, id_str
-from jobrunner.openai.rows import row_options
-from jobs.row import NO_OPTIONS
+from jobrunner.openai.row_options import row_options
+from jobrunner.jobs.row import NO_OPTIONS
 
 # Each format's reader yields (id value or None, data or None, error or None), one per row; read_rows
 # numbers them, gives each its key (id_str of the value) and fills default ids.

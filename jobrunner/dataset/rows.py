@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.row import NO_OPTIONS, RowOptions
+from jobrunner.jobs.row import NO_OPTIONS, RowOptions
 from jobrunner.output.values import id_key
 
 # A reader's marker for "the dataset has ids, this row's is unknown"; read_rows turns it into

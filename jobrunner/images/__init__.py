@@ -9,14 +9,12 @@
     prepare.py   the model's image processor on them in a thread pool (ImagePrep), the ImageInputs of a
                  row, the pixels of waiting rows kept in bounded memory (PixelStore, RowImages)
 
-The intake (jobrunner/job/intake.py) stages rows, submits their images and makes each row's request
+The intake (jobrunner/pipeline/intake.py) stages rows, submits their images and makes each row's request
 when they are ready; a waiting row (job/pending.PendingRow) holds its images' keys and a RowImages.
 PIL is imported on the first image: a text job never loads it.
 """
-from jobrunner.images.prepare import NO_PIXELS, PIXEL_BUDGET, ImagePrep, PixelStore, Prepared, RowImages, \
-    image_inputs, image_key
-from jobrunner.images.sources import (DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S, Fetcher, ImageError,
-                                      ImageLimits, Source, column_images, dataset_base, source_of)
+from jobrunner.images.prepare import NO_PIXELS, PIXEL_BUDGET, ImagePrep, PixelStore, Prepared, RowImages, image_inputs, image_key
+from jobrunner.images.sources import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S, Fetcher, ImageError, ImageLimits, Source, column_images, dataset_base, source_of
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS", "DEFAULT_TIMEOUT_S", "NO_PIXELS", "PIXEL_BUDGET", "Fetcher",
            "ImageError", "ImageLimits", "ImagePrep", "PixelStore", "Prepared", "RowImages", "Source", "column_images",

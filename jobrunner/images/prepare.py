@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-import engine
-from engine import ImageInput
+from jobrunner import engine
+from jobrunner.engine import ImageInput
 from jobrunner.images.decode import decode
 from jobrunner.images.sources import Fetcher, ImageError, ImageLimits, source_of
-from jobrunner.threads import available_cores
+from jobrunner.common.threads import available_cores
 
 PIXEL_BUDGET = 4 << 30          # bytes of prepared pixels kept for waiting rows; past it the oldest go
 NO_PIXELS = np.zeros(0, np.float32)     # a waiting row's ImageInput.pixels (RowImages holds the real ones)

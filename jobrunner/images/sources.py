@@ -31,7 +31,7 @@ from typing import Any
 
 import fsspec.core
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.images.addresses import HostRule
 from jobrunner.images.download import Downloads, Failure
 from jobrunner.images.errors import ImageError

@@ -39,8 +39,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jobrunner import hub, storage
-from jobrunner.models import KNOWN_MODELS
+from jobrunner.models import hub
+from jobrunner.common import storage
+from jobrunner.models.known import KNOWN_MODELS
 from jobrunner.openai import embeddings as openai_embeddings, errors as openai_errors
 from jobrunner.openai import responses as openai_responses, scores as openai_scores
 from jobrunner.openai.request import parse_chat_body

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine import Constraint
+from jobrunner.engine import Constraint
 from jobrunner.config.sections import MAX_TOP_LOGPROBS
 from jobrunner.openai.tools import TOOL_KEYS, tools_params
-from jobs.messages import join_text_parts, tool_call_messages
-from jobs.schema_check import SCHEMA_MODES
+from jobrunner.jobs.messages import join_text_parts, tool_call_messages
+from jobrunner.jobs.schema_check import SCHEMA_MODES
 
 # Our extension: the line's JSON schema mode (strict | validate), as --json-schema-mode for the job.
 SCHEMA_MODE_KEY = "x-jobrunner-schema-mode"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine import Request, RequestOutput
-from jobs import RowError
-from jobs.embed import EmbedJob
-from jobs.pairs import PairScoreJob
-from jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
-from jobs.spec import EmbedSpec, JobSpec
+from jobrunner.engine import Request, RequestOutput
+from jobrunner.jobs import RowError
+from jobrunner.jobs.embed import EmbedJob
+from jobrunner.jobs.pairs import PairScoreJob
+from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
+from jobrunner.jobs.spec import EmbedSpec, JobSpec
 
 # classify and score: the body parameters (jobrunner.openai.request's names) they honour, and the values
 # of the others that ask for nothing they don't do (one answer; ranking labels is greedy).

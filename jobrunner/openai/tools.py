@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 
-from jobs.tools import TOOL_CHOICES, ToolRequest, tool_request
+from jobrunner.jobs.tools import TOOL_CHOICES, ToolRequest, tool_request
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.output import layout
 from jobrunner.output.layout import STATS_JSON, STATS_PARQUET
 from jobrunner.output.manifest import load_manifest, write_manifest

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobrunner.idset import IdSet
+from jobrunner.common.idset import IdSet
 
 __all__ = ["DUPLICATE_ERROR_RE", "DoneRows", "Occurrences", "duplicate_error", "is_duplicate_error", "repeat_key"]
 

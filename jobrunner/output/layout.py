@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jobrunner import storage
+from jobrunner.common import storage
 
 MANIFEST = "_manifest.json"
 LEASE = "_lease.json"

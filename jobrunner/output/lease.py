@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.output.layout import LEASE, OutputError, output_fs
 
 log = logging.getLogger("jobrunner")

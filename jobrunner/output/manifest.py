@@ -27,7 +27,7 @@ from typing import Any
 from jobrunner.output import layout
 from jobrunner.output.layout import FORMAT_MARK, LEASE_RE, MANIFEST, MANIFEST_TMP_RE, OURS_RE, PART_RE, OutputError
 from jobrunner.output.values import json_default, to_json, to_json_pretty
-from jobrunner.storage import atomic_write, join
+from jobrunner.common.storage import atomic_write, join
 
 __all__ = ["ManifestDamagedError", "fingerprint", "load_manifest", "check_output", "prepare_output", "rebuild_manifest",
            "write_manifest"]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from jobrunner.idset import IdSet
+from jobrunner.common.idset import IdSet
 from jobrunner.output.values import FIXED_COLUMNS, arrow_schema, infer_kinds, kinds_of, norm_row, to_table
 
 __all__ = ["RowSink"]

@@ -42,8 +42,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobrunner import storage
-from jobrunner.idset import IdSet
+from jobrunner.common import storage
+from jobrunner.common.idset import IdSet
 from jobrunner.output import layout
 from jobrunner.output.completion import mark_complete, write_stats
 from jobrunner.output.done import DoneRows

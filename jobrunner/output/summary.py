@@ -22,13 +22,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobrunner.output.columns import reserved_columns
-from jobrunner.stats import (IMAGE_SUMS, PREFIX_KEYS, PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates,
-                             summed)
+from jobrunner.common.run_stats import IMAGE_SUMS, PREFIX_KEYS, PREFIX_SUMS, REUSE_SUMS, ROW_SUMS, JobStats, cost_saved, rates, summed
 from jobrunner.output import EXTRA_JSON, iter_result_parts, read_stats, stored_values
 from jobrunner.output.done import DUPLICATE_ERROR_RE
 from jobrunner.output.parts import RUN_METADATA
-from jobs import KINDS
-from jobs.metrics import job_metrics
+from jobrunner.jobs import KINDS
+from jobrunner.jobs.metrics import job_metrics
 
 # Run figures that add up over runs (the rows of different runs are disjoint). Not the prefix plan's: a
 # resumed run plans again the rows a killed one had planned.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from jobrunner.config.job import JobConfig
-from jobrunner.job.ending import JobResult
+from jobrunner.pipeline.ending import JobResult
 from jobrunner.parallel.launcher import launch
 from jobrunner.parallel.torchrun import run_distributed
 from jobrunner.parallel.world import data_parallel_size, distributed_env, preflight

@@ -17,14 +17,14 @@ from functools import partial
 
 from jobrunner.config.job import JobConfig, JobConfigError
 
-from jobrunner.job.ending import JobResult, verdict, write_ending
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
-from jobrunner.job.progress import progress_line
+from jobrunner.pipeline.ending import JobResult, verdict, write_ending
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.pipeline.progress import progress_line
 from jobrunner.output import OutputError, prepare_output
 from jobrunner.output.summary import job_summary
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import EXIT_FAILED
-from jobrunner.parallel.stats import merge_stats
+from jobrunner.parallel.merged_stats import merge_stats
 
 log = logging.getLogger("jobrunner")
 

@@ -19,18 +19,18 @@ import uuid
 from dataclasses import asdict
 
 from jobrunner.config.job import JobConfig, JobConfigError, field_value
-from jobrunner.job.ending import JobResult
+from jobrunner.pipeline.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.protocol import EXIT_FAILED
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.job.checks import check_gpus, check_spread_device
-from jobrunner.job.precision import cuda_count
-from jobrunner.job.progress import log_datefmt
-from jobrunner.job.resolve import Resolved
+from jobrunner.pipeline.checks import check_gpus, check_spread_device
+from jobrunner.pipeline.precision import cuda_count
+from jobrunner.pipeline.progress import log_datefmt
+from jobrunner.pipeline.resolve import Resolved
 from jobrunner.parallel.world import gpu_groups, preflight
-from jobrunner.stats import RUN_ID_ENV
-from jobrunner.threads import threads_each
+from jobrunner.common.run_stats import RUN_ID_ENV
+from jobrunner.common.threads import threads_each
 
 log = logging.getLogger("jobrunner")
 
@@ -89,7 +89,7 @@ def _start_workers(cfg: JobConfig, resolved, n: int, port: int, gpus: list[str] 
     """One process per rank: its CUDA_VISIBLE_DEVICES from `gpus` (one GPU, or a comma list of its engine's
     tensor-parallel GPUs), or (gpus None) `threads` CPU threads for its engine."""
     worker_cfg = config_to_json(cfg)
-    run_id = uuid.uuid4().hex[:16]      # the workers' parts record one run (jobrunner/stats.py: time_record)
+    run_id = uuid.uuid4().hex[:16]      # the workers' parts record one run (jobrunner/common/run_stats.py: time_record)
     procs: dict[int, subprocess.Popen] = {}
     for rank in range(n):
         env = dict(os.environ, JOBRUNNER_LAUNCHER_PID=str(os.getpid()), JOBRUNNER_WORKER_CONFIG=worker_cfg,

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from jobrunner.job.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK  # noqa: F401 (EXIT_FAILED: imported from here)
+from jobrunner.pipeline.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK  # noqa: F401 (EXIT_FAILED: imported from here)
 STORE_TIMEOUT = timedelta(hours=2)
 
 

@@ -76,7 +76,7 @@ def first_line(e: Exception) -> str:
 
 
 # The driver's settings a worker's process keeps: where models, conversions and kernels are cached, and
-# how they are built (engine.config.cache_root, engine/cpu_decode.py; the Hub's cache for Hub names).
+# how they are built (engine.config.cache_root, engine/run/cpu_decode.py; the Hub's cache for Hub names).
 WORKER_ENV_PREFIXES = ("JOBRUNNER_", "HF_", "HUGGINGFACE_")
 _PATH_VARS = ("JOBRUNNER_CACHE", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
 

@@ -30,18 +30,18 @@ import time
 
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import rows_to_read
-from jobrunner.job.build import open_parts
-from jobrunner.job.checks import check_spread_device
-from jobrunner.job.ending import JobResult, verdict, write_ending
-from jobrunner.job.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
-from jobrunner.job.plan import WINDOW_ROWS
+from jobrunner.pipeline.build import open_parts
+from jobrunner.pipeline.checks import check_spread_device
+from jobrunner.pipeline.ending import JobResult, verdict, write_ending
+from jobrunner.pipeline.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
+from jobrunner.pipeline.plan import WINDOW_ROWS
 from jobrunner.output import OutputError, prepare_output
 from jobrunner.output.summary import job_summary
 from jobrunner.parallel.launcher import config_to_json
 from jobrunner.parallel.ray_cluster import connect, first_line, for_workers, import_ray, worker_env
 from jobrunner.parallel.ray_plan import Shipper, refill
 from jobrunner.parallel.ray_queue import WorkQueue
-from jobrunner.parallel.stats import merge_stats
+from jobrunner.parallel.merged_stats import merge_stats
 from jobrunner.parallel.world import preflight
 
 log = logging.getLogger("jobrunner")

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 
-from engine import EngineCounters
-from jobrunner.job.loop import run_record
-from jobrunner.job.pending import Interrupted, ShippedUnit
+from jobrunner.engine import EngineCounters
+from jobrunner.pipeline.loop import run_record
+from jobrunner.pipeline.pending import Interrupted, ShippedUnit
 from jobrunner.parallel.worker import spread_windows
 
 log = logging.getLogger("jobrunner")

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field
 
 import ray
 
-import engine
-from engine import cache_root
+from jobrunner import engine
+from jobrunner.engine import cache_root
 from jobrunner.config.job import JobConfigError
 from jobrunner.dataset import DatasetError
-from jobrunner.idset import IdSet
-from jobrunner.job.exit_codes import EXIT_CONFIG
-from jobrunner.job.progress import log_datefmt
-from jobrunner.job import build
-from jobrunner.job.build import open_job
+from jobrunner.common.idset import IdSet
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG
+from jobrunner.pipeline.progress import log_datefmt
+from jobrunner.pipeline import build
+from jobrunner.pipeline.build import open_job
 from jobrunner.parallel.launcher import config_from_json
 from jobrunner.parallel.worker import run_claimed
 from jobrunner.parallel.world import worker_config
-from jobrunner.job.resolve import Resolved
+from jobrunner.pipeline.resolve import Resolved
 
 log = logging.getLogger("jobrunner")
 

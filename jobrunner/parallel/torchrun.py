@@ -17,14 +17,14 @@ import time
 from dataclasses import replace
 
 from jobrunner.config.job import JobConfig
-from jobrunner.job.ending import JobResult
+from jobrunner.pipeline.ending import JobResult
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.worker import worker_loop
-from jobrunner.job.checks import check_gpus
-from jobrunner.job.precision import cuda_count
+from jobrunner.pipeline.checks import check_gpus
+from jobrunner.pipeline.precision import cuda_count
 from jobrunner.parallel.world import preflight
-from jobrunner.threads import available_cores, threads_each
+from jobrunner.common.threads import available_cores, threads_each
 
 log = logging.getLogger("jobrunner")
 

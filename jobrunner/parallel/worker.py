@@ -12,16 +12,16 @@ import signal
 import time
 from dataclasses import dataclass
 
-from engine import EngineFailure
+from jobrunner.engine import EngineFailure
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import rows_to_read
-from jobrunner.job.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
-from jobrunner.job import build      # build.load_engine, read at each call (tests replace it)
-from jobrunner.job.build import open_job
+from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
+from jobrunner.pipeline import build      # build.load_engine, read at each call (tests replace it)
+from jobrunner.pipeline.build import open_job
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
 from jobrunner.planner import spread_units
-from jobrunner.parallel.stats import worker_sketch
+from jobrunner.parallel.merged_stats import worker_sketch
 from jobrunner.parallel.world import worker_config
 
 log = logging.getLogger("jobrunner")

@@ -6,8 +6,8 @@ import os
 from dataclasses import replace
 
 from jobrunner.config.job import JobConfig, JobConfigError
-from jobrunner.job.precision import cuda_count
-from jobrunner.job.resolve import resolve
+from jobrunner.pipeline.precision import cuda_count
+from jobrunner.pipeline.resolve import resolve
 
 
 def distributed_env() -> dict | None:

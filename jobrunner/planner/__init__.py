@@ -16,7 +16,7 @@ from .stats import (
     prefix_stats,
 )
 from .units import PlanItem, WorkUnit, cut_window, join_threshold, plan, spread_units
-from engine import common_prefix as lcp  # the engine's prefix match and the planner agree by construction
+from jobrunner.engine import common_prefix as lcp  # the engine's prefix match and the planner agree by construction
 
 __all__ = [
     "PlanItem",

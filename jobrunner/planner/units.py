@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine import common_prefix
+from jobrunner.engine import common_prefix
 
 from .stats import PrefixStats
 from .window import iter_windows

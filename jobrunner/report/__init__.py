@@ -15,7 +15,7 @@ figures kept (a few per label, bin and error message), not by the output's rows.
 """
 from __future__ import annotations
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.output import OutputError
 from jobrunner.report.compare import NotComparableError, compare
 from jobrunner.report.plots import INSTALL, MissingPlotLibrary

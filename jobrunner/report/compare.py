@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from jobs import KINDS
-from jobs.metrics import ClassificationMetrics, matches
+from jobrunner.jobs import KINDS
+from jobrunner.jobs.metrics import ClassificationMetrics, matches
 from jobrunner.output.done import DUPLICATE_ERROR_RE
 from jobrunner.output.values import EXTRA_JSON, FIXED_COLUMNS
 from jobrunner.report.distributions import distribution
-from jobrunner.report.kinds import classification, vector_norm
+from jobrunner.report.kind_figures import classification, vector_norm
 from jobrunner.report.source import Output, collect, first_samples, open_output
 from jobrunner.report.stats_tests import BOOTSTRAP_RESAMPLES, bootstrap_interval, macro_f1, mcnemar_exact
 

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 import polars as pl
 
 from jobrunner.report.distributions import distribution
-from jobrunner.report.kinds import kind_figures, ok_rows
+from jobrunner.report.kind_figures import kind_figures, ok_rows
 from jobrunner.report.source import Output, collect, first_samples
 
 FAILED_SHOWN = 50               # failed rows listed, in the parts' order

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 
 from jobrunner.report import plots
-from jobrunner.report.html import (cards, document, esc, figures, num, pct, section, seconds, table, usd,
-                                   value_text)
+from jobrunner.report.html import cards, document, esc, figures, num, pct, section, seconds, table, usd, value_text
 
 __all__ = ["render"]
 

@@ -23,11 +23,11 @@ from functools import cached_property
 import polars as pl
 from fsspec.implementations.local import LocalFileSystem
 
-from jobrunner import storage
+from jobrunner.common import storage
 from jobrunner.output import read_manifest, read_stats
 from jobrunner.output import layout
 from jobrunner.output.summary import job_summary, stored_name
-from jobs import KINDS
+from jobrunner.jobs import KINDS
 
 __all__ = ["Output", "open_output", "collect", "first_samples"]
 

@@ -1,0 +1,51 @@
+"""Packing a CPU model's float32 or bfloat16 linears into oneDNN's layout once, after loading and
+quantizing (kernels/matmul/cpu_linear.py says why and how close it stays to F.linear).
+
+Only plain nn.Linear modules with float32 or bfloat16 weights are packed: quantized linears keep their own
+kernels, and LoRA wraps the packed base afterwards. A packed weight replaces the dense one, so the
+model costs no more memory, except an lm_head tied to the embeddings: the embeddings keep the dense
+rows for lookups and the head gets a packed copy (vocab x hidden floats, counted in weight_bytes).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from jobrunner.kernels import PACKED_DTYPES, pack_linear, packing_available
+
+log = logging.getLogger("engine")
+
+
+def pack_linears(model: nn.Module) -> int | None:
+    """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place, one at a time
+    (the dense weight is freed as its packed one arrives: no second copy of the model at load).
+    Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
+    the first packing failed its check (then the model is left as it was)."""
+    if not packing_available():
+        log.info("engine: this torch has no oneDNN; linears run on F.linear")
+        return None
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", False)
+    names = [name for name, m in model.named_modules()     # names only: each old module dies once replaced
+             if type(m) is nn.Linear and m.weight.dtype in PACKED_DTYPES and m.weight.device.type == "cpu"]
+    added, packed, checked = 0, 0, set()
+    for name in names:
+        m = model.get_submodule(name)
+        shape = (m.in_features, m.out_features, m.weight.dtype, m.bias is not None)
+        try:
+            p = pack_linear(m, check=shape not in checked)     # per shape: every linear checked cost the default model ~0.25 s of load
+            checked.add(shape)
+        except (RuntimeError, ValueError) as e:
+            log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,
+                        "every linear runs" if not packed else "it runs")
+            if not packed:
+                return None
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, p)
+        packed += 1
+        if m is head and tied:
+            added += p.in_features * p.out_features * embed.weight.element_size()
+    return added if packed else None
