@@ -1,11 +1,11 @@
-"""Everything is in pyproject.toml but one file setuptools can't declare there: jobrunner-lm-eval.pth,
+"""Everything is in pyproject.toml but the package mapping (below) and one file setuptools can't declare there: jobrunner-lm-eval.pth,
 which goes to site-packages itself (beside the packages) so that `lm_eval --model jobrunner` finds
-our backend (jobrunner_lm_eval_hook.py says why): in a wheel by build_py, and in an editable install
+our backend (jobrunner/lm_eval_hook.py says why): in a wheel by build_py, and in an editable install
 (`pip install -e`, as .ci/run does) written into the editable wheel beside setuptools' own .pth."""
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -45,4 +45,15 @@ class EditableWithPth(editable_wheel):
         return _WithPth(super()._select_strategy(*args, **kwargs))
 
 
-setup(cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth})
+# One installed name, `jobrunner`: the repository keeps its top-level folders and each installs under it.
+# benchmarks/ runs from the checkout and is not installed.
+FOLDERS = {"jobrunner": "jobrunner", "jobrunner.engine": "engine", "jobrunner.kernels": "kernels", "jobrunner.jobs": "jobs"}
+
+
+def packages() -> list[str]:
+    return [name for top, folder in FOLDERS.items()
+            for name in (top, *(f"{top}.{sub}" for sub in find_packages(folder)))]
+
+
+setup(packages=packages(), package_dir=FOLDERS,
+      cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth})

@@ -13,6 +13,14 @@ stays cheap:
 from __future__ import annotations
 
 from importlib import import_module
+from pathlib import Path
+
+# One installed name: the repository's folders engine/, kernels/ and jobs/ install as jobrunner.engine,
+# jobrunner.kernels and jobrunner.jobs (setup.py's package-dir). Run from a checkout that was never
+# installed (benchmarks/gpu_check.sh on a bare GPU machine), they are found beside this folder.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if not (Path(__file__).parent / "engine").is_dir() and (_CHECKOUT / "engine" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
 
 _MODULES = {"JobConfigError": "api.submit", "JobFailedError": "api.submit", "JobResult": "api.submit", "OutputStorageError": "api.submit",
             "submit": "api.submit", "EngineSession": "api.session", "generate": "api.session", "open_engine": "api.session",

@@ -1,71 +1,127 @@
-"""The floors hold: import-linter's contracts (pyproject.toml) pass on the tree, and fail on a wrong import."""
-import shutil
-import subprocess
+"""The house holds: import-linter's contracts (pyproject.toml) pass on the installed layout and fail on a
+wrong import; no folder imports one that imports it back, nor one above it; no module of the kernels
+imports one that imports it back; the product's layer names every module of jobrunner/."""
+import re
 import sys
+import tomllib
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("benchmarks", "jobrunner", "jobs", "engine", "kernels")
-LINT = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
-
-
-def _copy_tree(dst: Path) -> Path:
-    for pkg in PACKAGES:
-        shutil.copytree(REPO / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    shutil.copy(REPO / "pyproject.toml", dst / "pyproject.toml")
-    return dst
-
-
-def _lint(root: Path) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent)}
-    return subprocess.run([LINT, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floors import REPO, assemble, lint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    if LINT is None:
-        pytest.fail("lint-imports is not installed: pip install -e '.[test]'")
-    return _copy_tree(tmp_path_factory.mktemp("tree"))
+    return assemble(tmp_path_factory.mktemp("tree"))
+
+
+@pytest.fixture(scope="module")
+def graph(tree):
+    grimp = pytest.importorskip("grimp")
+    sys.path.insert(0, str(tree))
+    try:
+        return grimp.build_graph("jobrunner")
+    finally:
+        sys.path.remove(str(tree))
 
 
 def test_the_tree_keeps_every_contract(tree):
-    r = _lint(tree)
+    r = lint(tree)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "0 broken" in r.stdout
 
 
 @pytest.mark.parametrize("module, source, contract", [
-    ("jobs/_bad.py", "import jobrunner.config.job\n", "Layers"),
-    ("engine/_bad.py", "from jobs import RowError\n", "Layers"),
-    ("kernels/_bad.py", "import jobrunner.engine.schedule.sequence\n", "Layers"),
-    ("jobs/_bad.py", "import torch\n", "free of torch"),
-    ("engine/_bad_sched.py", "", "free of torch"),
-    ("engine/_bad.py", "from jobrunner.kernels.attention.attention import store_kv\n", "public names"),
-    ("kernels/_bad.py", "import subprocess\n", "Kernels are functions"),
-    # every engine submodule, those the list once missed and subpackages' modules included (a wildcard)
-    ("jobs/_bad.py", "from engine import host_memory\n", "use the engine only through"),
-    ("jobs/_bad.py", "import jobrunner.engine.lora.adapter\n", "use the engine only through"),
+    ("jobrunner/jobs/_bad.py", "import jobrunner.config.job\n", "Layers"),
+    ("jobrunner/engine/_bad.py", "from jobrunner.jobs import RowError\n", "Layers"),
+    ("jobrunner/kernels/_bad.py", "import jobrunner.engine.schedule.sequence\n", "Layers"),
+    ("jobrunner/output/_bad.py", "import benchmarks.peers\n", "Benchmarks stay above"),
+    ("jobrunner/jobs/_bad.py", "import torch\n", "stay free"),
+    ("scheduler", "", "stay free"),
+    ("jobrunner/engine/_bad.py", "from jobrunner.kernels.attention.attention import store_kv\n", "public names"),
+    ("jobrunner/kernels/_bad.py", "import subprocess\n", "Kernels are functions"),
+    # every engine submodule, subpackages' modules included (a wildcard)
+    ("jobrunner/jobs/_bad.py", "from jobrunner.engine.run import host_memory\n", "use the engine only through"),
+    ("jobrunner/pipeline/_bad.py", "import jobrunner.engine.lora.adapter\n", "use the engine only through"),
 ])
-def test_a_wrong_import_breaks_its_contract(tree, tmp_path, module, source, contract):
-    root = _copy_tree(tmp_path / "t")
-    if module == "engine/_bad_sched.py":        # torch reaching the scheduler
-        path = root / "engine" / "scheduler.py"
+def test_a_wrong_import_breaks_its_contract(tmp_path, module, source, contract):
+    root = assemble(tmp_path / "t")
+    if module == "scheduler":        # torch reaching the scheduler
+        path = root / "jobrunner" / "engine" / "schedule" / "scheduler.py"
         path.write_text("import torch\n" + path.read_text())
     else:
         (root / module).write_text(source)
-    r = _lint(root)
+    r = lint(root)
     assert r.returncode != 0, r.stdout[-2000:]
     broken = r.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, r.stdout[-3000:]
 
 
-def test_no_module_of_kernels_imports_one_that_imports_it_back():
+def test_the_product_layer_names_every_module_of_jobrunner():
+    """A new module or folder of jobrunner/ must take its place in the floors, or no contract sees it."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in config if c["type"] == "layers")
+    product = set(re.split(r"\s*[:|]\s*", layers["layers"][0]))
+    on_disk = {p.stem for p in (REPO / "jobrunner").glob("*.py") if p.stem != "__init__"}
+    on_disk |= {p.parent.name for p in (REPO / "jobrunner").glob("*/__init__.py")}
+    assert product == on_disk
+    public = next(c for c in config if c["name"].startswith("The product and jobs use the engine"))
+    assert set(public["source_modules"]) == {f"jobrunner.{m}" for m in on_disk} | {"jobrunner.jobs"}
+
+
+def _folder(graph, module: str) -> str:
+    """A module's folder: a package stands for its own folder, a module for the one it sits in."""
+    return module if graph.find_children(module) else module.rpartition(".")[0]
+
+
+def _folder_edges(graph) -> dict[str, dict[str, tuple[str, str]]]:
+    edges: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)
+    for a in graph.modules:
+        for b in graph.find_modules_directly_imported_by(a):
+            fa, fb = _folder(graph, a), _folder(graph, b)
+            if fa != fb and b.startswith("jobrunner"):
+                edges[fa].setdefault(fb, (a, b))
+    return edges
+
+
+def test_no_folder_imports_one_above_it(graph):
+    """Subfolders hold what their parent's modules build on, never the reverse: a parent folder's
+    modules may import its subfolders, a subfolder imports no module of a folder above it."""
+    up = [example for fa, out in _folder_edges(graph).items() for fb, example in out.items()
+          if fa.startswith(fb + ".")]
+    assert not up, up
+
+
+def test_no_folder_imports_one_that_imports_it_back(graph):
+    """The folders form no circle, lazy imports inside functions included."""
+    edges = _folder_edges(graph)
+    state: dict[str, int] = {}
+    circle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> bool:
+        state[node] = 1
+        for nxt in edges.get(node, {}):
+            if state.get(nxt) == 1:
+                circle.extend(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                return True
+            if nxt not in state and visit(nxt, path + [nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for start in sorted(edges):
+        if start not in state and visit(start, [start]):
+            break
+    assert not circle, " -> ".join(circle)
+
+
+def test_no_module_of_kernels_imports_one_that_imports_it_back(graph):
     """The kernels' modules form no circle (shared helpers live in modules that import neither side),
     lazy imports inside functions included."""
-    import grimp
-    graph = grimp.build_graph("kernels")
-    circles = [(a, b) for a in sorted(graph.modules) for b in sorted(graph.find_modules_directly_imported_by(a))
-               if a < b and graph.chain_exists(importer=b, imported=a)]
+    kernels = sorted(m for m in graph.modules if m.startswith("jobrunner.kernels"))
+    circles = [(a, b) for a in kernels for b in sorted(graph.find_modules_directly_imported_by(a))
+               if a < b and b.startswith("jobrunner.kernels") and graph.chain_exists(importer=b, imported=a)]
     assert not circles, circles

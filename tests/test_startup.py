@@ -19,14 +19,14 @@ def _weights(bundle) -> dict:
 
 
 def _count_gguf_parses(monkeypatch) -> list:
-    import jobrunner.engine.load.gguf  # FIXME-RENAME was import engine.gguf
+    from jobrunner.engine.load import gguf
     parses = []
-    original = engine.gguf.GGUFFile.__init__
+    original = gguf.GGUFFile.__init__
 
     def counting(self, *a, **k):
         parses.append(1)
         original(self, *a, **k)
-    monkeypatch.setattr(engine.gguf.GGUFFile, "__init__", counting)
+    monkeypatch.setattr(gguf.GGUFFile, "__init__", counting)
     return parses
 
 

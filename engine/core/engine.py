@@ -72,7 +72,7 @@ class Engine:
         channel = StepChannel(self.rt.tp, self.rt.device) if self.rt.tp.size > 1 else None
         self.runner = ModelRunner(self.rt.model, self.rt.num_blocks, config.block_size, self.rt.kv_dtype,
                                   self.rt.device, self.rt.eos_token_ids, channel=channel, loras=self.rt.loras)
-        self.max_model_len = max_model_len(self.rt, config)
+        self.max_model_len = self.rt.max_model_len(config.block_size)
         self.graph_capture_s = 0.0
         if config.cuda_graphs and self.rt.device.type == "cuda" and not config.loras:   # LoRA steps run eagerly
             self.graph_capture_s = self.runner.enable_graphs(self.rt.max_num_seqs, self.max_model_len)
@@ -254,9 +254,4 @@ def vision_spec(model) -> VisionSpec | None:
         return None
     mrope = (model.spatial_merge_size, model.vision_start_token_id) if model.uses_mrope else None
     return VisionSpec(model.image_token_id, mrope)
-
-
-def max_model_len(rt: EngineRuntime, config: EngineConfig) -> int:
-    """The longest sequence: the model's positions, or the KV cache's tokens if fewer."""
-    return min(rt.model_config.max_position_embeddings, rt.num_blocks * config.block_size)
 

@@ -1,6 +1,6 @@
 """Rank 0 of a tensor-parallel group: start the other ranks, join the group with them, watch them.
 
-The other ranks are child processes (`python -m engine.parallel.follower`) of the process whose
+The other ranks are child processes (`python -m jobrunner.engine.run.follower`) of the process whose
 engine they serve, on the same machine: a group never spans machines. Rank r uses CUDA device
 base + r of those visible (base: the index in --device cuda:N, else 0), or the CPU with the
 config's threads each. Rendezvous is a TCPStore on a free local port.
@@ -67,8 +67,7 @@ class Followers:
         import torch.distributed as dist
         size = config.tensor_parallel
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
-        root = str(Path(__file__).resolve().parents[2])          # this checkout, installed or not
-        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        path = os.pathsep.join(p for p in sys.path if p)     # the child imports what this process does
         env = dict(os.environ, PYTHONPATH=path, JOBRUNNER_TP_CONFIG=json.dumps(asdict(config)), JOBRUNNER_TP_PORT=str(self.store.port), JOBRUNNER_TP_LEADER_PID=str(os.getpid()))
         if config.num_threads:
             env.update(OMP_NUM_THREADS=str(config.num_threads))

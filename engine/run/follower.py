@@ -1,4 +1,4 @@
-"""`python -m engine.parallel.follower`: rank r > 0 of a tensor-parallel group (started by launch.Followers).
+"""`python -m jobrunner.engine.run.follower`: rank r > 0 of a tensor-parallel group (started by launch.Followers).
 
 It builds its shard of the model and of the KV cache exactly as rank 0 builds its own (the same
 EngineConfig, the same runtime code), then runs rank 0's plans until rank 0 ends the group. Exit
@@ -23,7 +23,6 @@ def main() -> int:
 
     from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
     from jobrunner.engine.api.errors import ModelError
-    from jobrunner.engine.core.engine import max_model_len
     from jobrunner.engine.run.model_runner import ModelRunner
     from jobrunner.engine.parallel.channel import StepChannel
     from jobrunner.engine.parallel.launch import destroy_group, join_group
@@ -42,7 +41,7 @@ def main() -> int:
         runner = ModelRunner(rt.model, rt.num_blocks, config.block_size, rt.kv_dtype, rt.device, rt.eos_token_ids,
                              channel=StepChannel(tp, rt.device), loras=rt.loras)
         if config.cuda_graphs and rt.device.type == "cuda" and not config.loras:   # rank 0 captures the same graphs, collectives and all
-            runner.enable_graphs(rt.max_num_seqs, max_model_len(rt, config))
+            runner.enable_graphs(rt.max_num_seqs, rt.max_model_len(config.block_size))
         runner.follow()
     except RuntimeError as e:           # rank 0's connection closed: it is gone, and its rows are its to redo
         logging.warning("rank 0 went away (%s)", str(e).splitlines()[0][:200])

@@ -58,6 +58,10 @@ class EngineRuntime:
     loras: LoraSet = field(default_factory=lambda: LoraSet([], {}, {}, 0))   # the job's LoRA adapters (engine/lora)
     image_processor: object | None = None       # a vision-language checkpoint's (engine.vision.processor), else None
 
+    def max_model_len(self, block_size: int) -> int:
+        """The longest sequence: the model's positions, or the KV cache's tokens if fewer."""
+        return min(self.model_config.max_position_embeddings, self.num_blocks * block_size)
+
 
 def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
     """The device of `name`; tensor-parallel rank r takes the r-th GPU from the one named (or from 0)."""

@@ -1,0 +1,1 @@
+"""What several kernels share: moving tensors to a device, and Triton's launch helpers."""

@@ -1,0 +1,1 @@
+"""LoRA's segmented gather matmul (SGMV): reference and dispatch beside the Triton kernel."""

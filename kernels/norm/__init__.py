@@ -1,0 +1,1 @@
+"""RMSNorm: the torch reference and dispatch (norm.py) beside its Triton kernel."""

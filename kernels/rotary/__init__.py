@@ -1,0 +1,1 @@
+"""Rotary position embeddings: the torch reference and dispatch beside the Triton kernel."""

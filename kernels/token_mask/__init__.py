@@ -1,0 +1,1 @@
+"""Structured output's token bitmask on the logits: reference and dispatch beside the Triton kernel."""
