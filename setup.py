@@ -1,6 +1,6 @@
 """Everything is in pyproject.toml but the package mapping (below) and one file setuptools can't declare there: jobrunner-lm-eval.pth,
 which goes to site-packages itself (beside the packages) so that `lm_eval --model jobrunner` finds
-our backend (jobrunner/lm_eval_hook.py says why): in a wheel by build_py, and in an editable install
+our backend (jobrunner_lm_eval_hook.py says why): in a wheel by build_py, and in an editable install
 (`pip install -e`, as .ci/run does) written into the editable wheel beside setuptools' own .pth."""
 import shutil
 from pathlib import Path

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from jobrunner.kernels import pack_linear, packed_rtol
+from jobrunner.kernels.ops import pack_linear, packed_rtol
 
 SHAPES = {  # name -> (N, K): the default model's fused layers (30 of each) and its tied lm_head
     "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576),

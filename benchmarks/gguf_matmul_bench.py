@@ -93,7 +93,7 @@ def _bench(fn, budget_s: float = 0.3) -> float:
 def candidates(n: int, k: int, gen: torch.Generator, inductor: bool = False) -> dict:
     """label -> (prepared callable x -> y) for one Q4_1 weight [n, k]."""
     from jobrunner.engine.quant import formats
-    from jobrunner.kernels import w8a8_matmul_fbgemm, w8a8_matmul_int_mm
+    from jobrunner.kernels.ops import w8a8_matmul_fbgemm, w8a8_matmul_int_mm
     from jobrunner.kernels.matmul.gguf_matmul import gguf_dequantize, gguf_int8_matmul, gguf_weight_from_int4, quantize_blocks_ref
     from jobrunner.kernels.matmul.quant_matmul import _int4_matmul_cpu
 

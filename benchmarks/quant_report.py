@@ -181,7 +181,7 @@ def run(args) -> list[Row]:
             b, qmax = w8a8_backend(device)
             row.note = f"{b}, weights +-{qmax}, activations per token"
         elif label == "w8a8-fbgemm":
-            from jobrunner.kernels import fbgemm_full_range
+            from jobrunner.kernels.ops import fbgemm_full_range
             bits = 8 if fbgemm_full_range() else 7
             row.note = f"fbgemm, rows scaled, then one activation scale per batch ({bits}-bit)"
         elif label == "q4xq8":

@@ -246,7 +246,7 @@ def main(argv=None) -> None:
 def _matmul_params(engine) -> int:
     """Weights a token multiplies: every linear layer's (plain or packed) plus the output head's."""
     import torch
-    from jobrunner.kernels import PackedLinear
+    from jobrunner.kernels.ops import PackedLinear
     return sum(m.in_features * m.out_features for m in engine.rt.model.modules()
                if isinstance(m, (torch.nn.Linear, PackedLinear)))
 

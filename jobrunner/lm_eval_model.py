@@ -23,7 +23,7 @@ task's description) are computed once.
 
 lm-eval 0.4 discovers no plugins: importing this module registers the name `jobrunner`, and the
 `jobrunner-lm-eval.pth` file that `pip install jobrunner[eval]` puts in site-packages registers it
-lazily (jobrunner/lm_eval_hook.py) whenever lm-eval's model registry loads.
+lazily (jobrunner_lm_eval_hook.py) whenever lm-eval's model registry loads.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ setup.py maps them, and benchmarks/ beside it.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def assemble(dst: Path, repo: Path = REPO) -> Path:
     shutil.copytree(repo / "jobrunner", dst / "jobrunner", ignore=IGNORE)
     for folder, target in MAPPED.items():
         shutil.copytree(repo / folder, dst / target, ignore=IGNORE)
+        (dst / target / "__init__.py").touch()      # kernels/ has none (kernels/ops.py says why); grimp wants one
     shutil.copytree(repo / "benchmarks", dst / "benchmarks", ignore=IGNORE)
     shutil.copy(repo / "pyproject.toml", dst / "pyproject.toml")
     return dst
@@ -34,6 +36,22 @@ def lint(root: Path) -> subprocess.CompletedProcess:
         raise SystemExit("lint-imports is not installed: pip install -e '.[test]'")
     env = {"PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent)}
     return subprocess.run([exe, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+_EDGES = """
+import json, grimp
+g = grimp.build_graph("jobrunner")
+print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))
+"""
+
+
+def import_graph(root: Path) -> dict[str, list[str]]:
+    """Each module of the assembled tree's jobrunner -> the modules it imports (lazy imports included), read by
+    grimp in a fresh interpreter, so that no jobrunner imported already (the checkout's) stands in for the tree's."""
+    env = {"PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent)}
+    out = subprocess.run([sys.executable, "-c", _EDGES], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from jobrunner.engine.core.engine import Engine  # noqa: E402
 from jobrunner.engine.api.request import Constraint, Request, SamplingParams  # noqa: E402
 from jobrunner.engine.run.runtime import build_runtime  # noqa: E402
 from jobrunner.engine.load.tokenizer import Tokenizer  # noqa: E402
-from jobrunner.kernels import apply_token_bitmask  # noqa: E402
+from jobrunner.kernels.ops import apply_token_bitmask  # noqa: E402
 from tests.tiny import bundle_of, hf_model, prompts  # noqa: E402
 
 EOS = 2         # the tiny tokenizer's <|im_end|>

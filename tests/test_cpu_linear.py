@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobrunner.engine.api.request import Request, SamplingParams
-from jobrunner.kernels import PackedLinear, pack_linear, packed_rtol, packing_available
+from jobrunner.kernels.ops import PackedLinear, pack_linear, packed_rtol, packing_available
 from tests.tiny import engine_for, hf_greedy, hf_model, prompts
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")

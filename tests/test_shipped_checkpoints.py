@@ -97,7 +97,7 @@ def test_activation_quantized_experts_follow_the_scheme(scheme, tmp_path):
     """Each expert's projections: the checkpoint's float weight (compressed-tensors' decompression)
     times the input quantized as its scheme says (kernels' quantizers, bit-exact to compressed-tensors':
     tests/test_shipped_kernels.py); and the whole model runs."""
-    from jobrunner.kernels import fake_quantize_fp8, quantize_act_int8
+    from jobrunner.kernels.ops import fake_quantize_fp8, quantize_act_int8
     path = make_compressed(tmp_path / "ckpt", "qwen3_moe", scheme)
     dense = dequantized_state_dict(path)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]

@@ -10,7 +10,7 @@ from jobrunner.engine.config.engine_config import ConfigError
 from jobrunner.engine.shipped.build import fused_module
 from jobrunner.engine.shipped.scheme import ActArgs, ModuleScheme, WeightArgs, read_quantization
 from jobrunner.engine.shipped.unpack import IntLevels, unpack_int32
-from jobrunner.kernels import fake_quantize_fp8, quantize_act_int8, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
+from jobrunner.kernels.ops import fake_quantize_fp8, quantize_act_int8, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402

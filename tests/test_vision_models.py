@@ -18,7 +18,7 @@ from jobrunner.engine.api.request import ImageInput
 from jobrunner.engine.run.runtime import build_model
 from jobrunner.engine.vision.positions import mrope_positions
 from jobrunner.engine.vision.processor import PreparedImage, image_key, load_image_processor, smart_resize
-from jobrunner.kernels import AttentionMetadata
+from jobrunner.kernels.ops import AttentionMetadata
 from tests.vision_checkpoints import KINDS, LLAVA_PREPROCESSOR, QWEN_PREPROCESSOR, checkpoint, sample_images
 
 transformers = pytest.importorskip("transformers")

@@ -56,17 +56,20 @@ def _run(env: Path, *args, cwd: Path, timeout: int = 600) -> subprocess.Complete
 
 def test_the_wheel_installs_one_top_level_package(wheel):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
-    packages = {t for t in tops if not t.endswith((".dist-info", ".pth"))}
+    packages = {t for t in tops if not t.endswith((".dist-info", ".pth", ".py"))}
     assert packages == {"jobrunner"}, tops
+    # and the one module lm-eval's .pth runs at interpreter start: apart, so that no Python start imports jobrunner
+    assert {t for t in tops if t.endswith(".py")} == {"jobrunner_lm_eval_hook.py"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "jobrunner/kernels/attention/cpu_attention.c" in names       # compiled at first use
+    assert "jobrunner/kernels/ops.py" in names and "jobrunner/engine/core/engine.py" in names
     assert "jobrunner/pipeline/calibration_text.txt" in names
     assert not any(n.startswith("benchmarks/") for n in names)
 
 
 def test_beside_huggingface_kernels_and_the_newest_transformers(env, tmp_path):
     pytest.importorskip("kernels", reason="the test extra installs Hugging Face's kernels")
-    probe = ("import json, kernels, transformers, jobrunner.kernels as ours; "
+    probe = ("import json, kernels, transformers, jobrunner.kernels.ops as ours; "
              "print(json.dumps({'hf': kernels.__file__, 'get_kernel': hasattr(kernels, 'get_kernel'), "
              "'ours': ours.__file__, 'decode': hasattr(ours, 'DecodeLibrary')}))")
     r = _run(env, str(env / "bin" / "python"), "-c", probe, cwd=tmp_path)
@@ -76,7 +79,8 @@ def test_beside_huggingface_kernels_and_the_newest_transformers(env, tmp_path):
     assert str(env) in found["ours"], found         # the wheel's copy, not the checkout's
     shown = _run(env, str(env / "bin" / "python"), "-m", "pip", "show", "-f", "jobrunner", cwd=tmp_path)
     files = [line.strip() for line in shown.stdout.split("Files:", 1)[-1].splitlines() if line.strip()]
-    assert {f.split("/")[0] for f in files if "/" in f and not f.split("/")[0].endswith(".dist-info")} == {"jobrunner"}
+    folders = {f.split("/")[0] for f in files if "/" in f and not f.split("/")[0].endswith(".dist-info")}
+    assert folders == {"jobrunner"}, files
 
 
 def test_the_example_job_and_greedy_parity_run_from_the_wheel(env, tmp_path, tiny_hf_model_dir, default_gguf_path):

@@ -86,7 +86,7 @@ def step_tiny_llama(plan: list[list[tuple[int, int]]], cpu_decode=None) -> list[
     put first), each sequence taking its greedy token once its prompt and outputs are computed.
     -> each sequence's tokens. cpu_decode: the steps' in-place decode kernel (None: the gather path)."""
     from jobrunner.engine.models.llama import LlamaForCausalLM
-    from jobrunner.kernels import AttentionMetadata
+    from jobrunner.kernels.ops import AttentionMetadata
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,

@@ -34,7 +34,8 @@ from jobrunner.engine.api.errors import EngineFailure
 from jobrunner.engine.schedule.prompt_images import VisionSpec
 from jobrunner.engine.api.info import EngineInfo, Tokenizer
 from jobrunner.engine.schedule.kv_manager import KVCacheManager
-from jobrunner.engine.run.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from jobrunner.engine.run.model_runner import ModelRunner
+from jobrunner.engine.run.step_results import LaunchedStep, RunnerOutput
 from jobrunner.engine.core.output_processor import OutputProcessor
 from jobrunner.engine.parallel.channel import StepChannel
 from jobrunner.engine.run import process_settings

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from jobrunner.engine.sample.constraints import Grammars, advance, grammar_error
 from jobrunner.engine.schedule.prompt_images import PromptImages, VisionSpec
 from jobrunner.engine.schedule.kv_manager import KVCacheManager
-from jobrunner.engine.run.model_runner import RunnerOutput
+from jobrunner.engine.run.step_results import RunnerOutput
 from jobrunner.engine.api.request import Completion, Request, RequestOutput, TokenLogprob
 from jobrunner.engine.schedule.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.schedule.sequence import SeqKind, Sequence, Status

@@ -27,25 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-import torch
-
 from jobrunner.engine.config.engine_config import cache_root
 from jobrunner.engine.config.embedding import CheckpointPooling, read_checkpoint_pooling
 from jobrunner.engine.api.errors import ModelError
 from jobrunner.engine.config.generation import GenerationDefaults
 from jobrunner.engine.config.model_config import ModelConfig
 from jobrunner.engine.shipped import ShippedQuant, read_quantization
+from jobrunner.engine.load.dummy_configs import DUMMY_CONFIGS
+from jobrunner.engine.load.safetensors_weights import WeightIterator, narrow, safetensors_files, safetensors_weights
 from jobrunner.engine.load.tokenizer import Tokenizer
 
 __all__ = ["ModelBundle", "ModelError", "load_model_bundle", "DUMMY_CONFIGS"]
 
-WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 # HF directory files we read; weights are the *.safetensors the index (or the listing) names.
 _HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "model.safetensors.index.json",
              "modules.json")
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 @dataclass
@@ -83,7 +81,7 @@ class ModelBundle:
         for name, tensor in self.weights():
             picked = select(name, tuple(tensor.shape))
             if picked is None or picked[1]:
-                yield name, _narrow(tensor, picked)
+                yield name, narrow(tensor, picked)
 
 
 def checkpoint_quantization(model: str) -> str | None:
@@ -161,7 +159,7 @@ def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
                                raw_weights=f.iter_raw_tensors)
         cached = hf_config, tokenizer, float_cache.weights_file(converted)
     hf_config, tokenizer, weights_file = cached
-    weights = _safetensors_weights([weights_file])
+    weights = safetensors_weights([weights_file])
     return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
                        weights=weights, source=source, weight_format="gguf",
                        raw_weights=lambda: GGUFFile(path).iter_raw_tensors(), sliced_weights=weights)
@@ -176,7 +174,7 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
 
     root = Path(path)
     hf_config = _read_json(root / "config.json", required=True)
-    files = _safetensors_files(root)
+    files = safetensors_files(root, _read_json(root / "model.safetensors.index.json"))
     names: dict[str, Path] = {}
     for file in files:  # validate every header now: truncation and corruption show up here
         try:
@@ -192,7 +190,7 @@ def _load_hf_dir(path: str, source: str) -> ModelBundle:
     config = _model_config(hf_config, str(root / "config.json"))
     tokenizer = _processor_template(Tokenizer.from_hf_dir(fsspec.filesystem("file"), str(root)), root)
     generation = GenerationDefaults.from_config(_read_json(root / "generation_config.json"))
-    weights = _safetensors_weights(files)
+    weights = safetensors_weights(files)
     return ModelBundle(config=config, hf_config=hf_config,
                        tokenizer=tokenizer, weights=weights, source=source,
                        weight_format="safetensors", pooling=read_checkpoint_pooling(root), generation=generation,
@@ -225,94 +223,8 @@ def _image_processor(config: ModelConfig, hf_config: dict, root: Path, tokenizer
         raise ModelError(f"{preprocessor}: unsupported image processor settings ({type(e).__name__}: {e})") from e
 
 
-def _safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:
-    """weights(select=None): every tensor whole, or as select(name, shape) slices it (ModelBundle.shard_weights)."""
-    def weights(select=None) -> WeightIterator:
-        from safetensors import safe_open
-        for file in files:
-            with safe_open(file, framework="pt") as st:
-                for name in st.keys():
-                    if name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
-                        continue
-                    if select is None:
-                        yield name, st.get_tensor(name)
-                        continue
-                    part = st.get_slice(name)
-                    picked = select(name, tuple(part.get_shape()))
-                    if picked is None:
-                        yield name, st.get_tensor(name)
-                    elif picked[1]:                     # no ranges: another rank's (an expert it holds)
-                        yield name, _read_ranges(part, picked)
-    return weights
-
-
-def _read_ranges(part, picked) -> torch.Tensor:
-    """The rows (dim 0) or columns (dim 1) ranges of a safetensors slice, joined."""
-    dim, ranges = picked
-    pieces = [part[s:s + n] if dim == 0 else part[:, s:s + n] for s, n in ranges]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
-def _narrow(tensor: torch.Tensor, picked) -> torch.Tensor:
-    if picked is None:
-        return tensor
-    dim, ranges = picked
-    return torch.cat([tensor.narrow(dim, s, n) for s, n in ranges], dim)
-
-
-def _safetensors_files(root: Path) -> list[Path]:
-    index = _read_json(root / "model.safetensors.index.json")
-    if index:
-        files = [root / f for f in sorted(set(index.get("weight_map", {}).values()))]
-        for f in files:
-            if not f.is_file():
-                raise ModelError(f"{f}: listed in model.safetensors.index.json but missing")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        pickled = [p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES]
-        why = f" (found {', '.join(pickled)}: pickled weights are never loaded)" if pickled else ""
-        raise ModelError(f"{root}: no *.safetensors weights{why}")
-    return files
-
-
 # -- dummy -----------------------------------------------------------------------
 
-DUMMY_CONFIGS: dict[str, dict] = {
-    "gemma-2-9b": {     # soft-capped attention, sliding and global layers, head_dim 256: the GPU paths Llama skips
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000,
-        "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-        "bos_token_id": 2, "eos_token_id": [1, 107],
-    },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-    },
-    "qwen3-30b-a3b": {     # 30.5B parameters, 3.3B active: 48 layers of 128 experts, 8 per token
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "bos_token_id": 151643, "eos_token_id": 151645,
-    },
-    "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2,
-    },
-}
 
 
 def _load_dummy(spec: str) -> ModelBundle:

@@ -29,7 +29,7 @@ from torch import nn
 
 from jobrunner.engine.config.engine_config import ConfigError
 from jobrunner.engine.lora.adapter import AdapterSpec, adapter_tensors
-from jobrunner.kernels import Segments, sgmv
+from jobrunner.kernels.ops import Segments, sgmv
 
 # HF projection -> (our module, slice); a fused HF name covers all slices of ours
 _SLICE_OF = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),

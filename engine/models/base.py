@@ -21,7 +21,7 @@ from jobrunner.engine.config.model_config import ModelConfig
 from jobrunner.engine.models.layers import RMSNorm, Rotary
 from jobrunner.engine.parallel.group import current as current_group
 from jobrunner.engine.parallel.shards import ShardPlan
-from jobrunner.kernels import AttentionMetadata
+from jobrunner.kernels.ops import AttentionMetadata
 
 
 class CausalLM(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 from jobrunner.engine.config.model_config import ModelConfig
 from jobrunner.engine.parallel.group import current as current_group
 from jobrunner.engine.parallel.shards import ShardPlan
-from jobrunner.kernels import AttentionMetadata, apply_rotary, attention_factor, gelu_tanh_and_mul, inverse_frequencies, paged_attention, rms_norm, rotary_cos_sin, silu_and_mul, store_kv, store_kv_int8
+from jobrunner.kernels.ops import AttentionMetadata, apply_rotary, attention_factor, gelu_tanh_and_mul, inverse_frequencies, paged_attention, rms_norm, rotary_cos_sin, silu_and_mul, store_kv, store_kv_int8
 
 
 class RMSNorm(nn.Module):

@@ -32,7 +32,7 @@ from jobrunner.engine.models.layers import GatedMLP
 from jobrunner.engine.models.llama import LlamaDecoderLayer
 from jobrunner.engine.parallel.group import current as current_group
 from jobrunner.engine.parallel.shards import ShardPlan
-from jobrunner.kernels import fused_moe, route_topk
+from jobrunner.kernels.ops import fused_moe, route_topk
 
 
 class Experts(nn.Module):

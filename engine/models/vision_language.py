@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from jobrunner.engine.config.model_config import ModelConfig
 from jobrunner.engine.models.base import CausalLM
-from jobrunner.kernels import AttentionMetadata
+from jobrunner.kernels.ops import AttentionMetadata
 
 # checkpoint prefix -> ours, tried in order (the first that matches renames)
 _RENAMES = (

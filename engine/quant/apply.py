@@ -34,7 +34,7 @@ from jobrunner.engine.config.engine_config import ConfigError
 from jobrunner.engine.quant import formats, smooth
 from jobrunner.engine.quant.experts import check_expert_scheme, quantize_experts
 from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
-from jobrunner.kernels import int_mm_exact
+from jobrunner.kernels.ops import int_mm_exact
 
 SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)

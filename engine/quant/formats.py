@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jobrunner.kernels import AMAX_FLOOR, FP8_MAX, pack_int4
+from jobrunner.kernels.ops import AMAX_FLOOR, FP8_MAX, pack_int4
 
 GGUF_INT8_TYPES = ("Q8_0",)
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1")

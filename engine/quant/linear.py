@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.kernels import dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.ops import dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 
 
 class QuantLinear(nn.Module):

@@ -63,7 +63,7 @@ def calibration_ids(tokenizer, n: int = CALIBRATION_TOKENS) -> list[int]:
 def input_amax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Max |x| per input channel of every decoder linear over one prefill of token_ids (float model).
     Keys like "layers.3.mlp.down_proj"; values float32 [in_features]."""
-    from jobrunner.kernels import AttentionMetadata
+    from jobrunner.kernels.ops import AttentionMetadata
 
     cfg = model.config
     device = model.norm.weight.device

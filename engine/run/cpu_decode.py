@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from jobrunner.engine.config.engine_config import cache_root
-from jobrunner.kernels import DecodeLibrary, compile_command, library_name
+from jobrunner.kernels.ops import DecodeLibrary, compile_command, library_name
 
 MODES = ("auto", "gather")
 BUILD_TIMEOUT_S = 120

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from jobrunner.kernels import AttentionMetadata
+from jobrunner.kernels.ops import AttentionMetadata
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -68,7 +68,7 @@ class DecodeGraphs:
             slot_mapping=self.vectors[2, :bs], block_tables=self.tables[:bs], query_start_loc=self.query_start[:bs + 1],
             seq_lens_t=self.seq_lens[:bs], sliding_window=self.sliding_window)
         if self.capture:
-            from jobrunner.kernels import choose_num_splits
+            from jobrunner.kernels.ops import choose_num_splits
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             meta.decode_splits = choose_num_splits(bs, self.model.shards.kv_heads, self.max_blocks * self.block_size,
                                                    sms)      # this rank's KV heads

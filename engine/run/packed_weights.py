@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from jobrunner.kernels import PACKED_DTYPES, pack_linear, packing_available
+from jobrunner.kernels.ops import PACKED_DTYPES, pack_linear, packing_available
 
 log = logging.getLogger("engine")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from jobrunner.kernels import to_device
+from jobrunner.kernels.ops import to_device
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from jobrunner.engine.api.request import EmbedParams
-from jobrunner.kernels import to_device
+from jobrunner.kernels.ops import to_device
 
 
 class Pooler:

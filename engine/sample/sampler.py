@@ -16,7 +16,7 @@ import torch
 
 from jobrunner.engine.sample.logits_process import LogitsAdjust
 from jobrunner.engine.api.request import SamplingParams, TokenLogprob
-from jobrunner.kernels import to_device
+from jobrunner.kernels.ops import to_device
 
 
 @dataclass

@@ -21,7 +21,7 @@ from jobrunner.engine.quant.linear import Int4Linear, Int8Linear
 from jobrunner.engine.shipped.shipped_linear import ConcatLinear, Fp8WeightLinear, PermutedInput, ShippedW8A8Linear
 from jobrunner.engine.shipped.scheme import ModuleScheme
 from jobrunner.engine.shipped.unpack import FloatLevels, IntLevels
-from jobrunner.kernels import pack_int4
+from jobrunner.kernels.ops import pack_int4
 
 
 def fused_module(scheme: ModuleScheme, parts: list[IntLevels | FloatLevels], bias: torch.Tensor | None,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from jobrunner.engine.quant.linear import QuantLinear
-from jobrunner.kernels import dequantize_fp8, fp8_matmul, fp8_weight_matmul, fp8_weight_matmul_ref, moe_by_expert, silu_and_mul, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
+from jobrunner.kernels.ops import dequantize_fp8, fp8_matmul, fp8_weight_matmul, fp8_weight_matmul_ref, moe_by_expert, silu_and_mul, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
 
 
 class ShippedW8A8Linear(QuantLinear):

@@ -23,7 +23,7 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 
-from jobrunner.images.errors import ImageError
+from jobrunner.images.image_error import ImageError
 
 # the instance metadata services (AWS, GCP, Azure, OpenStack; AWS ECS; Alibaba): never, opt-in or not
 METADATA = frozenset(ipaddress.ip_address(a) for a in

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-from jobrunner.images.errors import ImageError
+from jobrunner.images.image_error import ImageError
 
 
 def pil():

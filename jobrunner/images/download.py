@@ -18,7 +18,7 @@ import threading
 import urllib.parse
 
 from jobrunner.images.addresses import HostRule
-from jobrunner.images.errors import ImageError
+from jobrunner.images.image_error import ImageError
 
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
 RETRIED_STATUS = {408, 425, 429, 500, 502, 503, 504}    # with a timeout and a connection error: tried again

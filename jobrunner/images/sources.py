@@ -34,7 +34,7 @@ import fsspec.core
 from jobrunner.common import storage
 from jobrunner.images.addresses import HostRule
 from jobrunner.images.download import Downloads, Failure
-from jobrunner.images.errors import ImageError
+from jobrunner.images.image_error import ImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000       # --max-image-pixels: decompression bombs stop here (PIL warns at 89M)
 DEFAULT_MAX_BYTES = 64 << 20          # an encoded image's bytes at most (a fetch stops reading past it)

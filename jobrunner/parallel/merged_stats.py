@@ -60,6 +60,18 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     if engines:
         s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
     s.update(rates(s, cfg.output.device_hourly_cost))
+    workers = _per_worker(results)
+    s["workers"] = workers
+    runs = [w["run_s"] for w in workers.values()]
+    s["data_parallel"] = {"workers": devices, "rounds": rounds, "lost_workers": sorted(lost),
+                          "rows_by_lost_workers": _rows_by_lost_workers(summaries) if lost_rows is None else lost_rows,
+                          "units": sum(w["units"] for w in workers.values()),
+                          "balance": min(runs) / max(runs) if runs and max(runs) > 0 else None}
+    return s
+
+
+def _per_worker(results: list[dict]) -> dict:
+    """Each rank's figures over its rounds: units, rows, tokens, run time, device-hours, its last exit code."""
     workers = {}
     for v in sorted(results, key=lambda v: (v["rank"], v["round"])):
         x = v.get("summary") or {}
@@ -73,21 +85,17 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
         w["run_s"] += v.get("run_s") or 0.0
         w["exit_code"] = v["exit_code"]
         w["tokens_per_s"] = (w["prompt_tokens"] + w["completion_tokens"]) / max(w["run_s"], 1e-9)
-    s["workers"] = workers
-    runs = [w["run_s"] for w in workers.values()]
-    lost_rows_given = lost_rows
-    # rows a lost worker wrote before it died: the next round found them done, and nobody reported them
+    return workers
+
+
+def _rows_by_lost_workers(summaries: list[tuple[dict, dict]]) -> int:
+    """Rows a lost worker wrote before it died: the next round found them done, and nobody reported them."""
     by_round: dict[int, list[dict]] = {}
     for v, x in summaries:
         by_round.setdefault(v["round"], []).append(x)
-    lost_rows = sum(max(x.get("rows_skipped_done", 0) for x in by_round[r]) - max(
+    return sum(max(x.get("rows_skipped_done", 0) for x in by_round[r]) - max(
         x.get("rows_skipped_done", 0) for x in by_round[r - 1]) - sum(x["rows"] for x in by_round[r - 1])
         for r in by_round if r - 1 in by_round)
-    s["data_parallel"] = {"workers": devices, "rounds": rounds, "lost_workers": sorted(lost),
-                          "rows_by_lost_workers": lost_rows if lost_rows_given is None else lost_rows_given,
-                          "units": sum(w["units"] for w in workers.values()),
-                          "balance": min(runs) / max(runs) if runs and max(runs) > 0 else None}
-    return s
 
 
 def _weighted_percentile(points: list[tuple[float, float]], q: float) -> float | None:

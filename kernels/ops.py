@@ -1,8 +1,13 @@
-"""One dispatch function per op: Triton on CUDA tensors, the pure-torch reference elsewhere.
+"""The kernels' public names: one dispatch function per op, Triton on CUDA tensors, the pure-torch
+reference elsewhere. Each op is a folder with its dispatch and reference beside its Triton form; the
+engine imports only the names below (`from jobrunner.kernels.ops import ...`), never an op's module.
+Importing this needs torch and numpy only: triton is imported on first use of a Triton path
+(kernels/common/triton_utils.py).
 
-Each op lives in its own module beside its reference (`*_ref`). The engine imports only
-the names below, never a module of this package. Importing this package needs torch and
-numpy only: triton is imported on first use of a Triton path (kernels/common/triton_utils.py).
+The folder kernels/ has no __init__.py on purpose: installed it is jobrunner.kernels (a namespace
+package inside jobrunner), and in a checkout's root it never stands in for Hugging Face's `kernels`
+package (which transformers imports), since a regular package later on sys.path wins over a folder
+without __init__.py.
 """
 from jobrunner.kernels.activation.activation import gelu_tanh_and_mul, silu_and_mul
 from jobrunner.kernels.attention.attention import AttentionMetadata, paged_attention, store_kv
