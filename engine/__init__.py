@@ -1,7 +1,7 @@
 """The engine's public face: what the layers above (jobs, jobrunner) may use; they import no
 engine submodule (an import-linter contract in pyproject.toml).
 
-    from engine import Engine, EngineConfig, Request, SamplingParams
+    from jobrunner.engine import Engine, EngineConfig, Request, SamplingParams
     engine = Engine(EngineConfig(model="dummy:tiny"))
     outputs = engine.generate([Request("a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))])
     engine.info.max_model_len, engine.counters().generated_tokens

@@ -27,9 +27,9 @@ def test_public_names_exist():
 
 
 def test_importing_the_face_and_the_job_kinds_loads_no_torch():
-    code = ("import sys, pkgutil, importlib, engine, jobs\n"
-            "for m in pkgutil.iter_modules(jobs.__path__): importlib.import_module('jobs.' + m.name)\n"
-            "from engine import Request, SamplingParams, CheckpointPooling, common_prefix\n"
+    code = ("import sys, pkgutil, importlib\nfrom jobrunner import engine, jobs\n"
+            "for m in pkgutil.iter_modules(jobs.__path__): importlib.import_module('jobrunner.jobs.' + m.name)\n"
+            "from jobrunner.engine import Request, SamplingParams, CheckpointPooling, common_prefix\n"
             "assert 'torch' not in sys.modules, 'torch loaded'\n"
             "engine.Engine\n"
             "assert 'torch' in sys.modules\n")

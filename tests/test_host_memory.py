@@ -13,7 +13,7 @@ glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("C
 # output) live at once, then freed; prints the page faults of the last nine steps (the first maps them)
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
-    from engine import host_memory
+    from jobrunner.engine.run import host_memory
     kept = host_memory.hold() if sys.argv[1] != "default" else False
     if sys.argv[1] == "released":
         host_memory.hold()                  # two engines open, both closed

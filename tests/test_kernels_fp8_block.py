@@ -257,7 +257,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from benchmarks.kernel_bench import cubin_resources
-from kernels import triton_fp8_block as fb
+from jobrunner.kernels.matmul import fp8_block_triton as fb
 
 def compile_(fn, types, constexprs, arch, warps):
     sig = {a: ("constexpr" if a in constexprs else types.get(a, "i32")) for a in fn.arg_names}

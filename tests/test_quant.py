@@ -254,7 +254,7 @@ def test_w8a8_error_against_float(gen):
 def test_w8a8_backend_probe_on_cpus_without_vnni():
     """oneDNN limited to AVX2 (as on CPUs without VNNI) saturates full-range int8 products: the
     probe must notice and pick 7-bit weights (exact there) or fbgemm."""
-    code = ("import torch; from jobrunner.engine.quant import w8a8_backend; from kernels import quant_matmul as qm;"
+    code = ("import torch; from jobrunner.engine.quant import w8a8_backend; from jobrunner.kernels.matmul import quant_matmul as qm;"
             "b, qmax = w8a8_backend(torch.device('cpu')); print(b, qmax, qm.int_mm_exact(127))")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
