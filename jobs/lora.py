@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from jobrunner.engine import Request, RequestOutput
 from jobrunner.jobs.base import RowError
+from jobrunner.jobs.kind import JobKind
 from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
 
 
 class LoraJob:
-    def __init__(self, inner, names: tuple[str, ...], column: str | None = None, by_model: bool = False):
+    def __init__(self, inner: JobKind, names: tuple[str, ...], column: str | None = None, by_model: bool = False):
         self.inner, self.names = inner, frozenset(names)
         self.column, self.by_model = column, by_model
         self.name = inner.name

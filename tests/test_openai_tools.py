@@ -350,7 +350,8 @@ def test_a_datasets_rows_are_offered_the_tools_file(qwen, tmp_path):
     from jobrunner.config.tool_options import check_job_tools
     for kw, words in ((dict(chat=False), "need --chat"), (dict(tool_choice="required", json=True), "contradicts")):
         with pytest.raises(JobConfigError, match=words):
-            check_job_tools(job_config(str(ds), tools=json.dumps([WEATHER]), **kw))
+            cfg = job_config(str(ds), tools=json.dumps([WEATHER]), **kw)
+            check_job_tools(cfg.kind, cfg.prompt.chat)
 
 
 # --- the small gaps ------------------------------------------------------------------------------------

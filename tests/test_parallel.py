@@ -261,9 +261,10 @@ def test_data_parallel_defaults(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "JOBRUNNER_LAUNCHER_PID"):
         monkeypatch.delenv(k, raising=False)
     assert distributed_env() is None
-    assert data_parallel_size(job_config("x", device="cpu")) == 1
-    assert data_parallel_size(job_config("x", device="cpu", data_parallel=3)) == 3
-    assert data_parallel_size(job_config("x", device="cuda:1")) == 1
+    for options, size in ((dict(device="cpu"), 1), (dict(device="cpu", data_parallel=3), 3),
+                          (dict(device="cuda:1"), 1)):
+        cfg = job_config("x", **options)
+        assert data_parallel_size(cfg.engine, cfg.parallel) == size
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
@@ -284,7 +285,7 @@ def test_merge_stats():
                 "sketch": {k: {"n": rows, "q": lat} for k in ("queue", "prefill", "decode")}}
     a, b = result(0, 3, 10.0), result(1, 1, 8.0)
     cfg = job_config("x", device_hourly_cost=3.6)
-    s = merge_stats([a, b], cfg, wall_s=10.0, devices=2, rounds=1, lost=[])
+    s = merge_stats([a, b], cfg.engine, cfg.parallel, cfg.output, wall_s=10.0, devices=2, rounds=1, lost=[])
     assert s["rows"] == 4 and s["prompt_tokens"] == 40 and s["rows_skipped_done"] == 5
     assert s["device_hours"] == pytest.approx(18 / 3600) and s["cost_usd"] == pytest.approx(0.018)
     assert s["decode_tokens_per_s"] == pytest.approx(0.8)

@@ -63,7 +63,10 @@ def test_a_column_option_from_toml_is_checked_too(tmp_path, no_model):
 def test_the_default_id_column_may_be_absent(tmp_path):
     from jobrunner.api.submit import build_config
     ds = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
-    assert checks.check_dataset(build_config(ds, {}))[1] == ["prompt"]     # rows are numbered
+    cfg = build_config(ds, {})
+    named = checks.named_columns(cfg.options(), cfg.given, cfg.kind.name, cfg.prompt.template)
+    assert named == {"prompt_column": "prompt"}           # the default id column is not named: it may be absent
+    assert checks.check_dataset(cfg.input, named)[1] == ["prompt"]     # rows are numbered
 
 
 # --- 7: an unclosed CSV quote ------------------------------------------------------------------
@@ -127,17 +130,17 @@ def test_n_over_1_at_the_checkpoints_greedy_default_exits_before_the_model(tmp_p
 
 
 def test_n_over_1_with_a_checkpoint_that_samples_is_fine(tmp_path):
-    from jobrunner.pipeline import preload
+    from jobrunner.pipeline.resolve import check_sampling
     from jobrunner.config.job import job_config
     cfg_dir = tmp_path / "m"
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(open(f"{ROOT}/benchmarks/configs/tiny-llama.json").read())
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.7}')
     model = f"dummy:{cfg_dir}/config.json"      # resolved: its own path
-    preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
+    check_sampling(job_config("d.jsonl", model=model, n=3), model)
     (cfg_dir / "generation_config.json").write_text('{"temperature": 0.0}')
     with pytest.raises(checks.JobConfigError, match="temperature 0"):
-        preload.check_sampling(job_config("d.jsonl", model=model, n=3), model)
+        check_sampling(job_config("d.jsonl", model=model, n=3), model)
 
 
 # --- 16: a rerun with nothing left to do -----------------------------------------------------

@@ -66,7 +66,8 @@ def test_the_config_goes_to_the_workers_as_json_and_back():
 def test_workers_get_absolute_paths_and_the_drivers_cache_settings(tmp_path, monkeypatch):
     """What a worker in Ray's working directory is shipped: the driver's local paths made absolute (URLs and
     built-in dummy names as they are), its JOBRUNNER_* and HF_* variables (issue 41, items 3 and 4)."""
-    from jobrunner.parallel.ray_cluster import for_workers, worker_env
+    from jobrunner.parallel.ray_cluster import worker_env
+    from jobrunner.parallel.ray_driver import for_workers
     from jobrunner.pipeline.resolve import Resolved
     monkeypatch.chdir(tmp_path)
     (tmp_path / "base").mkdir()

@@ -103,7 +103,8 @@ def test_merged_data_parallel_run_keeps_every_prefix_figure():
               "completion_tokens": 4, "device_hours": 0.001, **prefix}
     results = [{"rank": k, "slot": k, "round": 0, "device": "cpu", "exit_code": 0, "units": 1, "run_s": 1.0,
                 "summary": worker} for k in range(2)]
-    run = merge_stats(results, job_config("x", device_hourly_cost=1.0), wall_s=2.0, devices=2, rounds=1, lost=[])
+    cfg = job_config("x", device_hourly_cost=1.0)
+    run = merge_stats(results, cfg.engine, cfg.parallel, cfg.output, wall_s=2.0, devices=2, rounds=1, lost=[])
     assert {k: run[k] for k in prefix} == prefix
     assert run["cache_hit_of_block_optimum"] == pytest.approx(48 / 48)
     assert run["cost_per_million_tokens"] == pytest.approx(0.002 / 108 * 1e6) and "metrics" not in run

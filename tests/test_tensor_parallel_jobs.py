@@ -191,11 +191,14 @@ def test_gpus_for_data_parallel_by_tensor_parallel(monkeypatch):
     assert world.gpu_groups(None, 4, 4, 1) == ["0", "1", "2", "3"]
     for module in (checks, world):
         monkeypatch.setattr(module, "cuda_count", lambda device: 4)
-    assert world.data_parallel_size(job_config("x", tensor_parallel=2)) == 2
-    assert world.data_parallel_size(job_config("x", tensor_parallel=8)) == 1
-    checks.check_gpus(job_config("x", tensor_parallel=2), 2)
+    def sections(**options):
+        cfg = job_config("x", **options)
+        return cfg.engine, cfg.parallel
+    assert world.data_parallel_size(*sections(tensor_parallel=2)) == 2
+    assert world.data_parallel_size(*sections(tensor_parallel=8)) == 1
+    checks.check_gpus(*sections(tensor_parallel=2), 2)
     with pytest.raises(JobConfigError, match=r"--data-parallel 3 x --tensor-parallel 2 needs 6 GPUs.*default is 2"):
-        checks.check_gpus(job_config("x", tensor_parallel=2), 3)
+        checks.check_gpus(*sections(tensor_parallel=2), 3)
     with pytest.raises(JobConfigError, match=r"--tensor-parallel 2 from cuda:3 needs 5 GPUs"):
-        checks.check_gpus(job_config("x", device="cuda:3", tensor_parallel=2))
-    checks.check_gpus(job_config("x", device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check
+        checks.check_gpus(*sections(device="cuda:3", tensor_parallel=2))
+    checks.check_gpus(*sections(device="cpu", tensor_parallel=8), 4)      # CPU: nothing to check

@@ -53,3 +53,4 @@ class EngineInfo:
     quantization: str = "none"      # what the weights run as: ours (int4, ...) or a shipped checkpoint's scheme
     vision: bool = False            # takes images (Request.images): a vision-language model
     packed_weights: bool = False    # CPU float linears run on oneDNN over packed weights (engine/run/packed_weights.py)
+    batch_invariant: bool = False   # a row's results do not depend on its batch (engine/run/batch_invariance.py)

@@ -30,6 +30,8 @@ class EngineConfig:
     num_threads: int | None = None      # CPU intra-op threads; None: torch's default
     packed_weights: bool = True         # on CPU, float32/bfloat16 linears over weights packed once for oneDNN
                                         # (float32 not bit-exact against F.linear: engine/run/packed_weights.py)
+    batch_invariant: bool = False       # a row's results bit-identical whatever shares its steps, on CPU
+                                        # (engine/run/batch_invariance.py: how, and what it does not cover)
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/sample/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)

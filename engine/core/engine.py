@@ -246,7 +246,8 @@ def engine_info(rt: EngineRuntime, config: EngineConfig, max_len: int) -> Engine
                       hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, pooling=rt.pooling,
                       generation=rt.generation, quantization=getattr(rt.model, "quantization", "none"),
                       vision=rt.image_processor is not None,
-                      packed_weights=getattr(rt.model, "packed_weights", False))
+                      packed_weights=getattr(rt.model, "packed_weights", False),
+                      batch_invariant=getattr(rt.model, "batch_invariant", False))
 
 
 def vision_spec(model) -> VisionSpec | None:

@@ -8,7 +8,8 @@ reference its fast `forward` (kernel) is tested against, and `dequantize(dtype)`
     module          buffers                                              forward
     Int8Linear      qweight int8 [N, K], scales f32 [N, K // G]          int8_matmul (Triton on CUDA;
                                                                           CPU: dequantize + float matmul)
-    Int4Linear      packed u8 [N, Kp // 2], scales/zeros f16 [N, Kp // G] int4_matmul (same)
+    Int4Linear      packed u8 [N, Kp // 2], scales/zeros f16 [N, Kp // G] int4_matmul (same; on CPU the C kernel
+                                                                          over the nibbles, when built)
     W8A8Linear      qweight int8 [N, K], scales f32 [N, 1]               per-token int8 x, torch._int_mm
                     (fbgemm backend: a prepacked weight instead)         (or fbgemm dynamic linear)
     Fp8Linear       qweight e4m3 [N, K], scales f32 [N, 1]               torch._scaled_mm (CUDA >= 8.9)
@@ -98,9 +99,10 @@ class Int4Linear(QuantLinear):
         self.register_buffer("packed", packed)      # [N, Kp // 2] uint8
         self.register_buffer("scales", scales)      # [N, Kp // G] float16
         self.register_buffer("zeros", zeros)        # [N, Kp // G] float16
+        self.cpu_kernel = None                      # the CPU int4 kernel, once engine/run/cpu_int4_build.py hands it
 
     def forward(self, x):
-        return int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+        return int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size, self.bias, self.cpu_kernel)
 
     def forward_ref(self, x):
         return int4_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)

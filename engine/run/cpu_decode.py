@@ -52,14 +52,15 @@ def _cpu_tag() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}-{digest}"
 
 
-def build_library(path: Path) -> None:
+def build_library(path: Path, command=compile_command) -> None:
     """Compiles the kernel to a temporary name beside path, then renames it. Raises RuntimeError with the
-    compiler's message when it fails."""
+    compiler's message when it fails. command(cc, output) -> argv: the decode attention's by default (the int4
+    matmul's: engine/run/cpu_int4_build.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.so")
     cc = shlex.split(os.environ.get("CC") or "cc")
     try:
-        done = subprocess.run(compile_command(cc, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run(command(cc, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"{' '.join(cc)}: {e}") from e
     if done.returncode != 0:

@@ -96,6 +96,7 @@ class ModelRunner:
         self.channel = channel                      # a tensor-parallel group's; None on one device
         # the in-place CPU decode attention (engine/run/cpu_decode.py builds and loads it), for float caches on CPU
         self.cpu_decode = DecodeKernels() if self.device.type == "cpu" else None
+        self.batch_invariant = getattr(model, "batch_invariant", False)   # engine/run/batch_invariance.py
         cfg = model.config
         # One block more than the pool hands out: the padding rows of graph batches write there.
         self.pad_block = num_blocks
@@ -187,7 +188,7 @@ class ModelRunner:
             return self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.seq_lens, plan.tables, patch)
         dev = self.device
         meta = AttentionMetadata.build(self.block_size, plan.num_decodes, plan.query_lens, plan.seq_lens, plan.slots,
-                                       plan.tables, dev, self.sliding_window, self.cpu_decode)
+                                       plan.tables, dev, self.sliding_window, self.cpu_decode, self.batch_invariant)
         ids = to_device(plan.input_ids, dev, np.int64)
         pos = to_device(plan.mrope_positions if plan.mrope_positions is not None else plan.positions, dev, np.int64)
         if self.loras is not None:

@@ -18,11 +18,13 @@ from jobrunner.kernels.ops import PACKED_DTYPES, pack_linear, packing_available
 log = logging.getLogger("engine")
 
 
-def pack_linears(model: nn.Module) -> int | None:
+def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
     """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place, one at a time
     (the dense weight is freed as its packed one arrives: no second copy of the model at load).
     Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
-    the first packing failed its check (then the model is left as it was)."""
+    the first packing failed its check (then the model is left as it was). batch_invariant: each packed in
+    its batch-invariant form (kernels/matmul/cpu_linear.py), each shape checked for it; a failure leaves
+    linears unpacked (engine/run/batch_invariance.check_model refuses the model then)."""
     if not packing_available():
         log.info("engine: this torch has no oneDNN; linears run on F.linear")
         return None
@@ -35,7 +37,8 @@ def pack_linears(model: nn.Module) -> int | None:
         m = model.get_submodule(name)
         shape = (m.in_features, m.out_features, m.weight.dtype, m.bias is not None)
         try:
-            p = pack_linear(m, check=shape not in checked)     # per shape: every linear checked cost the default model ~0.25 s of load
+            p = pack_linear(m, check=shape not in checked,     # per shape: every linear checked cost the default model ~0.25 s of load
+                            batch_invariant=batch_invariant)
             checked.add(shape)
         except (RuntimeError, ValueError) as e:
             log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,

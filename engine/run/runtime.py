@@ -23,7 +23,10 @@ from jobrunner.engine.config.model_config import ModelConfig
 from jobrunner.engine.models import model_class
 from jobrunner.engine.models.base import CausalLM
 from jobrunner.engine.run.model_runner import ModelRunner
+from jobrunner.engine.run.cpu_decode import DecodeKernels
 from jobrunner.engine.run.packed_weights import pack_linears
+from jobrunner.engine.run import batch_invariance
+from jobrunner.engine.run.cpu_int4_build import attach_int4_kernel
 from jobrunner.engine.parallel.group import SINGLE, TensorParallel, building
 from jobrunner.engine.parallel.launch import Followers
 from jobrunner.engine.parallel.shards import check_split
@@ -122,6 +125,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     if bundle is None:                 # the checkpoint's files and config, no weight read yet
         from jobrunner.engine.load.loader import load_model_bundle
         bundle = load_model_bundle(config.model)
+    if config.batch_invariant:         # what the mode does not cover yet, refused before any weight is read
+        batch_invariance.check_config(config, bundle, device, kv_dtype)
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
     shipped = getattr(bundle, "quantization", None)
@@ -171,9 +176,14 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
         quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
-        added = pack_linears(model)
+        added = pack_linears(model, batch_invariant=config.batch_invariant)
         model.packed_weights = added is not None
         weight_bytes += added or 0
+    if config.batch_invariant:                             # read by the runner and EngineInfo
+        batch_invariance.check_model(model, DecodeKernels())
+        model.batch_invariant = True
+    if device.type == "cpu":                               # int4 linears (ours or shipped): the C kernel
+        attach_int4_kernel(model)
     per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype, tp.size)
     budget = config.kv_cache_memory or _default_kv_budget(device, config)
     num_blocks = _agreed(budget // per_block, tp)

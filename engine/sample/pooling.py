@@ -8,7 +8,8 @@ one vector, chunk by chunk as its prompt is computed, then truncated and L2-norm
 A prompt may be computed in several chunks (chunked prefill, a step's token budget), so mean keeps
 a running float32 sum and cls the first position's state, per sequence, on the device, between
 launches. Steps run in launch order on the device's one stream, so the running state a launch
-reads is always the previous chunk's. A chunk starting at position 0 starts afresh: a sequence
+reads is always the previous chunk's. A chunk's rows are added to the running sum one by one in position
+order (index_add_ from the sum so far), so the sum's bits do not depend on where the chunks were cut. A chunk starting at position 0 starts afresh: a sequence
 preempted and recomputed starts again there (mean and cls take nothing from the prefix cache,
 sequence.max_cacheable_prefix; last needs only its final chunk, which always holds the last token).
 """
@@ -31,7 +32,9 @@ class Pooler:
         """hidden: [T, hidden], the step's flattened tokens; rows: (first token row, chunk) of each EMBED
         chunk. Returns the finished vectors of the chunks that complete their sequence, flat ([sum of
         their sizes] float32, in owner order), and their owners (seq_id, size)."""
-        mean_sums = iter(self._chunk_sums(hidden, [(base, c) for base, c in rows if c.seq.embed.pooling == "mean"]))
+        means = [(base, c) for base, c in rows if c.seq.embed.pooling == "mean"]
+        mean_sums = iter(self._chunk_sums(hidden, means, [self._partial.pop(c.seq.seq_id) if c.start > 0 else None
+                                                          for _, c in means]))
         last_rows = [base + c.num_tokens - 1 for base, c in rows if c.seq.embed.pooling == "last" and c.completes]
         lasts = iter(_rows(hidden, last_rows))      # one gather for the step, not one per sequence
         done: list[tuple[torch.Tensor, EmbedParams, int]] = []
@@ -39,9 +42,7 @@ class Pooler:
             seq = chunk.seq
             pooling = seq.embed.pooling
             if pooling == "mean":
-                part = next(mean_sums)
-                if chunk.start > 0:
-                    part = part + self._partial.pop(seq.seq_id)
+                part = next(mean_sums)                  # the running sum through this chunk
                 vector = part / seq.num_tokens if chunk.completes else None
             elif pooling == "cls":
                 part = hidden[base].float() if chunk.start == 0 else self._partial.pop(seq.seq_id)
@@ -56,14 +57,18 @@ class Pooler:
         return finish(done)
 
     @staticmethod
-    def _chunk_sums(hidden: torch.Tensor, rows: list[tuple]) -> list[torch.Tensor]:
-        """The float32 sum of each chunk's rows of hidden, in one index_add over the step."""
+    def _chunk_sums(hidden: torch.Tensor, rows: list[tuple], before: list) -> list[torch.Tensor]:
+        """Each chunk's running float32 sum: its sequence's sum so far (`before`, None: none) plus its rows of
+        hidden, added in order, in one index_add over the step."""
         if not rows:
             return []
         token_rows = np.concatenate([np.arange(base, base + c.num_tokens) for base, c in rows])
         segment = np.repeat(np.arange(len(rows)), [c.num_tokens for _, c in rows])
         dev = hidden.device
         sums = torch.zeros(len(rows), hidden.shape[1], dtype=torch.float32, device=dev)
+        for i, b in enumerate(before):
+            if b is not None:
+                sums[i] = b
         sums.index_add_(0, to_device(segment, dev, np.int64),
                         hidden.index_select(0, to_device(token_rows, dev, np.int64)).float())
         return list(sums.unbind(0))

@@ -33,12 +33,12 @@ from jobrunner.api.messages import api_message, check_known
 from jobrunner.api.submit import JobFailedError, api_errors, build_config
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import read_rows
-from jobrunner.pipeline import checks, preload
+from jobrunner.pipeline import checks
 from jobrunner.pipeline.build import load_engine, open_job
 from jobrunner.pipeline.ending import JobResult
 from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, rows_verdict
 from jobrunner.pipeline.progress import Progress
-from jobrunner.pipeline.resolve import cache_url, resolve, resolve_engine
+from jobrunner.pipeline.resolve import cache_url, check_sampling, resolve, resolve_engine
 from jobrunner.output.values import id_key
 
 __all__ = ["EngineSession", "generate", "open_engine"]
@@ -194,7 +194,7 @@ def _raise_unless_ok(cfg: JobConfig, result: JobResult, options: dict) -> None:
     if result.exit_code == EXIT_CONFIG:     # no rows, with fail_on_empty
         raise JobConfigError("no rows to run; failing, as fail_on_empty asks")
     if result.exit_code != EXIT_OK:         # over max_error_rate, or every row failed (exit_codes.py)
-        raise JobFailedError(rows_verdict(cfg, result.stats, "", result.stats["rows"], options="api")[1], result)
+        raise JobFailedError(rows_verdict(cfg.output, result.stats, "", result.stats["rows"], options="api")[1], result)
 
 
 def _write_rows(fs, root: str, rows) -> tuple[str, str, int]:
@@ -302,10 +302,10 @@ def _resolve_rows(cfg: JobConfig):
     """What resolve finds for a job over Rows in memory: the checks that need no file (the template's
     and constraint's syntax, n > 1 at a greedy default), the model, its precision, the result cache's URL."""
     with api_errors():
-        checks.check_template(cfg, [])
-        checks.check_constraint(cfg)
+        checks.check_template(cfg.prompt.template, cfg.input.dataset, [])
+        checks.check_constraint(cfg.kind, cfg.engine.grammar_timeout)
         resolved = replace(resolve_engine(cfg), fmt=ROWS_FORMAT, cache_url=cache_url(cfg))
-        preload.check_sampling(cfg, resolved.model)
+        check_sampling(cfg, resolved.model)
     return resolved
 
 

@@ -2,7 +2,7 @@
 
 A key is blake2b-128 over (the model key, the request's description). The model key covers the
 checkpoint's content (jobrunner/cache/identity.py) and the numeric mode (dtype, quantization, KV
-cache dtype, device type, torch's version, packed CPU weights, engine.numerics.NUMERICS_VERSION). The request's
+cache dtype, device type, torch's version, packed CPU weights, batch invariance, engine.numerics.NUMERICS_VERSION). The request's
 description is every field of engine.request.Request but its id and its prompt text (kept for the
 output only), plus the job kind: the prompt's token ids, the sampling parameters (seed included),
 the kind's inputs (classify's candidates, score's score_from), a LoRA adapter's content hash, and any field a later change adds
@@ -61,6 +61,8 @@ def job_model_key(model: str, info: EngineInfo, quantization: str, kv_cache_dtyp
                     "torch": ".".join(torch.__version__.split(".")[:2])}
     if info.packed_weights:     # another summation order; keys of the F.linear path stay as they were
         numeric_mode["packed_weights"] = True
+    if info.batch_invariant:    # another summation order (engine/run/batch_invariance.py); off: keys as before
+        numeric_mode["batch_invariant"] = True
     return model_key(checkpoint, numeric_mode)
 
 

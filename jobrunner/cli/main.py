@@ -21,6 +21,7 @@ from jobrunner.pipeline.exit_codes import EXIT_STORAGE
 from jobrunner.pipeline.progress import log_datefmt
 from jobrunner.models.known import known_models, pull as pull_model
 from jobrunner.cli.summary_text import dataset_rows, print_all, print_summary
+from jobrunner.cli.export import export as export_command
 
 # Each command imports the modules that run it inside its function (the API, the dataset readers, the
 # output): they load pyarrow and fsspec, which `jobrunner --help` and a command's option parsing never need.
@@ -180,10 +181,11 @@ def repair(ctx, dataset, **params):
     """
     _setup_logging(params["verbose"])
     from jobrunner.pipeline.manifest_entries import repair_manifest
+    from jobrunner.pipeline.resolve import repair_fingerprint
     from jobrunner.output import OutputError
     try:
         cfg = build_config(ctx, dataset, params)
-        manifest = repair_manifest(cfg)
+        manifest = repair_manifest(cfg.output_url, repair_fingerprint(cfg))
     except (JobConfigError, OutputError) as e:
         _fail_config(e)
     except OSError as e:
@@ -335,7 +337,8 @@ def compare(base, candidate, as_json, page, max_changed_rate, max_missing_rate, 
 @main.group(invoke_without_command=True)
 @click.pass_context
 def models(ctx):
-    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub).
+    """List known model names and what is cached; `models pull NAME` fetches one (or org/name from the Hub);
+    `models export NAME DIR` writes one as a Hugging Face directory.
 
     \b
     Exit codes: 0 listed.
@@ -361,6 +364,7 @@ def pull(name):
     click.echo(str(path))
 
 
+models.add_command(export_command)   # `jobrunner models export NAME DIR` (jobrunner/cli/export.py)
 main.add_command(cache_commands)     # `jobrunner cache stats | prune` (jobrunner/cache/cli.py)
 
 if __name__ == "__main__":

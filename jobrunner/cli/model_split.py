@@ -13,7 +13,8 @@ import os
 
 from jobrunner import engine       # engine.check_split and rank_plan: the engine's shard plans (torch) load at their first read
 from jobrunner.engine import CPU_KV_CACHE_BYTES, ConfigError
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfigError
+from jobrunner.config.sections import EngineOptions, ParallelOptions
 from jobrunner.pipeline.precision import on_gpu
 from jobrunner.parallel.world import data_parallel_size
 
@@ -86,12 +87,12 @@ def _dense_layers(mc) -> bool:
     return any(not mc.moe.is_sparse(i) for i in range(mc.num_layers))
 
 
-def fit_report(cfg: JobConfig, model_config, resolved) -> dict[str, str]:
+def fit_report(engine: EngineOptions, parallel: ParallelOptions, model_config, resolved) -> dict[str, str]:
     """The split (with --tensor-parallel > 1), the weights per rank, the memory of the devices they
     would go on, and whether they fit. JobConfigError when the model does not split."""
-    size = cfg.parallel.tensor_parallel
+    size = parallel.tensor_parallel
     check_model_split(model_config, size)
-    device, dtype, quantization = _precision(cfg.engine.device, resolved)
+    device, dtype, quantization = _precision(engine.device, resolved)
     per_rank = weight_bytes_per_rank(model_config, size, _FLOAT_BYTES[dtype], quantization)
     precision = dtype + (f", {quantization} weights" if quantization != "none" else "")
     report: dict[str, str] = {}
@@ -99,7 +100,7 @@ def fit_report(cfg: JobConfig, model_config, resolved) -> dict[str, str]:
         report["tensor_parallel"] = f"{size} ranks (processes{', GPUs' if device == 'cuda' else ''})"
         report.update(split_lines(model_config, size))
     report["weights per rank" if size > 1 else "weights"] = f"about {_gib(per_rank)} ({precision})"
-    report.update(_memory(cfg, device, per_rank))
+    report.update(_memory(engine, parallel, device, per_rank))
     return report
 
 
@@ -112,12 +113,12 @@ def _precision(device: str, resolved) -> tuple[str, str, str]:
     return "cuda" if on_gpu(device) else "cpu", dtype, resolved.quantization
 
 
-def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
+def _memory(engine: EngineOptions, parallel: ParallelOptions, device: str, per_rank: int) -> dict[str, str]:
     """Each GPU's free memory against a rank's weights; on CPU, the host's against all processes'."""
-    size = cfg.parallel.tensor_parallel
+    size = parallel.tensor_parallel
     if device == "cuda":
         import torch        # torch.cuda's memory figures: on a GPU only
-        base = int(cfg.engine.device.split(":")[1]) if cfg.engine.device.startswith("cuda:") else 0
+        base = int(engine.device.split(":")[1]) if engine.device.startswith("cuda:") else 0
         count = torch.cuda.device_count()
         gpus = list(range(base, min(count, base + size)))
         if len(gpus) < size:
@@ -131,11 +132,11 @@ def _memory(cfg: JobConfig, device: str, per_rank: int) -> dict[str, str]:
                          if ok else f"no: {_gib(per_rank)} of weights per GPU, {_gib(free[tight][0])} free on "
                          f"cuda:{tight}; raise --tensor-parallel or quantize (--quantization int8, int4 or fp8)")
         return lines
-    processes = size * data_parallel_size(cfg)
+    processes = size * data_parallel_size(engine, parallel)
     avail, total = _host_memory()
     if avail is None:
         return {"device memory": "CPU: host memory unknown"}
-    kv = cfg.engine.kv_cache_memory or CPU_KV_CACHE_BYTES        # each process's KV cache (the engine's CPU budget)
+    kv = engine.kv_cache_memory or CPU_KV_CACHE_BYTES        # each process's KV cache (the engine's CPU budget)
     need = processes * (per_rank + kv)
     what = f"{_gib(per_rank)} of weights + {_gib(kv)} of KV cache"
     what = f"{processes} processes x ({what})" if processes > 1 else what

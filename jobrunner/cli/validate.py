@@ -32,19 +32,19 @@ def flops_per_token(mc) -> float:
 def validate_job(cfg: JobConfig) -> dict:
     resolved = resolve(cfg, dry=True)       # a known model name is pulled here, on first use
     fmt, columns, source = resolved.fmt, list(resolved.columns), resolved.model
-    template = checks.check_template(cfg, columns, fmt)
+    template = checks.check_template(cfg.prompt.template, cfg.input.dataset, columns, fmt)
     try:
         bundle = engine.load_model_bundle(source)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
     checks.check_dimensions(cfg.kind, bundle.config)
-    split = fit_report(cfg, bundle.config, resolved)      # JobConfigError when --tensor-parallel does not divide the model
+    split = fit_report(cfg.engine, cfg.parallel, bundle.config, resolved)      # JobConfigError when --tensor-parallel does not divide the model
     tok = bundle.tokenizer
     # unset sampling options: the checkpoint's; the context: truncation as submit does
     spec = replace(cfg.job_spec(bundle.generation.sampling), context=bundle.config.max_position_embeddings)
     try:
         builder = PromptBuilder(spec, tok, template, images=getattr(bundle, "image_processor", None) is not None)
-        job = job_for(fmt, cfg, spec, tok, bundle.pooling, source, builder)
+        job = job_for(fmt, cfg.engine, cfg.input, cfg.lora, spec, tok, bundle.pooling, source, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     # a vision-language checkpoint's image processor (its preprocessor config: no weights needed)

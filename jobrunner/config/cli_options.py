@@ -225,6 +225,10 @@ OPTION_GROUPS: dict[str, list] = {
                      help="On CPU, run float32 and bfloat16 linears on oneDNN over weights packed once at "
                           "load (float32: 1.6-1.7x a job's speed on an AVX-512 EPYC; its last bits differ "
                           "from F.linear's)."),
+        click.option("--deterministic/--no-deterministic", default=D.deterministic, show_default=True,
+                     help="Batch-invariant results (CPU): a row's tokens, logprobs, scores and embeddings are "
+                          "bit-identical whatever else is in its batch, however prompts are chunked or cached, "
+                          "and at any --threads (costs speed: docs/guides/performance.md)."),
         click.option("--threads", type=int, help="CPU compute threads of an engine, shared by its --tensor-parallel "
                                                  "processes (default: the cores no other process is busy on at "
                                                  "start; a thread waiting for a busy core stalls all)."),

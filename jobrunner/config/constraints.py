@@ -49,10 +49,9 @@ def job_constraint(kind) -> Constraint | None:
     return None
 
 
-def check_job_constraint(cfg) -> None:
-    """Compiles the job's constraint (grammar level: no tokenizer needed) within --grammar-timeout;
-    JobConfigError naming the option and the problem."""
-    kind = cfg.kind
+def check_job_constraint(kind, grammar_timeout: float) -> None:
+    """Compiles the constraint of the job's kind section (grammar level: no tokenizer needed) within
+    --grammar-timeout; JobConfigError naming the option and the problem."""
     if kind.name != "generate" or (c := job_constraint(kind)) is None:
         return
     if c.kind == "json_schema":
@@ -60,9 +59,9 @@ def check_job_constraint(cfg) -> None:
     option = next(opt for name, opt in CONSTRAINT_OPTIONS.items() if getattr(kind, name))
     pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
     try:
-        error = pool.submit(engine.check_constraint, c).result(timeout=cfg.engine.grammar_timeout)
+        error = pool.submit(engine.check_constraint, c).result(timeout=grammar_timeout)
     except FutureTimeout:
-        _bad(f"{option}: did not compile within {cfg.engine.grammar_timeout:g} s; simplify it or raise --grammar-timeout")
+        _bad(f"{option}: did not compile within {grammar_timeout:g} s; simplify it or raise --grammar-timeout")
     finally:
         pool.shutdown(wait=False)
     if error:

@@ -124,7 +124,7 @@ class JobConfig:
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_batched_tokens,
             enable_prefix_caching=e.prefix_cache, cuda_graphs=e.cuda_graphs,
             async_scheduling=e.async_scheduling, seed=self.sampling.seed or 0, num_threads=self.cpu_threads(),
-            packed_weights=e.packed_weights,
+            packed_weights=e.packed_weights, batch_invariant=e.deterministic,
             grammar_timeout_s=e.grammar_timeout, tensor_parallel=self.parallel.tensor_parallel,
             loras=resolved.adapter_paths, max_loras=self.lora.max_loras)
 
@@ -234,7 +234,8 @@ _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
                 "pooling", "normalize_embeddings", "dimensions", "served_model_name", "any_model",  # 23, 29
                 "json_schema_mode", "lora", "csv_delimiter",    # 29, 33, 41
                 "tools", "tool_choice", "tool_call_parser",     # 45
-                "image_column")                                 # 44
+                "image_column",                                 # 44
+                "deterministic")                                # 61
 
 
 def _section_classes() -> list[tuple[str, type]]:

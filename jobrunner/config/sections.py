@@ -296,6 +296,7 @@ class EngineOptions:
     async_scheduling: bool = True           # schedule the next step while the current one runs
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     packed_weights: bool = True             # float32/bfloat16 CPU linears on oneDNN over weights packed once
+    deterministic: bool = False             # batch-invariant results: a row's bits whatever shares its batch (CPU)
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
 
     def __post_init__(self):

@@ -25,12 +25,12 @@ def job_tools(kind) -> ToolRequest | None:
         raise JobConfigError(f"--tools: {e}".replace("--tools: tool_choice", "--tool-choice")) from None
 
 
-def check_job_tools(cfg) -> None:
-    """The tools' file and choice, and a forced choice beside a constraint: JobConfigError before any work."""
-    kind = cfg.kind
+def check_job_tools(kind, chat: bool | None) -> None:
+    """The tools' file and choice (of the job's kind section), and a forced choice beside a constraint or
+    tools with --no-chat (`chat`: the prompt's --chat): JobConfigError before any work."""
     if kind.name != "generate" or job_tools(kind) is None:
         return
-    if cfg.prompt.chat is False:
+    if chat is False:
         raise JobConfigError("--tools are offered through the chat template: they need --chat, not --no-chat")
     if kind.tool_choice not in (None, "none", "auto") and (kind.json_schema or kind.json or kind.regex
                                                             or kind.choice or kind.grammar):

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,14 +31,18 @@ from jobrunner.images.decode import decode
 from jobrunner.images.sources import Fetcher, ImageError, ImageLimits, source_of
 from jobrunner.common.threads import available_cores
 
+if TYPE_CHECKING:
+    from jobrunner.engine import PreparedImage
+
 PIXEL_BUDGET = 4 << 30          # bytes of prepared pixels kept for waiting rows; past it the oldest go
 NO_PIXELS = np.zeros(0, np.float32)     # a waiting row's ImageInput.pixels (RowImages holds the real ones)
 
 
 @dataclass(frozen=True, eq=False)
 class Prepared:
-    """One prepared image (engine.PreparedImage: pixels, grid, num_tokens) and its key (engine.image_key)."""
-    image: object
+    """One prepared image (engine.PreparedImage: pixels, grid, num_tokens; a test's fake processor's
+    likeness) and its key (engine.image_key)."""
+    image: PreparedImage
     key: int
 
     @property

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from jobrunner.engine import Request, RequestOutput
-from jobrunner.jobs import RowError
+from jobrunner.jobs import PromptBuilder, RowError
+from jobrunner.jobs.kind import JobKind
 from jobrunner.jobs.embed import EmbedJob
 from jobrunner.jobs.pairs import PairScoreJob
 from jobrunner.jobs.row import NO_NOTES, NO_OPTIONS, RowNotes, RowOptions
@@ -32,8 +33,8 @@ SCORING_NEUTRAL = {"n": (1,), "temperature": (0, 0.0), "seed": None}     # None:
 
 
 class RoutedJob:
-    def __init__(self, main, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None,
-                 builder=None):
+    def __init__(self, main: JobKind, spec: JobSpec, tokenizer, pooling=None, model_names: frozenset[str] | None = None,
+                 builder: PromptBuilder | None = None):
         self.main = main                        # the job's --kind
         self.name = main.name
         self.result_columns = {**main.result_columns, **EmbedJob.result_columns, **PairScoreJob.result_columns}

@@ -4,10 +4,15 @@ rows it holds (failed rows finish first): the id and the input columns with thei
 (its `result_columns`: name -> kind, jobrunner.output.values), null where a row has no value."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
 
 from jobrunner.output.columns import input_names, reserved_columns
 from jobrunner.output.values import ARROW, FIXED_COLUMNS, arrow_schema, vector_kind
+
+if TYPE_CHECKING:
+    from jobrunner.jobs.kind import JobKind
 
 COMMON_COLUMNS = {"reused": "bool"}     # every job row has it, after the fixed and input columns
 VECTOR = "vector"                       # a kind's float32 vector column: its size from the job (vector_size)
@@ -35,7 +40,7 @@ def declared_schema(id_type: pa.DataType, inputs: dict[str, pa.DataType | None],
     return arrow_schema(kinds, types)
 
 
-def result_schema(input_columns: tuple, id_column: str, job, hidden_size: int | None) -> pa.Schema:
+def result_schema(input_columns: tuple, id_column: str, job: JobKind, hidden_size: int | None) -> pa.Schema:
     """The declared schema of a job of kind `job` (jobs.KINDS) over a dataset of `input_columns` ((the
     id's type, column -> type), as jobrunner.dataset.input_types reads them); hidden_size: the model's,
     the size of an embedding unless the job says otherwise (--dimensions)."""

@@ -35,7 +35,8 @@ RUN_SUMS = ROW_SUMS + ("duplicate_ids", "wall_s", "model_load_s", "device_hours"
 # A killed run's figures from its parts' time records: summed over its workers (their own parts), but its wall.
 _KILLED_SUMS = ROW_SUMS + ("device_hours", "cost_usd", "devices")
 # The last run's: its hardware, whether it was interrupted, and for a data-parallel run its workers.
-LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel")
+LATEST = ("device", "devices", "model_weight_bytes", "quantization", "interrupted", "workers", "data_parallel",
+          "batch_invariant", "numerics_version")
 CONSTRAINED_INCOMPLETE = "constrained_incomplete"     # generate's column and the summary's count
 SCHEMA_VALID = "schema_valid"       # generate's column; the summary counts schema_valid and schema_invalid
 _ROW_COLUMNS = ("error", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",

@@ -27,17 +27,24 @@ from jobrunner.config.job import JobConfig
 from jobrunner.pipeline.ending import JobResult
 from jobrunner.parallel.launcher import launch
 from jobrunner.parallel.torchrun import run_distributed
-from jobrunner.parallel.world import data_parallel_size, distributed_env, preflight
+from jobrunner.parallel.world import data_parallel_size, distributed_env
+from jobrunner.pipeline.resolve import Resolved, resolve
 
 log = logging.getLogger("jobrunner")
 
 __all__ = ["data_parallel_size", "distributed_env", "preflight", "run_parallel", "wants_parallel"]
 
+def preflight(cfg: JobConfig) -> Resolved:
+    """What can fail without a model, before any process starts, and what the job's workers share:
+    jobrunner.pipeline.resolve's Resolved (the model's path and precision, the input's format, ...)."""
+    return resolve(cfg, parallel=True)
+
+
 _preflight = preflight      # the name tests/test_errors.py imports
 
 
 def wants_parallel(cfg: JobConfig) -> bool:
-    return distributed_env() is not None or data_parallel_size(cfg) > 1
+    return distributed_env() is not None or data_parallel_size(cfg.engine, cfg.parallel) > 1
 
 
 def run_parallel(cfg: JobConfig) -> JobResult:
@@ -48,4 +55,4 @@ def run_parallel(cfg: JobConfig) -> JobResult:
         if cfg.parallel.data_parallel not in (None, env["world"]):
             log.warning("--data-parallel %s ignored: WORLD_SIZE=%d decides", cfg.parallel.data_parallel, env["world"])
         return run_distributed(cfg, env)
-    return launch(cfg, data_parallel_size(cfg))
+    return launch(cfg, data_parallel_size(cfg.engine, cfg.parallel))

@@ -15,7 +15,8 @@ import threading
 import time
 from functools import partial
 
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfigError
+from jobrunner.config.sections import EngineOptions, InputOptions, OutputOptions, ParallelOptions
 
 from jobrunner.pipeline.ending import JobResult, verdict, write_ending
 from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE
@@ -33,10 +34,15 @@ MAX_ROUNDS = 4                  # launcher mode: passes over the remaining rows 
 
 class Coordinator:
     """Opens rounds, hands nothing out itself (the counter does), notices lost workers, and at the end
-    merges the workers' stats, writes _stats.json and marks the manifest complete."""
+    merges the workers' stats, writes _stats.json and marks the manifest complete. Of the job's options
+    it reads the output's (`output`, at `output_url`), the dataset's (`input`: an empty one's verdict),
+    and those its merged record names (`engine`, `parallel`: merge_stats')."""
 
-    def __init__(self, cfg: JobConfig, store, world: int, alive, retry: bool, fingerprint: dict):
-        self.cfg, self.store, self.world, self.alive, self.retry = cfg, store, world, alive, retry
+    def __init__(self, input: InputOptions, output: OutputOptions, output_url: str, engine: EngineOptions,
+                 parallel: ParallelOptions, *, store, world: int, alive, retry: bool, fingerprint: dict):
+        self.input, self.output, self.output_url = input, output, output_url
+        self.engine, self.parallel = engine, parallel
+        self.store, self.world, self.alive, self.retry = store, world, alive, retry
         self.fingerprint = fingerprint      # cfg.fingerprint_fields(resolved.adapter_hashes)
         self.stopping = False
         self.local_done = False
@@ -59,14 +65,14 @@ class Coordinator:
 
     def run(self) -> JobResult:
 
-        cfg = self.cfg
+        url = self.output_url
         loaded = self._gather(partial(protocol.get_loaded, self.store), range(self.world))
         self._config_errors(loaded)
         if not loaded:
             self._abort(EXIT_FAILED)
             return self._fail("no worker started; see the workers' logs above")
         try:
-            prepare_output(cfg.output_url, {"config": self.fingerprint}, overwrite=cfg.output.overwrite)
+            prepare_output(url, {"config": self.fingerprint}, overwrite=self.output.overwrite)
         except OutputError as e:
             self._abort(EXIT_CONFIG)
             raise JobConfigError(str(e)) from None
@@ -99,16 +105,17 @@ class Coordinator:
                 break
         if self.bar is not None:
             self.bar.close()
-        run = merge_stats(results, cfg, wall_s=time.time() - (start or time.time()), devices=self.world,
+        run = merge_stats(results, self.engine, self.parallel, self.output,
+                          wall_s=time.time() - (start or time.time()), devices=self.world,
                           rounds=rounds, lost=lost)
         code = self._exit_code(results, run, complete)
         run["interrupted"] = run["interrupted"] or code == EXIT_INTERRUPTED
-        summary = job_summary(cfg.output_url, self.fingerprint, run)     # as one worker's job does
+        summary = job_summary(url, self.fingerprint, run)     # as one worker's job does
         why = None
         if code == EXIT_OK:         # over every row of the output, as one worker's job does
-            code, why = verdict(cfg, summary, run["rows"])
+            code, why = verdict(self.input, self.output, url, summary, run["rows"])
         self._finish(summary, manifest, complete, code, rounds)
-        return JobResult(code, summary, cfg.output_url, error=why)
+        return JobResult(code, summary, url, error=why)
 
     # -- steps
 
@@ -146,7 +153,7 @@ class Coordinator:
 
     def _fail(self, message: str) -> JobResult:
         log.error("%s", message)
-        return JobResult(EXIT_FAILED, {}, self.cfg.output_url)
+        return JobResult(EXIT_FAILED, {}, self.output_url)
 
     def _progress(self, r: int, ranks: list[int]) -> None:
         rows = skipped = failed = tokens = 0
@@ -184,7 +191,7 @@ class Coordinator:
     def _finish(self, summary: dict, manifest: dict, complete: bool, code: int, rounds: int) -> None:
         """Stats always; the manifest marked complete only when every round's rows were written."""
         m = {"config": self.fingerprint, **{k: v for k, v in manifest.items() if k != "error"}}
-        write_ending(self.cfg, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
+        write_ending(self.output, self.output_url, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
         protocol.end_rounds(self.store, rounds, code)
         # the store may live in this process (torchrun without an agent): leave only once every worker has read it
         deadline = time.time() + 60

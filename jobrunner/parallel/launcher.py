@@ -27,8 +27,8 @@ from jobrunner.parallel.worker import worker_loop
 from jobrunner.pipeline.checks import check_gpus, check_spread_device
 from jobrunner.pipeline.precision import cuda_count
 from jobrunner.pipeline.progress import log_datefmt
-from jobrunner.pipeline.resolve import Resolved
-from jobrunner.parallel.world import gpu_groups, preflight
+from jobrunner.pipeline.resolve import Resolved, resolve
+from jobrunner.parallel.world import gpu_groups
 from jobrunner.common.run_stats import RUN_ID_ENV
 from jobrunner.common.threads import threads_each
 
@@ -41,7 +41,7 @@ WORKER_COMMAND = [sys.executable, "-m", "jobrunner.parallel"]
 
 def launch(cfg: JobConfig, n: int) -> JobResult:
     """The job over n worker processes on this machine, coordinated from this one."""
-    resolved = preflight(cfg)
+    resolved = resolve(cfg, parallel=True)
     gpus = cuda_count(cfg.engine.device)
     on_gpu = gpus > 0 and cfg.engine.device != "cpu"
     check_spread_device(cfg.engine.device, f"use --device cuda --data-parallel {n} (or CUDA_VISIBLE_DEVICES) "
@@ -49,7 +49,7 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     if cfg.engine.device == "cuda" and not on_gpu:
         raise JobConfigError("--device cuda was asked for but no CUDA GPU is visible")
     if on_gpu:
-        check_gpus(cfg, n)
+        check_gpus(cfg.engine, cfg.parallel, n)
     tp = cfg.parallel.tensor_parallel
     groups = gpu_groups(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus, n, tp)
     # a worker's threads are its engine's, shared by its tensor-parallel ranks (JobConfig.cpu_threads):
@@ -61,8 +61,8 @@ def launch(cfg: JobConfig, n: int) -> JobResult:
     engines = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
     log.info("data parallel: %d workers%s on %s", n, engines, f"GPUs {' | '.join(groups)}" if on_gpu
              else f"CPU, {threads_each(threads, tp)} threads a process")
-    coord = Coordinator(cfg, store, n, alive=lambda r: procs[r].poll() is None, retry=True,
-                        fingerprint=resolved.fingerprint(cfg))
+    coord = Coordinator(cfg.input, cfg.output, cfg.output_url, cfg.engine, cfg.parallel, store=store, world=n,
+                        alive=lambda r: procs[r].poll() is None, retry=True, fingerprint=resolved.fingerprint(cfg))
 
     def on_signal(signum, frame):
         coord.stopping = True

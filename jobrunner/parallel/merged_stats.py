@@ -4,8 +4,12 @@ every row (metrics included) is then computed from the parts, as for one worker 
 """
 from __future__ import annotations
 
-from jobrunner.config.job import JobConfig
+from typing import TYPE_CHECKING
+
 from jobrunner.common.run_stats import PREFIX_KEYS, REUSE_SUMS, ROW_SUMS, percentile, rates, summed
+
+if TYPE_CHECKING:
+    from jobrunner.config.sections import EngineOptions, OutputOptions, ParallelOptions
 
 SKETCH_POINTS = 1001            # latency quantiles each worker sends for the merged percentiles
 
@@ -23,12 +27,14 @@ def worker_sketch(stats) -> dict:
     return out
 
 
-def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: int, rounds: int,
+def merge_stats(results: list[dict], engine: EngineOptions, parallel: ParallelOptions, output: OutputOptions, *,
+                wall_s: float, devices: int, rounds: int,
                 lost: list[int], planner: dict | None = None, lost_rows: int | None = None) -> dict:
     """One run's record from its workers' records (JobStats.summary keys, over the run's wall time), plus
     `workers`: each rank's own figures, and `data_parallel`: rounds, lost workers, units, balance.
     `planner`: the record of a plan made apart (a Ray job's driver: the rows it wrote, its plan's figures);
-    `lost_rows`: the rows lost workers wrote, where the caller counted them."""
+    `lost_rows`: the rows lost workers wrote, where the caller counted them. Of the job's options it reads
+    the engine's ranks (`parallel`), its --quantization (`engine`) and --device-hourly-cost (`output`)."""
     summaries = [(v, v["summary"]) for v in results if v.get("summary")]
     first = min(summaries, key=lambda vs: (vs[0]["round"], vs[0]["slot"]))[1] if summaries else {}
     first = planner or first
@@ -44,10 +50,10 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     s.update(wall_s=max(wall_s, 1e-9), model_load_s=max((x.get("model_load_s") or 0 for _, x in summaries),
                                                         default=0.0),
              device=",".join(sorted({v["device"] for v in results})) or None,
-             devices=devices * cfg.parallel.tensor_parallel,         # each worker's engine spans tensor_parallel devices
+             devices=devices * parallel.tensor_parallel,         # each worker's engine spans tensor_parallel devices
              device_hours=sum(x.get("device_hours") or 0 for _, x in summaries),
              model_weight_bytes=first.get("model_weight_bytes", 0),
-             quantization=first.get("quantization", cfg.engine.quantization),      # as the workers resolved it (auto)
+             quantization=first.get("quantization", engine.quantization),      # as the workers resolved it (auto)
              interrupted=any(x.get("interrupted") for _, x in summaries))
     for name in ("queue", "prefill", "decode"):
         points = [(q, v["sketch"][name]["n"] / len(v["sketch"][name]["q"]))
@@ -59,7 +65,7 @@ def merge_stats(results: list[dict], cfg: JobConfig, *, wall_s: float, devices: 
     engines = [x["engine"] for _, x in summaries if isinstance(x.get("engine"), dict)]
     if engines:
         s["engine"] = {k: sum(e.get(k) or 0 for e in engines) for k in engines[0]}
-    s.update(rates(s, cfg.output.device_hourly_cost))
+    s.update(rates(s, output.device_hourly_cost))
     workers = _per_worker(results)
     s["workers"] = workers
     runs = [w["run_s"] for w in workers.values()]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfigError
 
 NAMESPACE = "jobrunner"
 
@@ -92,19 +91,6 @@ def worker_env(environ=None) -> dict[str, str]:
     return env
 
 
-def for_workers(cfg: JobConfig, resolved):
-    """(cfg, resolved) as a worker in another working directory reads them: local paths (the dataset, the
-    output, the model, the adapters, the result cache) made absolute here. Only what is shipped: the
-    driver's own config keeps them as given (the output's fingerprint has them so)."""
-    i, o = cfg.input, cfg.output
-    cfg = replace(cfg, input=replace(i, dataset=absolute_url(i.dataset)),
-                  output=replace(o, output=absolute_url(cfg.output_url)))
-    resolved = replace(resolved, model=_absolute_if_here(resolved.model),
-                       cache_url=resolved.cache_url and absolute_url(resolved.cache_url),
-                       lora=tuple((n, _absolute_if_here(p), h) for n, p, h in resolved.lora))
-    return cfg, resolved
-
-
 def absolute_url(url: str) -> str:
     """A local path made absolute; a URL (s3://, file://, memory://, ...) as it is."""
     if "://" in url or not url:
@@ -112,9 +98,9 @@ def absolute_url(url: str) -> str:
     return os.path.abspath(os.path.expanduser(url))
 
 
-def _absolute_if_here(model: str) -> str:
+def absolute_if_here(model: str) -> str:
     """A model or adapter that is a local path here, made absolute (dummy:<config path> too); a URL or a
     name (dummy:tiny-llama) as it is."""
     if model.startswith("dummy:"):
-        return "dummy:" + _absolute_if_here(model.removeprefix("dummy:"))
+        return "dummy:" + absolute_if_here(model.removeprefix("dummy:"))
     return absolute_url(model) if "://" not in model and os.path.exists(model) else model

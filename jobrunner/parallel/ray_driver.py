@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.dataset import rows_to_read
@@ -37,12 +38,12 @@ from jobrunner.pipeline.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.pipeline.plan import WINDOW_ROWS
 from jobrunner.output import OutputError, prepare_output
 from jobrunner.output.summary import job_summary
+from jobrunner.pipeline.resolve import Resolved, resolve
 from jobrunner.parallel.launcher import config_to_json
-from jobrunner.parallel.ray_cluster import connect, first_line, for_workers, import_ray, worker_env
+from jobrunner.parallel.ray_cluster import absolute_if_here, absolute_url, connect, first_line, import_ray, worker_env
 from jobrunner.parallel.ray_plan import Shipper, refill
 from jobrunner.parallel.ray_queue import WorkQueue
 from jobrunner.parallel.merged_stats import merge_stats
-from jobrunner.parallel.world import preflight
 
 log = logging.getLogger("jobrunner")
 
@@ -62,7 +63,7 @@ def run_ray(cfg: JobConfig) -> JobResult:
     try:
         driver.start_workers()      # their processes start (Python, torch) while the job is checked here
         # jobrunner.job.resolve, once for the job: its workers get it as JSON, and load their engine
-        driver.load_workers(preflight(cfg))
+        driver.load_workers(resolve(cfg, parallel=True))
         return driver.run()
     finally:
         driver.end()
@@ -333,7 +334,8 @@ class RayDriver:
     def _finish(self, planned: dict, start: float) -> JobResult:
         cfg, results = self.cfg, self.results
         ever = {v["rank"] for v in results} | set(self.lost)
-        run = merge_stats(results, cfg, wall_s=time.time() - start, devices=len(ever), rounds=1, lost=self.lost,
+        run = merge_stats(results, cfg.engine, cfg.parallel, cfg.output, wall_s=time.time() - start, devices=len(ever),
+                          rounds=1, lost=self.lost,
                           planner=planned, lost_rows=self.lost_rows)
         codes = {v["exit_code"] for v in results}
         interrupted = self.stop.is_set() and not self.no_workers       # a signal, here or in the plan's Job
@@ -346,7 +348,7 @@ class RayDriver:
         summary = job_summary(cfg.output_url, self.fingerprint, run)
         why = None
         if code == EXIT_OK:
-            code, why = verdict(cfg, summary, run["rows"])
+            code, why = verdict(cfg.input, cfg.output, cfg.output_url, summary, run["rows"])
         elif code == EXIT_FAILED and unwritten > 0 and not self.no_workers:
             why = (f"{unwritten} of the {self.ship.shipped_rows} rows shipped to the Ray workers came back in no "
                    "part; the rows written are kept: run the same command again to write the others"
@@ -359,5 +361,18 @@ class RayDriver:
         m = {**self.parts.manifest, "config": self.fingerprint,
              "ray": {"job_id": ctx.get_job_id(), "address": self.opts.address, "workers": len(ever),
                      "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID")}}
-        write_ending(cfg, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
+        write_ending(cfg.output, cfg.output_url, summary, m, complete, interrupted=code == EXIT_INTERRUPTED, by_workers=True)
         return JobResult(code, summary, cfg.output_url, error=why)
+
+
+def for_workers(cfg: JobConfig, resolved: Resolved) -> tuple[JobConfig, Resolved]:
+    """(cfg, resolved) as a worker in another working directory reads them: local paths (the dataset, the
+    output, the model, the adapters, the result cache) made absolute here. Only what is shipped: the
+    driver's own config keeps them as given (the output's fingerprint has them so)."""
+    i, o = cfg.input, cfg.output
+    cfg = replace(cfg, input=replace(i, dataset=absolute_url(i.dataset)),
+                  output=replace(o, output=absolute_url(cfg.output_url)))
+    resolved = replace(resolved, model=absolute_if_here(resolved.model),
+                       cache_url=resolved.cache_url and absolute_url(resolved.cache_url),
+                       lora=tuple((n, absolute_if_here(p), h) for n, p, h in resolved.lora))
+    return cfg, resolved

@@ -59,7 +59,8 @@ class Shipper:
         finally:
             parts.reuse.close()
         parts.writer.flush()
-        return run_record(parts.stats, parts.planner, info, EngineCounters(), parts.cfg, interrupted)
+        return run_record(parts.stats, parts.planner, info, EngineCounters(), parts.parallel, parts.output,
+                          interrupted)
 
     def _ship(self, window, pending: dict, reuse) -> None:
         rows = sum(len(u.items) for u in window)

@@ -18,9 +18,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import ray
+from ray.actor import ActorHandle
 
 from jobrunner import engine
 from jobrunner.engine import cache_root
@@ -32,9 +34,11 @@ from jobrunner.pipeline.progress import log_datefmt
 from jobrunner.pipeline import build
 from jobrunner.pipeline.build import open_job
 from jobrunner.parallel.launcher import config_from_json
-from jobrunner.parallel.worker import run_claimed
-from jobrunner.parallel.world import worker_config
+from jobrunner.parallel.worker import run_claimed, worker_config
 from jobrunner.pipeline.resolve import Resolved
+from jobrunner.pipeline.pending import PendingRow, ShippedUnit
+from jobrunner.planner import WorkUnit
+from jobrunner.output import ResultWriter
 
 log = logging.getLogger("jobrunner")
 
@@ -47,12 +51,12 @@ class QueueUnits:
     """The work source: the queue's bundles, in the order handed out; the next ask is always in flight
     (its round trip hides behind a bundle). The job's pending rows and writer, which it hands in with
     the plan, tell which bundles are written (`written`)."""
-    queue: object
+    queue: ActorHandle      # the WorkQueue actor (ray_queue.py)
     rank: int               # the run's slot: its parts' prefix
     world: int
     hits_now = False        # the driver wrote the hits
-    pending: dict = field(default_factory=dict)
-    writer: object = None
+    pending: dict[str, PendingRow] = field(default_factory=dict)
+    writer: ResultWriter | None = None      # the Job's (a Ray worker writes parts), handed in with the plan
     ran: list[int] = field(default_factory=list)        # bundles taken, in order
     running: dict[int, list[str]] = field(default_factory=dict)     # bundle -> leader ids, rows not all done
     finished: dict[int, int] = field(default_factory=dict)          # bundle -> parts the writer had then
@@ -62,7 +66,8 @@ class QueueUnits:
     def part_prefix(self) -> str:
         return f"part-r{self.rank}"
 
-    def units(self, units, pending, writer):
+    def units(self, units: Iterable[WorkUnit], pending: dict[str, PendingRow],
+              writer: ResultWriter) -> Iterator[tuple[ShippedUnit | None, bool]]:
         self.pending, self.writer = pending, writer
         ask = self.queue.next.remote(self.rank, WAIT_S)
         while True:
@@ -78,7 +83,7 @@ class QueueUnits:
             seq, (ref,) = reply
             yield from self.hand_out(seq, ray.get(ref))
 
-    def hand_out(self, seq: int, bundle: list):
+    def hand_out(self, seq: int, bundle: list[ShippedUnit]) -> Iterator[tuple[ShippedUnit, bool]]:
         """A bundle's units to the Job one by one, as its engine has room. Its rows count as running only
         once its last unit is the Job's (the Job adopts a unit as it gets it): before, a later unit's rows
         are in no pending set, and the bundle would be confirmed written while they were never run."""

@@ -18,12 +18,12 @@ from dataclasses import replace
 
 from jobrunner.config.job import JobConfig
 from jobrunner.pipeline.ending import JobResult
+from jobrunner.pipeline.resolve import resolve
 from jobrunner.parallel import protocol
 from jobrunner.parallel.coordinator import Coordinator
 from jobrunner.parallel.worker import worker_loop
 from jobrunner.pipeline.checks import check_gpus
 from jobrunner.pipeline.precision import cuda_count
-from jobrunner.parallel.world import preflight
 from jobrunner.common.threads import available_cores, threads_each
 
 log = logging.getLogger("jobrunner")
@@ -38,11 +38,11 @@ def run_distributed(cfg: JobConfig, env: dict) -> JobResult:
         # each rank's engine spans tensor_parallel GPUs of its own node: local rank L has cuda:L*T and its
         # engine's followers the next T-1 (engine.parallel.launch), so a tensor-parallel group never spans
         # nodes; `torchrun --nproc-per-node GPUS/T`
-        check_gpus(cfg, env["local_world"])
+        check_gpus(cfg.engine, cfg.parallel, env["local_world"])
         cfg = replace(cfg, engine=replace(cfg.engine, device=f"cuda:{env['local_rank'] * cfg.parallel.tensor_parallel}"))
     else:   # the other local ranks are ours; this rank's share is its engine's, split among its processes
         threads = cfg.engine.threads or threads_each(None, env["local_world"], available_cores())
-    resolved = preflight(cfg)       # each rank is its own process: it resolves once, for all its rounds
+    resolved = resolve(cfg, parallel=True)       # each rank is its own process: it resolves once, for all its rounds
     store = protocol.rendezvous_store()
     ns = protocol.namespace(store, attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log.info("rank %d of %d (%s)", rank, world, cfg.engine.device if on_gpu else f"CPU, {threads} threads")
@@ -63,7 +63,8 @@ def _coordinate_and_work(cfg: JobConfig, resolved, ns, world: int, threads: int 
     monitor = _HeartbeatMonitor(ns.clone())
     # the local worker counts as gone once worker_loop has returned without acknowledging the end (e.g.
     # stopped by a signal); one that acknowledged is counted in `exited`, so stays a member for the handshake
-    coord = Coordinator(cfg, ns.clone(), world, retry=False,
+    coord = Coordinator(cfg.input, cfg.output, cfg.output_url, cfg.engine, cfg.parallel, store=ns.clone(), world=world,
+                        retry=False,
                         alive=lambda r: monitor(r) and not (r == 0 and coord.local_done),
                         fingerprint=resolved.fingerprint(cfg))
     thread = threading.Thread(target=coord.run_in_thread, name="jobrunner-coordinator", daemon=True)

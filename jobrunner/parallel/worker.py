@@ -7,10 +7,11 @@ fast worker takes more and all finish within about one engine queue of each othe
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jobrunner.engine import EngineFailure
 from jobrunner.config.job import JobConfig, JobConfigError
@@ -18,16 +19,25 @@ from jobrunner.dataset import rows_to_read
 from jobrunner.pipeline.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_STORAGE
 from jobrunner.pipeline import build      # build.load_engine, read at each call (tests replace it)
 from jobrunner.pipeline.build import open_job
+from jobrunner.pipeline.resolve import Resolved
 from jobrunner.parallel import protocol
 from jobrunner.parallel.protocol import Stop
-from jobrunner.planner import spread_units
+from jobrunner.planner import WorkUnit, spread_units
+from jobrunner.pipeline.contracts import RowWriter
+from jobrunner.pipeline.pending import PendingRow
 from jobrunner.parallel.merged_stats import worker_sketch
-from jobrunner.parallel.world import worker_config
 
 log = logging.getLogger("jobrunner")
 
 
-def worker_loop(cfg: JobConfig, resolved, rank: int, world: int, store, threads: int | None = None,
+def worker_config(cfg: JobConfig, threads: int | None) -> JobConfig:
+    """cfg as a worker runs it: the coordinator (or the Ray driver) alone prepares, and overwrites, the
+    output; the launcher shares the cores out (`threads` for its engine; None: cfg's)."""
+    return replace(cfg, output=replace(cfg.output, overwrite=False),
+                   engine=replace(cfg.engine, threads=threads or cfg.engine.threads))
+
+
+def worker_loop(cfg: JobConfig, resolved: Resolved, rank: int, world: int, store, threads: int | None = None,
                 before_exit=lambda: None) -> int:
     """One worker: load the engine once, then run rounds as the coordinator opens them. Returns an exit code.
     `resolved`: the launcher's (or this torchrun rank's) jobrunner.job.resolve, shared by every round.
@@ -81,7 +91,7 @@ class SharedUnits:
     big ones. Across workers the locality is lost anyway; within a unit nothing changes. Both steps are
     deterministic, so every worker agrees on the units and their order.
     """
-    claim: object           # index -> whether this worker runs the unit (_Claim)
+    claim: Callable[[int], bool]    # index -> whether this worker runs the unit (_Claim)
     rank: int
     world: int
     out_tokens: int         # tokens a row generates at most: n * max_tokens
@@ -91,7 +101,8 @@ class SharedUnits:
     def part_prefix(self) -> str:
         return f"part-r{self.rank}"
 
-    def units(self, units, pending, writer):
+    def units(self, units: Iterable[WorkUnit], pending: dict[str, PendingRow],
+              writer: RowWriter) -> Iterator[tuple[WorkUnit, bool]]:
         index = 0
         for batch in spread_windows(units, self.world, lambda key: pending[key].tokens, self.out_tokens):
             for unit in batch:

@@ -1,13 +1,12 @@
 """How many workers and on what: torchrun's variables, --data-parallel or the visible GPUs, each
-worker's GPUs and configuration, and the checks that run before any worker starts."""
+worker's GPUs. (A worker's configuration: worker.worker_config; the checks before any worker starts:
+resolve(cfg, parallel=True), parallel.preflight.)"""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfigError
+from jobrunner.config.sections import EngineOptions, ParallelOptions
 from jobrunner.pipeline.precision import cuda_count
-from jobrunner.pipeline.resolve import resolve
 
 
 def distributed_env() -> dict | None:
@@ -30,14 +29,14 @@ def distributed_env() -> dict | None:
             "local_world": local_world}
 
 
-def data_parallel_size(cfg: JobConfig) -> int:
+def data_parallel_size(engine: EngineOptions, parallel: ParallelOptions) -> int:
     """--data-parallel, or by default as many engines of --tensor-parallel GPUs as the visible GPUs hold
     (1 on CPU or with --device cuda:N)."""
-    if cfg.parallel.data_parallel is not None:
-        return cfg.parallel.data_parallel
-    if cfg.engine.device.startswith("cuda:") or cfg.engine.device == "cpu":
+    if parallel.data_parallel is not None:
+        return parallel.data_parallel
+    if engine.device.startswith("cuda:") or engine.device == "cpu":
         return 1
-    return max(1, cuda_count(cfg.engine.device) // cfg.parallel.tensor_parallel)
+    return max(1, cuda_count(engine.device) // parallel.tensor_parallel)
 
 
 def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[str]:
@@ -46,15 +45,3 @@ def gpu_groups(visible: str | None, count: int, workers: int, tp: int) -> list[s
     ids = [d.strip() for d in (visible or "").split(",") if d.strip()] or [str(i) for i in range(count)]
     return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(workers)]
 
-
-def worker_config(cfg: JobConfig, threads: int | None) -> JobConfig:
-    """cfg as a worker runs it: the coordinator (or the Ray driver) alone prepares, and overwrites, the
-    output; the launcher shares the cores out (`threads` for its engine; None: cfg's)."""
-    return replace(cfg, output=replace(cfg.output, overwrite=False),
-                   engine=replace(cfg.engine, threads=threads or cfg.engine.threads))
-
-
-def preflight(cfg: JobConfig):
-    """What can fail without a model, before any process starts, and what the job's workers share:
-    jobrunner.job.resolve's Resolved (the model's path and precision, the input's format, ...)."""
-    return resolve(cfg, parallel=True)

@@ -19,9 +19,11 @@ from jobrunner.engine import ConfigError, ModelError
 from jobrunner.cache.key import job_model_key
 from jobrunner.cache.reuse import Reuse
 from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.sections import InputOptions, OutputOptions, ParallelOptions
 from jobrunner.dataset import input_types, read_rows, rows_to_read
 from jobrunner.images import ImagePrep
 from jobrunner.pipeline import checks
+from jobrunner.pipeline.contracts import RowWriter
 from jobrunner.pipeline.emit import Emitter
 from jobrunner.pipeline.ending import JobResult, verdict
 from jobrunner.pipeline.intake import Intake
@@ -38,6 +40,7 @@ from jobrunner.output.summary import job_summary, summary_of
 from jobrunner.common.run_stats import JobStats
 from jobrunner.common.threads import FixedThreads, ThreadGovernor, available_cores
 from jobrunner.jobs import PromptBuilder
+from jobrunner.jobs.kind import JobKind
 from jobrunner.jobs.template import PromptTemplate
 
 log = logging.getLogger("jobrunner")
@@ -45,24 +48,29 @@ log = logging.getLogger("jobrunner")
 
 @dataclass
 class JobParts:
-    """A job's parts below its engine and work source: what the loop (job.loop.Job) runs on, and what a
-    Ray driver plans with. in_memory: the writer is a RowSink (no output directory)."""
-    cfg: JobConfig
+    """A job's parts below its engine and work source: what the loop (pipeline.loop.Job) runs on, and what a
+    Ray driver plans with; and the sections of its configuration that its end reads (the output at
+    `output_url`, its options; the dataset's options; the engine's ranks). in_memory: the writer is a
+    RowSink (no output directory)."""
     manifest: dict
-    kind: object                    # the jobs kind (or an OpenAI batch's routed kind)
+    kind: JobKind                   # the jobs kind (or an OpenAI batch's routed kind)
     intake: Intake
     emit: Emitter
     planner: JobPlanner
-    reuse: object                   # cache.reuse.Reuse
-    writer: object                  # output.ResultWriter or output.RowSink
+    reuse: Reuse
+    writer: RowWriter               # output.ResultWriter, or output.RowSink where in_memory
     stats: JobStats
+    input: InputOptions
+    output: OutputOptions
+    output_url: str                 # JobConfig.output_url
+    parallel: ParallelOptions
     in_memory: bool = False
 
     def summary(self, run: dict) -> dict:
         """The summary of every row of the output (its parts and earlier runs; or the RowSink's rows)."""
         if self.in_memory:
             return summary_of(self.writer.tables, self.manifest["config"], [run])
-        return job_summary(self.cfg.output_url, self.manifest["config"], run)
+        return job_summary(self.output_url, self.manifest["config"], run)
 
 
 def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_config, *, rank: int = 0,
@@ -80,9 +88,11 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
     says it takes images, read from the checkpoint: engine.load_image_processor)."""
     kind, builder = job_kind(cfg, resolved, info, tokenizer, engine_config.model)
     images = _image_prep(cfg, info, engine_config, tokenizer, image_processor)
-    manifest = job_manifest(cfg, resolved, info, engine_config.model, rank, fingerprint)
+    sampling = cfg.sampling_sources(info.generation.sampling) if cfg.kind.name == "generate" else None
+    manifest = job_manifest(fingerprint if fingerprint is not None else resolved.fingerprint(cfg), resolved, info,
+                            engine_config.model, cfg.engine.model, cfg.lora, sampling, rank)
     stats = JobStats()
-    writer = _writer(cfg, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows,
+    writer = _writer(cfg, resolved.fmt, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows,
                      run_record=partial(_time_record, stats, info, cfg))
     reuse = _reuse(cfg, resolved, info, engine_config, stats)
     emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank)
@@ -94,7 +104,8 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
                     limit=i.limit, show_prompt=cfg.prompt.show_prompt, hits_now=hits_now, stop=stop,
                     image_column=i.image_column, images=images, context=info.max_model_len)
     planner = JobPlanner(cfg.engine.plan, cfg.engine.block_size, cfg.lora)
-    return JobParts(cfg, manifest, kind, intake, emit, planner, reuse, writer, stats, in_memory)
+    return JobParts(manifest, kind, intake, emit, planner, reuse, writer, stats, cfg.input, cfg.output, cfg.output_url,
+                    cfg.parallel, in_memory)
 
 
 def open_job(cfg: JobConfig, resolved: Resolved | None = None, *, engine=None, work=None, progress=None,
@@ -143,20 +154,20 @@ def _time_record(stats: JobStats, info, cfg: JobConfig) -> dict:
                              quantization=info.quantization, device_hourly_cost=cfg.output.device_hourly_cost)
 
 
-def _writer(cfg: JobConfig, manifest: dict, kind, info, part_prefix: str, done_ids, in_memory: bool,
-            schema_from_rows: bool = False, run_record=None):
+def _writer(cfg: JobConfig, fmt: str, manifest: dict, kind: JobKind, info, part_prefix: str, done_ids,
+            in_memory: bool, schema_from_rows: bool = False, run_record=None) -> RowWriter:
     """Where the job's rows go: a RowSink, or a ResultWriter writing parts into cfg's output directory
-    (each part recording `run_record()`)."""
+    (each part recording `run_record()`). fmt: the dataset's format as resolve found it (not sniffed again)."""
     if in_memory and schema_from_rows:
         return RowSink(None, cfg.output.part_rows)
     i = cfg.input
-    columns = input_types(i.dataset, i.format, i.id_column, i.csv_delimiter)
+    columns = input_types(i.dataset, fmt, i.id_column, i.csv_delimiter)
     schema = result_schema(columns, i.id_column, kind, info.hidden_size)     # embeddings: the hidden size
     if in_memory:
         return RowSink(schema, cfg.output.part_rows)
-    checks.check_same_commit(cfg, manifest)
-    return checks.open_writer(cfg, manifest, partial(ResultWriter, run_record=run_record), part_prefix, schema,
-                              done_ids)
+    checks.check_same_commit(cfg.output, cfg.output_url, cfg.engine.model, manifest)
+    return checks.open_writer(cfg.output, cfg.output_url, manifest, partial(ResultWriter, run_record=run_record),
+                              part_prefix, schema, done_ids)
 
 
 def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
@@ -168,7 +179,7 @@ def job_kind(cfg: JobConfig, resolved: Resolved, info, tokenizer, model: str):
     template = PromptTemplate(cfg.prompt.template) if cfg.prompt.template else None     # resolve checked it
     builder = PromptBuilder(spec, tokenizer, template, images=getattr(info, "vision", False))
     try:        # an OpenAI batch file: each line's url picks its kind (jobrunner.openai.routed)
-        kind = job_for(resolved.fmt, cfg, spec, tokenizer, info.pooling, model, builder)
+        kind = job_for(resolved.fmt, cfg.engine, cfg.input, cfg.lora, spec, tokenizer, info.pooling, model, builder)
     except ValueError as e:         # embed: a checkpoint pooling we don't reproduce
         raise JobConfigError(str(e)) from None
     return kind, builder
@@ -208,7 +219,7 @@ def load_engine(cfg: JobConfig, resolved=None):
     resolve.resolve_engine: the model and precision alone)."""
     if resolved is None:
         resolved = resolve_engine(cfg)
-    checks.check_gpus(cfg)                             # --tensor-parallel N: N GPUs from the one named
+    checks.check_gpus(cfg.engine, cfg.parallel)                             # --tensor-parallel N: N GPUs from the one named
     config = cfg.engine_config(resolved)
     from jobrunner.engine import Engine       # the Engine's module loads torch: only once a job loads its model
     try:
@@ -244,5 +255,6 @@ def finish_done(cfg: JobConfig, resolved: Resolved) -> JobResult:
     manifest = read_manifest(cfg.output_url) or {}
     if not manifest.get("complete"):
         mark_complete(cfg.output_url, summary, manifest)
-    code, why = verdict(cfg, summary, 0, read_any=bool(rows_done))     # over the whole output (a failed job stays failed)
+    # over the whole output (a failed job stays failed)
+    code, why = verdict(cfg.input, cfg.output, cfg.output_url, summary, 0, read_any=bool(rows_done))
     return JobResult(code, summary, cfg.output_url, error=why)

@@ -2,7 +2,15 @@
 as output rows: the row's id and input columns, the kind's result columns, counted and written."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jobrunner.output.columns import input_names, reserved_columns
+
+if TYPE_CHECKING:
+    from jobrunner.cache.reuse import Reuse
+    from jobrunner.common.run_stats import JobStats
+    from jobrunner.jobs.kind import JobKind
+    from jobrunner.pipeline.contracts import RowWriter
 
 
 class Emitter:
@@ -10,7 +18,8 @@ class Emitter:
     `reuse` hands each finished leader's waiting copies on; `rank`: only rank 0 of a data-parallel job
     writes error rows (every worker reads the same rows); `fmt` "openai-batch": errors name their line."""
 
-    def __init__(self, kind, writer, stats, reuse, *, id_column: str, fmt: str, rank: int = 0):
+    def __init__(self, kind: JobKind, writer: RowWriter, stats: JobStats, reuse: Reuse, *, id_column: str, fmt: str,
+                 rank: int = 0):
         self.kind, self.writer, self.stats, self.reuse = kind, writer, stats, reuse
         self.id_column, self.fmt, self.rank = id_column, fmt, rank
         self.reserved = reserved_columns(kind.result_columns)

@@ -20,13 +20,25 @@ import logging
 from collections import deque
 from concurrent.futures import wait
 from dataclasses import replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from jobrunner.images import NO_PIXELS, ImageError, RowImages, column_images, image_inputs
 from jobrunner.pipeline.pending import Interrupted, PendingRow, plan_tokens
 from jobrunner.output.done import Occurrences, duplicate_error, repeat_key
 from jobrunner.jobs import RowError
 from jobrunner.jobs.messages import has_images
+
+if TYPE_CHECKING:
+    import threading
+
+    from jobrunner.engine import Tokenizer
+    from jobrunner.cache.reuse import Reuse
+    from jobrunner.common.idset import IdSet
+    from jobrunner.common.run_stats import JobStats
+    from jobrunner.images import ImagePrep
+    from jobrunner.jobs import PromptBuilder
+    from jobrunner.jobs.kind import JobKind
+    from jobrunner.pipeline.emit import Emitter
 
 log = logging.getLogger("jobrunner")
 
@@ -52,9 +64,11 @@ class Intake:
     image_column: --image-column; images: the job's jobrunner.images.ImagePrep (None: the model takes
     no images, and a row with one is an error row)."""
 
-    def __init__(self, reader, *, builder, kind, tokenizer, reuse, emit, stats, done_ids=None, failed_ids=None,
-                 done_repeats=None, limit: int | None = None, show_prompt: bool = False, hits_now: bool = True,
-                 stop=None, image_column: str | None = None, images=None, context: int | None = None):
+    def __init__(self, reader, *, builder: PromptBuilder, kind: JobKind, tokenizer: Tokenizer, reuse: Reuse,
+                 emit: Emitter, stats: JobStats, done_ids: IdSet | None = None, failed_ids: IdSet | None = None,
+                 done_repeats: IdSet | None = None, limit: int | None = None, show_prompt: bool = False, hits_now: bool = True,
+                 stop: threading.Event | None = None, image_column: str | None = None, images: ImagePrep | None = None,
+                 context: int | None = None):
         self.reader, self.builder, self.kind, self.tokenizer = reader, builder, kind, tokenizer
         self.reuse, self.emit, self.stats = reuse, emit, stats
         self.done_ids, self.failed_ids, self.done_repeats = done_ids, failed_ids, done_repeats

@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
+from typing import TYPE_CHECKING
 
-from jobrunner.engine import EngineCounters, EngineFailure
+from jobrunner.engine import NUMERICS_VERSION, EngineCounters, EngineFailure
 from jobrunner.pipeline.ending import JobResult, verdict, write_ending
 from jobrunner.pipeline.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from jobrunner.pipeline.pending import Interrupted, ShippedUnit
+from jobrunner.pipeline.pending import Interrupted, PendingRow, ShippedUnit
 from jobrunner.common.threads import FixedThreads
+
+if TYPE_CHECKING:
+    from jobrunner.engine import Engine, EngineInfo
+    from jobrunner.common.run_stats import JobStats
+    from jobrunner.common.threads import ThreadGovernor
+    from jobrunner.config.sections import OutputOptions, ParallelOptions
+    from jobrunner.pipeline.build import JobParts
+    from jobrunner.pipeline.contracts import JobProgress, WorkSource
+    from jobrunner.pipeline.plan import JobPlanner
 
 log = logging.getLogger("jobrunner")
 
@@ -27,15 +38,17 @@ class Job:
     reads and plans the same dataset identically, runs only the units its work source claims, and writes
     its own parts; only rank 0 writes rows that never reach the planner."""
 
-    def __init__(self, parts, *, engine, work, progress, stop, max_in_flight: int | None = None, threads=None):
-        self.parts, self.cfg = parts, parts.cfg
+    def __init__(self, parts: JobParts, *, engine: Engine, work: WorkSource, progress: JobProgress,
+                 stop: threading.Event, max_in_flight: int | None = None,
+                 threads: ThreadGovernor | FixedThreads | None = None):
+        self.parts = parts
         self.intake, self.emit, self.planner = parts.intake, parts.emit, parts.planner
         self.reuse, self.writer, self.stats = parts.reuse, parts.writer, parts.stats
         self.engine, self.work, self.progress = engine, work, progress
         self.threads = threads or FixedThreads()     # the CPU threads, following the machine's load or fixed
         # requests queued in the engine ahead of it
         self.max_in_flight = max_in_flight or max(2 * engine.info.max_num_seqs, 64)
-        self.pending: dict = {}             # row id -> its PendingRow, while in the planner or the engine
+        self.pending: dict[str, PendingRow] = {}    # row id -> its PendingRow, while in the planner or the engine
         self.stop = stop            # a signal asked the job to stop: the intake reads it too
         self.counters_before = engine.counters()   # an engine may serve several jobs
 
@@ -55,33 +68,36 @@ class Job:
         self.progress.close()
         if lost is not None and self.work.world > 1:
             raise lost      # its process ends; the coordinator hands the rows it had not written to the workers left
-        run = run_record(self.stats, self.planner, self.engine.info,
-                         self.engine.counters() - self.counters_before, self.cfg, interrupted)
+        parts = self.parts
+        run = run_record(self.stats, self.planner, self.engine.info, self.engine.counters() - self.counters_before,
+                         parts.parallel, parts.output, interrupted)
         if self.work.world > 1:     # a data-parallel worker: its coordinator sums the runs and marks the job complete
             if not interrupted:
                 self.writer.close()
-            return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, self.cfg.output_url)
+            return JobResult(EXIT_INTERRUPTED if interrupted else EXIT_OK, run, parts.output_url)
         return self._end(run, interrupted, lost)
 
     def _end(self, run: dict, interrupted: bool, lost: Exception | None) -> JobResult:
         """The whole output's summary, its ending written, the exit code. A lost engine (EngineFailure)
         keeps the rows written so far: EXIT_FAILED, and the result's `error` says why (the CLI prints it)."""
-        cfg, in_memory = self.cfg, self.parts.in_memory
-        summary = self.parts.summary(run)
+        parts, in_memory = self.parts, self.parts.in_memory
+        url = parts.output_url
+        summary = parts.summary(run)
         self.writer.close()
         if not in_memory:
-            write_ending(cfg, summary, self.writer.manifest, complete=not (interrupted or lost),
+            write_ending(parts.output, url, summary, self.writer.manifest, complete=not (interrupted or lost),
                          interrupted=interrupted)
         if lost is not None:
             rows = self.stats.rows
             message = (f"{lost}; the {rows} row{'s' if rows != 1 else ''} this run finished "
                        f"{'are' if rows != 1 else 'is'} written and kept: run the same command again to resume")
-            return JobResult(EXIT_FAILED, summary, cfg.output_url, error=message)
+            return JobResult(EXIT_FAILED, summary, url, error=message)
         if interrupted:
-            return JobResult(EXIT_INTERRUPTED, summary, cfg.output_url)
-        code, why = verdict(cfg, summary, self.stats.rows, read_any=bool(self.stats.rows or self.stats.rows_skipped),
+            return JobResult(EXIT_INTERRUPTED, summary, url)
+        code, why = verdict(parts.input, parts.output, url, summary, self.stats.rows,
+                            read_any=bool(self.stats.rows or self.stats.rows_skipped),
                             where="the results" if in_memory else None)
-        return JobResult(code, summary, cfg.output_url, error=why)
+        return JobResult(code, summary, url, error=why)
 
     def _run_units(self) -> bool:
         """Submit the units this worker claims and step the engine until all are done; True if interrupted."""
@@ -151,11 +167,14 @@ class Job:
         log.warning("signal %d: finishing what is written, then exiting", signum)
 
 
-def run_record(stats, planner, info, counters: EngineCounters, cfg, interrupted: bool) -> dict:
+def run_record(stats: JobStats, planner: JobPlanner, info: EngineInfo, counters: EngineCounters,
+               parallel: ParallelOptions, output: OutputOptions, interrupted: bool) -> dict:
     """This run's own figures (time, throughput, engine counters, cost) on an engine of `info` (a Ray
-    driver's: a worker's, its counters none)."""
-    return stats.summary(
-        device=info.device, devices=cfg.parallel.tensor_parallel, model_weight_bytes=info.weight_bytes,
+    driver's: a worker's, its counters none); whether it was batch-invariant (--deterministic) and by which
+    version of the engine's numeric path."""
+    record = stats.summary(
+        device=info.device, devices=parallel.tensor_parallel, model_weight_bytes=info.weight_bytes,
         quantization=info.quantization, prefix=planner.prefix,      # as it runs: auto resolved, a checkpoint's own
-        engine_counters=counters.as_dict(), device_hourly_cost=cfg.output.device_hourly_cost,
+        engine_counters=counters.as_dict(), device_hourly_cost=output.device_hourly_cost,
         load_s=info.load_s, interrupted=interrupted)
+    return {**record, "batch_invariant": info.batch_invariant, "numerics_version": NUMERICS_VERSION}

@@ -3,7 +3,7 @@ a JSON object with a string custom_id, and no custom_id twice (vLLM's run-batch 
 we follow OpenAI and refuse the file, so that every input line has exactly one output line).
 
     problems = file_problems(url)          # ["line 3: custom_id 'a' repeats line 1's", ...]
-    check_openai_batch(cfg)                # JobConfigError (exit 2) naming the lines, else None
+    check_openai_batch(cfg.input)          # JobConfigError (exit 2) naming the lines, else None
 
 A line whose body cannot run (an unsupported endpoint, a parameter we don't honour) is not a
 problem of the file: it becomes that line's error line (jobrunner.openai.batch).
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import posixpath
 
-from jobrunner.config.job import JobConfig, JobConfigError
+from jobrunner.config.job import JobConfigError
+from jobrunner.config.sections import InputOptions
 from jobrunner.dataset.files import LongLine, decode, list_files, lines
 from jobrunner.dataset.rows import where
 
@@ -60,12 +61,12 @@ def file_problems(url: str, limit: int | None = None) -> list[str]:
     return problems
 
 
-def check_openai_batch(cfg: JobConfig) -> None:
+def check_openai_batch(input: InputOptions) -> None:
     """JobConfigError naming the lines when the file fails as a whole (see file_problems)."""
-    problems = file_problems(cfg.input.dataset, cfg.input.limit)
+    problems = file_problems(input.dataset, input.limit)
     if not problems:
         return
     shown = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    raise JobConfigError(f"{cfg.input.dataset}: {len(problems)} line{'s' if len(problems) != 1 else ''} of this OpenAI "
+    raise JobConfigError(f"{input.dataset}: {len(problems)} line{'s' if len(problems) != 1 else ''} of this OpenAI "
                          f"batch file cannot be answered: {shown}. Every line needs a unique string custom_id "
                          "(OpenAI rejects such a file at validation too); fix the lines and run again")

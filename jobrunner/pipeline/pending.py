@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jobrunner.engine import Request
+    from jobrunner.dataset.rows import Row
+    from jobrunner.images.prepare import RowImages
+    from jobrunner.jobs.row import RowNotes
 
 IMAGE_PLAN_BASE = 2**31
 IMAGE_PLAN_SPAN = 2**31 - 2**16
@@ -60,23 +67,23 @@ class PendingRow:
     (jobs.row.RowNotes): they go where the row goes, so no kind keeps per-row state. A row with images:
     `tokens` holds planner ids at their positions (see the module), `request.images` their keys, offsets
     and lengths but no pixels, `images` (images.prepare.RowImages) the pixels until it is submitted."""
-    row: object                     # jobrunner.dataset.Row
+    row: Row
     tokens: array                   # array("I"): the prompt's token ids (image positions: planner ids)
-    request: object                 # the engine Request, its prompt_token_ids empty (they are `tokens`)
-    notes: object                   # jobs.row.RowNotes
-    images: object = None           # jobrunner.images.RowImages, for a request with images
+    request: Request                # its prompt_token_ids empty (they are `tokens`)
+    notes: RowNotes                 # what the kind's request step noted for its columns step
+    images: RowImages | None = None     # the pixels, for a request with images
 
     @property
     def id(self) -> str:
         return self.row.id
 
-    def engine_request(self):
+    def engine_request(self) -> Request:
         """The engine's Request, ready to submit (a row with images: its pixels are taken now)."""
         if self.images is None:
             return replace(self.request, prompt_token_ids=self.tokens.tolist())
         return self.images.request(self.request, self.tokens)
 
-    def keyed_request(self):
+    def keyed_request(self) -> Request:
         """The request as jobrunner/cache/key.py keys it: its token ids, its images' keys, offsets and
         lengths (no pixels taken)."""
         ids = self.tokens.tolist()
@@ -84,7 +91,7 @@ class PendingRow:
             ids[im.offset:im.offset + im.length] = [self.images.token_id] * im.length
         return replace(self.request, prompt_token_ids=ids)
 
-    def for_copy(self, row, notes) -> PendingRow:
+    def for_copy(self, row: Row, notes: RowNotes | None) -> PendingRow:
         """A copy of this row (the same request) that runs itself: its leader's result is written, its own not."""
         return PendingRow(row, self.tokens, replace(self.request, id=row.id), notes if notes is not None else self.notes,
                           None if self.images is None else self.images.copy())
@@ -95,7 +102,7 @@ class ShippedUnit:
     """A work unit planned in another process, its rows with it: the leaders as planned, in the unit's
     order, and the copies (dedup) each leader's result is written for, as (row, notes)."""
     rows: list[PendingRow]
-    copies: dict[str, list[tuple]]
+    copies: dict[str, list[tuple[Row, RowNotes]]]
 
     @property
     def items(self) -> list[str]:

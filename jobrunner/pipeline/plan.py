@@ -3,11 +3,17 @@ source of a job in one process (every unit). A data-parallel worker's work sourc
 jobrunner/parallel/worker.py's SharedUnits, a Ray worker's parallel/ray_worker.py's QueueUnits."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jobrunner.config.lora import LoraOptions
 from jobrunner.planner import PlanItem, PrefixStats, WorkUnit, plan, prefix_stats
 from jobrunner.planner.window import split_windows
+
+if TYPE_CHECKING:
+    from jobrunner.pipeline.contracts import RowWriter
+    from jobrunner.pipeline.pending import PendingRow
 
 # A planning window: rows read, tokenized and ordered together. Rows bound it for usual prompts
 # (~80 MB at 50,000 rows); tokens bound it for long ones (~8 bytes a token while a row waits:
@@ -55,9 +61,11 @@ class JobPlanner:
 class AllUnits:
     """The work source of a job in one process: every unit, in the planner's order; a result-cache hit
     is written as soon as it is found. A work source names its parts' prefix; `units` gets the planner's
-    units, the job's pending rows and its writer, and yields (unit, whether this worker runs it)."""
+    units, the job's pending rows and its writer, and yields (unit, whether this worker runs it): a
+    contracts.WorkSource."""
     rank, world, part_prefix, hits_now = 0, 1, "part", True
 
-    def units(self, units, pending, writer):
+    def units(self, units: Iterable[WorkUnit], pending: dict[str, PendingRow],
+              writer: RowWriter) -> Iterator[tuple[WorkUnit, bool]]:
         for unit in units:
             yield unit, True

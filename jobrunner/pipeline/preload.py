@@ -16,7 +16,7 @@ from jobrunner import engine       # engine.DUMMY_CONFIGS, read only for a dummy
 from jobrunner.engine import GenerationDefaults, ModelError
 from jobrunner.models import hub
 from jobrunner.common import storage
-from jobrunner.config.job import JobConfig
+from jobrunner.config.sections import InputOptions, OutputOptions, SamplingOptions
 from jobrunner.dataset import count_rows, read_rows
 from jobrunner.pipeline import checks
 from jobrunner.models.known import model_record, resolve_model
@@ -29,21 +29,20 @@ from jobrunner.output.values import id_key
 log = logging.getLogger("jobrunner")
 
 
-def check_sampling(cfg: JobConfig, model: str) -> None:
-    """--n > 1 at temperature 0, given or left to the checkpoint (`model`: its resolved path) whose
-    default is greedy: JobConfigError now (JobConfig.sampling_params' own check), not once the model
-    is up. A checkpoint whose generation_config.json can't be read cheaply is left to that check."""
-    if cfg.kind.name != "generate" or cfg.sampling.n < 2:
-        return
-    defaults = {} if cfg.sampling.temperature is not None else _generation_defaults(model)
-    if defaults is not None:
-        cfg.sampling_params(defaults)
+def sampling_defaults(kind: str, sampling: SamplingOptions, model: str) -> dict | None:
+    """The checkpoint's sampling defaults (`model`: its resolved path) that --n > 1 is checked against
+    before the model loads (resolve.check_sampling: at temperature 0, given or the checkpoint's, it is
+    JobConfigError now, not once the model is up); None: nothing to check (not generate, n 1, or a
+    checkpoint whose generation_config.json can't be read cheaply: left to the check at load)."""
+    if kind != "generate" or sampling.n < 2:
+        return None
+    return {} if sampling.temperature is not None else _generation_defaults(model)
 
 
-def check_empty(cfg: JobConfig, fmt: str) -> None:
+def check_empty(input: InputOptions, output: OutputOptions, fmt: str) -> None:
     """--fail-on-empty on a dataset without rows: JobConfigError (exit 2) before anything is written."""
-    if cfg.output.fail_on_empty:
-        checks.check_not_empty(cfg, fmt)
+    if output.fail_on_empty:
+        checks.check_not_empty(input, output, fmt)
 
 
 def _generation_defaults(path: str) -> dict | None:
@@ -66,27 +65,28 @@ def _generation_defaults(path: str) -> dict | None:
         return None
 
 
-def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
-    """The number of rows to read, when every one is already in the output (a rerun with nothing left
-    to do: each row's id's occurrence, as the intake skips it, output/done.py); else None. Cheap first:
+def rows_all_done(input: InputOptions, output: OutputOptions, url: str, model: str, fmt: str) -> int | None:
+    """The number of rows to read, when every one is already in the output at `url` (`model`: --model; a
+    rerun with nothing left to do: each row's id's occurrence, as the intake skips it, output/done.py);
+    else None. Cheap first:
     only an output with parts holding at least as many rows as the dataset (count_rows) has is compared
     row by row; a damaged part, a dataset too large to count, or any doubt answers None (the job then
     runs as usual)."""
-    if cfg.output.overwrite:
+    if output.overwrite:
         return None
     try:
-        if not read_manifest(cfg.output_url):
+        if not read_manifest(url):
             return None
-        n = count_rows(cfg.input.dataset, fmt)
+        n = count_rows(input.dataset, fmt)
         if n is None:
             return None
-        n = min(n, cfg.input.limit) if cfg.input.limit is not None else n
-        done = _done_ids(cfg.output_url, n)
+        n = min(n, input.limit) if input.limit is not None else n
+        done = _done_ids(url, n)
         if done is None:
             return None
         read, occurrences = 0, Occurrences()
-        for batch in read_rows(cfg.input.dataset, fmt, id_column=cfg.input.id_column, columns=[cfg.input.id_column],
-                             csv_delimiter=cfg.input.csv_delimiter, max_row_bytes=cfg.input.max_row_bytes):
+        for batch in read_rows(input.dataset, fmt, id_column=input.id_column, columns=[input.id_column],
+                               csv_delimiter=input.csv_delimiter, max_row_bytes=input.max_row_bytes):
             ids = [row.id for row in batch[:n - read]]
             read += len(ids)
             if not all(done.contains(ids, occurrences.number(ids))):
@@ -96,21 +96,21 @@ def rows_all_done(cfg: JobConfig, fmt: str) -> int | None:
     except Exception as e:      # anything odd: the usual path finds and reports it
         log.debug("could not tell whether rows are left to do: %s", e)
         return None
-    _check_same_model(cfg)
+    _check_same_model(output, url, model)
     return n
 
 
-def _check_same_model(cfg: JobConfig) -> None:
+def _check_same_model(output: OutputOptions, url: str, model: str) -> None:
     """A Hub model's branch that moved since the output was written is refused, as when the model
     is loaded (checks.check_same_commit): the output is another commit's."""
-    if not hub.is_hub_name(cfg.engine.model):
+    if not hub.is_hub_name(model):
         return
     try:
-        record = model_record(cfg.engine.model, resolve_model(cfg.engine.model))
+        record = model_record(model, resolve_model(model))
     except ModelError:
         return
     if record is not None:
-        checks.check_same_commit(cfg, {"hub": record})
+        checks.check_same_commit(output, url, model, {"hub": record})
 
 
 def _done_ids(output_url: str, at_least: int) -> DoneRows | None:

@@ -73,29 +73,41 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     and the output's state is the coordinator's to find). output_state False: for a job on an engine
     already loaded (tests, `jobrunner.generate`), which runs whatever the output holds. dry: for
     `jobrunner validate`, which writes nothing: the output is neither checked nor created."""
-    fmt, columns = checks.check_dataset(cfg)
-    checks.check_template(cfg, columns, fmt)
-    checks.check_constraint(cfg)
-    check_job_tools(cfg)
+    i, o = cfg.input, cfg.output
+    named = checks.named_columns(cfg.options(), cfg.given, cfg.kind.name, cfg.prompt.template)
+    fmt, columns = checks.check_dataset(i, named)
+    checks.check_template(cfg.prompt.template, i.dataset, columns, fmt)
+    checks.check_constraint(cfg.kind, cfg.engine.grammar_timeout)
+    check_job_tools(cfg.kind, cfg.prompt.chat)
     url = cache_url(cfg)
     open_cache(url)                   # a URL that cannot be opened: exit 2, before the output exists
     if parallel:
-        checks.check_not_empty(cfg, fmt)
+        checks.check_not_empty(i, o, fmt)
     elif not dry:
-        preload.check_empty(cfg, fmt)       # --fail-on-empty: exit 2 before the output directory exists
+        preload.check_empty(i, o, fmt)      # --fail-on-empty: exit 2 before the output directory exists
     model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
-    preload.check_sampling(cfg, model)      # --n > 1 at the checkpoint's greedy default
+    check_sampling(cfg, model)              # --n > 1 at the checkpoint's greedy default
     shipped = shipped_scheme(cfg, model)
     lora = adapters(cfg.lora)
     if not dry:     # before the model loads: loading one can take minutes
-        checks.check_output(cfg, {name: digest for name, _, digest in lora}, shipped)
-    rows_done = preload.rows_all_done(cfg, fmt) if output_state and not (parallel or dry) else None
+        checks.check_output(cfg.output_url, cfg.fingerprint_fields({name: digest for name, _, digest in lora}, shipped),
+                            o.overwrite)
+    rows_done = (preload.rows_all_done(i, o, cfg.output_url, cfg.engine.model, fmt)
+                 if output_state and not (parallel or dry) else None)
     resumes = None if dry or cfg.output.overwrite else cfg.output_url   # an output begun under auto keeps its mode
     dtype, quantization, calibration = precision(cfg, shipped, model, measure=not dry and rows_done is None,
                                                  resumes=resumes)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
                     cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped, calibration=calibration)
+
+
+def check_sampling(cfg: JobConfig, model: str) -> None:
+    """--n > 1 at temperature 0, given or left to the checkpoint (`model`: its resolved path) whose default
+    is greedy: JobConfigError now (JobConfig.sampling_params' own check), not once the model is up."""
+    defaults = preload.sampling_defaults(cfg.kind.name, cfg.sampling, model)
+    if defaults is not None:
+        cfg.sampling_params(defaults)
 
 
 def shipped_scheme(cfg: JobConfig, model: str) -> str | None:
@@ -112,6 +124,13 @@ def shipped_scheme(cfg: JobConfig, model: str) -> str | None:
     if shipped is not None and cfg.lora.lora:
         raise JobConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped})")
     return shipped
+
+
+def repair_fingerprint(cfg: JobConfig) -> dict:
+    """cfg's resume fingerprint as `jobrunner repair` rebuilds a manifest with it: its adapters' hashes and
+    the checkpoint's scheme resolved, no dataset read (manifest_entries.repair_manifest)."""
+    hashes = {name: digest for name, _, digest in adapters(cfg.lora)}
+    return cfg.fingerprint_fields(hashes, shipped_scheme(cfg, model_path(cfg.engine.model)))
 
 
 def cache_url(cfg: JobConfig) -> str | None:

@@ -45,7 +45,7 @@ class Output:
     paths: list[str]                    # the parts, local paths, in name order
     part_times: list[float | None]      # each part's modification time (epoch s), None where unknown
     partial: bool = False               # no run wrote _stats.json
-    _tmp: object = field(default=None, repr=False)
+    _tmp: str | None = field(default=None, repr=False)     # the local copies' directory (a remote output's parts)
 
     @property
     def config(self) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from jobrunner.kernels.attention.metadata import AttentionMetadata
 from jobrunner.kernels.attention.reference import _decode_ref, _prefill_ref, paged_attention_ref, store_kv_ref
-from jobrunner.kernels.attention.cpu_attention import decode_attention_cpu
+from jobrunner.kernels.attention.cpu_attention import INVARIANT_SPLIT, decode_attention_cpu
 from jobrunner.kernels.attention.cpu_prefill import prefill_attention_cpu
 from jobrunner.kernels.common.triton_utils import use_triton
 
@@ -28,10 +28,13 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
                         softcap: float | None = None) -> torch.Tensor:
     """The torch path for a float cache: decode rows through kernels/attention/cpu_attention.py (blocks read in place)
     when the step's meta.cpu_decode hands out the loaded kernel, else gathered (_decode_ref); prefill rows
-    through kernels/attention/cpu_prefill.py where it covers the layer, else gathered (_prefill_ref)."""
+    through kernels/attention/cpu_prefill.py where it covers the layer, else gathered (_prefill_ref).
+    meta.batch_invariant: every row, decode or prefill, through the in-place kernel (_invariant_cpu)."""
     if not meta._prepared:
         meta.prepare()
     window = meta.sliding_window if sliding else None
+    if meta.batch_invariant:
+        return _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
     nd = meta.num_decodes
     out = torch.empty_like(q)
     if nd:
@@ -42,6 +45,20 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         else:
             out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
     return out
+
+
+def _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
+    """Batch-invariant attention: each token a row of its own over its position's keys, in splits of
+    INVARIANT_SPLIT keys, so its bits depend on its keys alone: not on the batch, the threads, how its
+    prompt was chunked or whether its prefix came from the cache (a prefill token and a decode at the
+    same position reduce alike). No fallback: a gathered result would not be the same bits."""
+    lib = meta.cpu_decode.library() if meta.cpu_decode is not None else None
+    if lib is None or not lib.covers(q, k_cache):
+        raise RuntimeError("batch-invariant attention needs the in-place CPU kernel (kernels/attention/cpu_attention.c) "
+                           f"for a {k_cache.dtype} cache; it is not loaded (a C compiler, JOBRUNNER_CPU_DECODE=auto)")
+    tables, seq_lens = meta.token_rows()
+    return decode_attention_cpu(q.contiguous(), k_cache, v_cache, tables, seq_lens, scale, window, softcap, lib,
+                                split=INVARIANT_SPLIT)
 
 
 def _window_cuts(meta: AttentionMetadata, window: int | None) -> bool:

@@ -11,8 +11,10 @@
 
    Work item: (sequence, split). A split is a run of at most `split` keys; one sequence is several splits
    only when the step has too few sequences to keep every thread busy, or keys past SPLIT_MAX (bounding the
-   scores' scratch). Each thread takes a contiguous run of items, balanced by keys. Each item runs a
-   two-pass softmax over its keys:
+   scores' scratch). Each thread takes a contiguous run of items, balanced by keys. Batch-invariant mode
+   (fixed_split > 0): every split is fixed_split keys from the row's first key, whatever the batch and the
+   threads, so a row's sums run in one order in every step (a prefill row too: the launcher hands it in as
+   a row of its own). Each item runs a two-pass softmax over its keys, in an order fixed by its keys alone:
        pass 1   s[h, i] = scale * q[h] . k[i]   (soft-capped), m[h] = max_i s[h, i]
        pass 2   p = exp(s - m), l[h] = sum_i p, acc[h] = sum_i p * v[i]
    and leaves (m, l, acc) for its sequence's combine: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
@@ -234,14 +236,17 @@ typedef struct {
 /* The first key a row of seq_len L sees: L - window under a sliding window, else 0. */
 static inline int first_key(int L, int window) { return (window > 0 && L > window) ? L - window : 0; }
 
-/* Splits each sequence's visible keys into items of at most `split` keys; returns their count. */
-static int plan_items(const int32_t *seq_lens, int B, int window, int threads, Item **items_out, int *split_out) {
+/* Splits each sequence's visible keys into items of at most `split` keys (fixed_split when > 0, else chosen
+   from the batch); returns their count. */
+static int plan_items(const int32_t *seq_lens, int B, int window, int threads, int fixed_split, Item **items_out,
+                      int *split_out) {
     long total = 0;
     for (int b = 0; b < B; b++) {
         total += seq_lens[b] - first_key(seq_lens[b], window);
     }
     long split = (total + 4L * threads - 1) / (4L * threads);   /* about four items a thread */
     if (split < SPLIT_MIN) split = SPLIT_MIN;
+    if (fixed_split > 0) split = fixed_split;
     if (split > SPLIT_MAX) split = SPLIT_MAX;
     int n = 0;
     for (int b = 0; b < B; b++) {
@@ -269,6 +274,19 @@ static int first_item(const Item *items, int n, int t, int nt, long total) {
     int i = 0;
     while (i < n && seen < goal) { seen += items[i].stop - items[i].start; i++; }
     return i;
+}
+
+/* The sum of x[0..n) in one order fixed by n alone: 16 lanes (lane j sums x[j], x[j + 16], ...), then a fixed
+   tree. (An omp simd reduction may sum in another order where the scratch's alignment differs.) */
+static inline float sum_fixed(const float *x, int n) {
+    float lanes[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) lanes[j] += x[i + j];
+    for (int j = 0; i < n; i++, j++) lanes[j] += x[i];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lanes[j] += lanes[j + w];
+    return lanes[0];
 }
 
 static inline const char *block_of(const Work *w, const void *cache, const Item *it, int key, size_t elem) {
@@ -317,8 +335,8 @@ static void item_##SUFFIX(const Work *w, int it, const Item *next, float *qf, fl
                 if (w->softcap > 0.0f)                                                                        \
                     for (int i = 0; i < len; i++) sh[i] = w->softcap * tanhf(sh[i] / w->softcap);             \
                 for (int i = 0; i < len; i++) mx = sh[i] > mx ? sh[i] : mx;                                   \
-                _Pragma("omp simd reduction(+:sum)")                                                          \
-                for (int i = 0; i < len; i++) { sh[i] = exp_nonpos(sh[i] - mx); sum += sh[i]; }               \
+                for (int i = 0; i < len; i++) sh[i] = exp_nonpos(sh[i] - mx);                                 \
+                sum = sum_fixed(sh, len);                                                                     \
                 m[h] = mx;                                                                                    \
                 l[h] = sum;                                                                                   \
             }                                                                                                 \
@@ -354,12 +372,12 @@ static void combine_##SUFFIX(const Work *w, int first, int last, T *out) {      
 #define DEFINE_DECODE(NAME, SUFFIX, T)                                                                            \
 int decode_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride, \
                               const int32_t *seq_lens, T *out, int B, int Hq, int Hk, int D, int BS, int window, \
-                              float scale, float softcap, int threads) {                                      \
+                              float scale, float softcap, int threads, int fixed_split) {                     \
     if (B <= 0) return 0;                                                                                     \
-    if (D > MAX_HEAD_DIM || Hk <= 0 || Hq % Hk) return -2;                                                    \
+    if (D > MAX_HEAD_DIM || Hk <= 0 || Hq % Hk || fixed_split < 0 || fixed_split > SPLIT_MAX) return -2;      \
     Item *items = NULL;                                                                                       \
     int split = 0;                                                                                            \
-    const int n = plan_items(seq_lens, B, window, threads, &items, &split);                                   \
+    const int n = plan_items(seq_lens, B, window, threads, fixed_split, &items, &split);                      \
     if (n < 0) return -1;                                                                                     \
     float *part = malloc(sizeof(float) * (size_t)n * Hq * (D + 2));                                          \
     if (!part) { free(items); return -1; }                                                                    \

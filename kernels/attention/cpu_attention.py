@@ -17,7 +17,10 @@ runs no process and keeps no directory).
 
 Covered: float32, bfloat16 and float16 caches (arithmetic in float32), GQA/MQA/MHA, any head_dim up to
 MAX_HEAD_DIM, sliding windows, soft-capped scores, blocks shared between sequences. Not covered (the
-reference serves): int8 caches (kernels/attention/kv_int8.py), prefill chunks (kernels/attention/cpu_prefill.py).
+reference serves): int8 caches (kernels/attention/kv_int8.py), prefill chunks (kernels/attention/cpu_prefill.py),
+but in batch-invariant mode: then every prefill token is a row here of its own (its sequence's table, its
+position's keys), in fixed splits, so a token's bits are the same as a decode's at its position, whatever
+chunk, cached prefix or batch it came in (attention.py: paged_attention_cpu).
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 LIBS = ("-lm",)
 MAX_HEAD_DIM = 1024                          # the combine's stack buffer (cpu_attention.c)
+SPLIT_MAX = 4096                             # keys a split at most (cpu_attention.c)
+# Batch-invariant mode: every row's keys in splits of this many from its first key, whatever the batch and
+# the threads (cpu_attention.c; SPLIT_MIN there: below it a split's fixed costs show).
+INVARIANT_SPLIT = 256
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -57,7 +64,7 @@ class DecodeLibrary:
         self.functions = {}
         for dtype, name in DTYPES.items():
             fn = getattr(lib, f"decode_attention_{name}")
-            fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr] + [i32] * 6 + [f32, f32, i32]
+            fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr] + [i32] * 6 + [f32, f32, i32, i32]
             fn.restype = i32
             self.functions[dtype] = fn
         self.path = path
@@ -79,9 +86,11 @@ class CpuDecode(Protocol):
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                         lib: DecodeLibrary, out: torch.Tensor | None = None) -> torch.Tensor:
+                         lib: DecodeLibrary, out: torch.Tensor | None = None, split: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] decode rows; k/v_cache: [NB, BS, Hk, D]; tables: [B, W] int32 (rows may be longer than
-    needed); seq_lens: [B] int32 (each >= 1) -> [B, Hq, D], in out when given."""
+    needed); seq_lens: [B] int32 (each >= 1) -> [B, Hq, D], in out when given. split: keys a split (the
+    batch-invariant mode's INVARIANT_SPLIT: a row's bits then depend on its own keys only); 0: chosen
+    from the batch and the threads."""
     B, hq, d = q.shape
     nb, bs, hk, dk = k_cache.shape
     if q.dtype not in lib.functions or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -90,6 +99,8 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if dk != d or v_cache.shape != k_cache.shape or hq % hk or d > MAX_HEAD_DIM:
         raise ValueError(f"decode_attention_cpu: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, "
                          f"v {tuple(v_cache.shape)}: want Hq a multiple of Hk, one head_dim <= {MAX_HEAD_DIM}")
+    if not 0 <= split <= SPLIT_MAX:
+        raise ValueError(f"decode_attention_cpu: split {split}: 0 (chosen per call) up to {SPLIT_MAX} keys")
     if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tables.shape[0] < B or seq_lens.shape[0] < B:
         raise ValueError("decode_attention_cpu: tables [B, W] and seq_lens [B] as int32")
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and seq_lens.is_contiguous()
@@ -103,7 +114,7 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         rc = lib.functions[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                     tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), B, hq, hk, d, bs,
                                     int(window or 0), float(scale), float(softcap or 0.0),
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), int(split))
     if rc == -1:
         raise MemoryError("decode_attention_cpu: the kernel could not allocate its scratch")
     if rc != 0:

@@ -25,6 +25,7 @@ class AttentionMetadata:
     sliding_window: int | None = None # the window of the layers that slide (paged_attention's `sliding`)
     decode_splits: int | None = None # Triton split-K factor for decodes; None: chosen per step (fix it for CUDA graphs)
     cpu_decode: object | None = None # a kernels.cpu_attention.CpuDecode (the engine's): decodes in place on CPU
+    batch_invariant: bool = False    # CPU: every row through the in-place kernel in fixed splits (token_rows())
     # Torch path, built once per step by prepare() (the decode part on first use: the in-place CPU kernel
     # needs none of it) and shared by all layers:
     _prepared: bool = False
@@ -33,10 +34,11 @@ class AttentionMetadata:
     _prefill: tuple | None = None
     _prefill_plan: object | None = None  # kernels.cpu_prefill.PrefillPlan, made on first use
     _window_masks: dict | None = None  # (part, decode group, window) -> mask, made on first use by a sliding layer
+    _token_rows: tuple | None = None   # token_rows(), made on first use
 
     @classmethod
     def build(cls, block_size, num_decodes, query_lens, seq_lens, slot_mapping, block_tables,
-              device, sliding_window=None, cpu_decode=None) -> "AttentionMetadata":
+              device, sliding_window=None, cpu_decode=None, batch_invariant=False) -> "AttentionMetadata":
         device = torch.device(device)
         width = max((len(t) for t in block_tables), default=1) or 1
         tables = np.zeros((len(block_tables), width), dtype=np.int32)
@@ -50,7 +52,7 @@ class AttentionMetadata:
             slot_mapping=to_device(slot_mapping, device, np.int64),
             block_tables=to_device(tables, device), query_start_loc=to_device(starts, device),
             seq_lens_t=to_device(seq_lens, device, np.int32), sliding_window=sliding_window,
-            cpu_decode=cpu_decode,
+            cpu_decode=cpu_decode, batch_invariant=batch_invariant,
         )
         if device.type == "cpu":
             meta.prepare()
@@ -82,6 +84,20 @@ class AttentionMetadata:
                                                    self.block_tables[nd:n].tolist(),
                                                    self.slot_mapping[first_slot:])
         return self._prefill_plan
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token as a decode row of its own: (tables [T, W] int32, its sequence's block table;
+        seq_lens [T] int32, the keys it sees: its position + 1). Built on first use, then shared by all layers."""
+        if self._token_rows is None:
+            qlens = np.asarray(self.query_lens, dtype=np.int64)
+            chunk = np.repeat(np.arange(len(qlens)), qlens)                           # [T] the token's chunk
+            first = np.asarray(self.seq_lens, dtype=np.int64) - qlens                 # keys before each chunk
+            offset = np.arange(len(chunk)) - np.repeat(np.cumsum(qlens) - qlens, qlens)
+            seq_lens = (first[chunk] + offset + 1).astype(np.int32)
+            dev = self.block_tables.device
+            self._token_rows = (self.block_tables.index_select(0, torch.from_numpy(chunk).to(dev)),
+                                to_device(seq_lens, dev))
+        return self._token_rows
 
     def decode_part(self) -> tuple:
         """The decode rows' gather indices and masks (built on first use, then shared by all layers)."""

@@ -11,6 +11,14 @@ float32 rounding, within PACKED_RTOL of the output's scale (checked at packing, 
 tests/test_cpu_linear.py); greedy tokens still match transformers on the parity tests.
 Bfloat16: F.linear runs oneDNN already, but reorders the weight at every call; packed it gave the
 same bits, 1.1-2x faster at decode batch sizes (the lm_head most). Off: EngineConfig.packed_weights.
+
+Batch invariance: a row's product must not depend on how many rows share the call. oneDNN's blocking over
+rows leaves each row's sum over K in one order from 2 rows up (2 to 2048 rows, 1 and 2 threads, float32
+and bfloat16, on an AVX-512 EPYC), but one row alone takes a matrix-vector path that sums in another
+order where K is large (1536: yes; 576: no). So the invariant form (`min_rows=2`) runs a lone row as two
+(the row twice; the decode of one sequence, where the weights' reading is the cost, not the second row),
+and `check_row_invariant` asserts the property at packing, per shape, so a oneDNN that sums otherwise
+is refused rather than trusted (tests/test_determinism.py holds it over the shapes above).
 """
 from __future__ import annotations
 
@@ -35,25 +43,36 @@ def packing_available() -> bool:
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a weight in oneDNN's layout (PACKED_DTYPES); in/out_features as nn.Linear's."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64):
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64, min_rows: int = 1):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.min_rows = min_rows            # 2: batch-invariant (a lone row runs as two; module docstring)
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        if x.dim() == 2 and x.shape[0] < self.min_rows:
+            x2 = x.expand(self.min_rows, -1) if x.shape[0] == 1 else x.new_zeros(self.min_rows, x.shape[1])
+            return self._linear(x2.contiguous())[:x.shape[0]]
+        return self._linear(x.contiguous())
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def pack_linear(linear: nn.Linear, batch_hint: int = 64, check: bool = True) -> PackedLinear:
+def pack_linear(linear: nn.Linear, batch_hint: int = 64, check: bool = True, batch_invariant: bool = False
+                ) -> PackedLinear:
     """linear packed; with `check`, ValueError when the packed product strays from F.linear's (a broken
-    build: one check per shape and dtype finds it, the kernel being the same)."""
-    packed = PackedLinear(linear, batch_hint)
+    build: one check per shape and dtype finds it, the kernel being the same), and, batch_invariant, when
+    a row's product depends on the rows beside it (check_row_invariant)."""
+    packed = PackedLinear(linear, batch_hint, min_rows=2 if batch_invariant else 1)
     if not check:
         return packed
+    if batch_invariant:
+        check_row_invariant(packed)
     g = torch.Generator().manual_seed(0)
     w = linear.weight
     x = torch.randn(3, linear.in_features, generator=g).to(w.dtype)
@@ -65,3 +84,25 @@ def pack_linear(linear: nn.Linear, batch_hint: int = 64, check: bool = True) -> 
     if not diff <= packed_rtol(w.dtype) * scale:
         raise ValueError(f"packed linear {linear.in_features}->{linear.out_features} disagrees with F.linear")
     return packed
+
+
+INVARIANCE_ROWS = (1, 2, 3, 17, 64, 300)   # the call sizes check_row_invariant compares (1: a lone row)
+
+
+def check_row_invariant(packed: PackedLinear) -> None:
+    """ValueError unless every row of `packed`'s product has the same bits at each of INVARIANCE_ROWS rows a
+    call and at 1 and at the current threads: the property the batch-invariant mode rests on."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(max(INVARIANCE_ROWS), packed.in_features, generator=g).to(packed.weight.dtype)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        want = packed(x)
+        for n in {1, threads}:
+            torch.set_num_threads(n)
+            try:
+                same = all(torch.equal(packed(x[:m]), want[:m]) for m in INVARIANCE_ROWS)
+            finally:
+                torch.set_num_threads(threads)
+            if not same:
+                raise ValueError(f"packed linear {packed.in_features}->{packed.out_features}: a row's product depends "
+                                 f"on the rows beside it here ({n} threads); no batch-invariant linear on this CPU")

@@ -50,11 +50,15 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.kernels.common.triton_utils import use_triton
+from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_matmul_cpu
 
 FP8_MAX = 448.0                 # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-8               # all-zero rows/tokens keep a finite scale
 # CPU path: rows of W dequantized per slice, so the transient float copy stays small and cache-warm
 CPU_DEQUANT_ELEMENTS = 1 << 20
+# the CPU int4 kernel's rows per call at most: above it the sliced dequantization wins (2 threads: about 256
+# rows even on the default model's shapes, benchmarks/cpu_int4_bench.py)
+CPU_INT4_MAX_ROWS = 128
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -231,11 +235,15 @@ def int8_matmul(x, qweight, scales, bias=None):
     return _int8_matmul_cpu(x, qweight, scales, bias)
 
 
-def int4_matmul(x, packed, scales, zeros, group_size, bias=None):
-    """x: [..., K] float; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G]. Returns [..., N]."""
+def int4_matmul(x, packed, scales, zeros, group_size, bias=None, cpu_lib: Int4Library | None = None):
+    """x: [..., K] float; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G]. Returns [..., N].
+    cpu_lib: the loaded CPU int4 kernel (kernels/matmul/cpu_int4.py), which takes float32 calls of up to
+    CPU_INT4_MAX_ROWS rows; larger ones (prefill) dequantize a slice at a time, which is faster there."""
     if use_triton(x):
         from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton
         return int4_matmul_triton(x, packed, scales, zeros, group_size, bias)
+    if cpu_lib is not None and cpu_lib.covers(x, scales) and x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1]:
+        return int4_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
     return _int4_matmul_cpu(x, packed, scales, zeros, group_size, bias)
 
 

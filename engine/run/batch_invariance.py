@@ -1,0 +1,64 @@
+"""The batch-invariant mode (EngineConfig.batch_invariant) on CPU: what it covers, refused where it does not,
+and the model made so.
+
+A row's results (tokens, logprobs, scores, embeddings) come out bit for bit the same whatever else is in
+its step and however the scheduler runs it (max_num_seqs, the step's token budget and so the prefill
+chunks, prefix-cache hits, the thread count). Each op whose sum order could follow the batch has a form
+whose order a row's own inputs fix:
+
+    linears        oneDNN over packed weights, a lone row run as two (kernels/matmul/cpu_linear.py;
+                   the property checked at packing, per shape)
+    attention      every token a row of its own through the in-place kernel, its keys in splits of a fixed
+                   size from its first key (kernels/attention/attention.py: _invariant_cpu): a prefill token
+                   and a decode at the same position reduce alike, so a cached prefix gives the bits its
+                   recomputation would
+    norms, softmax, logsumexp, rotary, activations
+                   per row already (torch's CPU kernels split rows, not a row's sum, between threads;
+                   tests/test_determinism.py holds them to it)
+    sampling       each row's uniform from its own seed, sample and position (engine/sample/sampler.py)
+    mean pooling   a running sum in position order across chunks (engine/sample/pooling.py)
+
+Not covered yet, refused here with a ConfigError rather than run without the property: GPUs (Triton),
+quantized linears (ours or a checkpoint's), int8 KV caches, LoRA, mixture-of-experts, vision towers,
+tensor parallelism, and F.linear (packed weights off or no oneDNN).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
+from jobrunner.kernels.ops import PackedLinear
+
+
+def check_config(config: EngineConfig, bundle, device: torch.device, kv_dtype: torch.dtype) -> None:
+    """ConfigError naming what a batch-invariant engine of `config` over `bundle` does not cover."""
+    cfg = bundle.config
+    refused = [
+        (device.type != "cpu", f"device {device.type} (CPU only so far)"),
+        (config.quantization != "none", f"--quantization {config.quantization}"),
+        (getattr(bundle, "quantization", None) is not None, "a quantized checkpoint"),
+        (kv_dtype not in (torch.float32, torch.bfloat16, torch.float16), f"a {kv_dtype} KV cache"),
+        (bool(config.loras), "LoRA adapters"),
+        (config.tensor_parallel > 1, "tensor parallelism"),
+        (cfg.moe is not None, "a mixture-of-experts model"),
+        (cfg.vision is not None, "a vision-language model"),
+        (not config.packed_weights, "--no-packed-weights (F.linear's sums follow the batch)"),
+    ]
+    what = [why for bad, why in refused if bad]
+    if what:
+        raise ConfigError(f"--deterministic (batch-invariant results) does not cover {', '.join(what)} yet; "
+                          "drop --deterministic or those options")
+
+
+def check_model(model: nn.Module, decode_kernels) -> None:
+    """ConfigError unless every linear of `model` is packed in its invariant form and the in-place attention
+    kernel loads (decode_kernels: the runner's engine.run.cpu_decode.DecodeKernels)."""
+    dense = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    loose = [name for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.min_rows < 2]
+    if dense or loose:
+        raise ConfigError(f"--deterministic: linears not packed for batch invariance: {', '.join((dense + loose)[:4])}"
+                          " (this torch's oneDNN may be missing)")
+    if decode_kernels is None or decode_kernels.library() is None:
+        raise ConfigError("--deterministic needs the in-place CPU attention kernel, which did not build or load "
+                          "(a C compiler as $CC or cc; JOBRUNNER_CPU_DECODE=auto)")

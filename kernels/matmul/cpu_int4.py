@@ -1,0 +1,102 @@
+"""Group-wise int4 matmul on CPU over the packed 4-bit weights: no float copy of the weight, ever.
+
+The old CPU path (quant_matmul._int4_matmul_cpu) dequantizes the weight a slice of rows at a time at every
+call and runs F.linear on the float slice: at decode it writes and reads 8x the int4 bytes as float32 each
+step. Here a small C kernel (cpu_int4.c beside this file: its comment has the loop and the work split) widens
+the nibbles in registers, dequantizes them there (q * s + z) and multiplies them into up to 8 activation
+rows at once; threads split the output columns. It takes our int4 layout (quant_matmul.py's module doc), so
+it serves every int4 linear: our `--quantization int4`, GGUF Q4_0/Q4_1 loaded as int4, and the shipped
+W4A16 / GPTQ / AWQ linears (engine/shipped/build.py turns them into that layout; act order arrives with
+its columns already permuted, the activations once per call: engine/shipped/shipped_linear.PermutedInput).
+
+Built like the decode attention's kernel (kernels/attention/cpu_attention.py): plain C, OpenMP, compiled
+with the system's C compiler at first use and loaded through ctypes; where the library is kept and when it
+is built belong to engine/run/cpu_int4_build.py. Two builds: "native" (-march=native: the AVX-512 loop
+where the CPU has it) and "portable" (no -march: the plain C loop on any CPU; also what a native build
+runs for a group size that is not a multiple of 32).
+
+Activations float32 only (other dtypes: the old path); arithmetic float32, so a result differs from the
+dequantized reference (int4_matmul_ref) by the order of the sum only: RTOL/ATOL below.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_int4.c")
+# -ffast-math is not used (see kernels/attention/cpu_attention.py: it would set flush-to-zero process-wide)
+BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+VARIANTS = {"native": ("-march=native",), "portable": ()}
+LIBS = ("-lm",)
+SCALE_DTYPES = (torch.float16, torch.float32)
+RTOL, ATOL = 1e-4, 1e-4          # against int4_matmul_ref in float32, relative to the row's max |out|
+
+
+def flags(variant: str) -> tuple[str, ...]:
+    return BASE_FLAGS + VARIANTS[variant]
+
+
+def int4_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
+    """The compiler's argv that builds the library at output (the caller runs it)."""
+    return [*cc, *flags(variant), str(SOURCE), "-o", str(output), *LIBS]
+
+
+def int4_library_name(variant: str = "native") -> str:
+    """The library's file name, a hash of the source and the flags: a stale build is never loaded."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
+    return f"cpu_int4-{variant}-{digest}.so"
+
+
+class Int4Library:
+    """The compiled kernel, loaded. isa: "avx512" or "portable" (the loop this build runs for G % 32 == 0);
+    portable=True makes a native build run its portable loop too (tests compare the two)."""
+
+    def __init__(self, path: Path, portable: bool = False):
+        lib = ctypes.CDLL(str(path))
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        fn = lib.int4_matmul
+        fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 7
+        fn.restype = i32
+        lib.int4_kernel_isa.restype = i32
+        self.function, self.path, self.portable = fn, path, portable
+        self.isa = "avx512" if lib.int4_kernel_isa() and not portable else "portable"
+
+    def covers(self, x: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether the kernel takes this call (else the caller's torch path serves)."""
+        return x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype in SCALE_DTYPES
+
+
+def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int, bias: torch.Tensor | None, lib: Int4Library) -> torch.Tensor:
+    """x: [..., K] float32; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G] float16 or float32 (zeros
+    None: symmetric, W = (q - 8) * s) -> [..., N] float32."""
+    k = x.shape[-1]
+    n, half = packed.shape
+    kp = half * 2
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"int4_matmul_cpu: x {x.dtype} (float32), packed {packed.dtype} (uint8), "
+                        f"scales {scales.dtype} (float16 or float32)")
+    if zeros is not None and (zeros.dtype != scales.dtype or zeros.shape != scales.shape):
+        raise TypeError(f"int4_matmul_cpu: zeros {zeros.dtype} {tuple(zeros.shape)} must match the scales")
+    if group_size < 2 or group_size % 2 or kp % group_size or not kp - group_size < k <= kp \
+            or scales.shape != (n, kp // group_size):
+        raise ValueError(f"int4_matmul_cpu: x [..., {k}], packed {tuple(packed.shape)}, scales "
+                         f"{tuple(scales.shape)}, group {group_size}: want Kp = K rounded up to the group")
+    if not (packed.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
+        raise ValueError("int4_matmul_cpu: packed, scales and zeros contiguous")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    with torch.profiler.record_function("cpu_int4.matmul"):      # the profiler can't see into it
+        rc = lib.function(x2.data_ptr(), x2.stride(0) if x2.shape[0] > 1 else k, packed.data_ptr(), scales.data_ptr(),
+                          None if zeros is None else zeros.data_ptr(), int(scales.dtype == torch.float32),
+                          None if b is None else b.data_ptr(), out.data_ptr(), x2.shape[0], n, k, kp,
+                          group_size, torch.get_num_threads(), int(lib.portable))
+    if rc != 0:
+        raise ValueError(f"int4_matmul_cpu: the kernel refused its arguments ({rc})")
+    return out.view(*x.shape[:-1], n)
