@@ -121,6 +121,7 @@ def _runs(home: Path) -> list[tuple[str, dict[str, tuple[str, int]]]]:
             for run_id, state in runs]
 
 
+@pytest.mark.slow
 def test_a_night_passes_its_gate_and_a_night_that_lost_rows_fails_it_without_retry(airflow, tmp_path):
     out = tmp_path / "runs"
     nights = {"dataset": str(REVIEWS), "output": f"{out}/{{ds}}/", "model": TINY_MODEL}

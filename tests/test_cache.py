@@ -63,7 +63,7 @@ def test_rerun_over_a_grown_dataset_computes_only_the_new_rows(engine, tmp_path)
     s = json.loads((tmp_path / "t" / "_stats.json").read_text())
     assert s["tokens_saved"] == saved and s["rows_from_cache"] == 30 and s["rows_reused"] == 0
     assert s["cost_saved_usd"] > 0
-    from jobrunner.cli.main import summary_lines
+    from jobrunner.cli.summary_text import summary_lines
     assert any(line.startswith("reused") and "30 rows from the cache" in line for line in summary_lines(s, "x"))
 
 

@@ -19,6 +19,7 @@ from jobrunner.pipeline.exit_codes import EXIT_OK
 from jobrunner.pipeline.build import open_job
 from jobrunner.output import EXTRA_JSON, ResultWriter, read_results
 from jobrunner.output import values as V
+from jobrunner.output.parts import RUN_METADATA
 from jobrunner.output.schema import declared_schema
 from jobrunner.jobs import KINDS
 
@@ -29,12 +30,19 @@ def part_schema(out) -> pa.Schema:
     """The one schema every part of `out` has (checked), after reading the parts together."""
     parts = sorted(Path(out).glob("part-*.parquet"))
     assert len(parts) >= 2
-    schemas = [pq.read_schema(p) for p in parts]
+    # every part's schema is the first's, its metadata included, but for its run's time record (RUN_METADATA:
+    # the writing run's time so far, which grows part by part)
+    schemas = [_without_run_record(pq.read_schema(p)) for p in parts]
     assert all(s.equals(schemas[0], check_metadata=True) for s in schemas), [s.names for s in schemas]
     rows = sum(pq.read_metadata(p).num_rows for p in parts)
     assert pl.read_parquet(f"{out}/part-*.parquet").height == rows
     assert pads.dataset(str(out), format="parquet").to_table().num_rows == rows
     return schemas[0]
+
+
+def _without_run_record(schema: pa.Schema) -> pa.Schema:
+    meta = {k: v for k, v in (schema.metadata or {}).items() if k != RUN_METADATA}
+    return schema.with_metadata(meta)
 
 
 def error_row(i, **cols):

@@ -79,7 +79,8 @@ def test_beside_huggingface_kernels_and_the_newest_transformers(env, tmp_path):
     assert str(env) in found["ours"], found         # the wheel's copy, not the checkout's
     shown = _run(env, str(env / "bin" / "python"), "-m", "pip", "show", "-f", "jobrunner", cwd=tmp_path)
     files = [line.strip() for line in shown.stdout.split("Files:", 1)[-1].splitlines() if line.strip()]
-    folders = {f.split("/")[0] for f in files if "/" in f and not f.split("/")[0].endswith(".dist-info")}
+    folders = {f.split("/")[0] for f in files if "/" in f and not f.startswith(("../", "__pycache__/"))
+               and not f.split("/")[0].endswith(".dist-info")}      # the console script; the hook's bytecode
     assert folders == {"jobrunner"}, files
 
 

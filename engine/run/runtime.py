@@ -125,8 +125,6 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     if bundle is None:                 # the checkpoint's files and config, no weight read yet
         from jobrunner.engine.load.loader import load_model_bundle
         bundle = load_model_bundle(config.model)
-    if config.batch_invariant:         # what the mode does not cover yet, refused before any weight is read
-        batch_invariance.check_config(config, bundle, device, kv_dtype)
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
     shipped = getattr(bundle, "quantization", None)
@@ -169,6 +167,8 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
 def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: TensorParallel):
     """This rank's model (all of it on one device) and the KV blocks every rank has room for:
     (model, num_blocks, weight bytes)."""
+    if config.batch_invariant:         # what the mode does not cover yet, refused before any weight is read
+        batch_invariance.check_config(config, bundle, device, kv_dtype)
     with building(tp):
         model = build_model(bundle, device, dtype, config.seed)
     if config.quantization != "none":

@@ -36,7 +36,8 @@ fp8 (e4m3): qweight float8_e4m3fn [N, K], scales float32 [N, 1]; x is scaled per
 
 Dispatch (one function per op): int8/int4 take the Triton kernels on CUDA (or with
 JOBRUNNER_TRITON=1, interpreted on CPU tensors); elsewhere they dequantize the weight to
-x.dtype just in time, a slice of rows at a time, and run a float matmul. On the CPUs we
+x.dtype just in time, a slice of rows at a time, and run a float matmul, except int4 given the CPU
+kernel (cpu_int4.py: the nibbles multiplied in registers, float32 calls of up to CPU_INT4_MAX_ROWS rows). On the CPUs we
 measured, that beats torch's own weight-only int8/int4 CPU ops many times over (see
 DESIGN.md): weight-only quantization on CPU buys memory, not speed. w8a8 is the CPU speed
 mode: `torch._int_mm` where it is exact (oneDNN with AVX512-VNNI or AMX), else fbgemm's
