@@ -7,6 +7,8 @@ import shlex
 
 import click
 
+from jobrunner.common.durations import duration
+
 
 def print_summary(s: dict, output: str) -> None:
     """The summary a person reads at the end of a job: about ten lines. `jobrunner stats --all`
@@ -74,9 +76,9 @@ def _time_and_cost_lines(s: dict) -> list[tuple[str, str]]:
     lines = []
     if s.get("wall_s") is not None:
         runs = s.get("runs_recorded") or 1
-        wall = _duration(s["wall_s"]) + (f" over {runs} runs" if runs > 1 else "")
+        wall = duration(s["wall_s"]) + (f" over {runs} runs" if runs > 1 else "")
         if s.get("model_load_s"):
-            wall += f", plus {_duration(s['model_load_s'])} loading the model"
+            wall += f", plus {duration(s['model_load_s'])} loading the model"
         lines.append(("wall time", wall))
     if s.get("decode_tokens_per_s") is not None:
         lines.append(("throughput", f"{_rate(s['decode_tokens_per_s'])} completion tokens/s, "
@@ -119,17 +121,6 @@ def _usd(v: float) -> str:
 
 def _rate(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
-
-
-def _duration(seconds: float) -> str:
-    """12.3 s, 4 min 05 s, 2 h 03 min."""
-    if seconds < 60:
-        return f"{seconds:.3g} s"
-    m, sec = divmod(round(seconds), 60)
-    if m < 60:
-        return f"{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
 
 
 _RUN_LINE = ("started_at", "rows", "rows_skipped_done", "wall_s", "decode_tokens_per_s", "device", "interrupted")

@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from jobrunner.common.durations import duration
+
 log = logging.getLogger("jobrunner")
 LOG_EVERY_S = 30.0
 TERMINAL_DATEFMT, PLAIN_DATEFMT = "%H:%M:%S", "%Y-%m-%d %H:%M:%S"
@@ -70,16 +72,7 @@ def progress_line(done: int, total: int | None, computed: int, elapsed: float, *
     parts += [f"{failed:,} failed", f"{tokens_per_s:,.0f} tokens/s"] + ([more] if more else [])
     if total:
         left = max(total - done, 0)
-        parts.append(f"ETA {_duration(left * elapsed / computed)}" if computed else "ETA once the first rows finish")
+        parts.append(f"ETA {duration(round(left * elapsed / computed))}" if computed else "ETA once the first rows finish")
     return ", ".join(parts)
 
 
-def _duration(seconds: float) -> str:
-    """45 s, 4 min 05 s, 2 h 03 min."""
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    m, s = divmod(round(seconds), 60)
-    if m < 60:
-        return f"{m} min {s:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"

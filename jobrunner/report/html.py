@@ -7,6 +7,8 @@ import html
 import json
 import math
 
+from jobrunner.common.durations import duration
+
 __all__ = ["esc", "num", "pct", "seconds", "usd", "table", "cards", "section", "figures", "value_text", "document"]
 
 _CSS = """
@@ -59,15 +61,7 @@ def seconds(v) -> str:
     """12.3 s, 4 min 05 s, 2 h 03 min; milliseconds under a second."""
     if v is None:
         return "\u2013"
-    if v < 1:
-        return f"{v * 1000:.3g} ms"
-    if v < 60:
-        return f"{v:.3g} s"
-    m, s = divmod(round(v), 60)
-    if m < 60:
-        return f"{m} min {s:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
+    return f"{v * 1000:.3g} ms" if v < 1 else duration(v)
 
 
 def usd(v) -> str:
