@@ -114,7 +114,7 @@ def test_a_template_past_the_time_bound_stops_in_time(source):
     start = time.monotonic()
     with pytest.raises(TemplateBoundError, match="more than 0.5 s"):
         render(compile_template(source), seconds=0.5, messages=[])
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10       # bounded (unbounded, these run for hours); slack for a loaded machine
 
 
 def test_bounded_renders_equal_transformers_renders():
@@ -174,7 +174,7 @@ def test_sigterm_stops_a_job_held_by_a_looping_template(tmp_path):
         sent = time.monotonic()
         code = p.wait(timeout=60)
         assert code == 130
-        assert time.monotonic() - sent < 15
+        assert time.monotonic() - sent < 30      # one render (5 s) and the exit; unbounded, the 50 rows take 250 s
     finally:
         if p.poll() is None:
             p.kill()
