@@ -29,11 +29,16 @@ BUILD_TIMEOUT_S = 120
 log = logging.getLogger("jobrunner")
 
 
-def decode_mode() -> str:
-    m = os.environ.get("JOBRUNNER_CPU_DECODE", "auto")
-    if m not in MODES:
-        raise ValueError(f"JOBRUNNER_CPU_DECODE={m!r}: expected auto or gather")
+def env_mode(name: str, modes: tuple[str, ...]) -> str:
+    """The environment's choice among `modes` (the first when unset); ValueError naming the others."""
+    m = os.environ.get(name, modes[0])
+    if m not in modes:
+        raise ValueError(f"{name}={m!r}: expected {', '.join(modes[:-1])} or {modes[-1]}")
     return m
+
+
+def decode_mode() -> str:
+    return env_mode("JOBRUNNER_CPU_DECODE", MODES)
 
 
 def library_path() -> Path:

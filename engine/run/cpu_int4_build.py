@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 from torch import nn
 
 from jobrunner.engine.quant.linear import Int4Linear
-from jobrunner.engine.run.cpu_decode import build_library, library_path
+from jobrunner.engine.run.cpu_decode import build_library, env_mode, library_path
 from jobrunner.kernels.ops import Int4Library, int4_compile_command, int4_library_name
 
 MODES = ("auto", "portable", "off")
@@ -30,10 +29,7 @@ log = logging.getLogger("jobrunner")
 
 
 def int4_mode() -> str:
-    m = os.environ.get("JOBRUNNER_CPU_INT4", "auto")
-    if m not in MODES:
-        raise ValueError(f"JOBRUNNER_CPU_INT4={m!r}: expected auto, portable or off")
-    return m
+    return env_mode("JOBRUNNER_CPU_INT4", MODES)
 
 
 def int4_library_path(variant: str) -> Path:
