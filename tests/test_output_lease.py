@@ -149,6 +149,26 @@ def test_sigterm_during_start_up_exits_130_with_its_line(tmp_path, job):
     assert not (tmp_path / "term" / "_lease.json").exists()
 
 
+def test_a_signal_caught_inside_an_import_still_exits_with_its_code(tmp_path):
+    """What the handlers raise (SignalInterrupt) passes out of an exec'd string, as when SIGTERM lands while a
+    dataclass is built during an import, and the command (run with -m, as jobrunner's is) still exits 130:
+    a bare KeyboardInterrupt there makes CPython 3.11 end the process by SIGINT (-2) whatever it exits with."""
+    body = ("import sys\n"
+            "from jobrunner.common.signal_interrupt import SignalInterrupt\n"
+            "try:\n"
+            "    exec('raise {}')\n"
+            "except KeyboardInterrupt:\n"
+            "    sys.exit(130)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    for name in ("SignalInterrupt", "KeyboardInterrupt"):
+        (tmp_path / f"exits_{name}.py").write_text(body.format(name))
+    ours = subprocess.run([sys.executable, "-m", "exits_SignalInterrupt"], cwd=tmp_path, env=env)
+    assert ours.returncode == 130
+    if sys.version_info < (3, 12):      # the interpreter's own behaviour, which the subclass avoids
+        bare = subprocess.run([sys.executable, "-m", "exits_KeyboardInterrupt"], cwd=tmp_path, env=env)
+        assert bare.returncode == -signal.SIGINT
+
+
 def test_a_damaged_manifest_is_rebuilt_by_repair_and_the_job_resumes(tmp_path, job):
     model, ds, _ = job
     out = tmp_path / "out"

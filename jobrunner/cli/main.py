@@ -22,6 +22,7 @@ from jobrunner.pipeline.progress import log_datefmt
 from jobrunner.models.known import known_models, pull as pull_model
 from jobrunner.cli.summary_text import dataset_rows, print_all, print_summary
 from jobrunner.cli.export import export as export_command
+from jobrunner.common.signal_interrupt import SignalInterrupt
 
 # Each command imports the modules that run it inside its function (the API, the dataset readers, the
 # output): they load pyarrow and fsspec, which `jobrunner --help` and a command's option parsing never need.
@@ -64,7 +65,7 @@ def _sigterm_interrupts() -> None:
     Ctrl-C does: exit 130 with its line, not a silent 143. The job's handlers replace this one while it
     runs (Job.run, the launchers) and put it back after."""
     def on_term(signum, frame):
-        raise KeyboardInterrupt
+        raise SignalInterrupt
     signal.signal(signal.SIGTERM, on_term)
 
 

@@ -202,8 +202,9 @@ class OutputLease:
     # -- the heartbeat
 
     def _start_heartbeat(self) -> None:
-        self._beat = threading.Thread(target=self._heartbeat, name="jobrunner-lease", daemon=True)
-        self._beat.start()
+        beat = threading.Thread(target=self._heartbeat, name="jobrunner-lease", daemon=True)
+        beat.start()
+        self._beat = beat       # only once started: a signal inside start() leaves nothing for release() to join
 
     def _heartbeat(self) -> None:
         """Renew the record every stale_s / 6 until released or taken over. Never raises: a beat the store

@@ -44,6 +44,7 @@ from jobrunner.parallel.ray_cluster import absolute_if_here, absolute_url, conne
 from jobrunner.parallel.ray_plan import Shipper, refill
 from jobrunner.parallel.ray_queue import WorkQueue
 from jobrunner.parallel.merged_stats import merge_stats
+from jobrunner.common.signal_interrupt import SignalInterrupt
 
 log = logging.getLogger("jobrunner")
 
@@ -326,7 +327,7 @@ class RayDriver:
 
     def _on_signal(self, signum, frame):
         if self.stop.is_set():
-            raise KeyboardInterrupt
+            raise SignalInterrupt
         self.stop.set()
         log.warning("signal %d: workers finish what is written, then stop", signum)
         self.queue.stop.remote()

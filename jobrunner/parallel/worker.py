@@ -26,6 +26,7 @@ from jobrunner.planner import WorkUnit, spread_units
 from jobrunner.pipeline.contracts import RowWriter
 from jobrunner.pipeline.pending import PendingRow
 from jobrunner.parallel.merged_stats import worker_sketch
+from jobrunner.common.signal_interrupt import SignalInterrupt
 
 log = logging.getLogger("jobrunner")
 
@@ -47,7 +48,7 @@ def worker_loop(cfg: JobConfig, resolved: Resolved, rank: int, world: int, store
 
     def on_signal(signum, frame):   # between rounds; Job.run has its own handlers while it runs
         if stop:
-            raise KeyboardInterrupt
+            raise SignalInterrupt
         stop.append(signum)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)

@@ -17,6 +17,7 @@ from jobrunner.pipeline.ending import JobResult, verdict, write_ending
 from jobrunner.pipeline.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from jobrunner.pipeline.pending import Interrupted, PendingRow, ShippedUnit
 from jobrunner.common.threads import FixedThreads
+from jobrunner.common.signal_interrupt import SignalInterrupt
 
 if TYPE_CHECKING:
     from jobrunner.engine import Engine, EngineInfo
@@ -162,7 +163,7 @@ class Job:
 
     def _on_signal(self, signum, frame):
         if self.stop.is_set():          # a second Ctrl-C: stop at once
-            raise KeyboardInterrupt
+            raise SignalInterrupt
         self.stop.set()
         log.warning("signal %d: finishing what is written, then exiting", signum)
 
