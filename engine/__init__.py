@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from jobrunner.engine.config.engine_config import CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig, cache_root
+from jobrunner.engine.config.engine_config import CPU_KV_CACHE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_MODES, ConfigError, EngineConfig, cache_root
 from jobrunner.engine.api.counters import EngineCounters
 from jobrunner.engine.config.embedding import CheckpointPooling
 from jobrunner.engine.api.errors import EngineFailure, ModelError
@@ -53,7 +53,7 @@ _LAZY = {
     "load_image_processor": "jobrunner.engine.vision.processor",
 }
 
-__all__ = ["AdapterSpec", "check_adapter", "CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS",
+__all__ = ["AdapterSpec", "check_adapter", "CONSTRAINT_KINDS", "CPU_KV_CACHE_BYTES", "KV_CACHE_DTYPES", "NUMERICS_VERSION", "POOLINGS", "QUANTIZATIONS", "SPECULATIVE_MODES",
            "SAMPLING_KEYS", "CheckpointPooling", "Completion", "ConfigError", "Constraint", "EmbedParams",
            "EngineConfig", "EngineCounters", "EngineFailure", "EngineInfo", "GenerationDefaults", "ImageInput", "ModelError",
            "Request", "RequestOutput", "SamplingParams", "TokenLogprob", "Tokenizer", "cache_root", "common_prefix",

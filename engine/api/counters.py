@@ -16,6 +16,8 @@ class EngineCounters:
     graph_steps: int = 0              # pure-decode steps replayed from CUDA graphs
     images_encoded: int = 0           # images run through a vision tower
     images_reused: int = 0            # a chunk's image whose tower output was at hand (engine/run/image_embeds.py)
+    draft_tokens: int = 0             # speculative decoding (engine/spec): drafted tokens verified
+    accepted_tokens: int = 0          # and those kept
     # host seconds per phase of a step; wait_s: waiting for the device's results
     schedule_s: float = 0.0
     prepare_s: float = 0.0

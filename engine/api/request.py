@@ -185,6 +185,8 @@ class RequestOutput:
     candidate_greedy: list[list[bool]] | None = None
     embeddings: list[list[float]] | None = None      # embedding mode: one vector per input, the prompt's first
     computed: bool = True               # False: it ended before any step (refused by the checks): no token computed
+    draft_tokens: int = 0               # speculative decoding: tokens drafted and verified for it,
+    accepted_tokens: int = 0            # and those the target's samples confirmed
 
     @property
     def embedding(self) -> list[float] | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SPECULATIVE_MODES = ("off", "ngram", "auto")   # engine/spec: drafts from each row's own tokens; auto where they pay
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # fixed CPU budget (about 46k tokens of the default model); GPUs size from free memory
 
 
@@ -32,6 +33,8 @@ class EngineConfig:
                                         # (float32 not bit-exact against F.linear: engine/run/packed_weights.py)
     batch_invariant: bool = False       # a row's results bit-identical whatever shares its steps, on CPU
                                         # (engine/run/batch_invariance.py: how, and what it does not cover)
+    speculative: str = "off"            # off | ngram | auto: draft from each row's own tokens (engine/spec);
+    num_speculative_tokens: int = 4     # auto where it pays by measurement; at most this many drafted a step
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/sample/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)

@@ -43,6 +43,7 @@ from jobrunner.engine.api.request import Request, RequestOutput
 from jobrunner.engine.run.runtime import EngineRuntime, build_runtime
 from jobrunner.engine.schedule.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.schedule.sequence import Status
+from jobrunner.engine.spec.speculator import Speculator
 from jobrunner.engine.core.stop import StopChecker
 
 
@@ -82,9 +83,10 @@ class Engine:
         self.info = engine_info(self.rt, config, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
+        self.spec = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative != "off" else None
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
                                        self.max_model_len, config.seed, self.grammars, lora_names=loras.names,
-                                       vision=vision_spec(self.rt.model))
+                                       vision=vision_spec(self.rt.model), spec=self.spec)
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()   # launched, not yet processed
         self._depth = 1 if config.async_scheduling else 0                          # steps left in flight
 
@@ -159,6 +161,9 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        drafted_before = (self.spec.drafted, self.spec.accepted) if self.spec is not None else (0, 0)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         scheduled = time.perf_counter()
         launched = self.runner.launch(sched)
@@ -168,6 +173,8 @@ class Engine:
         if sched.chunks:
             self._in_flight.append((sched, launched))
         done = self._complete_oldest() if self._oldest_is_due(sched) else _NOTHING_DONE
+        while self._in_flight and self.spec is not None and self.spec.active:
+            done = done.plus(self._complete_oldest())   # drafting needs every token known: no step left in flight
         mask_s = done.mask_s
         if self._in_flight and self._in_flight[-1][1].awaits_mask:
             mask_s += self._sample_masked(self._in_flight[-1][1])
@@ -180,7 +187,11 @@ class Engine:
             schedule_s=scheduled - start, prepare_s=out.prepare_s, forward_s=out.forward_s, sample_s=out.sample_s,
             wait_s=out.wait_s, mask_s=mask_s,
             images_encoded=launched.out.images_encoded, images_reused=launched.out.images_reused,
+            draft_tokens=self.spec.drafted - drafted_before[0] if self.spec is not None else 0,
+            accepted_tokens=self.spec.accepted - drafted_before[1] if self.spec is not None else 0,
             process_s=time.perf_counter() - launched_at - out.wait_s)    # all bookkeeping after the launch
+        if self.spec is not None and _decodes_only(sched):
+            self.spec.timed(sched.num_tokens, time.perf_counter() - start)
         return self.outputs.take_finished()
 
     # --- the pipeline ------------------------------------------------------------------------
@@ -211,7 +222,7 @@ class Engine:
         their launch get no mask: their token is dropped; nor do rows still reasoning (the
         constraint is on the answer). Returns the seconds the mask took."""
         t0 = time.perf_counter()
-        _, seqs, _ = launched.masked
+        _, seqs, *_ = launched.masked
         mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED and s.constrained_from(s.num_tokens)
                                    else None for s in seqs])
         mask_s = time.perf_counter() - t0
@@ -232,6 +243,18 @@ class _Done(NamedTuple):
     out: RunnerOutput
     generated: int
     mask_s: float
+
+    def plus(self, other: _Done) -> _Done:
+        """Two steps processed in one call (a verify step and the one before it): their times summed."""
+        a, b = self.out, other.out
+        out = RunnerOutput(prepare_s=a.prepare_s + b.prepare_s, forward_s=a.forward_s + b.forward_s,
+                           sample_s=a.sample_s + b.sample_s, wait_s=a.wait_s + b.wait_s)
+        return _Done(out, self.generated + other.generated, self.mask_s + other.mask_s)
+
+
+def _decodes_only(sched: SchedulerOutput) -> bool:
+    """A step of one-token decodes and verify chunks only (no prompt): what speculation's cost model fits."""
+    return bool(sched.chunks) and all(c.draft for c in sched.chunks[sched.num_decodes:])
 
 
 _NOTHING_DONE = _Done(RunnerOutput(), 0, 0.0)

@@ -29,7 +29,8 @@ from jobrunner.engine.schedule.prompt_images import PromptImages, VisionSpec
 from jobrunner.engine.schedule.kv_manager import KVCacheManager
 from jobrunner.engine.run.step_results import RunnerOutput
 from jobrunner.engine.api.request import Completion, Request, RequestOutput, TokenLogprob
-from jobrunner.engine.schedule.scheduler import Scheduler, SchedulerOutput
+from jobrunner.engine.schedule.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from jobrunner.engine.spec.speculator import Speculator
 from jobrunner.engine.schedule.sequence import SeqKind, Sequence, Status
 from jobrunner.engine.core.stop import StopChecker
 
@@ -52,18 +53,21 @@ class _RequestState:
     prompt_greedy: list[bool] | None = None
     embeddings: list[list[float] | None] | None = None
     error: str | None = None
+    drafted: int = 0                                # speculative decoding: tokens drafted and verified,
+    accepted: int = 0                               # and those kept
 
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, stop_checker: StopChecker, model_config,
                  max_model_len: int, seed: int, grammars: Grammars | None = None, lora_names: tuple[str, ...] = (),
-                 vision: VisionSpec | None = None):
+                 vision: VisionSpec | None = None, spec: Speculator | None = None):
         self.scheduler, self.kv, self.stop_checker = scheduler, kv, stop_checker
         self.vision = vision                              # a vision-language model's (engine/schedule/prompt_images.py), else None
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.seed = seed
         self.grammars = grammars
+        self.spec = spec                                  # speculative decoding's drafts and tallies (engine/spec)
         self.lora_names = tuple(lora_names)               # the engine's LoRA adapters: 1-based on sequences
         self._states: dict[str, _RequestState] = {}       # by request id, until its output is taken
         self._seq_state: dict[int, _RequestState] = {}    # by seq_id, while the sequence lives
@@ -150,6 +154,8 @@ class OutputProcessor:
             elif seq.kind is SeqKind.CANDIDATES:
                 self._branch_candidates(seq, state, out.candidate_first[seq.seq_id],
                                         out.candidate_first_greedy[seq.seq_id])
+            elif chunk.draft:
+                generated += self._verify(seq, state, chunk, out.sampled[seq.seq_id], out.sample_logprobs[seq.seq_id])
             else:
                 generated += self._sampled(seq, state, out.sampled[seq.seq_id], out.sample_logprobs[seq.seq_id])
         return generated
@@ -202,6 +208,28 @@ class OutputProcessor:
             seq.draws = 1
         self._append(seq, state, tokens[0], logprobs[0])
         return 1 + forks
+
+    def _verify(self, seq: Sequence, state: _RequestState, chunk: ScheduledChunk, tokens: list[int],
+                logprobs: list[TokenLogprob | None]) -> int:
+        """A drafting row's samples, one per position from its last token on: it keeps them up to and with the
+        first that differs from its draft (each later one followed a wrong guess), or up to its stop. Its K and
+        V hold through the last draft kept; the positions after are written again when computed. Returns the
+        tokens appended."""
+        known, draft, kept, accepted = seq.num_tokens, chunk.draft, 0, 0
+        state.drafted += len(draft)
+        for j, token in enumerate(tokens):
+            right = j < len(draft) and token == draft[j]
+            accepted += right
+            state.accepted += right         # before the append that may end the request
+            self._append(seq, state, token, logprobs[j])
+            kept += 1
+            if seq.status is Status.FINISHED or not right:
+                break
+        self.spec.verified(len(draft), accepted)
+        if seq.status is not Status.FINISHED:
+            seq.num_computed_tokens = chunk.known_end + kept - 1    # the drafts kept were computed; the last sample not
+            self.kv.register_accepted(seq, known)
+        return kept
 
     def _append(self, seq: Sequence, state: _RequestState, token: int, logprob: TokenLogprob | None) -> None:
         if seq.append_token(token):
@@ -284,6 +312,8 @@ class OutputProcessor:
 
     def _untrack(self, seq: Sequence, state: _RequestState) -> None:
         del self._seq_state[seq.seq_id]
+        if self.spec is not None:
+            self.spec.forget(seq)
         state.live -= 1
         if state.live == 0:
             self._finish_request(state)
@@ -347,7 +377,8 @@ class OutputProcessor:
             decode_s=max(now - prefill_done, 0.0), error=state.error,
             prompt_logprobs=state.prompt_logprobs, candidate_logprobs=state.candidate_logprobs,
             prompt_greedy=state.prompt_greedy, candidate_greedy=state.candidate_greedy,
-            embeddings=state.embeddings, computed=state.first_scheduled is not None))
+            embeddings=state.embeddings, computed=state.first_scheduled is not None,
+            draft_tokens=state.drafted, accepted_tokens=state.accepted))
         del self._states[state.request.id]
 
 

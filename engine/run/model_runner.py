@@ -58,7 +58,8 @@ class _StepInputs:
     query_lens: list[int] = field(default_factory=list)      # per chunk
     seq_lens: list[int] = field(default_factory=list)        # per chunk: context length after the step
     tables: list[list[int]] = field(default_factory=list)    # per chunk: its sequence's block table
-    sample_rows: list[tuple] = field(default_factory=list)   # (token row, chunk)
+    sample_rows: list[tuple] = field(default_factory=list)   # (token row, chunk, its position past the chunk's
+                                                             # last own token: 0, or a drafted one's 1..k)
     score_rows: list[tuple] = field(default_factory=list)    # (token row, target token, seq_id)
     placeholder_rows: list[tuple] = field(default_factory=list)  # (token row, seq_id): input id sampled last step
     pool_rows: list[tuple] = field(default_factory=list)     # (first token row, chunk) of each EMBED chunk
@@ -80,7 +81,7 @@ def _mrope_rows(x: _StepInputs) -> list[list[int]] | None:
 def _logit_passes(x: _StepInputs) -> list[list[int]]:
     """The token rows whose logits a step computes, pass by pass: the sampled rows in one, then the
     scored rows LOGITS_ROWS_PER_PASS at a time."""
-    passes = [[r for r, _ in x.sample_rows]] if x.sample_rows else []
+    passes = [[r for r, *_ in x.sample_rows]] if x.sample_rows else []
     rows = [r for r, _, _ in x.score_rows]
     return passes + [rows[lo:lo + LOGITS_ROWS_PER_PASS] for lo in range(0, len(rows), LOGITS_ROWS_PER_PASS)]
 
@@ -229,10 +230,10 @@ class ModelRunner:
         """Samples a step whose batch holds constrained rows, once the host has their grammar bitmask:
         [rows of step.masked's logits, words] int32 (all ones for unconstrained rows)."""
         t0 = time.perf_counter()
-        logits, seqs, previous = step.masked
+        logits, seqs, ahead, previous = step.masked
         step.masked = None
         apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
-        self._draw(logits, seqs, step, previous)
+        self._draw(logits, seqs, ahead, step, previous)
         self._fetch(step)
         step.out.sample_s += time.perf_counter() - t0
 
@@ -292,7 +293,8 @@ class ModelRunner:
                 x.positions.append(start + (delta if start >= seq.num_prompt_tokens else 0))
                 x.slots.append(table[start // bs] * bs + start % bs)
             else:
-                x.input_ids.extend(seq.token_ids[start:end])
+                x.input_ids.extend(seq.token_ids[start:chunk.known_end])
+                x.input_ids.extend(chunk.draft)
                 pos = np.arange(start, end)
                 x.positions.extend(np.where(pos >= seq.num_prompt_tokens, pos + delta, pos).tolist())
                 x.slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
@@ -306,8 +308,9 @@ class ModelRunner:
             x.tables.append(table)
             for p in seq.scored_positions(start, end):
                 x.score_rows.append((base + p - start, seq.token_ids[p + 1], seq.seq_id))
-            if chunk.completes and seq.reads_last_logits:
-                x.sample_rows.append((base + end - start - 1, chunk))
+            if chunk.completes and seq.reads_last_logits:   # a drafting chunk samples at each drafted position too
+                last = base + chunk.known_end - start - 1
+                x.sample_rows.extend((last + j, chunk, j) for j in range(len(chunk.draft) + 1))
             if seq.kind is SeqKind.EMBED:
                 x.pool_rows.append((base, chunk))
         return x
@@ -325,14 +328,16 @@ class ModelRunner:
             x.mrope.append((base, images.positions[:, start:last]))
 
     def _sample(self, logits, sample_rows, step: LaunchedStep, previous) -> None:
-        seqs = [chunk.seq for _, chunk in sample_rows]
+        seqs, ahead = [chunk.seq for _, chunk, _ in sample_rows], [j for *_, j in sample_rows]
         if any(s.matcher is not None for s in seqs):
-            step.masked = (logits, seqs, previous)  # the grammar's mask comes once the previous step's tokens are known
+            step.masked = (logits, seqs, ahead, previous)  # the grammar's mask comes once the previous step's tokens are known
             return
-        self._draw(logits, seqs, step, previous)
+        self._draw(logits, seqs, ahead, step, previous)
 
-    def _draw(self, logits, seqs, step: LaunchedStep, previous) -> None:
-        """One row of logits per sequence -> its draws (or its candidates' first logprobs), on the device."""
+    def _draw(self, logits, seqs, ahead, step: LaunchedStep, previous) -> None:
+        """One row of logits per sequence (a drafting one: per position, `ahead` past its last token) -> its
+        draws (or its candidates' first logprobs), on the device. A drafted position draws what the plain
+        engine would draw there (the same uniform): its sample is the plain engine's if the draft was right."""
         if all(s.samples_one_token and not s.sampling.temperature > 0 and s.sampling.logprobs is None
                and not s.sampling.adjusts_logits for s in seqs):    # all greedy, one token each: the hot path
             step.sampled = DeviceSample(logits.argmax(dim=-1), [], [])
@@ -346,7 +351,8 @@ class ModelRunner:
                     step.candidate_owners.append((seq.seq_id, len(seq.candidate_first_tokens)))
                     continue
                 for k in range(seq.draws):             # sample k of a parent's first draw becomes child k
-                    u = draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens) if seq.sampling.temperature > 0 else 0.0
+                    u = (draw_uniform(seq.seed, seq.sample_index + k, seq.num_tokens + ahead[i])
+                         if seq.sampling.temperature > 0 else 0.0)
                     rows.append(SampleRow(i, seq.sampling, u))
                     step.sample_owners.append(seq.seq_id)
             if rows:

@@ -45,7 +45,8 @@ class LaunchedStep:
     pooled: torch.Tensor | None = None                                      # [sum of sizes] float32 (engine/sample/pooling.py)
     pooled_owners: list[tuple[int, int]] = field(default_factory=list)      # (seq_id, size)
     fetch: HostCopy | None = None
-    masked: tuple | None = None       # (logits [rows, vocab], their sequences, the previous launch's samples) awaiting a bitmask
+    masked: tuple | None = None       # (logits [rows, vocab], their sequences, each row's position past its sequence's
+                                      # last token, the previous launch's samples) awaiting a bitmask
 
     @property
     def awaits_mask(self) -> bool:

@@ -154,6 +154,15 @@ class KVCacheManager:
         self._register_full(seq, last - 1, last)
         self.pool.mark_computed([seq.block_table[last - 1]])   # written by a step already enqueued
 
+    def register_accepted(self, seq: Sequence, known_before: int) -> None:
+        """seq kept drafted tokens (engine/spec): hashes the full blocks they complete that are computed
+        (allocate hashed none past the tokens known then, `known_before`). Changes the pool's index."""
+        if not self.enable_prefix_caching:
+            return
+        first, last = known_before // self.block_size, seq.num_computed_tokens // self.block_size
+        self._register_full(seq, first, last)
+        self.pool.mark_computed(seq.block_table[first:last])    # written by a step already enqueued
+
     def _register_full(self, seq: Sequence, first: int, last: int) -> None:
         """Hashes seq's full blocks first..last-1 into the pool's index (their tokens are all known)."""
         if first >= last:

@@ -19,18 +19,26 @@ from jobrunner.engine.schedule.sequence import Sequence, Status
 class ScheduledChunk:
     seq: Sequence
     start: int                  # first position computed in this chunk
-    num_tokens: int
+    num_tokens: int             # positions computed, drafted ones included
+    # Speculative decoding (engine/spec): tokens guessed past the sequence's last, computed after it in
+    # this chunk and sampled at each position; the sequence keeps those the samples confirm.
+    draft: tuple[int, ...] = ()
     # The sequence reaches its next event (sampling, or the end of scoring) after this chunk.
     # Fixed when scheduled: by the time the step's results are processed the sequence may
     # already hold a placeholder for the next one.
     completes: bool = field(init=False)
 
     def __post_init__(self):
-        self.completes = self.end == self.seq.compute_target
+        self.completes = self.known_end == self.seq.compute_target
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def known_end(self) -> int:
+        """The end of the sequence's own tokens in this chunk (its drafts come after)."""
+        return self.end - len(self.draft)
 
 
 @dataclass
@@ -40,6 +48,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     num_decodes: int = 0        # the first num_decodes chunks are decodes (one token, past the prompt)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a chunk verifies drafted tokens (the engine then processes the step at once)."""
+        return any(c.draft for c in self.chunks[self.num_decodes:])
 
     @property
     def num_tokens(self) -> int:
@@ -82,15 +95,20 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            # drafts ride only on a one-token decode, and leave a token of budget for each row after it
+            draft = tuple(seq.draft[:max(budget - n - (len(self.running) - i - 1), 0)]) if n == 1 else ()
+            if draft and not self.kv.allocate(seq, n + len(draft)):
+                draft = ()          # no blocks for them: a plain decode (nothing is preempted for drafts)
             # Sequences after i are not scheduled yet: preempt from the back until seq fits.
-            while not self.kv.allocate(seq, n):
+            while not draft and not self.kv.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
-                (decodes if n == 1 and not seq.in_prefill else prefills).append(chunk)
+                chunk = ScheduledChunk(seq, seq.num_computed_tokens, n + len(draft), draft)
+                (decodes if n == 1 and not draft and not seq.in_prefill else prefills).append(chunk)
+                n += len(draft)
                 budget -= n
                 i += 1
 
@@ -135,8 +153,8 @@ class Scheduler:
 
     def finish_step(self, out: SchedulerOutput) -> None:
         """After the forward: advance computed counts and mark written blocks computed."""
-        for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
+        for chunk in out.chunks:        # drafted positions count once accepted (OutputProcessor)
+            chunk.seq.num_computed_tokens = chunk.known_end
         self.kv.end_step()
 
     def finish(self, seq: Sequence, reason: str) -> None:

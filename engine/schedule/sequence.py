@@ -85,6 +85,8 @@ class Sequence:
     reasoning_end: int | None = None
     lora: int = 0                  # its LoRA adapter (engine/lora: 1-based index), 0: the base model
     images: PromptImages | None = None   # its prompt's images (engine/schedule/prompt_images.py); None: text only
+    draft: list[int] = field(default_factory=list)   # tokens guessed past its last, verified by its next step
+                                                     # (engine/spec); never part of token_ids until accepted
 
     def __post_init__(self):
         if self.sampling.reasoning_markers is not None and self.reasoning_end is None:

@@ -62,6 +62,11 @@ def _row_lines(s: dict) -> list[tuple[str, str]]:
         if s.get("optimum_cache_hit_rate") is not None:
             hits += f" ({_optimum(s)})"
         lines.append(("cache hits", hits))
+    engine = s.get("engine") or {}
+    if engine.get("draft_tokens"):      # --speculative, this run's engine
+        drafted, kept = engine["draft_tokens"], engine.get("accepted_tokens") or 0
+        lines.append(("speculation", f"{kept:,} of {drafted:,} drafted tokens accepted ({kept / drafted:.1%}), "
+                                     f"{engine.get('steps') or 0:,} steps"))
     if s.get("images") or s.get("image_errors"):
         bad = f", {s['image_errors']:,} failed their rows" if s.get("image_errors") else ""
         lines.append(("images", f"{s.get('images') or 0:,} ({s.get('image_tokens') or 0:,} of the prompt tokens){bad}"))

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import click
 
+from jobrunner.engine import SPECULATIVE_MODES
 from jobrunner.config.job import CACHE_MODES, FORMATS, KINDS, KV_CACHE_DTYPES, MATCH_MODES, NORMALIZE_MODES, OUTPUT_FORMATS, JOB_QUANTIZATIONS, POOLINGS, option_defaults
 from jobrunner.config.ray import RayOptions
 from jobrunner.jobs.reasoning import REASONING_PARSERS
@@ -225,6 +226,13 @@ OPTION_GROUPS: dict[str, list] = {
                      help="On CPU, run float32 and bfloat16 linears on oneDNN over weights packed once at "
                           "load (float32: 1.6-1.7x a job's speed on an AVX-512 EPYC; its last bits differ "
                           "from F.linear's)."),
+        click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default=D.speculative, show_default=True,
+                     help="Speculative decoding: each row drafts tokens from its own prompt and output (n-gram "
+                          "lookup) and one step verifies them; the same tokens as without. auto: only where "
+                          "the measured acceptance pays for the verify cost at the batch size (the tail of a "
+                          "job, outputs that copy their prompt)."),
+        click.option("--speculative-tokens", type=int, default=D.speculative_tokens, show_default=True,
+                     help="Drafted tokens a row verifies a step, at most (1-16)."),
         click.option("--deterministic/--no-deterministic", default=D.deterministic, show_default=True,
                      help="Batch-invariant results (CPU): a row's tokens, logprobs, scores and embeddings are "
                           "bit-identical whatever else is in its batch, however prompts are chunked or cached, "

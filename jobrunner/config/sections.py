@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jobrunner.engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SamplingParams
+from jobrunner.engine import KV_CACHE_DTYPES, POOLINGS, QUANTIZATIONS, SPECULATIVE_MODES, SamplingParams
 from jobrunner.config.constraints import validate_constraint_options
 from jobrunner.config.option_values import JobConfigError, check_device, either
 from jobrunner.images.sources import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S, ImageLimits
@@ -297,6 +297,8 @@ class EngineOptions:
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     packed_weights: bool = True             # float32/bfloat16 CPU linears on oneDNN over weights packed once
     deterministic: bool = False             # batch-invariant results: a row's bits whatever shares its batch (CPU)
+    speculative: str = "off"                # off | ngram | auto: draft tokens from each row's own prompt and output
+    speculative_tokens: int = 4             # drafted tokens a row verifies a step, at most
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
 
     def __post_init__(self):
@@ -310,6 +312,10 @@ class EngineOptions:
             _bad(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if not self.grammar_timeout > 0:
             _bad("--grammar-timeout must be > 0 seconds")
+        if self.speculative not in SPECULATIVE_MODES:
+            _bad(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
+        if not 1 <= self.speculative_tokens <= 16:
+            _bad("--speculative-tokens must be between 1 and 16")
         check_device(self.device)
 
 

@@ -11,12 +11,13 @@ from collections.abc import Iterable
 
 RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                   "queue_s", "prefill_s", "decode_s", "error", "reused")
+SPECULATION_COLUMNS = ("draft_tokens", "accepted_tokens")   # a job run with --speculative: drafted tokens verified, kept
 EXTRA_JSON = "extra_json"       # the writer's column for values that don't fit the pinned schema
 
 
 def reserved_columns(kind_columns: Iterable[str]) -> frozenset[str]:
     """Every name a result column can take in a job whose kind adds `kind_columns`."""
-    return frozenset(RESULT_COLUMNS) | frozenset(kind_columns) | {EXTRA_JSON}
+    return frozenset(RESULT_COLUMNS) | frozenset(SPECULATION_COLUMNS) | frozenset(kind_columns) | {EXTRA_JSON}
 
 
 def input_names(columns: Iterable[str], reserved: frozenset[str]) -> dict[str, str]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from jobrunner.output.columns import input_names, reserved_columns
+from jobrunner.output.columns import SPECULATION_COLUMNS, input_names, reserved_columns
 from jobrunner.output.values import ARROW, FIXED_COLUMNS, arrow_schema, vector_kind
 
 if TYPE_CHECKING:
@@ -40,13 +40,17 @@ def declared_schema(id_type: pa.DataType, inputs: dict[str, pa.DataType | None],
     return arrow_schema(kinds, types)
 
 
-def result_schema(input_columns: tuple, id_column: str, job: JobKind, hidden_size: int | None) -> pa.Schema:
+def result_schema(input_columns: tuple, id_column: str, job: JobKind, hidden_size: int | None,
+                  speculative: bool = False) -> pa.Schema:
     """The declared schema of a job of kind `job` (jobs.KINDS) over a dataset of `input_columns` ((the
     id's type, column -> type), as jobrunner.dataset.input_types reads them); hidden_size: the model's,
-    the size of an embedding unless the job says otherwise (--dimensions)."""
+    the size of an embedding unless the job says otherwise (--dimensions); speculative: the rows say their
+    drafted and accepted tokens (SPECULATION_COLUMNS)."""
     id_type, types = input_columns
     columns = [c for c in types if c != id_column]
     names = input_names(columns, reserved_columns(job.result_columns))
     kinds = {n: vector_kind(job.vector_size(hidden_size)) if k == VECTOR else k
              for n, k in job.result_columns.items()}
+    if speculative:
+        kinds.update(dict.fromkeys(SPECULATION_COLUMNS, "int"))
     return declared_schema(id_type, {names[c]: types[c] for c in columns}, kinds)

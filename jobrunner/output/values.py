@@ -67,7 +67,7 @@ FIXED_COLUMNS: dict[str, str] = {
 KNOWN_COLUMNS: dict[str, str] = {"label": "string", "label_probs": "label_probs",
                                  "label_logprobs": "label_logprobs", "sample_index": "int",
                                  "logprobs": "token_logprobs", "reasoning": "string", "reasoning_tokens": "int",
-                                 "truncated_tokens": "int"}
+                                 "truncated_tokens": "int", "draft_tokens": "int", "accepted_tokens": "int"}
 ARROW = "arrow"                 # a column of the field's own Arrow type (an input column's)
 _INT64 = (-(2**63), 2**63 - 1)
 VECTOR_COLUMNS = ("embedding",)         # columns of float vectors: kind float32[N] by their first value

@@ -95,7 +95,8 @@ def open_parts(cfg: JobConfig, resolved: Resolved, info, tokenizer, engine_confi
     writer = _writer(cfg, resolved.fmt, manifest, kind, info, part_prefix, done_ids, in_memory, schema_from_rows,
                      run_record=partial(_time_record, stats, info, cfg))
     reuse = _reuse(cfg, resolved, info, engine_config, stats)
-    emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank)
+    emit = Emitter(kind, writer, stats, reuse, id_column=cfg.input.id_column, fmt=resolved.fmt, rank=rank,
+                   speculative=engine_config.speculative != "off")
     i = cfg.input
     reader = reader or (lambda: read_rows(i.dataset, resolved.fmt, id_column=i.id_column, batch_rows=1024,
                                           csv_delimiter=i.csv_delimiter, max_row_bytes=i.max_row_bytes))
@@ -162,7 +163,8 @@ def _writer(cfg: JobConfig, fmt: str, manifest: dict, kind: JobKind, info, part_
         return RowSink(None, cfg.output.part_rows)
     i = cfg.input
     columns = input_types(i.dataset, fmt, i.id_column, i.csv_delimiter)
-    schema = result_schema(columns, i.id_column, kind, info.hidden_size)     # embeddings: the hidden size
+    schema = result_schema(columns, i.id_column, kind, info.hidden_size,    # embeddings: the hidden size
+                           speculative=cfg.engine.speculative != "off")
     if in_memory:
         return RowSink(schema, cfg.output.part_rows)
     checks.check_same_commit(cfg.output, cfg.output_url, cfg.engine.model, manifest)

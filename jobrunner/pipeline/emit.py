@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrunner.output.columns import input_names, reserved_columns
+from jobrunner.output.columns import SPECULATION_COLUMNS, input_names, reserved_columns
 
 if TYPE_CHECKING:
     from jobrunner.cache.reuse import Reuse
@@ -19,9 +19,10 @@ class Emitter:
     writes error rows (every worker reads the same rows); `fmt` "openai-batch": errors name their line."""
 
     def __init__(self, kind: JobKind, writer: RowWriter, stats: JobStats, reuse: Reuse, *, id_column: str, fmt: str,
-                 rank: int = 0):
+                 rank: int = 0, speculative: bool = False):
         self.kind, self.writer, self.stats, self.reuse = kind, writer, stats, reuse
         self.id_column, self.fmt, self.rank = id_column, fmt, rank
+        self.speculative = speculative      # rows say their drafted and accepted tokens (--speculative)
         self.reserved = reserved_columns(kind.result_columns)
         self.input_names: dict[tuple, dict[str, str]] = {}
 
@@ -38,8 +39,10 @@ class Emitter:
         base = self._base(row)
         base.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, queue_s=out.queue_s,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, error=out.error, reused=reused)
+        if self.speculative:
+            base.update(draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
         if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
-            base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s")))
+            base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s", *SPECULATION_COLUMNS)))
         elif not out.computed:      # refused by the engine's checks: no step ran it, no timings (not computed)
             base.update(dict.fromkeys(("queue_s", "prefill_s", "decode_s")))
         rows = []

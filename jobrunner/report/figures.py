@@ -66,6 +66,11 @@ def row_counts(out: Output) -> dict:
         total(completion, computed_sample).alias("computed_completion_tokens"))).row(0, named=True)
     s["rows_failed"] = s["rows"] - s["rows_ok"]
     s["cache_hit_rate"] = s["cached_tokens"] / s["computed_prompt_tokens"] if s["computed_prompt_tokens"] else 0.0
+    if out.has("draft_tokens"):     # a run with --speculative: its rows' drafted and kept tokens
+        s.update(collect(out.scan().select(total(pl.col("draft_tokens").fill_null(0)).alias("draft_tokens"),
+                                           total(pl.col("accepted_tokens").fill_null(0)).alias("accepted_tokens")))
+                 .row(0, named=True))
+        s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
     return s
 
 

@@ -57,6 +57,9 @@ def _summary(fig: dict) -> str:
         over = "the dataset's" if s.get("optimum_exact") else "each planning window's"
         optimum = f"{over} optimum: {pct(block)} in full KV blocks, {pct(optimum)} token by token"
     items.append(("cache hits", pct(s["cache_hit_rate"]), optimum or "of prompt tokens"))
+    if s.get("draft_tokens"):       # --speculative
+        items.append(("drafts accepted", pct(s["acceptance_rate"]),
+                      f"{s['accepted_tokens']:,} of {s['draft_tokens']:,} drafted tokens"))
     if s.get("wall_s") is not None:
         runs = s.get("runs_recorded") or 1
         items.append(("wall time", seconds(s["wall_s"]), f"over {runs} runs" if runs > 1 else

@@ -1,0 +1,66 @@
+"""Drafts for the engine's running rows, before each schedule; the verify results after. No torch.
+
+    spec.propose(scheduler.running, max_model_len)   # sets seq.draft where a row speculates
+    ... the step runs: a drafting row's chunk computes its last token and its drafts (k + 1 rows
+        of logits, each sampled as the plain engine would: engine/run/model_runner.py) ...
+    spec.verified(drafted, accepted)                  # the output processor, per row
+    spec.timed(tokens, seconds)                       # the engine, per pure decode/verify step
+
+A row drafts only where its next step is one plain decode with every token known (no placeholder of
+an async step in flight), one draw, no logits processing (penalties would need each drafted
+position's own history) and no grammar: those rows decode as without speculation.
+"""
+from __future__ import annotations
+
+from jobrunner.engine.config.engine_config import SPECULATIVE_MODES
+from jobrunner.engine.schedule.sequence import Sequence, Status
+from jobrunner.engine.spec.ngram import NgramDrafter
+from jobrunner.engine.spec.switch import SpeculationSwitch
+
+
+class Speculator:
+    def __init__(self, mode: str, num_tokens: int):
+        if mode not in SPECULATIVE_MODES[1:]:
+            raise ValueError(f"speculative mode must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
+        self.drafter = NgramDrafter()
+        self.switch = SpeculationSwitch(mode, num_tokens)
+        self.drafted = self.accepted = 0        # verified drafted tokens, and those accepted
+        self.active = False                     # the last proposal found drafts that pay
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> None:
+        """Sets each row's draft for the next step: empty where it does not speculate, and for every row
+        whose last token is still being sampled (an async step in flight). Sets `active`: some row's
+        drafts pay, so the engine runs its steps one at a time (drafting needs every token known)."""
+        self.active = False
+        for seq in running:
+            seq.draft = []
+            if not _may_guess(seq):
+                continue
+            tokens = seq.token_ids[:seq.num_known_tokens]
+            shadow = self.switch.row(seq.seq_id)
+            shadow.check(tokens)
+            guess = self.drafter.propose(seq.seq_id, tokens, self.switch.k)
+            shadow.hold(guess, len(tokens))
+            k = self.switch.length(seq.seq_id, len(running)) if guess else 0
+            self.active = self.active or k > 0
+            if seq.awaiting_token or seq.num_pending != 1 or seq.in_prefill:
+                continue
+            room = min(seq.sampling.max_tokens - seq.num_completion_tokens, max_model_len - seq.num_tokens) - 1
+            seq.draft = guess[:max(min(k, room), 0)]
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        self.switch.timed(tokens, seconds)
+
+    def forget(self, seq: Sequence) -> None:
+        self.drafter.forget(seq.seq_id)
+        self.switch.forget(seq.seq_id)
+
+
+def _may_guess(seq: Sequence) -> bool:
+    """Rows whose next token may be guessed: generating one token at a time, no grammar, no logits processing."""
+    return (seq.status is Status.RUNNING and seq.samples_one_token and seq.matcher is None
+            and not seq.sampling.adjusts_logits and seq.num_completion_tokens > 0)
