@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import math
+
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import jobrunner
@@ -15,6 +19,9 @@ from jobrunner.config.job import job_config
 from jobrunner.engine import NUMERICS_VERSION
 from jobrunner.engine.api.request import Request, SamplingParams
 from jobrunner.engine.config.engine_config import ConfigError
+from jobrunner.output import read_results
+from jobrunner.report.compare import compare
+from jobrunner.report.compare_page import lines
 from tests.tiny import engine_for, hf_greedy, hf_model, prompts
 
 PREFIX = "You are a careful assistant. Answer the question about the quick brown fox and the lazy dog. " * 2
@@ -31,6 +38,7 @@ SCHEDULES = {
     "no-prefix-cache": {"prefix_cache": False},
     "threads-1": {"threads": 1},
     "threads-2": {"threads": 2},
+    "speculative": {"speculative": "ngram"},        # drafted positions verified in one chunk, not decoded one by one
 }
 KINDS = {
     "generate": dict(max_tokens=16, logprobs=True, top_logprobs=2, ignore_eos=True),
@@ -40,7 +48,7 @@ KINDS = {
     "embed": dict(kind="embed", pooling="mean"),
 }
 # what says how a row was run, not what it got
-SCHEDULE_COLUMNS = {"queue_s", "prefill_s", "decode_s", "cached_tokens", "reused"}
+SCHEDULE_COLUMNS = {"queue_s", "prefill_s", "decode_s", "cached_tokens", "reused", "draft_tokens", "accepted_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +71,27 @@ def rows_of(df: pl.DataFrame) -> list:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_invariant_results_are_the_same_bits_under_every_schedule(model, kind):
     want = rows_of(run(model, kind, "defaults"))
-    schedules = list(SCHEDULES)[1:] if kind in ("generate", "classify") else ["seqs-1", "chunked", "threads-1"]
+    schedules = (list(SCHEDULES)[1:] if kind in ("generate", "classify")
+                 else ["seqs-1", "chunked", "threads-1", "speculative"])
     for schedule in schedules:
         assert rows_of(run(model, kind, schedule)) == want, schedule
+
+
+def test_two_data_parallel_workers_and_a_resume_give_the_same_bits(model, tmp_path):
+    """Outputs written by jobrunner.submit: one process; two worker processes sharing the rows; five rows,
+    then the rest in a resumed run (other batches, another process's engine)."""
+    ds = tmp_path / "rows.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    common = dict(model=model, device="cpu", kv_cache_memory="32MB", deterministic=True, **KINDS["generate"])
+
+    def rows(out, **kw):
+        for extra in ([dict(limit=5)] if kw.pop("resume", False) else []) + [{}]:
+            assert jobrunner.submit(str(ds), str(out), **common, **kw, **extra).exit_code == 0
+        df = pl.DataFrame(read_results(str(out)).to_pylist())
+        return rows_of(df.sort("id").drop([c for c in df.columns if c in SCHEDULE_COLUMNS]))
+    want = rows(tmp_path / "one")
+    assert rows(tmp_path / "two", data_parallel=2) == want
+    assert rows(tmp_path / "resumed", resume=True) == want
 
 
 def test_the_default_mode_differs_somewhere(model):
@@ -125,3 +151,25 @@ def test_the_mode_is_recorded_keyed_and_fingerprinted(model, tmp_path):
     keys = {job_model_key(model, info, "none", "auto"),
             job_model_key(model, type(info)(**{**info.__dict__, "batch_invariant": False}), "none", "auto")}
     assert len(keys) == 2
+
+
+def test_compare_reports_a_changed_bit_between_invariant_outputs_as_a_determinism_failure(model, tmp_path):
+    ds = tmp_path / "rows.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:6]))
+    common = dict(model=model, device="cpu", kv_cache_memory="32MB", **KINDS["generate"])
+    for name, kw in (("a", dict(deterministic=True)), ("b", dict(deterministic=True, max_num_seqs=1)),
+                     ("plain", {})):
+        assert jobrunner.submit(str(ds), str(tmp_path / name), **common, **kw).exit_code == 0
+    same = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert same["determinism"] == {"rows": 0, "ids": []} and same["exit_code"] == 0
+    assert {"gate": "determinism", "limit": 0, "value": 0, "crossed": False} in same["gates"]
+    assert "determinism" not in compare(str(tmp_path / "a"), str(tmp_path / "plain"))   # no promise to check
+    [part] = (tmp_path / "b").glob("part-*.parquet")
+    table = pq.read_table(part)
+    rows = table.to_pylist()
+    rows[2]["logprobs"][0]["logprob"] = math.nextafter(rows[2]["logprobs"][0]["logprob"], 0.0)    # one bit
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+    failed = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert failed["determinism"] == {"rows": 1, "ids": [rows[2]["id"]]} and failed["exit_code"] == 3
+    assert failed["changed"]["rows"] == 0        # the texts agree: not a change, a failure of the promise
+    assert any(line.startswith("determinism 1 unchanged rows differ") for line in lines(failed))

@@ -190,3 +190,18 @@ def test_fused_targets_of_phi3(tmp_path):
     tokens, lps = hf_greedy(ref, ids, N)
     assert out.token_ids == tokens and tokens != hf_greedy(hf, ids, N)[0]
     assert max(abs(a - b) for a, b in zip(_logprobs(out), lps)) < 1e-4
+
+
+def test_speculative_rows_are_verified_under_their_adapters(family):
+    """Drafts from a row's own loops, verified in one chunk under the row's adapter: the tokens and logprobs
+    of the plain engine, in a batch of several adapters and the base model."""
+    _, path, adapters = family
+    batch = [p * 3 for p in prompts(3, lengths=(9, 4, 13, 6))]
+    rows = list(zip(batch, ["a", None, "b", "c"]))
+    plain = _run(_engine(path, adapters), rows)
+    engine = _engine(path, adapters, speculative="ngram")
+    spec = _run(engine, rows)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for s, p in zip(spec, plain):
+        assert max(abs(x - y) for x, y in zip(_logprobs(s), _logprobs(p))) < 1e-4
+    assert engine.counters().accepted_tokens > 0

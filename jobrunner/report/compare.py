@@ -14,6 +14,7 @@ Invariants:
   min_cosine.
 - Metrics are paired: over the common rows ok on both sides with a reference (classify: base's
   reference column, else the candidate's; generate: each side's `correct`).
+- Both --deterministic, same settings: an unchanged row differing in a bit fails (compare_determinism.py).
 - Not comparable (NotComparableError; the CLI's exit 2): different kinds, different input columns,
   no common id, inputs that differ on every common row, or a gate asked of a figure neither has.
 """
@@ -26,6 +27,7 @@ from jobrunner.jobs import KINDS
 from jobrunner.jobs.metrics import ClassificationMetrics, matches
 from jobrunner.output.done import DUPLICATE_ERROR_RE
 from jobrunner.output.values import EXTRA_JSON, FIXED_COLUMNS
+from jobrunner.report.compare_determinism import determinism_failures, determinism_gate, invariant_pair
 from jobrunner.report.distributions import distribution
 from jobrunner.report.kind_figures import classification, vector_norm
 from jobrunner.report.source import Output, collect, first_samples, open_output
@@ -83,6 +85,9 @@ def compare_outputs(base: Output, cand: Output, *, max_changed_rate=None, max_ac
     result["gates"] = gates(result, max_changed_rate, max_accuracy_drop, max_cost_increase)
     if max_missing_rate is not None:
         result["gates"].insert(0, missing_gate(rows, max_missing_rate))
+    if invariant_pair(base, cand):      # the same bits expected on every unchanged row: always gated
+        result["determinism"] = determinism_failures(base, cand, sides)
+        result["gates"].append(determinism_gate(result["determinism"]))
     result["exit_code"] = 3 if any(g["crossed"] for g in result["gates"]) else 0
     return result
 
@@ -129,8 +134,12 @@ class Sides:
         cols.append((pl.struct(self.inputs).hash() if self.inputs else pl.lit(0, pl.UInt64)).alias(f"inputs{suffix}"))
         if self.reference and out is self.reference_side:
             cols.append(pl.col(self.reference).cast(pl.String).alias("reference"))
-        own = first_samples(out).filter(~_duplicate_row())     # one row per id: its own
-        return own.select(cols).unique("id", keep="first", maintain_order=True)
+        return self.own(out).select(cols).unique("id", keep="first", maintain_order=True)
+
+    @staticmethod
+    def own(out: Output) -> pl.LazyFrame:
+        """One row per id, its own: first samples, not a repeated id's duplicate error rows."""
+        return first_samples(out).filter(~_duplicate_row())
 
     def joined(self) -> pl.LazyFrame:
         return self.side(self.base, "_b").join(self.side(self.cand, "_c"), on="id", how="inner")

@@ -108,6 +108,11 @@ def lines(r: dict) -> list[str]:
            ("rows", f"{rows['common']:,} in common, {rows['only_in_base']:,} only in base, "
                     f"{rows['only_in_candidate']:,} only in the candidate"),
            ("changed", f"{ch['rows']:,} rows ({pct(ch['rate'])}), {ch['status_changed']:,} ok on one side only")]
+    if r.get("determinism") is not None:     # both batch-invariant with the same settings
+        d = r["determinism"]
+        out.append(("determinism", f"{d['rows']:,} unchanged rows differ in a bit (both outputs --deterministic with "
+                                   f"the same model and settings: a failure, not a change)"
+                                   + (f": {', '.join(map(str, d['ids']))}" if d["ids"] else "")))
     if rows.get("duplicates_in_base") or rows.get("duplicates_in_candidate"):
         out.insert(3, ("duplicates", f"{rows['duplicates_in_base']:,} in base, {rows['duplicates_in_candidate']:,} in "
                                      f"the candidate: error rows of repeated ids, not compared"))
