@@ -206,3 +206,20 @@ def test_a_reasoning_models_constraint_applies_to_the_answer_only(model):
         assert c.token_ids[0] == close and c.reasoning_tokens == 1
         answer = tok.decode(c.token_ids[1:])
         assert re.fullmatch("[a-z]+", answer) if c.finish_reason == "stop" else re.fullmatch("[a-z]*", answer), answer
+
+
+@pytest.mark.parametrize("constraint", [Constraint("json_schema", json.dumps(SCHEMA)), Constraint("regex", BRACED)])
+def test_speculative_rows_draft_within_the_grammar_and_match_the_plain_engine(model, constraint):
+    """Drafts cut where the grammar refuses, each drafted position sampled under the mask after the drafts
+    before it: the same tokens as the plain engine, sampled or greedy, every stopped row valid."""
+    for temperature in (1.0, 0.0):
+        plain = run(engine_with_tokenizer(model), constraint, max_tokens=64, temperature=temperature)
+        engine = engine_with_tokenizer(model, speculative="ngram")
+        spec = run(engine, constraint, max_tokens=64, temperature=temperature)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        if constraint.kind == "json_schema":      # its keys repeat: drafts (the regex's rows stop within a few tokens)
+            assert engine.counters().accepted_tokens > 0
+            for text in stopped_texts(spec):
+                jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert all(re.fullmatch(BRACED, t) for t in stopped_texts(spec))

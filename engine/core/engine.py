@@ -222,9 +222,8 @@ class Engine:
         their launch get no mask: their token is dropped; nor do rows still reasoning (the
         constraint is on the answer). Returns the seconds the mask took."""
         t0 = time.perf_counter()
-        _, seqs, *_ = launched.masked
-        mask = self.grammars.fill([s.matcher if s.status is not Status.FINISHED and s.constrained_from(s.num_tokens)
-                                   else None for s in seqs])
+        _, seqs, ahead, _ = launched.masked
+        mask = self.grammars.fill(_row_matchers(seqs, ahead))
         mask_s = time.perf_counter() - t0
         self.runner.sample_masked(launched, mask)
         return mask_s
@@ -250,6 +249,22 @@ class _Done(NamedTuple):
         out = RunnerOutput(prepare_s=a.prepare_s + b.prepare_s, forward_s=a.forward_s + b.forward_s,
                            sample_s=a.sample_s + b.sample_s, wait_s=a.wait_s + b.wait_s)
         return _Done(out, self.generated + other.generated, self.mask_s + other.mask_s)
+
+
+def _row_matchers(seqs, ahead: list[int]) -> list:
+    """Each logits row's grammar matcher (None: unconstrained, or stopped since its launch): a sequence's own
+    for its next token; for a drafted position `ahead` past it, a copy advanced over the drafts before it."""
+    out, prev = [], {}
+    for seq, j in zip(seqs, ahead):
+        if seq.matcher is None or seq.status is Status.FINISHED or not seq.constrained_from(seq.num_tokens):
+            out.append(None)
+            continue
+        m = seq.matcher if j == 0 else prev[seq.seq_id].deep_copy()
+        if j:
+            m.consume_token(seq.draft[j - 1])
+        prev[seq.seq_id] = m
+        out.append(m)
+    return out
 
 
 def _decodes_only(sched: SchedulerOutput) -> bool:

@@ -7,8 +7,10 @@
     spec.timed(tokens, seconds)                       # the engine, per pure decode/verify step
 
 A row drafts only where its next step is one plain decode with every token known (no placeholder of
-an async step in flight), one draw, no logits processing (penalties would need each drafted
-position's own history) and no grammar: those rows decode as without speculation.
+an async step in flight), one draw and no logits processing (penalties would need each drafted
+position's own history): other rows decode as without speculation. A constrained row's draft is cut
+where its grammar would refuse a token; each drafted position samples under the grammar's mask after
+the drafts before it (engine.Engine._sample_masked), and the matcher itself advances over kept tokens only.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class Speculator:
             shadow.check(tokens)
             guess = self.drafter.propose(seq.seq_id, tokens, self.switch.k)
             shadow.hold(guess, len(tokens))
+            if seq.matcher is not None and not seq.awaiting_token:     # only what the grammar allows from here
+                guess = guess[:seq.matcher.validate_tokens(guess)]
             k = self.switch.length(seq.seq_id, len(running)) if guess else 0
             self.active = self.active or k > 0
             if seq.awaiting_token or seq.num_pending != 1 or seq.in_prefill:
@@ -61,6 +65,8 @@ class Speculator:
 
 
 def _may_guess(seq: Sequence) -> bool:
-    """Rows whose next token may be guessed: generating one token at a time, no grammar, no logits processing."""
-    return (seq.status is Status.RUNNING and seq.samples_one_token and seq.matcher is None
+    """Rows whose next token may be guessed: generating one token at a time, no logits processing, and a
+    grammar (if any) over every token from here (not a reasoning model's answer-only constraint)."""
+    grammar_ok = seq.matcher is None or seq.matcher_sees_reasoning or seq.sampling.reasoning_markers is None
+    return (seq.status is Status.RUNNING and seq.samples_one_token and grammar_ok
             and not seq.sampling.adjusts_logits and seq.num_completion_tokens > 0)
