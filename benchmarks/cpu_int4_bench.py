@@ -92,8 +92,8 @@ def kernel_case(k: int, n: int, m: int, layers: int, repeats: int, lib, group: i
 
 
 def kernel_part(ms: list[int], layers: int, repeats: int) -> None:
-    from jobrunner.engine.run.cpu_int4_build import int4_library
-    lib = int4_library()
+    from jobrunner.engine.run.cpu_kernel_build import INT4, kernel_library
+    lib = kernel_library(INT4)
     if lib is None:
         print("the int4 kernel did not build (see the warning); nothing to compare")
         return

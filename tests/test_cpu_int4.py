@@ -1,6 +1,6 @@
 """The CPU int4 matmul over packed nibbles (kernels/matmul/cpu_int4.py and .c) against the dequantized reference
 (int4_matmul_ref), its dispatch (int4_matmul: the kernel for float32 calls of up to CPU_INT4_MAX_ROWS rows),
-and the engine's side (engine/run/cpu_int4_build.py: the build, the modes, the fallback, the int4 linears it
+and the engine's side (engine/run/cpu_kernel_build.py: the build, the modes, the fallback, the int4 linears it
 serves: ours and the shipped GPTQ ones, act order included).
 
 Three builds: "native" (-march=native: the AVX-512 loop on this CPU where it has one), the same library told to
@@ -20,7 +20,7 @@ from jobrunner.engine.api.request import Request, SamplingParams
 from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.quant.linear import Int4Linear
 from jobrunner.engine.run import cpu_decode as cd
-from jobrunner.engine.run import cpu_int4_build as cb
+from jobrunner.engine.run import cpu_kernel_build as cb
 from jobrunner.engine.shipped.shipped_linear import PermutedInput
 from jobrunner.kernels.matmul import cpu_int4 as ci
 from jobrunner.kernels.matmul import quant_matmul as qm
@@ -155,7 +155,7 @@ def test_engine_int4_greedy_matches_the_old_path(tiny_hf_model_dir, monkeypatch,
 def test_float_model_builds_no_int4_library(tiny_hf_model_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
     _, served = _greedy(tiny_hf_model_dir("llama"), "auto", monkeypatch)
-    assert served == [] and not cb.int4_library_path("native").exists()
+    assert served == [] and not cb.kernel_library_path(cb.INT4, "native").exists()
 
 
 def test_shipped_gptq_act_order_runs_the_kernel(tmp_path, monkeypatch):
@@ -176,7 +176,7 @@ def test_no_compiler_warns_and_keeps_the_old_path(monkeypatch, tmp_path, caplog)
     lin = Int4Linear(*make(8, 64, 32), 32, 64)
     model = torch.nn.Sequential(lin)
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
-        assert cb.attach_int4_kernel(model) == 0
+        assert cb.attach_cpu_kernels(model)["int4"] == 0
     assert lin.cpu_kernel is None and "not available" in caplog.text and "no-such-cc" in caplog.text
     x = torch.randn(3, 64)
     close(lin(x), lin.forward_ref(x))
@@ -187,10 +187,10 @@ def test_library_kept_under_the_cache_root_by_variant(monkeypatch, tmp_path):
     assert ci.int4_library_name("native") != ci.int4_library_name("portable")
     for mode, variant in (("auto", "native"), ("portable", "portable")):
         monkeypatch.setenv("JOBRUNNER_CPU_INT4", mode)
-        lib = cb.int4_library()
-        assert lib is not None and lib.path == cb.int4_library_path(variant) and lib.path.is_relative_to(tmp_path)
+        lib = cb.kernel_library(cb.INT4)
+        assert lib is not None and lib.path == cb.kernel_library_path(cb.INT4, variant) and lib.path.is_relative_to(tmp_path)
     monkeypatch.setenv("JOBRUNNER_CPU_INT4", "off")
-    assert cb.int4_library() is None
+    assert cb.kernel_library(cb.INT4) is None
     monkeypatch.setenv("JOBRUNNER_CPU_INT4", "fast")
     with pytest.raises(ValueError, match="JOBRUNNER_CPU_INT4"):
-        cb.int4_mode()
+        cb.kernel_mode(cb.INT4)

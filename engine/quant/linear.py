@@ -6,8 +6,9 @@ buffer objects. Each linear keeps `forward_ref`, a plain torch forward that is t
 reference its fast `forward` (kernel) is tested against, and `dequantize(dtype)`.
 
     module          buffers                                              forward
-    Int8Linear      qweight int8 [N, K], scales f32 [N, K // G]          int8_matmul (Triton on CUDA;
-                                                                          CPU: dequantize + float matmul)
+    Int8Linear      qweight int8 [N, K], scales f32 [N, K // G]          int8_matmul (Triton on CUDA); on CPU
+                    (zeros f32 [N, K // G] or None)                      the C kernel over the int8 weight,
+                                                                          when built (else dequantize + matmul)
     Int4Linear      packed u8 [N, Kp // 2], scales/zeros f16 [N, Kp // G] int4_matmul (same; on CPU the C kernel
                                                                           over the nibbles, when built)
     W8A8Linear      qweight int8 [N, K], scales f32 [N, 1]               per-token int8 x, torch._int_mm
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.kernels.ops import dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.ops import dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 
 
 class QuantLinear(nn.Module):
@@ -60,12 +61,15 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", qweight)    # [N, K] int8
         self.register_buffer("scales", scales)      # [N, K // G] float32
         self.register_buffer("zeros", zeros)        # [N, K // G] float32, or None
+        self.cpu_kernel = None                      # the CPU int8 kernel, once engine/run/cpu_kernel_build.py hands it
 
     @property
     def group_size(self) -> int:
         return self.in_features // self.scales.shape[1]
 
     def forward(self, x):
+        if self.cpu_kernel is not None and self.cpu_kernel.takes(x, self.scales, self.zeros):
+            return int8_matmul_cpu(x, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel)
         y = int8_matmul(x, self.qweight, self.scales, self.bias)
         return y if self.zeros is None else y + self._zero_terms(x)
 
@@ -99,7 +103,7 @@ class Int4Linear(QuantLinear):
         self.register_buffer("packed", packed)      # [N, Kp // 2] uint8
         self.register_buffer("scales", scales)      # [N, Kp // G] float16
         self.register_buffer("zeros", zeros)        # [N, Kp // G] float16
-        self.cpu_kernel = None                      # the CPU int4 kernel, once engine/run/cpu_int4_build.py hands it
+        self.cpu_kernel = None                      # the CPU int4 kernel, once engine/run/cpu_kernel_build.py hands it
 
     def forward(self, x):
         return int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size, self.bias, self.cpu_kernel)

@@ -60,7 +60,7 @@ def _cpu_tag() -> str:
 def build_library(path: Path, command=compile_command) -> None:
     """Compiles the kernel to a temporary name beside path, then renames it. Raises RuntimeError with the
     compiler's message when it fails. command(cc, output) -> argv: the decode attention's by default (the int4
-    matmul's: engine/run/cpu_int4_build.py)."""
+    and int8 matmuls': engine/run/cpu_kernel_build.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.so")
     cc = shlex.split(os.environ.get("CC") or "cc")

@@ -26,7 +26,7 @@ from jobrunner.engine.run.model_runner import ModelRunner
 from jobrunner.engine.run.cpu_decode import DecodeKernels
 from jobrunner.engine.run.packed_weights import pack_linears
 from jobrunner.engine.run import batch_invariance
-from jobrunner.engine.run.cpu_int4_build import attach_int4_kernel
+from jobrunner.engine.run.cpu_kernel_build import attach_cpu_kernels
 from jobrunner.engine.parallel.group import SINGLE, TensorParallel, building
 from jobrunner.engine.parallel.launch import Followers
 from jobrunner.engine.parallel.shards import check_split
@@ -182,8 +182,8 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
     if config.batch_invariant:                             # read by the runner and EngineInfo
         batch_invariance.check_model(model, DecodeKernels())
         model.batch_invariant = True
-    if device.type == "cpu":                               # int4 linears (ours or shipped): the C kernel
-        attach_int4_kernel(model)
+    if device.type == "cpu":                               # int4 and int8 linears (ours or shipped): C kernels
+        attach_cpu_kernels(model)
     per_block = ModelRunner.kv_bytes_per_block(bundle.config, config.block_size, kv_dtype, tp.size)
     budget = config.kv_cache_memory or _default_kv_budget(device, config)
     num_blocks = _agreed(budget // per_block, tp)

@@ -11,7 +11,7 @@ its columns already permuted, the activations once per call: engine/shipped/ship
 
 Built like the decode attention's kernel (kernels/attention/cpu_attention.py): plain C, OpenMP, compiled
 with the system's C compiler at first use and loaded through ctypes; where the library is kept and when it
-is built belong to engine/run/cpu_int4_build.py. Two builds: "native" (-march=native: the AVX-512 loop
+is built belong to engine/run/cpu_kernel_build.py. Two builds: "native" (-march=native: the AVX-512 loop
 where the CPU has it) and "portable" (no -march: the plain C loop on any CPU; also what a native build
 runs for a group size that is not a multiple of 32).
 
