@@ -19,6 +19,10 @@ that sequence sits out step k instead.
 Structured output (engine/sample/constraints.py): a step with constrained rows launches its forward and
 logits, and samples only once the host has filled the grammar bitmask, which needs every earlier
 token: with async scheduling, after step k-1 is processed while step k's forward runs.
+
+Speculative decoding (engine/spec): before each schedule the speculator drafts for the rows whose every
+token is known; while some row's drafts pay, each step is processed in the call that launched it
+(no step left in flight: the next drafts need the tokens this one keeps).
 """
 from __future__ import annotations
 
