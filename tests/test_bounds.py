@@ -49,14 +49,17 @@ def _model(root: Path, template: str | None = None) -> str:
     return f"dummy:{folder}"
 
 
+# The peak is this process image's own (VmHWM): getrusage's ru_maxrss survives exec, so a child of a large
+# pytest process would report its parent's peak.
 _RUN = """
-import resource, sys
+import re, sys
 from jobrunner.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-print("PEAK_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10, file=sys.stderr)
+with open("/proc/self/status") as f:
+    print("PEAK_MB", int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) >> 10, file=sys.stderr)
 sys.exit(code)
 """
 
@@ -169,7 +172,12 @@ def test_sigterm_stops_a_job_held_by_a_looping_template(tmp_path):
            "--max-tokens", "2", "--device", "cpu"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(12)          # the model loaded, rows rendering (each for MAX_SECONDS)
+        deadline = time.monotonic() + 120
+        for line in p.stdout:       # the rows render (each for MAX_SECONDS) once the model has loaded
+            if " loaded in " in line or time.monotonic() > deadline:
+                break
+        assert p.poll() is None, "the job ended before its rows rendered"
+        time.sleep(1)               # inside the first rows' renders
         p.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         code = p.wait(timeout=60)

@@ -32,8 +32,11 @@ def evaluate(model: str, model_args: str, tasks=TASKS, **kwargs) -> dict:
     import lm_eval
     import jobrunner.lm_eval_model  # noqa: F401  (registers `jobrunner`; an installed package's .pth does it)
     from lm_eval.tasks import TaskManager
+    # our task YAMLs alone: indexing lm-eval's own thousands of task files cost seconds a call (the two
+    # command-line tests below still go through lm-eval's CLI and its full index)
+    tasks_only = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True,
-                                   task_manager=TaskManager(include_path=str(TASKS_DIR)), device="cpu",
+                                   task_manager=tasks_only, device="cpu",
                                    batch_size=kwargs.pop("batch_size", 4), **kwargs)
 
 
@@ -71,11 +74,26 @@ def assert_same(ours: dict, ref: dict) -> None:
                 assert round(ours["results"][task][name], 4) == round(value, 4), (task, name)
 
 
+@pytest.fixture(scope="module")
+def hf_reference():
+    """reference(model_args, tasks) -> lm-eval's hf backend on those tasks: run once a module for all of TASKS
+    and shared (each task's requests and results are its own: the hf backend never mixes a task's requests
+    with another task's of the same type, as jr_mc is the only loglikelihood task)."""
+    runs: dict[str, dict] = {}
+
+    def reference(model_args: str, tasks=TASKS) -> dict:
+        if model_args not in runs:
+            runs[model_args] = evaluate("hf", model_args)
+        full = runs[model_args]
+        return {"samples": {t: full["samples"][t] for t in tasks}, "results": {t: full["results"][t] for t in tasks}}
+    return reference
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_tiny_models_match_hf(tiny_hf_model_dir, arch):
+def test_tiny_models_match_hf(tiny_hf_model_dir, hf_reference, arch):
     path = tiny_hf_model_dir(arch)
     common = f"pretrained={path},dtype=float32,max_length={TINY_MAX_LENGTH}"
-    ref = evaluate("hf", common)
+    ref = hf_reference(common)
     ours = evaluate("jobrunner", common)
     assert_same(ours, ref)
     assert len(ours["samples"]["jr_ppl"]) == 3 and ours["results"]["jr_ppl"]["word_perplexity,none"] > 1
@@ -195,11 +213,11 @@ def test_command_line_finds_the_backend_through_the_pth_hook(tiny_hf_model_dir, 
 
 
 @pytest.mark.parametrize("parallel", ["data_parallel=2", "tensor_parallel=2"])
-def test_parallel_runs_match_hf(tiny_hf_model_dir, parallel):
+def test_parallel_runs_match_hf(tiny_hf_model_dir, hf_reference, parallel):
     """data_parallel runs each job over worker processes (jobrunner.submit), tensor_parallel splits the
     model over ranks: the same requests, the same answers."""
     common = f"pretrained={tiny_hf_model_dir('llama')},dtype=float32,max_length={TINY_MAX_LENGTH}"
-    ref = evaluate("hf", common, tasks=["jr_mc", "jr_gen"])
+    ref = hf_reference(common, tasks=["jr_mc", "jr_gen"])
     ours = evaluate("jobrunner", f"{common},{parallel}", tasks=["jr_mc", "jr_gen"])
     assert_same(ours, ref)
 

@@ -211,7 +211,8 @@ def test_relative_paths_and_the_drivers_cache_reach_the_workers(cluster, data, t
 
 
 def test_a_client_without_the_clusters_token_is_told_how_to_join(cluster, data, tmp_path):
-    env = dict(ENV, HOME=str(tmp_path))          # no ~/.ray/auth_token here
+    # no ~/.ray/auth_token here; Ray's driver tries the GCS 3 times (a second apart), not its default 20
+    env = dict(ENV, HOME=str(tmp_path), RAY_NUM_REDIS_GET_RETRIES="3", RAY_gcs_server_port_wait_time_s="3")
     d = Driver(_command(cluster, data, tmp_path / "out"), env=env)
     assert d.wait(120) == 2, d.log[-4000:]
     assert "token authentication" in d.log and "~/.ray/auth_token" in d.log, d.log[-4000:]
