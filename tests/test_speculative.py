@@ -162,18 +162,24 @@ def test_ngram_index_proposes_what_followed_the_longest_suffix():
 
 
 def test_the_switch_drafts_where_it_pays_and_not_where_it_costs():
-    cheap, dear = SpeculationSwitch("auto", 4), SpeculationSwitch("auto", 4)
-    assert cheap.length(1, 8) == 4          # nothing timed yet: speculate, and so measure
-    for tokens in (8, 16, 24, 40) * 5:      # memory-bound: a token more costs little against the step
-        cheap.timed(tokens, 0.100 + 0.0005 * tokens)
-        dear.timed(tokens, 0.010 + 0.0050 * tokens)      # compute-bound: each token costs as much as a row's step
-    row = cheap.row(1)
-    row.rate = 0.7
-    dear.row(1).rate = 0.7
-    assert cheap.length(1, 8) == 4 and dear.length(1, 8) == 0
-    row.rate = 0.02
-    assert cheap.length(1, 8) == 0          # drafts that are never right cost even where tokens are cheap
-    assert SpeculationSwitch("ngram", 3).length(1, 256) == 3
+    """Steps timed as fixed + per row + when drafting + per drafted token: where a drafted token costs
+    little against a plain step's time per row (memory-bound, few rows) good rows draft their most; where
+    it costs as much as a decoded row (compute-bound), none does; rows never right never draft."""
+    def timed(per_row, per_draft, fixed=0.100, when=0.005):
+        switch = SpeculationSwitch("auto", 4)
+        for rows, drafted in [(8, 0), (6, 0), (4, 0), (8, 8), (8, 16), (5, 10), (6, 24), (3, 0), (7, 0)] * 3:
+            switch.timed(rows, drafted, fixed + per_row * rows + (when if drafted else 0) + per_draft * drafted)
+        return switch
+    cheap, dear = timed(0.0005, 0.0006), timed(0.009, 0.009, fixed=0.021)
+    for switch in (cheap, dear):
+        switch.row(1).rate, switch.row(2).rate = 0.7, 0.02
+    assert cheap.plan([1, 2], batch_rows=8) == {1: 4}
+    assert dear.plan([1, 2], batch_rows=8) == {}
+    assert dear.plan([1], batch_rows=1) == {1: 3}       # alone in the tail, a step costs its fixed part
+    fresh = SpeculationSwitch("auto", 4)
+    fresh.row(1).rate = 0.6
+    assert fresh.plan([1, 2], batch_rows=8) == {1: 2}   # not measured: proven rows try, and so measure
+    assert SpeculationSwitch("ngram", 3).plan([1, 2], batch_rows=256) == {1: 3, 2: 3}
 
 
 def test_a_rows_acceptance_is_measured_from_its_shadow_drafts():

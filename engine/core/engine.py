@@ -195,7 +195,7 @@ class Engine:
             accepted_tokens=self.spec.accepted - drafted_before[1] if self.spec is not None else 0,
             process_s=time.perf_counter() - launched_at - out.wait_s)    # all bookkeeping after the launch
         if self.spec is not None and _decodes_only(sched):
-            self.spec.timed(sched.num_tokens, time.perf_counter() - start)
+            self.spec.timed(len(sched.chunks), sum(len(c.draft) for c in sched.chunks), time.perf_counter() - start)
         return self.outputs.take_finished()
 
     # --- the pipeline ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ class Speculator:
         """Sets each row's draft for the next step: empty where it does not speculate, and for every row
         whose last token is still being sampled (an async step in flight). Sets `active`: some row's
         drafts pay, so the engine runs its steps one at a time (drafting needs every token known)."""
-        self.active = False
+        guesses = {}
         for seq in running:
             seq.draft = []
             if not _may_guess(seq):
@@ -45,10 +45,14 @@ class Speculator:
             shadow.hold(guess, len(tokens))
             if seq.matcher is not None and not seq.awaiting_token:     # only what the grammar allows from here
                 guess = guess[:seq.matcher.validate_tokens(guess)]
-            k = self.switch.length(seq.seq_id, len(running)) if guess else 0
-            self.active = self.active or k > 0
+            if guess:
+                guesses[seq.seq_id] = (seq, guess)
+        plan = self.switch.plan(list(guesses), len(running))
+        self.active = bool(plan)
+        for seq_id, k in plan.items():
+            seq, guess = guesses[seq_id]
             if seq.awaiting_token or seq.num_pending != 1 or seq.in_prefill:
-                continue
+                continue        # its next step computes a token not yet known, or its prompt
             room = min(seq.sampling.max_tokens - seq.num_completion_tokens, max_model_len - seq.num_tokens) - 1
             seq.draft = guess[:max(min(k, room), 0)]
 
@@ -56,8 +60,8 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
 
-    def timed(self, tokens: int, seconds: float) -> None:
-        self.switch.timed(tokens, seconds)
+    def timed(self, rows: int, drafted: int, seconds: float) -> None:
+        self.switch.timed(rows, drafted, seconds)
 
     def forget(self, seq: Sequence) -> None:
         self.drafter.forget(seq.seq_id)

@@ -1,49 +1,53 @@
 """Which rows speculate this step, and how far: on where it pays, by measurement. No torch.
 
-A row's drafts pay when the tokens they are expected to add are worth more than the compute they add
-to the step. Both sides are measured as the job runs:
+A row's drafts pay when the tokens they are expected to add are worth more than the time they add to the
+step. Both sides are measured as the job runs:
 
   * each row's acceptance: every proposal is checked against the tokens the row went on to get,
     whether it was verified or not (a shadow draft), so a row's rate is known before it speculates;
-  * the step's cost: seconds = fixed + per_token * tokens, fitted over the recent decode and verify
-    steps (exponential forgetting), so per_token reflects the batch the machine runs now.
+  * the step's time: seconds = fixed + per_row * rows + when_drafting + per_draft * drafted tokens, fitted
+    over the recent decode and verify steps (least squares with forgetting). A verified token is priced
+    apart from a decoded row (it runs through the chunk path), and speculating at all apart from its
+    tokens (such a step is processed at once, not overlapped with the next).
 
-With acceptance a (drafts accepted one after another with probability a), j drafted tokens add
-a + a^2 + ... + a^j tokens; a token is worth the seconds a step takes per row it advances. A row drafts
-the j that maximizes gain - cost, if that is positive. Until a verify step is timed the cost is
-unknown and taken as zero: the first steps speculate and measure it.
+With acceptance a (drafts kept one after another with probability a), j drafted tokens add a + a^2 + ...
++ a^j tokens; a token is worth the seconds a plain step takes per row it advances. Each row drafts the j
+that maximizes gain - per_draft * j; the step speculates if the rows' net gains together pay
+`when_drafting`. Until verify steps were timed, rows whose shadow drafts have proven right explore.
 """
 from __future__ import annotations
 
+import numpy as np
+
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0   # a row's acceptance before its drafts were checked
 ACCEPT_MEMORY = 0.8                     # weight of a row's earlier rate at each check
-COST_MEMORY = 0.97                      # forgetting factor of the step-cost fit (about 30 steps)
+COST_MEMORY = 0.97                      # forgetting factor of the step-time fit (about 30 steps)
+EXPLORE_ACCEPT = 0.5                    # shadow acceptance that makes a row worth a measured try
+EXPLORE_TOKENS = 2                      # drafts a row verifies while the cost is being measured
 
 
 class StepCost:
-    """seconds ~ fixed + per_token * tokens over recent pure decode/verify steps (weighted least squares)."""
+    """seconds ~ c . (1, rows, drafting, drafted) over recent decode/verify steps (weighted least squares)."""
 
     def __init__(self):
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.xx = np.zeros((4, 4))
+        self.xy = np.zeros(4)
+        self.drafting_steps = 0.0       # weight of the verify steps in the fit
 
-    def add(self, tokens: int, seconds: float) -> None:
-        m = COST_MEMORY
-        self.w, self.x, self.y = m * self.w + 1, m * self.x + tokens, m * self.y + seconds
-        self.xx, self.xy = m * self.xx + tokens * tokens, m * self.xy + tokens * seconds
+    def add(self, rows: int, drafted: int, seconds: float) -> None:
+        x = np.array([1.0, rows, float(drafted > 0), drafted])
+        self.xx = COST_MEMORY * self.xx + np.outer(x, x)
+        self.xy = COST_MEMORY * self.xy + x * seconds
+        self.drafting_steps = COST_MEMORY * self.drafting_steps + (drafted > 0)
 
-    @property
-    def per_token(self) -> float | None:
-        """Seconds a step's one more token costs; None until steps of different sizes were timed."""
-        var = self.xx * self.w - self.x * self.x
-        if self.w < 2 or var <= 1e-9 * max(self.xx * self.w, 1.0):
+    def coefficients(self) -> np.ndarray | None:
+        """(fixed, per_row, when_drafting, per_draft) seconds; None until both plain and verify steps were
+        timed. A small ridge keeps the fit defined when the batch size has not varied: its split between
+        fixed and per-row time is then arbitrary, but their sum at the sizes seen (what plan() uses) is not."""
+        if self.drafting_steps < 1.5 or self.xx[0, 0] - self.drafting_steps < 1.5:
             return None
-        return max((self.xy * self.w - self.x * self.y) / var, 0.0)
-
-    def seconds(self, tokens: int) -> float | None:
-        b = self.per_token
-        if b is None:
-            return None
-        return (self.y - b * self.x) / self.w + b * tokens
+        ridge = 1e-6 * np.trace(self.xx) / 4
+        return np.maximum(np.linalg.solve(self.xx + ridge * np.eye(4), self.xy), 0.0)
 
 
 class RowAcceptance:
@@ -75,7 +79,8 @@ class RowAcceptance:
 
 
 class SpeculationSwitch:
-    """mode 'ngram': every row with a draft speculates k tokens; 'auto': where it pays (module docstring)."""
+    """mode 'ngram': every row with a draft speculates k tokens; 'auto': where it pays (module docstring).
+    Per step: plan(rows with a draft, batch size) -> {seq_id: tokens to draft}; timed(...) after it ran."""
 
     def __init__(self, mode: str, k: int):
         self.mode, self.k = mode, k
@@ -91,23 +96,31 @@ class SpeculationSwitch:
     def forget(self, seq_id: int) -> None:
         self.rows.pop(seq_id, None)
 
-    def length(self, seq_id: int, batch_rows: int) -> int:
-        """How many of a row's drafted tokens to verify this step, in a step of batch_rows decoding rows."""
+    def plan(self, candidates: list[int], batch_rows: int) -> dict[int, int]:
+        """Drafted tokens for each candidate row (seq ids with a draft at hand) in a step of batch_rows rows."""
         if self.mode != "auto":
-            return self.k
-        b = self.cost.per_token
-        if b is None:
-            return self.k
-        step = self.cost.seconds(batch_rows) or 0.0
-        worth = step / max(batch_rows, 1)                   # seconds a step spends per token it yields
-        a, gain, best, best_net = self.row(seq_id).rate, 0.0, 0, 0.0
+            return dict.fromkeys(candidates, self.k)
+        c = self.cost.coefficients()
+        if c is None:       # not measured yet: rows whose guesses have proven right try, and so measure
+            return {s: min(EXPLORE_TOKENS, self.k) for s in candidates if self.row(s).rate >= EXPLORE_ACCEPT}
+        fixed, per_row, when_drafting, per_draft = c
+        worth = (fixed + per_row * batch_rows) / max(batch_rows, 1)     # seconds a plain step spends per token
+        plan, total = {}, 0.0
+        for s in candidates:
+            j, net = self._best(self.row(s).rate, worth, per_draft)
+            if j:
+                plan[s], total = j, total + net
+        return plan if total > when_drafting else {}
+
+    def _best(self, rate: float, worth: float, per_draft: float) -> tuple[int, float]:
+        gain, best, best_net = 0.0, 0, 0.0
         for j in range(1, self.k + 1):
-            gain += a ** j
-            net = gain * worth - b * j
+            gain += rate ** j
+            net = gain * worth - per_draft * j
             if net > best_net:
                 best, best_net = j, net
-        return best
+        return best, best_net
 
-    def timed(self, tokens: int, seconds: float) -> None:
-        """A pure decode or verify step of `tokens` tokens took `seconds`."""
-        self.cost.add(tokens, seconds)
+    def timed(self, rows: int, drafted: int, seconds: float) -> None:
+        """A pure decode or verify step of `rows` rows and `drafted` verified drafts took `seconds`."""
+        self.cost.add(rows, drafted, seconds)
