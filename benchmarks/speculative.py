@@ -3,7 +3,7 @@ on those it must not slow down. Every pair runs in one process tree, one after t
 machine state; figures are ratios of the same job's wall time (model load excluded).
 
     python -m benchmarks.speculative                       # every workload below
-    python -m benchmarks.speculative --only extraction --rows 100
+    python -m benchmarks.speculative --only extraction --rows 100 --modes off,auto
 
   extraction   rows whose answers copy spans of their prompts (repeat a passage, list its sentences,
                wrap it in JSON), 128 new tokens: at --max-num-seqs 8 and at the defaults
@@ -73,7 +73,9 @@ def main(argv=None) -> None:
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct")
     ap.add_argument("--only", choices=("extraction", "long-tail", "cpu-suite"), action="append")
     ap.add_argument("--rows", type=int, default=100, help="extraction rows")
+    ap.add_argument("--modes", default="off,auto,ngram", help="--speculative values to run (off first: the base)")
     args = ap.parse_args(argv)
+    modes = tuple(args.modes.split(","))
     only = set(args.only or ("extraction", "long-tail", "cpu-suite"))
     tmp = Path(tempfile.mkdtemp(prefix="speculative-"))
     tok = W.our_tokenizer(args.model)
@@ -82,11 +84,11 @@ def main(argv=None) -> None:
     model = ["-m", args.model]
     if "extraction" in only:
         data = _write(extraction(args.rows), tmp / "extraction.jsonl")
-        compare("extraction, batch 8", data, tmp, [*model, "--max-tokens", "128", "--max-num-seqs", "8"])
-        compare("extraction, defaults", data, tmp, [*model, "--max-tokens", "128"])
+        compare("extraction, batch 8", data, tmp, [*model, "--max-tokens", "128", "--max-num-seqs", "8"], modes)
+        compare("extraction, defaults", data, tmp, [*model, "--max-tokens", "128"], modes)
     if "long-tail" in only:
         data = _write(long_tail(tok), tmp / "long-tail.jsonl")
-        compare("long tail", data, tmp, [*model, "--ignore-eos"])
+        compare("long tail", data, tmp, [*model, "--ignore-eos"], modes)
     if "cpu-suite" in only:
         cls = W.shared_prefix(tok, n=64).write(tmp / "shared-prefix.jsonl")
         compare("shared prefix", cls, tmp, [*model, "--no-chat", "--max-tokens", "4"], modes=("off", "auto"))

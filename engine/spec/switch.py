@@ -13,7 +13,8 @@ step. Both sides are measured as the job runs:
 With acceptance a (drafts kept one after another with probability a), j drafted tokens add a + a^2 + ...
 + a^j tokens; a token is worth the seconds a plain step takes per row it advances. Each row drafts the j
 that maximizes gain - per_draft * j; the step speculates if the rows' net gains together pay
-`when_drafting`. Until verify steps were timed, rows whose shadow drafts have proven right explore.
+`when_drafting`. Until the fit is determined, rows whose shadow drafts have proven right explore for a
+few verify steps, then plain steps run and are timed.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ import numpy as np
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0   # a row's acceptance before its drafts were checked
 ACCEPT_MEMORY = 0.8                     # weight of a row's earlier rate at each check
 COST_MEMORY = 0.97                      # forgetting factor of the step-time fit (about 30 steps)
+STALE_DRAFTING = 0.2                    # verify steps' weight under which the fit is stale: explore again
+                                        # (3 verify steps decay to it in about 90 steps)
 EXPLORE_ACCEPT = 0.5                    # shadow acceptance that makes a row worth a measured try
 EXPLORE_TOKENS = 2                      # drafts a row verifies while the cost is being measured
+EXPLORE_STEPS = 3                       # verify steps timed before plain ones are (the fit needs both)
 
 
 class StepCost:
@@ -42,9 +46,9 @@ class StepCost:
 
     def coefficients(self) -> np.ndarray | None:
         """(fixed, per_row, when_drafting, per_draft) seconds; None until both plain and verify steps were
-        timed. A small ridge keeps the fit defined when the batch size has not varied: its split between
+        timed, and again once the verify steps are long past. A small ridge keeps the fit defined when the batch size has not varied: its split between
         fixed and per-row time is then arbitrary, but their sum at the sizes seen (what plan() uses) is not."""
-        if self.drafting_steps < 1.5 or self.xx[0, 0] - self.drafting_steps < 1.5:
+        if self.drafting_steps < STALE_DRAFTING or self.xx[0, 0] - self.drafting_steps < 1.5:
             return None
         ridge = 1e-6 * np.trace(self.xx) / 4
         return np.maximum(np.linalg.solve(self.xx + ridge * np.eye(4), self.xy), 0.0)
@@ -101,7 +105,9 @@ class SpeculationSwitch:
         if self.mode != "auto":
             return dict.fromkeys(candidates, self.k)
         c = self.cost.coefficients()
-        if c is None:       # not measured yet: rows whose guesses have proven right try, and so measure
+        if c is None:       # not measured yet: rows whose guesses have proven right try; then plain steps run
+            if self.cost.drafting_steps >= EXPLORE_STEPS - 0.5:
+                return {}
             return {s: min(EXPLORE_TOKENS, self.k) for s in candidates if self.row(s).rate >= EXPLORE_ACCEPT}
         fixed, per_row, when_drafting, per_draft = c
         worth = (fixed + per_row * batch_rows) / max(batch_rows, 1)     # seconds a plain step spends per token
