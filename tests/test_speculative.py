@@ -159,6 +159,7 @@ def test_ngram_index_proposes_what_followed_the_longest_suffix():
     tokens += [4, 5]
     assert index.propose(tokens, 3) == [9, 1, 2]        # (3, 4, 5) last seen before 9
     assert NgramIndex(3).propose([7, 8], 2) == []
+    assert NgramIndex(2).propose([4, 5, 6, 4, 5, -1], 4, end=5) == [6, 4, 5]    # never the placeholder past end
 
 
 def test_the_switch_drafts_where_it_pays_and_not_where_it_costs():
@@ -185,9 +186,9 @@ def test_the_switch_drafts_where_it_pays_and_not_where_it_costs():
 def test_a_rows_acceptance_is_measured_from_its_shadow_drafts():
     row = RowAcceptance()
     row.hold([5, 6, 7], at=3)
-    row.check([0, 1, 2, 5, 6])              # not settled: two right so far
+    row.check([0, 1, 2, 5, 6, 8], end=5)    # not settled: two right so far (the 8 is not known yet)
     assert row.draft
-    row.check([0, 1, 2, 5, 6, 8])           # the third was wrong: 2 of 3 tried
+    row.check([0, 1, 2, 5, 6, 8], end=6)    # the third was wrong: 2 of 3 tried
     assert not row.draft and row.rate > 0.3 + 1e-9
 
 

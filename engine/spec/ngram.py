@@ -17,17 +17,17 @@ class NgramIndex:
         self.after: dict[tuple[int, ...], int] = {}   # n-gram -> index of the token that followed it last
         self.indexed = 0                                # n-grams ending before this index are in `after`
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of `tokens` (n <= max_n) earlier in them."""
-        end = len(tokens)
+    def propose(self, tokens: list[int], k: int, end: int | None = None) -> list[int]:
+        """Up to k tokens that followed the longest suffix of tokens[:end] (n <= max_n) earlier in them."""
+        end = len(tokens) if end is None else end
         for e in range(max(self.indexed, 1), end):       # n-grams ending at e - 1, each with a follower
             for n in range(1, min(self.max_n, e) + 1):
                 self.after[tuple(tokens[e - n:e])] = e
         self.indexed = max(self.indexed, end)
         for n in range(min(self.max_n, end), 0, -1):
-            start = self.after.get(tuple(tokens[end - n:]))
+            start = self.after.get(tuple(tokens[end - n:end]))
             if start is not None:
-                return tokens[start:start + k]
+                return tokens[start:min(start + k, end)]
         return []
 
 
@@ -38,11 +38,11 @@ class NgramDrafter:
         self.max_n = max_n
         self._rows: dict[int, NgramIndex] = {}
 
-    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, tokens: list[int], k: int, end: int | None = None) -> list[int]:
         index = self._rows.get(seq_id)
         if index is None:
             index = self._rows[seq_id] = NgramIndex(self.max_n)
-        return index.propose(tokens, k) if k > 0 else []
+        return index.propose(tokens, k, end) if k > 0 else []
 
     def forget(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)

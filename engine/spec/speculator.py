@@ -38,11 +38,11 @@ class Speculator:
             seq.draft = []
             if not _may_guess(seq):
                 continue
-            tokens = seq.token_ids[:seq.num_known_tokens]
+            tokens, known = seq.token_ids, seq.num_known_tokens     # not copied: a row may hold thousands
             shadow = self.switch.row(seq.seq_id)
-            shadow.check(tokens)
-            guess = self.drafter.propose(seq.seq_id, tokens, self.switch.k)
-            shadow.hold(guess, len(tokens))
+            shadow.check(tokens, known)
+            guess = self.drafter.propose(seq.seq_id, tokens, self.switch.k, known)
+            shadow.hold(guess, known)
             if seq.matcher is not None and not seq.awaiting_token:     # only what the grammar allows from here
                 guess = guess[:seq.matcher.validate_tokens(guess)]
             if guess:

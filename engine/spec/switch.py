@@ -63,11 +63,11 @@ class RowAcceptance:
         self.draft: list[int] = []
         self.at = 0
 
-    def check(self, tokens: list[int]) -> None:
-        """Scores the pending draft against the tokens that followed it, once they settle it."""
+    def check(self, tokens: list[int], end: int) -> None:
+        """Scores the pending draft against tokens[:end] that followed it, once they settle it."""
         if not self.draft:
             return
-        got = tokens[self.at:self.at + len(self.draft)]
+        got = tokens[self.at:min(self.at + len(self.draft), end)]
         n = 0
         while n < len(got) and got[n] == self.draft[n]:
             n += 1
