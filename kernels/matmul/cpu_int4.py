@@ -39,15 +39,23 @@ def flags(variant: str) -> tuple[str, ...]:
     return BASE_FLAGS + VARIANTS[variant]
 
 
+def compile_command(source: Path, cc: list[str], output: Path, variant: str) -> list[str]:
+    """The compiler's argv that builds a kernel of this family (int4, int8) at output (the caller runs it)."""
+    return [*cc, *flags(variant), str(source), "-o", str(output), *LIBS]
+
+
+def library_name(source: Path, variant: str) -> str:
+    """A kernel library's file name, a hash of its source and the flags: a stale build is never loaded."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
+    return f"{source.stem}-{variant}-{digest}.so"
+
+
 def int4_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
-    """The compiler's argv that builds the library at output (the caller runs it)."""
-    return [*cc, *flags(variant), str(SOURCE), "-o", str(output), *LIBS]
+    return compile_command(SOURCE, cc, output, variant)
 
 
 def int4_library_name(variant: str = "native") -> str:
-    """The library's file name, a hash of the source and the flags: a stale build is never loaded."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
-    return f"cpu_int4-{variant}-{digest}.so"
+    return library_name(SOURCE, variant)
 
 
 class Int4Library:

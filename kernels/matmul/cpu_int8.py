@@ -18,12 +18,11 @@ RTOL/ATOL below.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
 
 import torch
 
-from jobrunner.kernels.matmul.cpu_int4 import LIBS, VARIANTS, flags
+from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library_name
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
@@ -32,14 +31,11 @@ RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32,
 CPU_INT8_MAX_ROWS = 512
 
 def int8_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
-    """The compiler's argv that builds the library at output (the caller runs it)."""
-    return [*cc, *flags(variant), str(SOURCE), "-o", str(output), *LIBS]
+    return compile_command(SOURCE, cc, output, variant)
 
 
 def int8_library_name(variant: str = "native") -> str:
-    """The library's file name, a hash of the source and the flags: a stale build is never loaded."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
-    return f"cpu_int8-{variant}-{digest}.so"
+    return library_name(SOURCE, variant)
 
 
 class Int8Library:
