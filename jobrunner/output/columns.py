@@ -12,6 +12,8 @@ from collections.abc import Iterable
 RESULT_COLUMNS = ("id", "output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                   "queue_s", "prefill_s", "decode_s", "error", "reused")
 SPECULATION_COLUMNS = ("draft_tokens", "accepted_tokens")   # a job run with --speculative: drafted tokens verified, kept
+# How a row was computed here, not what it got: null for a row reused from the cache or another row
+RUN_COLUMNS = ("cached_tokens", "queue_s", "prefill_s", "decode_s", *SPECULATION_COLUMNS)
 EXTRA_JSON = "extra_json"       # the writer's column for values that don't fit the pinned schema
 
 

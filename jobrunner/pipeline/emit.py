@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrunner.output.columns import SPECULATION_COLUMNS, input_names, reserved_columns
+from jobrunner.output.columns import RUN_COLUMNS, input_names, reserved_columns
 
 if TYPE_CHECKING:
     from jobrunner.cache.reuse import Reuse
@@ -42,7 +42,7 @@ class Emitter:
         if self.speculative:
             base.update(draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
         if reused:      # not computed here: no prefix-cache hits, no timings (null, not the original's)
-            base.update(dict.fromkeys(("cached_tokens", "queue_s", "prefill_s", "decode_s", *SPECULATION_COLUMNS)))
+            base.update(dict.fromkeys(RUN_COLUMNS))
         elif not out.computed:      # refused by the engine's checks: no step ran it, no timings (not computed)
             base.update(dict.fromkeys(("queue_s", "prefill_s", "decode_s")))
         rows = []

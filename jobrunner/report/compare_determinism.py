@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import polars as pl
 
+from jobrunner.output.columns import RUN_COLUMNS
 from jobrunner.report.source import Output, collect
 
 IDS_SHOWN = 10
 _SAME = ("numerics_version", "config", "model_source", "dataset_format")     # manifest keys that must agree
 _SAME_RUN = ("device", "devices", "quantization", "model_weight_bytes")      # _stats.json keys
-# what says how a row was run, not what it got
-SCHEDULE_COLUMNS = frozenset({"id", "row", "queue_s", "prefill_s", "decode_s", "cached_tokens", "reused",
-                              "draft_tokens", "accepted_tokens"})
+# the join's keys and what says how a row was run, not what it got
+SCHEDULE_COLUMNS = frozenset({"id", "row", "reused", *RUN_COLUMNS})
 
 
 def invariant_pair(base: Output, cand: Output) -> bool:
