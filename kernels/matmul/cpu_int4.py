@@ -95,16 +95,24 @@ def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                          f"{tuple(scales.shape)}, group {group_size}: want Kp = K rounded up to the group")
     if not (packed.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
         raise ValueError("int4_matmul_cpu: packed, scales and zeros contiguous")
+    return run_over_rows("int4", x, n, bias, lambda x2, stride, b, out: lib.function(
+        x2.data_ptr(), stride, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+        int(scales.dtype == torch.float32), b, out.data_ptr(), x2.shape[0], n, k, kp, group_size,
+        torch.get_num_threads(), int(lib.portable)))
+
+
+def run_over_rows(kind: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, call) -> torch.Tensor:
+    """A kernel of this family (int4, int8) over x [..., K]: its rows as an [M, K] view of unit column stride,
+    the bias as float32, a fresh float32 [M, N] output; call(x2, row stride, bias pointer or None, out) returns
+    the kernel's code (0: done). -> [..., N]"""
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     b = None if bias is None else bias.to(torch.float32).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    with torch.profiler.record_function("cpu_int4.matmul"):      # the profiler can't see into it
-        rc = lib.function(x2.data_ptr(), x2.stride(0) if x2.shape[0] > 1 else k, packed.data_ptr(), scales.data_ptr(),
-                          None if zeros is None else zeros.data_ptr(), int(scales.dtype == torch.float32),
-                          None if b is None else b.data_ptr(), out.data_ptr(), x2.shape[0], n, k, kp,
-                          group_size, torch.get_num_threads(), int(lib.portable))
+    with torch.profiler.record_function(f"cpu_{kind}.matmul"):      # the profiler can't see into it
+        rc = call(x2, x2.stride(0) if x2.shape[0] > 1 else k, None if b is None else b.data_ptr(), out)
     if rc != 0:
-        raise ValueError(f"int4_matmul_cpu: the kernel refused its arguments ({rc})")
+        raise ValueError(f"{kind}_matmul_cpu: the kernel refused its arguments ({rc})")
     return out.view(*x.shape[:-1], n)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library_name
+from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library_name, run_over_rows
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
@@ -75,16 +75,6 @@ def int8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                          f"{tuple(scales.shape)}: want qweight [N, K], scales [N, K // G]")
     if not (qweight.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
         raise ValueError("int8_matmul_cpu: qweight, scales and zeros contiguous")
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    b = None if bias is None else bias.to(torch.float32).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    with torch.profiler.record_function("cpu_int8.matmul"):      # the profiler can't see into it
-        rc = lib.function(x2.data_ptr(), x2.stride(0) if x2.shape[0] > 1 else k, qweight.data_ptr(),
-                          scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
-                          None if b is None else b.data_ptr(), out.data_ptr(), x2.shape[0], n, k, k // groups,
-                          torch.get_num_threads(), int(lib.portable))
-    if rc != 0:
-        raise ValueError(f"int8_matmul_cpu: the kernel refused its arguments ({rc})")
-    return out.view(*x.shape[:-1], n)
+    return run_over_rows("int8", x, n, bias, lambda x2, stride, b, out: lib.function(
+        x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+        b, out.data_ptr(), x2.shape[0], n, k, k // groups, torch.get_num_threads(), int(lib.portable)))
