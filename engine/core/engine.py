@@ -87,7 +87,8 @@ class Engine:
         self.info = engine_info(self.rt, config, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
-        self.spec = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative != "off" else None
+        self.spec = (Speculator(config.speculative, config.num_speculative_tokens)    # engine/spec; None: off
+                     if config.speculative != "off" else None)
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
                                        self.max_model_len, config.seed, self.grammars, lora_names=loras.names,
                                        vision=vision_spec(self.rt.model), spec=self.spec)
@@ -195,7 +196,8 @@ class Engine:
             accepted_tokens=self.spec.accepted - drafted_before[1] if self.spec is not None else 0,
             process_s=time.perf_counter() - launched_at - out.wait_s)    # all bookkeeping after the launch
         if self.spec is not None and _decodes_only(sched):
-            self.spec.timed(len(sched.chunks), sum(len(c.draft) for c in sched.chunks), time.perf_counter() - start)
+            drafted = sum(len(c.draft) for c in sched.chunks)
+            self.spec.timed(len(sched.chunks), drafted, time.perf_counter() - start)
         return self.outputs.take_finished()
 
     # --- the pipeline ------------------------------------------------------------------------

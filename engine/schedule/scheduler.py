@@ -96,7 +96,8 @@ class Scheduler:
                 i += 1
                 continue
             # drafts ride only on a one-token decode, and leave a token of budget for each row after it
-            draft = tuple(seq.draft[:max(budget - n - (len(self.running) - i - 1), 0)]) if n == 1 else ()
+            room = budget - n - (len(self.running) - i - 1)
+            draft = tuple(seq.draft[:max(room, 0)]) if n == 1 and seq.draft else ()
             if draft and not self.kv.allocate(seq, n + len(draft)):
                 draft = ()          # no blocks for them: a plain decode (nothing is preempted for drafts)
             # Sequences after i are not scheduled yet: preempt from the back until seq fits.
