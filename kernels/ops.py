@@ -15,6 +15,7 @@ from jobrunner.kernels.attention.metadata import choose_num_splits
 from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
 from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_compile_command, int4_library_name, int4_matmul_cpu
 from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, int8_compile_command, int8_library_name, int8_matmul_cpu
+from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
 from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
 from jobrunner.kernels.common.device import to_device
 from jobrunner.kernels.attention.kv_int8 import store_kv_int8
@@ -39,6 +40,8 @@ __all__ = [
     "CPU_INT8_MAX_ROWS", "Int8Library", "int8_compile_command", "int8_library_name", "int8_matmul_cpu",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_rtol", "packing_available",
+    # float linears on CUDA whose rows' sums keep one order whatever the batch (the batch-invariant mode's)
+    "InvariantLinear", "invariant_linear",
     # layers
     "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
     "silu_and_mul",

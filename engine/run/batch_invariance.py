@@ -21,6 +21,14 @@ whose order a row's own inputs fix:
 Not covered yet, refused here with a ConfigError rather than run without the property: GPUs (Triton),
 quantized linears (ours or a checkpoint's), int8 KV caches, LoRA, mixture-of-experts, vision towers,
 tensor parallelism, and F.linear (packed weights off or no oneDNN).
+
+The GPU forms of the ops exist and are held to the property in Triton's interpreter on CPU
+(tests/test_invariant_triton.py): a fixed-tile matmul (kernels.ops.InvariantLinear: no tiles or split-K
+chosen by the batch, as cuBLAS's are), attention with every token a row over its own keys in splits of
+INVARIANT_SPLIT keys combined in split order (paged_attention on CUDA tensors with meta.batch_invariant),
+and the RMSNorm kernel, one row a program already. The engine does not use them yet: putting
+InvariantLinear in place of the nn.Linear modules on CUDA, and the runner's GPU path (CUDA graphs' fixed
+grids, the sampler's and pooling's CUDA ops), wait for a run on a GPU, so a CUDA device is still refused.
 """
 from __future__ import annotations
 
@@ -35,7 +43,9 @@ def check_config(config: EngineConfig, bundle, device: torch.device, kv_dtype: t
     """ConfigError naming what a batch-invariant engine of `config` over `bundle` does not cover."""
     cfg = bundle.config
     refused = [
-        (device.type != "cpu", f"device {device.type} (CPU only so far)"),
+        (device.type != "cpu", f"device {device.type} (the invariant Triton kernels exist, tested in Triton's "
+                               "interpreter: kernels.ops.InvariantLinear, paged_attention with meta.batch_invariant; "
+                               "the engine's GPU path awaits a run on a GPU)"),
         (config.quantization != "none", f"--quantization {config.quantization}"),
         (getattr(bundle, "quantization", None) is not None, "a quantized checkpoint"),
         (kv_dtype not in (torch.float32, torch.bfloat16, torch.float16), f"a {kv_dtype} KV cache"),

@@ -93,9 +93,14 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, *, sliding=True, softcap=None):
-    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere.
+    """Dispatch: Triton on CUDA (or with JOBRUNNER_TRITON=1), the reference elsewhere; meta.batch_invariant:
+    each path's batch-invariant form (Triton: kernels/attention/attention_triton_invariant.py).
     k_scale/v_scale: only for int8 caches (layout in kernels/attention/kv_int8.py); sliding, softcap: the layer's
     switches (module docstring)."""
+    if use_triton(q) and meta.batch_invariant:
+        from jobrunner.kernels.attention.attention_triton_invariant import paged_attention_triton_invariant
+        return paged_attention_triton_invariant(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                                sliding=sliding, softcap=softcap)
     if use_triton(q):
         from jobrunner.kernels.attention.attention_triton import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale,

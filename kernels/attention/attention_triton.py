@@ -26,7 +26,9 @@ decode   grid (num_decodes, Hk, num_splits). One program: the GROUP = Hq / Hk qu
          its log-sum-exp, and `_decode_reduce_kernel` merges them: long contexts with
          small batches then still fill the GPU's SMs. Split boundaries are computed
          on the device from seq_lens, so a fixed num_splits stays correct for any
-         context length (CUDA graphs capture a fixed grid).
+         context length (CUDA graphs capture a fixed grid). Given split_keys, each
+         split is that many keys instead, from the row's first key (the batch-invariant
+         form: kernels/attention/attention_triton_invariant.py combines them in order).
 prefill  grid (num_prefill_seqs, q_tiles, Hk). One program: BLOCK_Q query tokens x
          GROUP heads = BLOCK_M rows (row r: token r // GROUP, head r % GROUP), so K/V
          tiles are shared by a KV head's query heads here too. Keys are walked from the
@@ -105,7 +107,7 @@ def _attend_tile(
 # window, num_splits and the block-table stride (the widest table of the step) stay runtime
 # values: no recompile when a step's value changes, and a window of 1 is never folded into a
 # constant mixed with tensors below.
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "num_splits", "split_keys", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, po_ptr, plse_ptr,
     bt_ptr, seq_lens_ptr,
@@ -116,7 +118,7 @@ def _decode_kernel(
     stride_ot, stride_oh,
     stride_bt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    window, head_dim, num_splits,
+    window, head_dim, num_splits, split_keys,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     KV_INT8: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -135,8 +137,10 @@ def _decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     kv_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    # This split's keys: [start, end), a multiple of BLOCK_N long.
+    # This split's keys: [start, end), a multiple of BLOCK_N long: split_keys when given (the batch-invariant
+    # form: splits of a fixed size from the row's first key), else the row's keys over num_splits.
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.where(split_keys > 0, split_keys, per_split)
     start = kv_lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -273,19 +277,31 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     choose_num_splits() (on CUDA graphs pass a fixed value; any value is correct).
     sliding: this layer keeps to meta.sliding_window (when set); softcap: scores capped (module docstring).
     """
+    step, device = make_step(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding, softcap)
+    Hk, group = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
+    B, nd = len(meta.query_lens), meta.num_decodes
+    _, max_decode_len, max_q, _ = step_summary(meta)
+    if nd > 0:
+        splits = _decode_splits(num_splits, meta, Hk, max_decode_len, device)
+        launch_decodes(step, meta.block_tables, meta.seq_lens_t, nd, group, splits, device)
+    if B > nd:
+        _launch_prefills(step, meta, Hk, group, max_q, device)
+    return step.tensors[-1]
+
+
+def make_step(q, k_cache, v_cache, meta, scale: float, k_scale, v_scale, sliding: bool, softcap: float | None
+              ) -> tuple[_Step, torch.device]:
+    """The arguments checked and laid out for the kernels, with the output (its padding rows zeroed)."""
     device, kv_int8 = check_inputs(q, k_cache, v_cache, meta, k_scale, v_scale)
     T, Hq, D = q.shape
-    Hk = k_cache.shape[2]
     if kv_int8:
         s_strides = k_scale.stride()
     else:
         k_scale = v_scale = k_cache  # unused placeholders
         s_strides = (0, 0, 0)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    B, nd = len(meta.query_lens), meta.num_decodes
-    total, max_decode_len, max_q, _ = step_summary(meta)
-    if total < T:                      # padding rows (a padded CUDA-graph batch): zeros, not garbage
-        out[total:].zero_()
+    if step_summary(meta)[0] < T:      # padding rows (a padded CUDA-graph batch): zeros, not garbage
+        out[step_summary(meta)[0]:].zero_()
     check(softcap is None or softcap > 0, f"softcap must be positive, got {softcap}")
     # with a cap, the kernel scales by scale / softcap, takes tanh, then multiplies by softcap * log2(e)
     scale_log2 = float(scale) / softcap if softcap else float(scale) * LOG2E
@@ -296,12 +312,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           *s_strides, out.stride(0), out.stride(1), meta.block_tables.stride(0)),
                  window=int(meta.sliding_window or 0) if sliding else 0, head_dim=D,
                  flags=dict(BLOCK_SIZE=k_cache.shape[1], KV_INT8=kv_int8, SOFTCAP=bool(softcap)))
-    if nd > 0:
-        splits = _decode_splits(num_splits, meta, Hk, max_decode_len, device)
-        _launch_decodes(step, meta, Hk, Hq // Hk, splits, device)
-    if B > nd:
-        _launch_prefills(step, meta, Hk, Hq // Hk, max_q, device)
-    return out
+    return step, device
 
 
 def _decode_splits(num_splits: int | None, meta, Hk: int, max_decode_len: int, device: torch.device) -> int:
@@ -316,26 +327,33 @@ def _decode_splits(num_splits: int | None, meta, Hk: int, max_decode_len: int, d
     return num_splits
 
 
-def _launch_decodes(step: _Step, meta, Hk: int, group: int, num_splits: int, device: torch.device) -> None:
-    """The decode rows (the first num_decodes): one program per (decode, KV head, split), then the
-    merge of the splits' partial outputs when there are several."""
+def launch_decodes(step: _Step, tables: torch.Tensor, seq_lens: torch.Tensor, rows: int, group: int,
+                   num_splits: int, device: torch.device, split_keys: int = 0):
+    """The first `rows` rows of q as decodes over tables [rows, W] and seq_lens [rows]: one program per (row,
+    KV head, split). split_keys == 0: the splits' partial outputs merged by _decode_reduce_kernel when there
+    are several. split_keys > 0: splits of that many keys each, and the partials (part_o [rows, Hq, S, D],
+    part_lse [rows, Hq, S]) are returned unmerged, for the caller's combine (the batch-invariant form)."""
     q, out = step.tensors[0], step.tensors[-1]
-    nd, (_, Hq, D) = meta.num_decodes, q.shape
-    if num_splits > 1:
-        part_o = torch.empty((nd, Hq, num_splits, D), dtype=torch.float32, device=device)
-        part_lse = torch.empty((nd, Hq, num_splits), dtype=torch.float32, device=device)
+    Hq, D = q.shape[1], q.shape[2]
+    partial = num_splits > 1 or split_keys > 0
+    if partial:
+        part_o = torch.empty((rows, Hq, num_splits, D), dtype=torch.float32, device=device)
+        part_lse = torch.empty((rows, Hq, num_splits), dtype=torch.float32, device=device)
         p_strides = (*part_o.stride()[:3], *part_lse.stride()[:2])
     else:
         part_o = part_lse = out  # unused
         p_strides = (0, 0, 0, 0, 0)
-    launch(_decode_kernel, (nd, Hk, num_splits), device,
-           *step.tensors, part_o, part_lse, meta.block_tables, meta.seq_lens_t, *step.scales, *step.strides,
-           *p_strides, step.window, D, num_splits,
-           **decode_config(D, group, q.dtype, step.flags["KV_INT8"]), SPLIT=num_splits > 1, **step.flags)
-    if num_splits > 1:
-        launch(_decode_reduce_kernel, (nd, Hq), device,
+    launch(_decode_kernel, (rows, Hq // group, num_splits), device,
+           *step.tensors, part_o, part_lse, tables, seq_lens, *step.scales, *step.strides[:-1], tables.stride(0),
+           *p_strides, step.window, D, num_splits, split_keys,
+           **decode_config(D, group, q.dtype, step.flags["KV_INT8"]), SPLIT=partial, **step.flags)
+    if split_keys > 0:
+        return part_o, part_lse
+    if partial:
+        launch(_decode_reduce_kernel, (rows, Hq), device,
                part_o, part_lse, out, *p_strides, out.stride(0), out.stride(1), D, num_splits,
                BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=max(16, next_pow2(D)), num_warps=4)
+    return None
 
 
 def _launch_prefills(step: _Step, meta, Hk: int, group: int, max_q: int, device: torch.device) -> None:
