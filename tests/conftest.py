@@ -35,6 +35,12 @@ _TINY_CORPUS = [
 ]
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per usable core, at most 4 (each loads torch and models;
+    most tests are one process waiting on another, so 2 workers on 2 cores take about 0.7 of one's time)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.fixture(autouse=True)
 def _calibration_off(monkeypatch):
     """--quantization auto takes the CPU-flag rule in tests, measuring nothing (a calibration loads the model
