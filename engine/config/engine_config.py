@@ -8,7 +8,8 @@ from pathlib import Path
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-SPECULATIVE_MODES = ("off", "ngram", "auto")   # engine/spec: drafts from each row's own tokens; auto where they pay
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")   # engine/spec: drafts from each row's own tokens or a
+                                                         # draft model; auto where they pay
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # fixed CPU budget (about 46k tokens of the default model); GPUs size from free memory
 
 
@@ -35,6 +36,8 @@ class EngineConfig:
                                         # (engine/run/batch_invariance.py: how, and what it does not cover)
     speculative: str = "off"            # off | ngram | auto: draft from each row's own tokens (engine/spec);
     num_speculative_tokens: int = 4     # auto where it pays by measurement; at most this many drafted a step
+    draft_model: str | None = None      # speculative "draft": a smaller model of the same vocabulary drafts (its
+                                        # local path, as `model`); the other modes draft by n-gram lookup
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/sample/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)

@@ -47,7 +47,7 @@ from jobrunner.engine.api.request import Request, RequestOutput
 from jobrunner.engine.run.runtime import EngineRuntime, build_runtime
 from jobrunner.engine.schedule.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.schedule.sequence import Status
-from jobrunner.engine.spec.speculator import Speculator
+from jobrunner.engine.core.draft_model import speculator
 from jobrunner.engine.core.stop import StopChecker
 
 
@@ -87,8 +87,7 @@ class Engine:
         self.info = engine_info(self.rt, config, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.rt.eos_token_ids, self.rt.model_config.vocab_size,
                                  config.grammar_timeout_s)
-        self.spec = (Speculator(config.speculative, config.num_speculative_tokens)    # engine/spec; None: off
-                     if config.speculative != "off" else None)
+        self.spec = speculator(config, self.tokenizer, Engine)     # engine/spec and draft_model.py; None: off
         self.outputs = OutputProcessor(self.scheduler, self.kv, self.stop_checker, self.rt.model_config,
                                        self.max_model_len, config.seed, self.grammars, lora_names=loras.names,
                                        vision=vision_spec(self.rt.model), spec=self.spec)
@@ -137,6 +136,8 @@ class Engine:
         the process the settings engines changed back (engine/run/process_settings.py). Closing twice is a no-op."""
         if self.rt.followers is not None:
             self.rt.followers.close()
+        if self.spec is not None:
+            self.spec.close()       # a draft model's engine
         self._release_settings()
 
     def __enter__(self) -> Engine:

@@ -44,5 +44,11 @@ class NgramDrafter:
             index = self._rows[seq_id] = NgramIndex(self.max_n)
         return index.propose(tokens, k, end) if k > 0 else []
 
+    def propose_rows(self, rows: list[tuple[int, list[int], int]], k: int) -> dict[int, list[int]]:
+        return {seq_id: self.propose(seq_id, tokens, k, known) for seq_id, tokens, known in rows}
+
     def forget(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
+
+    def close(self) -> None:
+        self._rows.clear()

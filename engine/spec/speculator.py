@@ -14,17 +14,30 @@ the drafts before it (engine.Engine._sample_masked), and the matcher itself adva
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from jobrunner.engine.config.engine_config import SPECULATIVE_MODES
 from jobrunner.engine.schedule.sequence import Sequence, Status
 from jobrunner.engine.spec.ngram import NgramDrafter
 from jobrunner.engine.spec.switch import SpeculationSwitch
 
 
+class Drafter(Protocol):
+    """Guesses rows' next tokens: NgramDrafter, or a draft model (engine/core/draft_model.py)."""
+
+    def propose_rows(self, rows: list[tuple[int, list[int], int]], k: int) -> dict[int, list[int]]:
+        """{seq_id: up to k guessed tokens after tokens[:known]} for each (seq_id, tokens, known)."""
+
+    def forget(self, seq_id: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Speculator:
-    def __init__(self, mode: str, num_tokens: int):
+    def __init__(self, mode: str, num_tokens: int, drafter: Drafter | None = None):
         if mode not in SPECULATIVE_MODES[1:]:
             raise ValueError(f"speculative mode must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
-        self.drafter = NgramDrafter()
+        self.drafter = drafter or NgramDrafter()
         self.switch = SpeculationSwitch(mode, num_tokens)
         self.drafted = self.accepted = 0        # verified drafted tokens, and those accepted
         self.active = False                     # the last proposal found drafts that pay
@@ -33,16 +46,18 @@ class Speculator:
         """Sets each row's draft for the next step: empty where it does not speculate, and for every row
         whose last token is still being sampled (an async step in flight). Sets `active`: some row's
         drafts pay, so the engine runs its steps one at a time (drafting needs every token known)."""
-        guesses = {}
+        rows = []
         for seq in running:
             seq.draft = []
-            if not _may_guess(seq):
-                continue
-            tokens, known = seq.token_ids, seq.num_known_tokens     # not copied: a row may hold thousands
-            shadow = self.switch.row(seq.seq_id)
-            shadow.check(tokens, known)
-            guess = self.drafter.propose(seq.seq_id, tokens, self.switch.k, known)
-            shadow.hold(guess, known)
+            if _may_guess(seq):
+                tokens, known = seq.token_ids, seq.num_known_tokens     # not copied: a row may hold thousands
+                self.switch.row(seq.seq_id).check(tokens, known)
+                rows.append((seq, tokens, known))
+        proposals = self.drafter.propose_rows([(seq.seq_id, t, known) for seq, t, known in rows], self.switch.k)
+        guesses = {}
+        for seq, _, known in rows:
+            guess = proposals.get(seq.seq_id, [])
+            self.switch.row(seq.seq_id).hold(guess, known)
             if seq.matcher is not None and not seq.awaiting_token:     # only what the grammar allows from here
                 guess = guess[:seq.matcher.validate_tokens(guess)]
             if guess:
@@ -66,6 +81,9 @@ class Speculator:
     def forget(self, seq: Sequence) -> None:
         self.drafter.forget(seq.seq_id)
         self.switch.forget(seq.seq_id)
+
+    def close(self) -> None:
+        self.drafter.close()
 
 
 def _may_guess(seq: Sequence) -> bool:

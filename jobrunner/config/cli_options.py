@@ -228,9 +228,11 @@ OPTION_GROUPS: dict[str, list] = {
                           "from F.linear's)."),
         click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default=D.speculative, show_default=True,
                      help="Speculative decoding: each row drafts tokens from its own prompt and output (n-gram "
-                          "lookup) and one step verifies them; the same tokens as without. auto: only where "
-                          "the measured acceptance pays for the verify cost at the batch size (the tail of a "
-                          "job, outputs that copy their prompt)."),
+                          "lookup) or, with draft, from --draft-model, and one step verifies them; the same "
+                          "tokens as without. auto: only where the measured acceptance pays for the verify cost "
+                          "at the batch size (the tail of a job, outputs that copy their prompt)."),
+        click.option("--draft-model", help="With --speculative draft: a smaller model with the same vocabulary that "
+                                            "drafts each row's next tokens (named as --model names one)."),
         click.option("--speculative-tokens", type=int, default=D.speculative_tokens, show_default=True,
                      help="Drafted tokens a row verifies a step, at most (1-16)."),
         click.option("--deterministic/--no-deterministic", default=D.deterministic, show_default=True,

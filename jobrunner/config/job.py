@@ -125,7 +125,7 @@ class JobConfig:
             enable_prefix_caching=e.prefix_cache, cuda_graphs=e.cuda_graphs,
             async_scheduling=e.async_scheduling, seed=self.sampling.seed or 0, num_threads=self.cpu_threads(),
             packed_weights=e.packed_weights, batch_invariant=e.deterministic,
-            speculative=e.speculative, num_speculative_tokens=e.speculative_tokens,
+            speculative=e.speculative, num_speculative_tokens=e.speculative_tokens, draft_model=resolved.draft_model,
             grammar_timeout_s=e.grammar_timeout, tensor_parallel=self.parallel.tensor_parallel,
             loras=resolved.adapter_paths, max_loras=self.lora.max_loras)
 
@@ -227,7 +227,7 @@ _NOT_FINGERPRINTED = {
     "image_hosts", "image_allow_private", "image_root",         # where images may come from: the same
     "ray",      # where the workers run (Ray), like how many, never what a row gets
     "lease_optional",
-    "speculative", "speculative_tokens"}     # the same tokens as without: sampled as the plain engine samples
+    "speculative", "speculative_tokens", "draft_model"}     # the same tokens as without: sampled as the plain engine samples
 NOT_FINGERPRINTED = frozenset(_NOT_FINGERPRINTED)     # how a job runs, not what a row gets (`jobrunner repair`'s help)
 # Options added after outputs were written with the fingerprint that lacks them (issues 17, 23, 29, 33).
 _ADDED_LATER = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",

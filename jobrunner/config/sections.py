@@ -297,8 +297,10 @@ class EngineOptions:
     threads: int | None = None              # CPU compute threads; None: the cores nothing else is busy on
     packed_weights: bool = True             # float32/bfloat16 CPU linears on oneDNN over weights packed once
     deterministic: bool = False             # batch-invariant results: a row's bits whatever shares its batch (CPU)
-    speculative: str = "off"                # off | ngram | auto: draft tokens from each row's own prompt and output
+    speculative: str = "off"                # off | ngram | draft | auto: draft tokens from each row's own prompt and
+                                            # output, or from a draft model
     speculative_tokens: int = 4             # drafted tokens a row verifies a step, at most
+    draft_model: str | None = None          # --speculative draft: the model that drafts, as --model names one
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
 
     def __post_init__(self):
@@ -316,6 +318,11 @@ class EngineOptions:
             _bad(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
         if not 1 <= self.speculative_tokens <= 16:
             _bad("--speculative-tokens must be between 1 and 16")
+        if self.speculative == "draft" and not self.draft_model:
+            _bad("--speculative draft needs --draft-model (a smaller model with the same vocabulary)")
+        if self.draft_model and self.speculative != "draft":
+            _bad(f"--draft-model drafts for --speculative draft, not {self.speculative} (auto and ngram draft by "
+                 "n-gram lookup): add --speculative draft")
         check_device(self.device)
 
 

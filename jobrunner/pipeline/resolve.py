@@ -42,6 +42,7 @@ class Resolved:
     shipped: str | None = None  # a quantized checkpoint's scheme (engine.checkpoint_quantization), else None
     calibration: dict | None = None     # how `--quantization auto` chose on this CPU (jobrunner.job.calibration's
                                         # record, plain JSON); None: auto not asked, or decided without it
+    draft_model: str | None = None      # --draft-model as the engine loads it, like `model`
 
     @property
     def adapter_paths(self) -> tuple[tuple[str, str], ...]:
@@ -86,6 +87,7 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
     elif not dry:
         preload.check_empty(i, o, fmt)      # --fail-on-empty: exit 2 before the output directory exists
     model = model_path(cfg.engine.model)    # a known name or a Hub name: pulled here, on first use
+    draft = draft_path(cfg)
     check_sampling(cfg, model)              # --n > 1 at the checkpoint's greedy default
     shipped = shipped_scheme(cfg, model)
     lora = adapters(cfg.lora)
@@ -99,7 +101,8 @@ def resolve(cfg: JobConfig, *, parallel: bool = False, output_state: bool = True
                                                  resumes=resumes)
     return Resolved(fmt=fmt, columns=tuple(columns or ()), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization,
-                    cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped, calibration=calibration)
+                    cache_url=url, rows_done=rows_done, lora=lora, shipped=shipped, calibration=calibration,
+                    draft_model=draft)
 
 
 def check_sampling(cfg: JobConfig, model: str) -> None:
@@ -145,6 +148,11 @@ def model_path(name: str) -> str:
         return resolve_model(name)
     except ModelError as e:
         raise JobConfigError(str(e)) from None
+
+
+def draft_path(cfg: JobConfig) -> str | None:
+    """--draft-model found as --model is (pulled on first use), or None."""
+    return model_path(cfg.engine.draft_model) if cfg.engine.draft_model else None
 
 
 def adapters(lora: LoraOptions) -> tuple[tuple[str, str, str], ...]:
@@ -208,7 +216,7 @@ def resolve_engine(cfg: JobConfig) -> Resolved:
     dtype, quantization, calibration = precision(cfg, shipped, model)
     return Resolved(fmt="", columns=(), model=model, dtype=dtype,
                     float_dtype=float_dtype(cfg.engine.device, dtype), quantization=quantization, cache_url=None,
-                    lora=adapters(cfg.lora), shipped=shipped, calibration=calibration)
+                    lora=adapters(cfg.lora), shipped=shipped, calibration=calibration, draft_model=draft_path(cfg))
 
 
 def open_cache(url: str | None):

@@ -1,0 +1,82 @@
+"""--speculative draft --draft-model M (engine/core/draft_model.py): a smaller model of the same vocabulary
+drafts, the target verifies. The tokens are the plain engine's (greedy and seeded sampling) whatever the draft
+model guesses; a draft model that is the target itself has every draft accepted; one of another vocabulary,
+or the option without its mode, is refused before any row runs."""
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+import jobrunner
+from jobrunner.cli.main import main
+from tests.cache_helpers import tiny_model, write_jsonl
+
+ROWS = [{"id": f"r{i}", "prompt": f"Copy this list: {', '.join(str(i * j % 17) for j in range(12))}. Again:"}
+        for i in range(6)] + [{"id": "short", "prompt": "Hi"}]
+RUN = dict(device="cpu", kv_cache_memory="32MB", max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_hf_model_dir):
+    return str(tiny_hf_model_dir("llama"))
+
+
+def _generate(target, **options) -> pl.DataFrame:
+    df = jobrunner.generate(ROWS, model=target, **RUN, **options)
+    assert df["error"].null_count() == len(ROWS), df["error"].to_list()
+    return df.sort("id")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}], ids=["greedy", "sampled"])
+def test_the_tokens_are_the_plain_engines_whatever_the_draft_model(target, tiny_hf_model_dir, sampling):
+    plain = _generate(target, **sampling)
+    other = str(tiny_hf_model_dir("qwen2"))            # the same tokenizer, other weights: few drafts kept
+    for draft in (target, other):
+        spec = _generate(target, speculative="draft", draft_model=draft, **sampling)
+        assert spec["output"].to_list() == plain["output"].to_list(), draft
+        assert spec["completion_tokens"].to_list() == plain["completion_tokens"].to_list()
+        assert spec["draft_tokens"].sum() > 0
+
+
+def test_the_target_as_its_own_draft_model_has_every_greedy_draft_accepted(target):
+    spec = _generate(target, speculative="draft", draft_model=target, speculative_tokens=3)
+    drafted, accepted = spec["draft_tokens"].sum(), spec["accepted_tokens"].sum()
+    assert drafted > 0 and accepted == drafted
+    # each verify step keeps its 3 drafts and adds the target's own next token: 4 tokens a step after the first
+    assert drafted >= 3 * len(ROWS) * ((24 - 1) // 4 - 1)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_before_any_row(target, tmp_path):
+    dataset = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    other_vocab = tiny_model(tmp_path)                  # a dummy model: a byte-level vocabulary of 259 tokens
+    r = CliRunner().invoke(main, ["submit", dataset, "-m", target, "-o", str(tmp_path / "out"), "--device", "cpu",
+                                  "--kv-cache-memory", "32MB", "--speculative", "draft", "--draft-model", other_vocab])
+    assert r.exit_code == 2, r.output
+    assert "the draft model's vocabulary differs from the model's" in r.output
+    assert not (tmp_path / "out" / "part-00000.parquet").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model"),
+    (["--speculative", "auto", "--draft-model", "x"], "--draft-model drafts for --speculative draft, not auto"),
+    (["--draft-model", "x"], "--draft-model drafts for --speculative draft, not off"),
+])
+def test_the_draft_options_without_each_other_stop_before_any_work(tmp_path, args, says):
+    dataset = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    r = CliRunner().invoke(main, ["submit", dataset, "-m", "dummy:x", "-o", str(tmp_path / "out"), *args])
+    assert r.exit_code == 2 and says in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_draft_model_is_not_part_of_the_resume_fingerprint(target, tmp_path):
+    """Drafts change no token: a run with a draft model resumes one without (and its rows are the same)."""
+    dataset = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    out = tmp_path / "out"
+    assert jobrunner.submit(dataset, str(out), model=target, limit=3, **RUN).exit_code == 0
+    result = jobrunner.submit(dataset, str(out), model=target, speculative="draft", draft_model=target, **RUN)
+    assert result.exit_code == 0
+    stats = json.loads((out / "_stats.json").read_text())
+    assert stats["rows"] == len(ROWS)
