@@ -362,3 +362,30 @@ def test_the_drivers_progress_line_every_ten_seconds_counts_rows_and_says_its_et
     assert len(caplog.records) == before + 1
     line = caplog.records[-1].getMessage()
     assert line.startswith("30/50 rows, 1 failed, 300 tokens, 2.0 rows/s, ETA 10 s, 1 workers"), line
+
+
+def test_a_deterministic_run_through_ray_gives_a_local_runs_bits(cluster, tiny_hf_model_dir, tmp_path):
+    """--deterministic (issue 61) over Ray: two workers, other batch sizes, each worker's own engine and
+    threads; every row's tokens and logprobs the bits of one local process (tests/test_determinism.py holds
+    the other schedules)."""
+    import jobrunner
+    from tests.test_determinism import KINDS, ROWS, SCHEDULE_COLUMNS, rows_of
+    import polars as pl
+
+    model = str(tiny_hf_model_dir("llama", max_position_embeddings=1024))
+    ds = tmp_path / "rows.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+
+    def rows(out) -> list:
+        df = pl.DataFrame(read_results(str(out)).to_pylist())
+        return rows_of(df.sort("id").drop([c for c in df.columns if c in SCHEDULE_COLUMNS]))
+
+    assert jobrunner.submit(str(ds), str(tmp_path / "local"), model=model, device="cpu", kv_cache_memory="32MB",
+                            deterministic=True, **KINDS["generate"]).exit_code == 0
+    d = Driver([sys.executable, "-m", "jobrunner.cli.main", "submit", str(ds), "-m", model, "-o",
+                str(tmp_path / "ray"), "--device", "cpu", "--kv-cache-memory", "32MB", "--deterministic",
+                "--max-tokens", "16", "--top-logprobs", "2", "--ignore-eos", "--max-num-seqs", "3",
+                "--part-rows", "4", "--ray", cluster["address"], "--data-parallel", "2", "--ray-min-workers", "2"])
+    assert d.wait() == 0, d.log[-4000:]
+    assert set(read_stats(str(tmp_path / "ray"))["workers"]) == {"rank0", "rank1"}
+    assert rows(tmp_path / "ray") == rows(tmp_path / "local")
