@@ -20,7 +20,7 @@ from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pac
 from jobrunner.kernels.common.device import to_device
 from jobrunner.kernels.attention.kv_int8 import store_kv_int8
 from jobrunner.kernels.lora.sgmv import Segments, sgmv, sgmv_ref
-from jobrunner.kernels.moe.moe import fused_moe, fused_moe_ref, moe_by_expert, route_topk
+from jobrunner.kernels.moe.moe import combine_in_expert_order, fused_moe, fused_moe_ref, moe_by_expert, moe_over_linears, route_topk
 from jobrunner.kernels.norm.norm import rms_norm
 from jobrunner.kernels.matmul.quant_matmul import AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 from jobrunner.kernels.matmul.shipped_quant import dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref, quantize_act_int8, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
@@ -54,7 +54,7 @@ __all__ = [
     "dequantize_fp8", "fake_quantize_fp8", "fp8_weight_matmul", "fp8_weight_matmul_ref",
     "quantize_act_int8", "w8a8_shipped_matmul", "w8a8_shipped_matmul_ref",
     # mixture of experts: router top-k, then the experts over their tokens grouped by expert
-    "fused_moe", "fused_moe_ref", "moe_by_expert", "route_topk",
+    "combine_in_expert_order", "fused_moe", "fused_moe_ref", "moe_by_expert", "moe_over_linears", "route_topk",
     # LoRA: rows of many adapters in one batch, the segmented gather matmul
     "Segments", "sgmv", "sgmv_ref",
     # structured output: a grammar's token bitmask on the logits

@@ -32,12 +32,14 @@ from jobrunner.engine.models.layers import GatedMLP
 from jobrunner.engine.models.llama import LlamaDecoderLayer
 from jobrunner.engine.parallel.group import current as current_group
 from jobrunner.engine.parallel.shards import ShardPlan
-from jobrunner.kernels.ops import fused_moe, route_topk
+from jobrunner.kernels.ops import fused_moe, moe_over_linears, route_topk
 
 
 class Experts(nn.Module):
     """The routed experts' weights, stacked. Float: parameters in the model dtype. Quantized
-    (engine/quant: int8 or float8 per output channel): buffers of that dtype plus float32 scales."""
+    (engine/quant: int8 or float8 per output channel): buffers of that dtype plus float32 scales.
+    Batch-invariant mode (engine/run/packed_weights.py): each expert's projections as linear modules
+    instead (`packed`, set by `pack`), the stacked weights dropped."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
@@ -46,15 +48,36 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, inter, hidden))         # [E, I, H]
         self.register_buffer("w13_scale", None)                                 # [E, 2I] when quantized
         self.register_buffer("w2_scale", None)                                  # [E, H] when quantized
+        self.packed: nn.ModuleList | None = None     # per expert nn.ModuleList([w13, w2]) linears (pack)
 
     def forward(self, x, topk_weights, topk_ids, foreign: bool = False):
+        if self.packed is not None:
+            return moe_over_linears(x, self.packed, topk_weights, topk_ids)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale, self.w2_scale, foreign)
+
+    def pack(self, pack) -> None:
+        """Each expert's w13 [H, 2I] and w2 [I, H] as nn.Linear modules through pack(linear) -> module (a
+        PackedLinear), one expert at a time; then the stacked weights go. Float weights only."""
+        if self.w13_scale is not None:
+            raise ValueError("quantized experts are not packed")
+        packed = nn.ModuleList()
+        for w13, w2 in zip(self.w13.detach(), self.w2.detach()):
+            packed.append(nn.ModuleList(pack(_linear(w.T.contiguous())) for w in (w13, w2)))
+        del self.w13, self.w2
+        self.packed = packed
 
     def set_quantized(self, w13, w13_scale, w2, w2_scale) -> None:
         """Swaps the float parameters for quantized buffers (engine/quant/apply.py)."""
         del self.w13, self.w2
         for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
             self.register_buffer(name, t)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear over weight [out, in] (no initialization, no copy)."""
+    linear = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 class SparseMoE(nn.Module):
@@ -79,15 +102,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         """x: [T, H] -> [T, H]."""
-        topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        fixed = self.experts.packed is not None     # the batch-invariant mode: routing sums in a fixed order
+        topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize, fixed_order=fixed)
         if self.foreign:                      # other ranks' experts -> id num_local (kernels.fused_moe)
             num_local = self.experts.w13.shape[0]
             topk_ids = topk_ids - self.first_expert
             topk_ids = torch.where((topk_ids >= 0) & (topk_ids < num_local), topk_ids, num_local)
         y = self.experts(x, topk_weights, topk_ids, self.foreign)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = self.shared_expert_gate(x)
+            y = y + (_sigmoid_by_row(gate) if fixed else torch.sigmoid(gate)) * self.shared_expert(x)
         return self.tp.all_reduce(y)
+
+
+def _sigmoid_by_row(gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid of the [T, 1] gate column with every element on torch's scalar path. torch's CPU elementwise
+    kernels run whole vectors and the remainder (the last T mod 32 elements here) by a scalar loop that
+    rounds otherwise, so a token's sigmoid would follow T; written into a strided output, none is vectorized."""
+    return torch.sigmoid(gate, out=gate.new_empty(gate.shape[0], 2)[:, :1])
 
 
 class MoECausalLM(CausalLM):

@@ -17,10 +17,23 @@ whose order a row's own inputs fix:
                    tests/test_determinism.py holds them to it)
     sampling       each row's uniform from its own seed, sample and position (engine/sample/sampler.py)
     mean pooling   a running sum in position order across chunks (engine/sample/pooling.py)
+    experts        each expert's two projections packed in the linears' invariant form (Experts.pack, by
+                   engine/run/packed_weights.pack_experts), whatever number of tokens a step routes to it;
+                   the routing weights' renormalizing sum and each token's k results added in a fixed order
+                   (kernels/moe/moe.py: route_topk, combine_in_expert_order: index_add_'s order and bits);
+                   the shared expert's sigmoid gate all on torch's scalar path (engine/models/moe.py)
+    vision tower   each image through the tower alone, its attention on torch's math path
+                   (engine/run/image_embeds.py: the CPU flash kernel's blocks follow the batch and threads)
+
+Elementwise ops are per element only where no element's path follows the tensor's size: torch's CPU
+kernels run whole vectors and the rest by a scalar loop that rounds sigmoid, silu and gelu(tanh) otherwise,
+so an activation over a tensor whose size follows the batch (a [T, 1] column; rows of a width not a multiple
+of the vector) can differ; the model's activations run over rows of their own (a strided half, as
+silu_and_mul's) or widths of whole vectors (tests/test_determinism_moe_vision.py, the MoE block).
 
 Not covered yet, refused here with a ConfigError rather than run without the property: GPUs (Triton),
-quantized linears (ours or a checkpoint's), int8 KV caches, LoRA, mixture-of-experts, vision towers,
-tensor parallelism, and F.linear (packed weights off or no oneDNN).
+quantized linears (ours or a checkpoint's, quantized experts among them), int8 KV caches, LoRA, tensor
+(and so expert) parallelism, and F.linear (packed weights off or no oneDNN).
 
 The GPU forms of the ops exist and are held to the property in Triton's interpreter on CPU
 (tests/test_invariant_triton.py): a fixed-tile matmul (kernels.ops.InvariantLinear: no tiles or split-K
@@ -36,12 +49,12 @@ import torch
 from torch import nn
 
 from jobrunner.engine.config.engine_config import ConfigError, EngineConfig
+from jobrunner.engine.models.moe import Experts
 from jobrunner.kernels.ops import PackedLinear
 
 
 def check_config(config: EngineConfig, bundle, device: torch.device, kv_dtype: torch.dtype) -> None:
     """ConfigError naming what a batch-invariant engine of `config` over `bundle` does not cover."""
-    cfg = bundle.config
     refused = [
         (device.type != "cpu", f"device {device.type} (the invariant Triton kernels exist, tested in Triton's "
                                "interpreter: kernels.ops.InvariantLinear, paged_attention with meta.batch_invariant; "
@@ -51,8 +64,6 @@ def check_config(config: EngineConfig, bundle, device: torch.device, kv_dtype: t
         (kv_dtype not in (torch.float32, torch.bfloat16, torch.float16), f"a {kv_dtype} KV cache"),
         (bool(config.loras), "LoRA adapters"),
         (config.tensor_parallel > 1, "tensor parallelism"),
-        (cfg.moe is not None, "a mixture-of-experts model"),
-        (cfg.vision is not None, "a vision-language model"),
         (not config.packed_weights, "--no-packed-weights (F.linear's sums follow the batch)"),
     ]
     what = [why for bad, why in refused if bad]
@@ -66,6 +77,7 @@ def check_model(model: nn.Module, decode_kernels) -> None:
     kernel loads (decode_kernels: the runner's engine.run.cpu_decode.DecodeKernels)."""
     dense = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     loose = [name for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.min_rows < 2]
+    loose += [name for name, m in model.named_modules() if isinstance(m, Experts) and m.packed is None]
     if dense or loose:
         raise ConfigError(f"--deterministic: linears not packed for batch invariance: {', '.join((dense + loose)[:4])}"
                           " (this torch's oneDNN may be missing)")

@@ -5,12 +5,20 @@ at hand go through the tower together (one batched call), and the results stay, 
 least-recently-used store of bounded size: a chunked prefill that splits an image, and every other
 row with the same image but another prefix (another system prompt, say), takes them from there.
 An image whose positions all come from the prefix cache never reaches the tower.
+
+In the batch-invariant mode (engine/run/batch_invariance.py) each image goes through the tower alone, so
+its embeddings are the same bits whatever other images share its step: the tower's attention then sees
+one image (no batched call over images of one size), and its linears, packed in the invariant form,
+give each row its bits at any row count. Its attention runs torch's math path (matmuls, softmax):
+the CPU flash kernel's blocks follow the thread count and the batch (a 17-patch CLIP image gave other
+bits at 1 and 2 threads), the math path's did not; it holds heads x patches^2 floats per call.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jobrunner.engine.api.request import ImageInput
 
@@ -20,6 +28,7 @@ DEFAULT_BUDGET_BYTES = 256 << 20
 class ImageEmbeds:
     def __init__(self, model, device: torch.device, budget_bytes: int = DEFAULT_BUDGET_BYTES):
         self.model, self.device, self.budget = model, device, budget_bytes
+        self.one_at_a_time = getattr(model, "batch_invariant", False)
         self._store: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._bytes = 0
         self.encoded = 0            # images run through the tower
@@ -51,6 +60,9 @@ class ImageEmbeds:
             return []
         self.encoded += len(images)
         pixels = [torch.from_numpy(image.pixels).to(self.device) for image in images]
+        if self.one_at_a_time:
+            with sdpa_kernel(SDPBackend.MATH):
+                return [self.model.encode_images([p], [image.grid])[0] for p, image in zip(pixels, images)]
         return self.model.encode_images(pixels, [image.grid for image in images])
 
     def _keep(self, key: int, embeds: torch.Tensor) -> None:

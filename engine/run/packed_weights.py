@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from jobrunner.engine.models.moe import Experts
 from jobrunner.kernels.ops import PACKED_DTYPES, pack_linear, packing_available
 
 log = logging.getLogger("engine")
@@ -24,7 +25,8 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
     Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
     the first packing failed its check (then the model is left as it was). batch_invariant: each packed in
     its batch-invariant form (kernels/matmul/cpu_linear.py), each shape checked for it; a failure leaves
-    linears unpacked (engine/run/batch_invariance.check_model refuses the model then)."""
+    linears unpacked (engine/run/batch_invariance.check_model refuses the model then); a mixture of
+    experts' float experts are packed too then, each expert's two projections (pack_experts)."""
     if not packing_available():
         log.info("engine: this torch has no oneDNN; linears run on F.linear")
         return None
@@ -51,4 +53,24 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
         packed += 1
         if m is head and tied:
             added += p.in_features * p.out_features * embed.weight.element_size()
+    if packed and batch_invariant:
+        pack_experts(model, checked)
     return added if packed else None
+
+
+def pack_experts(model: nn.Module, checked: set) -> None:
+    """The batch-invariant mode: every float Experts module's experts as PackedLinear in the invariant form,
+    so an expert's product for a token does not depend on how many tokens the step routed to it. Each
+    shape checked once (into `checked`); a failure leaves that module stacked (check_model refuses it)."""
+    def pack(linear: nn.Linear):
+        shape = (linear.in_features, linear.out_features, linear.weight.dtype, False)
+        p = pack_linear(linear, check=shape not in checked, batch_invariant=True)
+        checked.add(shape)
+        return p
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Experts) and m.w13_scale is None and m.w13.dtype in PACKED_DTYPES \
+                and m.w13.device.type == "cpu":
+            try:
+                m.pack(pack)
+            except (RuntimeError, ValueError) as e:
+                log.warning("engine: packing the experts of %s failed (%s)", name, e)

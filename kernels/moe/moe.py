@@ -28,13 +28,17 @@ from jobrunner.kernels.activation.activation import silu_and_mul_ref
 from jobrunner.kernels.common.triton_utils import use_triton
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, fixed_order: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (float32) over experts, the top k, renormalized to sum 1 when asked (Mixtral always,
-    Qwen MoE when norm_topk_prob). -> (weights [T, k] float32, ids [T, k] int64)."""
+    Qwen MoE when norm_topk_prob). -> (weights [T, k] float32, ids [T, k] int64). fixed_order (the
+    batch-invariant mode): the k weights summed left to right by elementwise adds, not by torch's sum."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True) if not fixed_order else sum(
+            (weights[:, j:j + 1] for j in range(1, top_k)), weights[:, :1])
+        weights = weights / total
     return weights, ids
 
 
@@ -58,9 +62,12 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                  expert, foreign: bool = False) -> torch.Tensor:
+                  expert, foreign: bool = False, fixed_order: bool = False) -> torch.Tensor:
     """The slots sorted by expert, each expert's run of rows through expert(e, rows [n, H]) -> [n, H],
-    weighted and summed per token: [T, H] -> [T, H] in x.dtype (fused_moe_ref's order and rounding)."""
+    weighted and summed per token: [T, H] -> [T, H] in x.dtype (fused_moe_ref's order and rounding).
+    fixed_order: the per-token sum as combine_in_expert_order (the batch-invariant mode; no foreign slots)."""
+    if fixed_order and foreign:
+        raise ValueError("a fixed-order combine takes no foreign slots (expert parallelism)")
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)                       # slots grouped by expert (foreign ones last)
@@ -76,7 +83,33 @@ def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
             out[start:start + n] = expert(e, xs[start:start + n])
             start += n
     out.mul_(topk_weights.reshape(-1)[order].to(x.dtype)[:, None])
+    if fixed_order:
+        return combine_in_expert_order(out, order, topk_ids)
     return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def combine_in_expert_order(out: torch.Tensor, order: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """out [T*k, H]: the weighted results of the slots `order` (sorted by expert) -> y [T, H], each token's
+    y = 0 + its k results added one at a time in ascending expert order: the order index_add_ over the
+    sorted slots gives (so the same bits), made explicit as k elementwise adds, with no kernel left to
+    choose a sum order by the batch's size."""
+    t, k = topk_ids.shape
+    row = torch.empty_like(order)
+    row[order] = torch.arange(len(order), device=order.device)          # slot -> its row of out
+    rows = row.view(t, k).gather(1, torch.argsort(topk_ids, dim=-1, stable=True))     # [T, k], experts ascending
+    y = out.new_zeros((t, out.shape[1]))
+    for j in range(k):
+        y += out.index_select(0, rows[:, j])
+    return y
+
+
+def moe_over_linears(x: torch.Tensor, linears, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_ref with each expert's projections given as modules, linears[e] = (w13: H -> 2I, w2: I -> H)
+    (the batch-invariant mode's packed, row-invariant linears), its per-token sum in a fixed order."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w13, w2 = linears[e]
+        return w2(silu_and_mul_ref(w13(rows)))
+    return moe_by_expert(x, topk_weights, topk_ids, len(linears), expert, fixed_order=True)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, foreign=False):
