@@ -40,7 +40,7 @@ def test_pick_under_tensor_parallel_takes_a_float_mode():
     assert calibration.pick(given, allowed=calibration.FLOAT_MODES) == "bfloat16"
 
 
-FAKE = {"float32": (12.0, 40.0), "bfloat16": (12.02, 90.0), "w8a8": (12.1, 120.0)}
+FAKE = {"float32": (12.0, 40.0), "bfloat16": (12.02, 90.0), "w8a8": (12.1, 120.0), "int4": (12.0, 150.0)}
 
 
 @pytest.fixture
@@ -227,3 +227,39 @@ def test_without_the_text_file_the_flag_rule(measured, monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "TEXT_FILE", tmp_path / "missing.txt")
     rec = calibration.cpu_auto(MODEL, 1)
     assert rec["source"] == "flags" and measured == []
+
+
+@pytest.mark.parametrize("ships", [True, False])
+def test_int4_is_a_candidate_where_the_weights_ship_4_bit(measured, monkeypatch, ships):
+    """Issue 62 item 2: a GGUF file of Q4_0/Q4_1 weights (the default model's Q4_1) runs int4 on its own blocks,
+    so int4 is measured there, and chosen when fastest within 1%; elsewhere it is not run, and says why."""
+    monkeypatch.setattr(calibration.engine, "ships_int4", lambda model: ships)
+    rec = calibration.cpu_auto(MODEL, 1)
+    if ships:
+        assert measured == ["float32", "bfloat16", "w8a8", "int4"]
+        assert (rec["mode"], rec["dtype"], rec["quantization"]) == ("int4", "auto", "int4")
+    else:
+        assert measured == ["float32", "bfloat16", "w8a8"] and rec["mode"] == "w8a8"
+        assert "int4 not run: weights not shipped 4-bit" in calibration.summary(rec)
+
+
+def test_which_checkpoints_ship_int4(default_gguf_path, tiny_gguf_path, tiny_hf_model_dir):
+    from jobrunner import engine
+
+    assert engine.ships_int4(str(default_gguf_path))            # SmolLM2-135M-Instruct.Q4_1.gguf
+    assert engine.ships_int4(str(tiny_gguf_path(qtype="Q4_0"))) and engine.ships_int4(str(tiny_gguf_path(qtype="Q4_1")))
+    assert not engine.ships_int4(str(tiny_gguf_path(qtype="Q8_0")))
+    assert not engine.ships_int4(str(tiny_gguf_path(qtype="F32")))
+    assert not engine.ships_int4(str(tiny_hf_model_dir("llama")))
+    assert not engine.ships_int4(MODEL)
+
+
+def test_a_real_calibration_of_a_4_bit_gguf_measures_int4_on_its_own_blocks(tiny_gguf_path, tmp_path, monkeypatch):
+    """int4 computes on the shipped Q4_1 blocks, the weights float32 dequantizes: the same perplexity but for
+    the order of float sums."""
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(calibration.ENV, raising=False)
+    rec = calibration.cpu_auto(str(tiny_gguf_path(qtype="Q4_1")), threads=1)
+    f32, int4 = rec["modes"]["float32"]["perplexity"], rec["modes"]["int4"]["perplexity"]
+    assert abs(int4 / f32 - 1) < 1e-3 and rec["modes"]["int4"]["tokens_per_s"] > 0
+    assert rec["mode"] == calibration.pick(rec["modes"])

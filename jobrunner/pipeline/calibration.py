@@ -63,11 +63,15 @@ log = logging.getLogger("jobrunner")
 ENV = "JOBRUNNER_CALIBRATION"       # off: the flag rule, nothing measured; refresh: measure again
 EXACT = "--dtype float32 --quantization none"
 TOLERANCE = 0.01                    # a mode's perplexity at most 1% over float32's
-CALIBRATION_VERSION = 4             # the text, the workload or the figures' meaning changed: measure again
-                                    # (4: decode attention in place for bfloat16 too, issue 47 item 3)
+CALIBRATION_VERSION = 5             # the text, the workload or the figures' meaning changed: measure again
+                                    # (4: decode attention in place for bfloat16 too, issue 47 item 3;
+                                    # 5: the int4 candidate for GGUF files shipped 4-bit, issue 62 item 2)
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
-# dtype auto is float32 on CPU, as the flag rule says it
-MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8")}
+# dtype auto is float32 on CPU, as the flag rule says it. int4: a candidate only where the weights are
+# shipped 4-bit (engine.ships_int4: GGUF Q4_0/Q4_1, the default model's Q4_1), computed on as shipped, so
+# its perplexity is the checkpoint's own; elsewhere int4 would be a new rounding of float weights.
+MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8"),
+         "int4": ("auto", "int4")}
 FLOAT_MODES = ("float32", "bfloat16")       # what splits over --tensor-parallel ranks (w8a8 does not)
 # A job's shape, not a toy's: with 8-token prompts and 16 new, bfloat16 timed 1.3x float32 on an AVX-512
 # EPYC, yet ran the benchmark suite's jobs 1.3-1.6x slower (its attention and elementwise ops, which short
@@ -177,7 +181,9 @@ def measure_all(model: str, threads: int | None, packed_weights: bool = True) ->
     "machine", "seconds", "measured_at"}. A mode the engine refuses (or fails to run) is skipped."""
     t0 = time.perf_counter()
     modes, skipped = {}, {}
-    for mode in MODES:
+    if not engine.ships_int4(model):
+        skipped["int4"] = "weights not shipped 4-bit (GGUF Q4_0/Q4_1)"
+    for mode in (m for m in MODES if m not in skipped):
         try:
             modes[mode] = measure_mode(model, mode, threads, packed_weights)
         except (ConfigError, ModelError, EngineFailure, RuntimeError, NotImplementedError, OSError) as e:
