@@ -35,6 +35,10 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     window = meta.sliding_window if sliding else None
     if meta.batch_invariant:
         return _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+    if meta.num_prefills and max(meta.query_lens[meta.num_decodes:]) <= SHORT_CHUNK:
+        out = _short_chunks_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+        if out is not None:
+            return out
     nd = meta.num_decodes
     out = torch.empty_like(q)
     if nd:
@@ -45,6 +49,12 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         else:
             out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
     return out
+
+
+# A step whose prompt chunks are all this short (speculative verify chunks: a row's last token and its drafts; a
+# prompt's few tokens after a prefix-cache hit) runs every token as a decode row over its own keys, read in place:
+# the chunk path would gather each row's whole cached context to compute a handful of queries.
+SHORT_CHUNK = 17
 
 
 def _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
@@ -59,6 +69,20 @@ def _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.T
     tables, seq_lens = meta.token_rows()
     return decode_attention_cpu(q.contiguous(), k_cache, v_cache, tables, seq_lens, scale, window, softcap, lib,
                                 split=INVARIANT_SPLIT)
+
+
+def _short_chunks_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor | None:
+    """Every token of the step a decode row of the in-place kernel (SHORT_CHUNK); None where the kernel is not
+    loaded or fails (then set aside for good, as for decodes)."""
+    cpu_decode = meta.cpu_decode
+    lib = cpu_decode.library() if cpu_decode is not None else None
+    if lib is None or not lib.covers(q, k_cache):
+        return None
+    try:
+        return decode_attention_cpu(q.contiguous(), k_cache, v_cache, *meta.token_rows(), scale, window, softcap, lib)
+    except Exception as e:  # noqa: BLE001 - a library this process can't run: the chunk path, said once
+        cpu_decode.set_aside(e)
+        return None
 
 
 def _window_cuts(meta: AttentionMetadata, window: int | None) -> bool:
