@@ -155,19 +155,21 @@ def test_dispatch_mixed_step(lib, int8, gen):
 def test_short_chunks_run_every_token_through_the_kernel_in_place(lib, gen, monkeypatch, window, softcap):
     """Speculative verify chunks (a row's last token and its drafts) and a prompt's few tokens after a prefix-cache
     hit: every token a row of the in-place kernel over its own keys (no gather of the cached context); a step
-    with a longer chunk takes the chunk path. Both match the reference."""
+    with a longer chunk, or of more rows, takes the chunk path. Both match the reference."""
     from jobrunner.kernels.attention import attention as A
     calls = []
     chunk_path = A.prefill_attention_cpu
     monkeypatch.setattr(A, "prefill_attention_cpu", lambda *a, **kw: calls.append(1) or chunk_path(*a, **kw))
+    many = [(5, 40)] * A.SHORT_STEP_ROWS
     for seqs, chunked in (([(1, 21), (5, 300), (A.SHORT_CHUNK, 90), (2, 2)], False),
-                          ([(1, 21), (5, 300), (A.SHORT_CHUNK + 1, 90)], True)):
+                          ([(1, 21), (5, 300), (A.SHORT_CHUNK + 1, 90)], True),
+                          ([(1, 21)] + many, True)):                  # more rows than SHORT_STEP_ROWS
         q, k, v, meta = make_step(seqs, 1, 6, 3, 32, 16, torch.float32, gen, window=window)
         meta.cpu_decode = handing = Handing(lib)
         calls.clear()
         out = paged_attention(q, k, v, meta, 0.2, softcap=softcap)
         torch.testing.assert_close(out, paged_attention_ref(q, k, v, meta, 0.2, softcap=softcap), **TOL[torch.float32])
-        assert not handing.errors and bool(calls) == (chunked and softcap is None and window is None)
+        assert not handing.errors and bool(calls) == (chunked and softcap is None and not A._window_cuts(meta, window))
 
 
 def test_a_failing_kernel_is_set_aside_and_the_reference_serves(lib, gen):

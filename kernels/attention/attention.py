@@ -35,7 +35,8 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     window = meta.sliding_window if sliding else None
     if meta.batch_invariant:
         return _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
-    if meta.num_prefills and max(meta.query_lens[meta.num_decodes:]) <= SHORT_CHUNK:
+    if (meta.num_prefills and len(meta.query_lens) <= SHORT_STEP_ROWS
+            and max(meta.query_lens[meta.num_decodes:]) <= SHORT_CHUNK):
         out = _short_chunks_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
         if out is not None:
             return out
@@ -51,10 +52,13 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     return out
 
 
-# A step whose prompt chunks are all this short (speculative verify chunks: a row's last token and its drafts; a
-# prompt's few tokens after a prefix-cache hit) runs every token as a decode row over its own keys, read in place:
-# the chunk path would gather each row's whole cached context to compute a handful of queries.
+# A step of a few rows whose prompt chunks are all this short (speculative verify chunks: a row's last token and
+# its drafts; a prompt's few tokens after a prefix-cache hit) runs every token as a decode row over its own keys,
+# read in place, where the chunk path gathers each row's whole cached context for a handful of queries: 1.13x a
+# verify-heavy engine's time at 8 rows (2-core EPYC). In larger steps the gathered path's batched matmuls won
+# (ngram at 100 rows: 0.51x against 0.73x), hence the row bound.
 SHORT_CHUNK = 17
+SHORT_STEP_ROWS = 16
 
 
 def _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
