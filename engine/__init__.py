@@ -30,9 +30,8 @@ from jobrunner.engine.schedule.sequence import last_index_of
 if TYPE_CHECKING:
     from jobrunner.engine.sample.constraints import check_constraint
     from jobrunner.engine.core.engine import Engine
-    from jobrunner.engine.load.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle
+    from jobrunner.engine.load.loader import DUMMY_CONFIGS, checkpoint_quantization, load_model_bundle, ships_int4
     from jobrunner.engine.load.hf_export import EXPORT_DTYPES, export_hf_dir
-    from jobrunner.engine.load.gguf import ships_int4
     from jobrunner.engine.parallel.shards import check_split, rank_plan
     from jobrunner.engine.vision.processor import ImageProcessor, PreparedImage, image_key, load_image_processor
 
@@ -42,7 +41,7 @@ _LAZY = {
     "DUMMY_CONFIGS": "jobrunner.engine.load.loader",
     "load_model_bundle": "jobrunner.engine.load.loader",
     "checkpoint_quantization": "jobrunner.engine.load.loader",
-    "ships_int4": "jobrunner.engine.load.gguf",
+    "ships_int4": "jobrunner.engine.load.loader",
     "export_hf_dir": "jobrunner.engine.load.hf_export",
     "EXPORT_DTYPES": "jobrunner.engine.load.hf_export",
     "check_constraint": "jobrunner.engine.sample.constraints",

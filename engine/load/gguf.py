@@ -202,16 +202,6 @@ class GGUFFile:
             yield RawTensor(hf, t.tensor_type.name, shape, np.ascontiguousarray(raw))
 
 
-def ships_int4(model: str) -> bool:
-    """Whether `model` is a local GGUF file whose 2-D weights are mostly stored 4-bit (Q4_0/Q4_1): the
-    int4 quantization then computes on its blocks as shipped (engine/quant/apply.py), the checkpoint's own
-    numbers. Reads the header only."""
-    if not (model.endswith(".gguf") and os.path.isfile(model)):
-        return False
-    matrices = [t.tensor_type.name for t in GGUFFile(model).reader.tensors if len(t.shape) == 2]
-    return sum(name in ("Q4_0", "Q4_1") for name in matrices) * 2 > len(matrices)
-
-
 @contextmanager
 def _one_thread():
     """Dequantize on one thread: these elementwise ops are memory-bound and ~1M elements each, and

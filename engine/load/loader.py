@@ -102,6 +102,17 @@ def checkpoint_quantization(model: str) -> str | None:
     return None if quant is None else quant.name
 
 
+def ships_int4(model: str) -> bool:
+    """Whether `model` is a local GGUF file whose 2-D weights are mostly stored 4-bit (Q4_0/Q4_1): the
+    int4 quantization then computes on its blocks as shipped (engine/quant/apply.py), the checkpoint's own
+    numbers. Reads the header only."""
+    if not (model.endswith(".gguf") and os.path.isfile(model)):
+        return False
+    from jobrunner.engine.load.gguf import GGUFFile      # numpy and the gguf reader: only for a .gguf file
+    matrices = [t.tensor_type.name for t in GGUFFile(model).reader.tensors if len(t.shape) == 2]
+    return sum(name in ("Q4_0", "Q4_1") for name in matrices) * 2 > len(matrices)
+
+
 def load_model_bundle(model: str, cache_dir: str | os.PathLike | None = None) -> ModelBundle:
     """Open `model` (see the module docstring); raises ModelError with a clear message."""
     if model.startswith("dummy:"):

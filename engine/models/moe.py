@@ -102,7 +102,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         """x: [T, H] -> [T, H]."""
-        fixed = self.experts.packed is not None     # the batch-invariant mode: routing sums in a fixed order
+        fixed = getattr(self.experts, "packed", None) is not None     # the batch-invariant mode: sums in a fixed order
         topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize, fixed_order=fixed)
         if self.foreign:                      # other ranks' experts -> id num_local (kernels.fused_moe)
             num_local = self.experts.w13.shape[0]
