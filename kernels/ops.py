@@ -14,7 +14,7 @@ from jobrunner.kernels.attention.attention import AttentionMetadata, paged_atten
 from jobrunner.kernels.attention.metadata import choose_num_splits
 from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
 from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_compile_command, int4_library_name, int4_matmul_cpu
-from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, int8_compile_command, int8_library_name, int8_matmul_cpu
+from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_library_name, int8_matmul_cpu
 from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
 from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
 from jobrunner.kernels.common.device import to_device
@@ -36,8 +36,10 @@ __all__ = [
     # the CPU int4 matmul over packed nibbles: its C library's compile command, name, loader and launcher
     # (engine/run/cpu_kernel_build.py builds, keeps and hands it to the int4 linears)
     "Int4Library", "int4_compile_command", "int4_library_name", "int4_matmul_cpu",
-    # the CPU weight-only int8 matmul, float activations: the same, for the int8 linears
-    "CPU_INT8_MAX_ROWS", "Int8Library", "int8_compile_command", "int8_library_name", "int8_matmul_cpu",
+    # the CPU weight-only int8 matmul, float activations: the same, for the int8 linears (and its fp8 form
+    # for a shipped checkpoint's fp8 linears)
+    "CPU_INT8_MAX_ROWS", "Int8Library", "fp8_matmul_cpu", "int8_compile_command", "int8_library_name",
+    "int8_matmul_cpu",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_rtol", "packing_available",
     # float linears on CUDA whose rows' sums keep one order whatever the batch (the batch-invariant mode's)

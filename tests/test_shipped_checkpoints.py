@@ -75,7 +75,10 @@ def test_weight_only_compressed_tensors_match_transformers(family, scheme, tmp_p
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s not in WEIGHT_ONLY])
-def test_activation_quantized_compressed_tensors_match_transformers(family, scheme, tmp_path):
+def test_activation_quantized_compressed_tensors_match_transformers(family, scheme, tmp_path, monkeypatch):
+    # fp8 weights on the old path (F.linear over the dequantized weight: transformers' sums bit for bit); the
+    # CPU fp8 kernel sums in another order, which can tip a near-tie: tests/test_cpu_fp8.py holds it to that
+    monkeypatch.setenv("JOBRUNNER_CPU_FP8", "off")
     path = make_compressed(tmp_path / "ckpt", family, scheme)
     hf, ref = _hf(path)                         # its first forward decompressed the weights in place
     _assert_same(_ours(path), ref, atol=0.1)

@@ -6,12 +6,15 @@ same compiler, the same build to a temporary name then a rename), its name a has
 After a CPU model is built (and quantized), attach_cpu_kernels hands each kernel to the linears it serves:
 the int4 one to every Int4Linear (ours, GGUF Q4_0/Q4_1, the shipped W4A16 / GPTQ / AWQ ones), the int8 one
 to every weight-only Int8Linear (`--quantization int8`, GGUF Q8_0, a shipped int8 checkpoint's, and the
-lm_head of int4 mode). Each linear then runs its kernel for the float32 calls the kernel takes (decode-sized
-ones) and its old path (dequantize a slice, F.linear) otherwise. A model without such linears builds nothing;
-where no compiler works, one warning says so and those linears keep the old path.
+lm_head of int4 mode), and the int8 library's fp8 form to every fp8 linear of a shipped float-quantized
+checkpoint (Fp8WeightLinear: per channel or block scales, its activations fake-quantized as before). Each
+linear then runs its kernel for the float32 calls the kernel takes (decode-sized ones) and its old path
+(dequantize a slice, F.linear) otherwise. A model without such linears builds nothing; where no compiler
+works, one warning says so and those linears keep the old path.
 
-JOBRUNNER_CPU_INT4 and JOBRUNNER_CPU_INT8: auto (the -march=native build, the default), portable (the plain C
-build, no -march: its loop runs on any CPU) or off (the old path only); read when a model is built.
+JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8 and JOBRUNNER_CPU_FP8: auto (the -march=native build, the default),
+portable (the plain C build, no -march: its loop runs on any CPU) or off (the old path only); read when a
+model is built.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch import nn
 
 from jobrunner.engine.quant.linear import Int4Linear, Int8Linear
 from jobrunner.engine.run.cpu_decode import build_library, env_mode, library_path
+from jobrunner.engine.shipped.shipped_linear import Fp8WeightLinear
 from jobrunner.kernels.ops import (Int4Library, Int8Library, int4_compile_command, int4_library_name,
                                    int8_compile_command, int8_library_name)
 
@@ -50,7 +54,9 @@ INT4 = CpuMatmulKernel("int4", "JOBRUNNER_CPU_INT4", int4_library_name, int4_com
                        Int4Linear, "packed")
 INT8 = CpuMatmulKernel("int8", "JOBRUNNER_CPU_INT8", int8_library_name, int8_compile_command, Int8Library,
                        Int8Linear, "qweight", float32=("scales", "zeros"))
-KERNELS = (INT4, INT8)
+FP8 = CpuMatmulKernel("fp8", "JOBRUNNER_CPU_FP8", int8_library_name, int8_compile_command, Int8Library,
+                      Fp8WeightLinear, "qweight", float32=("scales",))     # the int8 library, its fp8 form
+KERNELS = (INT4, INT8, FP8)
 
 
 def kernel_mode(kernel: CpuMatmulKernel) -> str:

@@ -49,6 +49,7 @@ class Fp8WeightLinear(QuantLinear):
         self.register_buffer("qweight", qweight)            # [N, K] float8_e4m3fn
         self.register_buffer("scales", scales)              # [N, 1] or the block grid, float32
         self.register_buffer("input_scale", input_scale)
+        self.cpu_kernel = None          # the CPU fp8 kernel, once engine/run/cpu_kernel_build.py hands it
 
     def forward(self, x):
         n, k = self.qweight.shape
@@ -56,7 +57,7 @@ class Fp8WeightLinear(QuantLinear):
                 and k % 16 == 0 and n % 16 == 0:            # per-token activations: torch._scaled_mm
             return fp8_matmul(x, self.qweight, self.scales, self.bias, rowwise=True)
         return fp8_weight_matmul(x, self.qweight, self.scales, self.block, self.bias, self.act,
-                                 self.input_scale, self.act_group)
+                                 self.input_scale, self.act_group, self.cpu_kernel)
 
     def forward_ref(self, x):
         return fp8_weight_matmul_ref(x, self.qweight, self.scales, self.block, self.bias, self.act,

@@ -1,4 +1,5 @@
-/* Weight-only int8 matmul on CPU (kernels/matmul/cpu_int8.py loads it); the activations stay float32:
+/* Weight-only int8 and fp8 (e4m3) matmuls on CPU (kernels/matmul/cpu_int8.py loads them); the activations
+   stay float32:
 
        out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),   W[n, k] = q[n, k] * s[n, g] (+ z[n, g]),  g = k / G
 
@@ -17,13 +18,23 @@
    decode, where widening is the work) or 2, and runs every block of rows over a tile while its bytes
    are in L1, so the weight is read from memory once a call whatever M.
 
+   fp8 (fp8_weight_matmul, a shipped compressed-tensors float-quantized checkpoint's): q [N, K] e4m3 bytes,
+   scales per channel [N, 1] (G = K) or per [BN, G] block [ceil(N / BN), ceil(K / G)] (FP8_BLOCK), no zeros;
+   the last group of a row may be short. The one difference from int8 is the widening: an e4m3 byte's 7 low
+   bits shifted left by 7 under its sign are the IEEE float16 of its value times 2^-8, exactly (subnormals
+   too: the exponent biases differ by 8), which _mm512_cvtph_ps widens; the 2^8 goes into the scale.
+   (The two NaN bytes 0x7f, 0xff read as +-480; a checkpoint holds none.) The portable loop reads the
+   same values from a 256-entry table.
+
    Activations are not quantized (int8 x int8 with per-row activation scales is w8a8's, a different
    result). Arithmetic float32; the sum over k runs in 16 lanes, reduced at the end, so it differs from
    F.linear's order by rounding only. Builds without AVX-512, and groups that are not a multiple of 16,
    run the portable loop (plain C in the same 16 lanes, which a compiler vectorizes to what the build has). */
+#include <math.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MR 8      /* activation rows a block */
 
@@ -31,29 +42,40 @@ typedef struct {
     const float *x; int64_t ldx;
     const int8_t *q; const float *scales, *zeros, *bias;
     float *out;
-    int M, N, K, G, affine;     /* affine: dequantize per group (groups > 1 or zeros), else scale at the end */
+    const float *table;         /* fp8: the 256 bytes' values times 2^-8 (the portable loop's); int8: NULL */
+    float smul;                 /* the scales' factor: 1 (int8), 2^8 (fp8) */
+    int M, N, K, G, BN, groups; /* groups = ceil(K / G); a scale row covers BN weight rows */
+    int affine;                 /* dequantize per group (groups > 1 or zeros), else scale at the end */
 } Problem;
 
+static inline float scale_at(const Problem *p, int n, int g) {
+    return p->scales[(size_t)(n / p->BN) * p->groups + g] * p->smul;
+}
+
 static inline float finish(const Problem *p, int n, float sum) {
-    return (p->affine ? sum : sum * p->scales[n]) + (p->bias ? p->bias[n] : 0.0f);
+    return (p->affine ? sum : sum * scale_at(p, n, 0)) + (p->bias ? p->bias[n] : 0.0f);
+}
+
+static inline float weight_at(const Problem *p, const int8_t *w, int k) {
+    return p->table ? p->table[(uint8_t)w[k]] : (float)w[k];
 }
 
 /* The portable loop: every row over columns [n0, n1). */
 static void block_portable(const Problem *p, int n0, int n1) {
-    const int K = p->K, G = p->G, groups = K / G;
+    const int K = p->K, G = p->G, groups = p->groups;
     for (int n = n0; n < n1; n++) {
         const int8_t *w = p->q + (size_t)n * K;
-        const float *s = p->scales + (size_t)n * groups, *z = p->zeros ? p->zeros + (size_t)n * groups : 0;
+        const float *z = p->zeros ? p->zeros + (size_t)n * groups : 0;
         for (int m = 0; m < p->M; m++) {
             const float *x = p->x + (size_t)m * p->ldx;
             float acc[16] = {0};
             for (int g = 0; g < groups; g++) {
-                const float sg = p->affine ? s[g] : 1.0f, zg = z ? z[g] : 0.0f;
-                const int k0 = g * G, k1 = k0 + G;
+                const float sg = p->affine ? scale_at(p, n, g) : 1.0f, zg = z ? z[g] : 0.0f;
+                const int k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
                 int k = k0;
                 for (; k + 16 <= k1; k += 16)
-                    for (int l = 0; l < 16; l++) acc[l] += x[k + l] * ((float)w[k + l] * sg + zg);
-                for (; k < k1; k++) acc[(k - k0) % 16] += x[k] * ((float)w[k] * sg + zg);
+                    for (int l = 0; l < 16; l++) acc[l] += x[k + l] * (weight_at(p, w, k + l) * sg + zg);
+                for (; k < k1; k++) acc[(k - k0) % 16] += x[k] * (weight_at(p, w, k) * sg + zg);
             }
             float sum = 0.0f;
             for (int l = 0; l < 16; l++) sum += acc[l];
@@ -70,15 +92,22 @@ static inline __mmask16 lanes(int left) {
     return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
 }
 
-/* 16 weights of column c's row at k widened to float32 (masked: the row's tail). */
-static inline __m512 widen(const int8_t *w, __mmask16 mk) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, w)));
+/* 16 weights of column c's row at k widened to float32 (masked: the row's tail). fp8: the byte sign-extended
+   to 16 bits and shifted left by 7 holds the sign in bits 15 and 14 and the 7 low bits in 13..7; bit 14
+   cleared, it is the float16 of the e4m3 value times 2^-8 (the header). */
+static inline __m512 widen(const int8_t *w, __mmask16 mk, const int fp8) {
+    const __m128i b = _mm_maskz_loadu_epi8(mk, w);
+    if (fp8)
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                                _mm256_set1_epi16((short)0xbf80)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
-/* rows [m0, m0 + mr) x columns [n0, n0 + nr); mr <= MR, nr <= 4, affine: constants where it is inlined. */
+/* rows [m0, m0 + mr) x columns [n0, n0 + nr); mr <= MR, nr <= 4, affine and fp8: constants where it is
+   inlined. */
 static inline __attribute__((always_inline)) void tile(const Problem *p, int m0, const int mr, int n0,
-                                                       const int nr, const int affine) {
-    const int K = p->K, G = p->G, groups = K / G;
+                                                       const int nr, const int affine, const int fp8) {
+    const int K = p->K, G = p->G, groups = p->groups;
     const float *x[MR];
     const int8_t *w[4];
     __m512 acc[MR][4];
@@ -95,7 +124,7 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m0,
             const __mmask16 mk = lanes(K - k);
             __m512 wv[4];
             _Pragma("GCC unroll 4")
-            for (int c = 0; c < nr; c++) wv[c] = widen(w[c] + k, mk);
+            for (int c = 0; c < nr; c++) wv[c] = widen(w[c] + k, mk, fp8);
             _Pragma("GCC unroll 8")
             for (int r = 0; r < mr; r++) {
                 const __m512 xv = _mm512_maskz_loadu_ps(mk, x[r] + k);
@@ -108,17 +137,18 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m0,
             __m512 vs[4], vz[4];
             _Pragma("GCC unroll 4")
             for (int c = 0; c < nr; c++) {
-                const size_t i = (size_t)(n0 + c) * groups + g;
-                vs[c] = _mm512_set1_ps(p->scales[i]);
-                vz[c] = p->zeros ? _mm512_set1_ps(p->zeros[i]) : _mm512_setzero_ps();
+                vs[c] = _mm512_set1_ps(scale_at(p, n0 + c, g));
+                vz[c] = p->zeros ? _mm512_set1_ps(p->zeros[(size_t)(n0 + c) * groups + g]) : _mm512_setzero_ps();
             }
-            for (int k = g * G; k < (g + 1) * G; k += 16) {        /* G a multiple of 16: no tail */
+            const int end = (g + 1) * G < K ? (g + 1) * G : K;    /* G a multiple of 16: a tail at K only */
+            for (int k = g * G; k < end; k += 16) {
+                const __mmask16 mk = lanes(end - k);
                 __m512 wv[4];
                 _Pragma("GCC unroll 4")
-                for (int c = 0; c < nr; c++) wv[c] = _mm512_fmadd_ps(widen(w[c] + k, 0xffff), vs[c], vz[c]);
+                for (int c = 0; c < nr; c++) wv[c] = _mm512_fmadd_ps(widen(w[c] + k, mk, fp8), vs[c], vz[c]);
                 _Pragma("GCC unroll 8")
                 for (int r = 0; r < mr; r++) {
-                    const __m512 xv = _mm512_loadu_ps(x[r] + k);
+                    const __m512 xv = _mm512_maskz_loadu_ps(mk, x[r] + k);
                     _Pragma("GCC unroll 4")
                     for (int c = 0; c < nr; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
                 }
@@ -133,31 +163,38 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m0,
 }
 
 /* Every block of rows over the columns [n, n + nr): the tile's weight bytes stay in L1 between blocks. */
-static inline __attribute__((always_inline)) void rows(const Problem *p, int n, const int nr, const int affine) {
+static inline __attribute__((always_inline)) void rows(const Problem *p, int n, const int nr, const int affine,
+                                                       const int fp8) {
     for (int m = 0; m < p->M; m += MR) {
         switch (p->M - m >= MR ? MR : p->M - m) {
-        case 8: tile(p, m, 8, n, nr, affine); break;
-        case 7: tile(p, m, 7, n, nr, affine); break;
-        case 6: tile(p, m, 6, n, nr, affine); break;
-        case 5: tile(p, m, 5, n, nr, affine); break;
-        case 4: tile(p, m, 4, n, nr, affine); break;
-        case 3: tile(p, m, 3, n, nr, affine); break;
-        case 2: tile(p, m, 2, n, nr, affine); break;
-        default: tile(p, m, 1, n, nr, affine); break;
+        case 8: tile(p, m, 8, n, nr, affine, fp8); break;
+        case 7: tile(p, m, 7, n, nr, affine, fp8); break;
+        case 6: tile(p, m, 6, n, nr, affine, fp8); break;
+        case 5: tile(p, m, 5, n, nr, affine, fp8); break;
+        case 4: tile(p, m, 4, n, nr, affine, fp8); break;
+        case 3: tile(p, m, 3, n, nr, affine, fp8); break;
+        case 2: tile(p, m, 2, n, nr, affine, fp8); break;
+        default: tile(p, m, 1, n, nr, affine, fp8); break;
         }
     }
 }
 
-static inline __attribute__((always_inline)) void columns(const Problem *p, int n0, int n1, const int affine) {
+static inline __attribute__((always_inline)) void columns(const Problem *p, int n0, int n1, const int affine,
+                                                          const int fp8) {
     int n = n0;
     if (p->M <= 2)
-        for (; n + 4 <= n1; n += 4) rows(p, n, 4, affine);
-    for (; n + 2 <= n1; n += 2) rows(p, n, 2, affine);
-    for (; n < n1; n++) rows(p, n, 1, affine);
+        for (; n + 4 <= n1; n += 4) rows(p, n, 4, affine, fp8);
+    for (; n + 2 <= n1; n += 2) rows(p, n, 2, affine, fp8);
+    for (; n < n1; n++) rows(p, n, 1, affine, fp8);
 }
 
-static void block_scaled(const Problem *p, int n0, int n1) { columns(p, n0, n1, 0); }
-static void block_affine(const Problem *p, int n0, int n1) { columns(p, n0, n1, 1); }
+static void block_fast(const Problem *p, int n0, int n1) {
+    const int fp8 = p->table != 0;
+    if (p->affine && fp8) columns(p, n0, n1, 1, 1);
+    else if (p->affine) columns(p, n0, n1, 1, 0);
+    else if (fp8) columns(p, n0, n1, 0, 1);
+    else columns(p, n0, n1, 0, 0);
+}
 #else
 #define HAVE_AVX512 0
 #endif
@@ -165,14 +202,9 @@ static void block_affine(const Problem *p, int n0, int n1) { columns(p, n0, n1, 
 /* Which inner loop this build runs (per channel, or groups a multiple of 16): 1 AVX-512, 0 portable. */
 int int8_kernel_isa(void) { return HAVE_AVX512; }
 
-/* 0 done; -2 bad arguments. */
-int int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *scales, const float *zeros,
-                const float *bias, float *out, int M, int N, int K, int G, int threads, int portable) {
-    if (M < 0 || N < 0 || K < 1 || G < 1 || K % G || ldx < K)
-        return -2;
-    const int affine = K / G > 1 || zeros != 0;
-    const Problem p = {x, ldx, q, scales, zeros, bias, out, M, N, K, G, affine};
-    const int fast = HAVE_AVX512 && !portable && (!affine || G % 16 == 0);
+static int run(const Problem *p, int threads, int portable) {
+    const int N = p->N;
+    const int fast = HAVE_AVX512 && !portable && (!p->affine || p->G % 16 == 0);
     if (threads < 1) threads = 1;
     if ((long)N < 8L * threads) threads = N / 8 > 1 ? N / 8 : 1;
     _Pragma("omp parallel num_threads(threads)")
@@ -184,13 +216,120 @@ int int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *scale
         const int n1 = n1c < N ? n1c : N;
         if (n0 < n1) {
 #if HAVE_AVX512
-            if (fast && affine) block_affine(&p, n0, n1);
-            else if (fast) block_scaled(&p, n0, n1);
+            if (fast) block_fast(p, n0, n1);
             else
 #endif
-                block_portable(&p, n0, n1);
+                block_portable(p, n0, n1);
         }
     }
     (void)fast;
+    return 0;
+}
+
+/* 0 done; -2 bad arguments. */
+int int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *scales, const float *zeros,
+                const float *bias, float *out, int M, int N, int K, int G, int threads, int portable) {
+    if (M < 0 || N < 0 || K < 1 || G < 1 || K % G || ldx < K)
+        return -2;
+    const Problem p = {x, ldx, q, scales, zeros, bias, out, 0, 1.0f, M, N, K, G, 1, K / G, K / G > 1 || zeros != 0};
+    return run(&p, threads, portable);
+}
+
+static float fp8_table[256];            /* e4m3 byte -> its value times 2^-8, as the float16 reading gives */
+
+__attribute__((constructor)) static void fill_fp8_table(void) {      /* when the library is loaded */
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7 - 8) : ldexpf(m / 8.0f, -6 - 8);
+        fp8_table[b] = b & 128 ? -v : v;
+    }
+}
+
+/* x times W = e4m3 q [N, K] * scales[n / BN, k / G] (per channel: BN 1, G K); 0 done, -2 bad arguments. */
+int fp8_matmul(const float *x, int64_t ldx, const uint8_t *q, const float *scales, const float *bias, float *out,
+               int M, int N, int K, int G, int BN, int threads, int portable) {
+    if (M < 0 || N < 0 || K < 1 || G < 1 || BN < 1 || ldx < K)
+        return -2;
+    const int groups = (K + G - 1) / G;
+    const Problem p = {x, ldx, (const int8_t *)q, scales, 0, bias, out, fp8_table, 256.0f, M, N, K, G, BN, groups,
+                       groups > 1};
+    return run(&p, threads, portable);
+}
+
+/* Rows [n0, n1) of W = q * scales[n / BN, k / G] as float32 into out [n1 - n0, K]: dequantize_fp8's values bit for
+   bit (the product of the two exact factors q 2^-8 and s 2^8, rounded once), for the calls of many rows that
+   oneDNN multiplies faster over a float slice of the weight than the kernel over the bytes. */
+int fp8_dequantize(const uint8_t *q, const float *scales, float *out, int n0, int n1, int K, int G, int BN,
+                   int threads, int portable) {
+    if (n0 < 0 || n1 < n0 || K < 1 || G < 1 || BN < 1)
+        return -2;
+    const int groups = (K + G - 1) / G;
+    const int fast = HAVE_AVX512 && !portable;
+    if (threads < 1 || (long)(n1 - n0) * K < 65536) threads = 1;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int n = n0; n < n1; n++) {
+        const int8_t *w = (const int8_t *)q + (size_t)n * K;
+        float *o = out + (size_t)(n - n0) * K;
+        for (int g = 0; g < groups; g++) {
+            const float s = scales[(size_t)(n / BN) * groups + g] * 256.0f;
+            const int end = (g + 1) * G < K ? (g + 1) * G : K;
+            int k = g * G;
+#if HAVE_AVX512
+            if (fast)
+                for (; k < end; k += 16) {
+                    const __mmask16 mk = lanes(end - k);
+                    _mm512_mask_storeu_ps(o + k, mk, _mm512_mul_ps(widen(w + k, mk, 1), _mm512_set1_ps(s)));
+                }
+#endif
+            for (; k < end; k++) o[k] = fp8_table[(uint8_t)w[k]] * s;
+        }
+    }
+    (void)fast;
+    return 0;
+}
+
+/* v clamped to +-448 and rounded to the nearest e4m3 value, ties to even, as torch casts float32 to
+   float8_e4m3fn (below 2^-6 onto multiples of 2^-9, else onto 3 mantissa bits). */
+static inline float e4m3_round(float v) {
+    v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+    uint32_t u, sub_bits;
+    memcpy(&u, &v, 4);
+    const uint32_t sign = u & 0x80000000u, a = u ^ sign;
+    float mag;
+    memcpy(&mag, &a, 4);
+    const float sub = (mag + 16384.0f) - 16384.0f;          /* both forms, then one chosen: it vectorizes */
+    memcpy(&sub_bits, &sub, 4);
+    const uint32_t normal = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
+    const uint32_t r = (a < (121u << 23) ? sub_bits : normal) | sign;
+    float out;
+    memcpy(&out, &r, 4);
+    return out;
+}
+
+/* The activations of an fp8 scheme, fake-quantized as shipped_quant.fake_quantize_fp8 does, bit for bit:
+   out[m, k] = e4m3(x[m, k] / s) * s with s = *static_scale (per tensor), or per row and group of G columns
+   max |x| / 448 (0: float32's epsilon). x [M, K] (row stride ldx), out [M, K]. 0 done; -2 bad arguments. */
+int fp8_fake_quantize(const float *x, int64_t ldx, float *out, int M, int K, int G, const float *static_scale,
+                      int threads) {
+    if (M < 0 || K < 1 || G < 1 || K % G || ldx < K)
+        return -2;
+    if (threads < 1 || (long)M * K < 65536) threads = 1;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * ldx;
+        float *om = out + (size_t)m * K;
+        for (int k0 = 0; k0 < K; k0 += G) {
+            float s;
+            if (static_scale) {
+                s = *static_scale;
+            } else {
+                float amax = 0.0f;
+                for (int k = k0; k < k0 + G; k++) amax = fmaxf(amax, fabsf(xm[k]));
+                s = amax / 448.0f;
+                if (s == 0.0f) s = 1.1920928955078125e-07f;
+            }
+            for (int k = k0; k < k0 + G; k++) om[k] = e4m3_round(xm[k] / s) * s;
+        }
+    }
     return 0;
 }

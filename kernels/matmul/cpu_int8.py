@@ -14,6 +14,13 @@ Built, kept and loaded like the int4 kernel (cpu_int4.py: the same flags and the
 Activations float32 only and at most CPU_INT8_MAX_ROWS rows a call (others: the old path); the activations are
 not quantized, so a result differs from the dequantized reference (int8_matmul_ref) by rounding only:
 RTOL/ATOL below.
+
+The same library multiplies fp8 (e4m3) weights (fp8_matmul_cpu: a shipped float-quantized checkpoint's
+Fp8WeightLinear, per channel or per block scales): the .c's one difference is how 16 weights widen (through
+float16, exactly). The reference there is dequantize_fp8 + F.linear (shipped_quant.py), within RTOL/ATOL too.
+Beside it, for shipped_quant.fp8_weight_matmul: the scheme's activation fake-quantization (fake_quantize_fp8_cpu)
+and float32 slices of the weight for calls past FP8_KERNEL_ROWS (fp8_dequantize_cpu), both bit for bit the
+torch functions' values.
 """
 from __future__ import annotations
 
@@ -29,6 +36,12 @@ RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32,
 # the kernel's rows per call at most: it beat the old path 1.1-2x at 512 rows on the default model's shapes and
 # lost at 1,024-2,048 to oneDNN over a float slice of the weight (2 threads, AMD EPYC, RESULTS.md's int8 section)
 CPU_INT8_MAX_ROWS = 512
+# the fp8 form's rows per call at most; more: a float32 slice of the weight dequantized by the library, then
+# oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
+FP8_KERNEL_ROWS = 256
+# bfloat16 rows: widened to float32 at the kernel's edge up to this many (2.5-4x bfloat16 slices + F.linear at 1
+# row, 1.3x at 16, 0.6-1.0x at 64: a /tmp script beside RESULTS.md's fp8 figures)
+FP8_BF16_KERNEL_ROWS = 16
 
 def int8_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
     return compile_command(SOURCE, cc, output, variant)
@@ -49,6 +62,15 @@ class Int8Library:
         fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr] + [i32] * 6
         fn.restype = i32
         lib.int8_kernel_isa.restype = i32
+        self.fp8 = lib.fp8_matmul
+        self.fp8.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr] + [i32] * 7
+        self.fp8.restype = i32
+        self.fake_quantize = lib.fp8_fake_quantize
+        self.fake_quantize.argtypes = [ptr, ctypes.c_int64, ptr, i32, i32, i32, ptr, i32]
+        self.fake_quantize.restype = i32
+        self.dequantize = lib.fp8_dequantize
+        self.dequantize.argtypes = [ptr, ptr, ptr] + [i32] * 7
+        self.dequantize.restype = i32
         self.function, self.path, self.portable = fn, path, portable
         self.isa = "avx512" if lib.int8_kernel_isa() and not portable else "portable"
 
@@ -56,6 +78,11 @@ class Int8Library:
         """Whether the kernel serves this call (else the caller's torch path does)."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype == torch.float32
                 and (zeros is None or zeros.dtype == torch.float32) and x.numel() <= CPU_INT8_MAX_ROWS * x.shape[-1])
+
+    def serves_fp8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether the library's fp8 functions serve this call (shipped_quant.fp8_weight_matmul: which of them)."""
+        return (x.device.type == "cpu" and qweight.device.type == "cpu" and scales.dtype == torch.float32
+                and qweight.is_contiguous() and scales.is_contiguous())
 
 
 def int8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -78,3 +105,63 @@ def int8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return run_over_rows("int8", x, n, bias, lambda x2, stride, b, out: lib.function(
         x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
         b, out.data_ptr(), x2.shape[0], n, k, k // groups, torch.get_num_threads(), int(lib.portable)))
+
+
+def fp8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
+                   bias: torch.Tensor | None, lib: Int8Library) -> torch.Tensor:
+    """x: [..., K] float32; qweight [N, K] float8_e4m3fn; scales float32 [N, 1] (block None: per channel) or
+    [ceil(N / bn), ceil(K / bk)] (block (bn, bk)) -> [..., N] float32."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    if x.dtype != torch.float32 or qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError(f"fp8_matmul_cpu: x {x.dtype} (float32), qweight {qweight.dtype} (float8_e4m3fn), "
+                        f"scales {scales.dtype} (float32)")
+    bn, bk = (1, k) if block is None else block
+    if qweight.shape[1] != k or scales.shape != (-(-n // bn), -(-k // bk)):
+        raise ValueError(f"fp8_matmul_cpu: x [..., {k}], qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)}, block {block}: want qweight [N, K], scales [N, 1] or the "
+                         f"block grid")
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("fp8_matmul_cpu: qweight and scales contiguous")
+    return run_over_rows("fp8", x, n, bias, lambda x2, stride, b, out: lib.fp8(
+        x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), b, out.data_ptr(), x2.shape[0], n, k, bk,
+        bn, torch.get_num_threads(), int(lib.portable)))
+
+
+def fake_quantize_fp8_cpu(x2: torch.Tensor, static_scale: torch.Tensor | None, group: int | None,
+                          lib: Int8Library) -> torch.Tensor:
+    """shipped_quant.fake_quantize_fp8 in the library, bit for bit: x2 [M, K] float32 (unit column stride) ->
+    a fresh [M, K] float32; per token, per group of `group` columns, or the static per-tensor scale."""
+    m, k = x2.shape
+    if x2.dtype != torch.float32 or x2.stride(1) != 1:
+        raise TypeError(f"fake_quantize_fp8_cpu: x2 {x2.dtype} with column stride {x2.stride(1)}: want float32, 1")
+    s = None if static_scale is None else static_scale.to(torch.float32).reshape(1).contiguous()
+    out = torch.empty(m, k, dtype=torch.float32)
+    rc = lib.fake_quantize(x2.data_ptr(), x2.stride(0) if m > 1 else k, out.data_ptr(), m, k, group or k,
+                           None if s is None else s.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"fake_quantize_fp8_cpu: the kernel refused [{m}, {k}] in groups of {group} ({rc})")
+    return out
+
+
+def fp8_dequantize_cpu(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None, rows: slice,
+                       lib: Int8Library, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `rows` of W = q * scale as float32, bit for bit shipped_quant.dequantize_fp8's (float32 scales);
+    written into the front of scratch (float32, contiguous) where given, else into a fresh tensor."""
+    n, k = qweight.shape
+    bn, bk = (1, k) if block is None else block
+    r0, r1, _ = rows.indices(n)
+    if qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or \
+            scales.shape != (-(-n // bn), -(-k // bk)) or not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"fp8_dequantize_cpu: qweight {qweight.dtype} {tuple(qweight.shape)}, scales "
+                         f"{scales.dtype} {tuple(scales.shape)}, block {block}")
+    size = max(r1 - r0, 0) * k
+    if scratch is not None and scratch.numel() >= size and scratch.dtype == torch.float32 and scratch.is_contiguous():
+        out = scratch.view(-1)[:size].view(-1, k)
+    else:
+        out = torch.empty(max(r1 - r0, 0), k, dtype=torch.float32)
+    rc = lib.dequantize(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), r0, max(r0, r1), k, bk, bn,
+                        torch.get_num_threads(), int(lib.portable))
+    if rc != 0:
+        raise ValueError(f"fp8_dequantize_cpu: the kernel refused rows {r0}:{r1} ({rc})")
+    return out

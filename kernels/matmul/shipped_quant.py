@@ -16,13 +16,16 @@ fp8 weights with scales per tensor, per output channel or per [bn, bk] block (FP
 
 The int8 product of int8 activations and int8 weights is exact in int32 (torch._int_mm where it is
 exact for full-range operands on this device, else float64, exact too); fp8 products dequantize the
-weight a slice of rows at a time (the float copy stays small) and multiply in x's dtype.
+weight a slice of rows at a time (the float copy stays small) and multiply in x's dtype, or on the CPU
+multiply the e4m3 bytes in the C kernel (cpu_int8.c's fp8 form) where fp8_weight_matmul's doc says.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from jobrunner.kernels.matmul.cpu_int8 import (FP8_BF16_KERNEL_ROWS, FP8_KERNEL_ROWS, Int8Library, fake_quantize_fp8_cpu,
+                                               fp8_dequantize_cpu, fp8_matmul_cpu)
 from jobrunner.kernels.matmul.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact
 from jobrunner.kernels.common.triton_utils import use_triton
 
@@ -107,27 +110,47 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int
 
 def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                       bias: torch.Tensor | None = None, act: str | None = None,
-                      static_scale: torch.Tensor | None = None, act_group: int | None = None) -> torch.Tensor:
+                      static_scale: torch.Tensor | None = None, act_group: int | None = None,
+                      cpu_kernel: Int8Library | None = None) -> torch.Tensor:
     """x [..., K] (its activations fake-quantized to fp8 when act is "dynamic" or "static") times the
-    fp8 weight, dequantized a slice of rows at a time. The Triton kernel runs block scales on CUDA."""
+    fp8 weight. The Triton kernel runs block scales on CUDA. On the CPU with cpu_kernel (cpu_int8.c's fp8 form):
+    float32 calls of up to FP8_KERNEL_ROWS rows multiply the e4m3 bytes (never a float weight), the activations
+    fake-quantized there too (the same values); bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
+    (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
+    slices below with the library dequantizing them (dequantize_fp8's values, faster). Otherwise the weight is dequantized a slice
+    of rows at a time in torch, then F.linear."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k)
     if block is not None and use_triton(x) and act_group == block[1] and act == "dynamic":
         from jobrunner.kernels.matmul.fp8_block_triton import fp8_block_matmul_triton       # quantizes x2 itself, per token and group
         return fp8_block_matmul_triton(x2, qweight, scales, block, bias).view(*x.shape[:-1], n)
+    lib = cpu_kernel if cpu_kernel is not None and cpu_kernel.serves_fp8(x2, qweight, scales) else None
     if act is not None:
-        x2 = fake_quantize_fp8(x2, static_scale if act == "static" else None, act_group)
+        static = static_scale if act == "static" else None
+        if lib is not None and x2.dtype == torch.float32 and (act_group is None or k % act_group == 0):
+            x2 = fake_quantize_fp8_cpu(x2, static, act_group, lib)
+        else:
+            x2 = fake_quantize_fp8(x2, static, act_group)
+    if lib is not None and x2.dtype == torch.float32 and x2.shape[0] <= FP8_KERNEL_ROWS:
+        return fp8_matmul_cpu(x2, qweight, scales, block, bias, lib).view(*x.shape[:-1], n)
+    if lib is not None and x2.dtype == torch.bfloat16 and x2.shape[0] <= FP8_BF16_KERNEL_ROWS:
+        y = fp8_matmul_cpu(x2.float(), qweight, scales, block, bias, lib)      # widened exactly, at the edge
+        return y.to(x.dtype).view(*x.shape[:-1], n)
     b = None if bias is None else bias.to(x.dtype)
     step = max(block[0] if block else 64, min(n, CPU_DEQUANT_ELEMENTS // max(k, 1)))
     if block is not None:
         step = -(-step // block[0]) * block[0]         # slices start on a block's first row
+    if lib is not None:                                # one buffer for every slice of the call
+        scratch = torch.empty(min(step, n) * k, dtype=torch.float32)
+        dequant = lambda rows: fp8_dequantize_cpu(qweight, scales, block, rows, lib, scratch).to(x.dtype)  # noqa: E731
+    else:
+        dequant = lambda rows: dequantize_fp8(qweight, scales, block, x.dtype, rows)  # noqa: E731
     if step >= n:
-        return F.linear(x2, dequantize_fp8(qweight, scales, block, x.dtype), b).view(*x.shape[:-1], n)
+        return F.linear(x2, dequant(slice(0, n)), b).view(*x.shape[:-1], n)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        out[:, r0:r1] = F.linear(x2, dequantize_fp8(qweight, scales, block, x.dtype, slice(r0, r1)),
-                                 None if b is None else b[r0:r1])
+        out[:, r0:r1] = F.linear(x2, dequant(slice(r0, r1)), None if b is None else b[r0:r1])
     return out.view(*x.shape[:-1], n)
 
 
