@@ -234,3 +234,21 @@ def test_benchmark_times_every_fp8_path(libs):  # noqa: F811
     for block in (None, (32, 32)):
         times = fp8_case(64, 40, 3, block, 1, libs["native"])
         assert set(times) == {"oneDNN f32", "fp8 old", "fp8 kernel"} and min(times.values()) > 0
+
+
+def test_activation_groups_that_do_not_divide_a_layer_are_refused_at_load():
+    """An FP8_BLOCK checkpoint of a shape whose inputs its 128-column activation groups do not divide (the
+    default model's 576): a ConfigError when the layer is built, before any row, not a RuntimeError mid-job."""
+    from jobrunner.engine.config.engine_config import ConfigError
+    from jobrunner.engine.shipped.build import _module
+    from jobrunner.engine.shipped.scheme import ActArgs, ModuleScheme, WeightArgs
+    from jobrunner.engine.shipped.unpack import FloatLevels
+
+    q = torch.zeros(256, 576).to(torch.float8_e4m3fn)
+    levels = FloatLevels(q, torch.ones(2, 5), (128, 128))
+    block = ModuleScheme("float-quantized", WeightArgs("float", 8, "block", block=(128, 128)),
+                         ActArgs("float", "group", True, 128))
+    with pytest.raises(ConfigError, match="groups of 128 columns, but a linear has 576 inputs"):
+        _module(block, levels, "cpu", None)
+    per_token = ModuleScheme("float-quantized", WeightArgs("float", 8, "channel"), ActArgs("float", "token", True))
+    assert _module(per_token, FloatLevels(q, torch.ones(256, 1), None), "cpu", None) is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jobrunner.engine.config.engine_config import ConfigError
 from jobrunner.engine.quant.linear import Int4Linear, Int8Linear
 from jobrunner.engine.shipped.shipped_linear import ConcatLinear, Fp8WeightLinear, PermutedInput, ShippedW8A8Linear
 from jobrunner.engine.shipped.scheme import ModuleScheme
@@ -61,6 +62,10 @@ def _module(scheme: ModuleScheme, lv, device, bias) -> nn.Module:
     if isinstance(lv, FloatLevels):
         acts = scheme.acts
         act = None if acts is None else ("dynamic" if acts.dynamic else "static")
+        k = lv.q.shape[1]
+        if acts is not None and acts.group_size and k % acts.group_size:      # refused at load, not mid-job
+            raise ConfigError(f"the checkpoint quantizes activations in groups of {acts.group_size} columns, but a "
+                              f"linear has {k} inputs (not a multiple): the engine cannot run its activation groups")
         return Fp8WeightLinear(lv.q.to(device), lv.scale.to(device), lv.block, bias, act=act,
                                input_scale=None if lv.input_scale is None else lv.input_scale.to(device),
                                act_group=None if acts is None else acts.group_size)
