@@ -37,11 +37,8 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
     added, packed, checked = 0, 0, set()
     for name in names:
         m = model.get_submodule(name)
-        shape = (m.in_features, m.out_features, m.weight.dtype, m.bias is not None)
         try:
-            p = pack_linear(m, check=shape not in checked,     # per shape: every linear checked cost the default model ~0.25 s of load
-                            batch_invariant=batch_invariant)
-            checked.add(shape)
+            p = _pack_checked(m, checked, batch_invariant)
         except (RuntimeError, ValueError) as e:
             log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,
                         "every linear runs" if not packed else "it runs")
@@ -62,15 +59,19 @@ def pack_experts(model: nn.Module, checked: set) -> None:
     """The batch-invariant mode: every float Experts module's experts as PackedLinear in the invariant form,
     so an expert's product for a token does not depend on how many tokens the step routed to it. Each
     shape checked once (into `checked`); a failure leaves that module stacked (check_model refuses it)."""
-    def pack(linear: nn.Linear):
-        shape = (linear.in_features, linear.out_features, linear.weight.dtype, False)
-        p = pack_linear(linear, check=shape not in checked, batch_invariant=True)
-        checked.add(shape)
-        return p
     for name, m in list(model.named_modules()):
         if isinstance(m, Experts) and m.w13_scale is None and m.w13.dtype in PACKED_DTYPES \
                 and m.w13.device.type == "cpu":
             try:
-                m.pack(pack)
+                m.pack(lambda linear: _pack_checked(linear, checked, batch_invariant=True))
             except (RuntimeError, ValueError) as e:
                 log.warning("engine: packing the experts of %s failed (%s)", name, e)
+
+
+def _pack_checked(linear: nn.Linear, checked: set, batch_invariant: bool):
+    """pack_linear, its check run once per shape (`checked` collects them): checking every linear cost the
+    default model ~0.25 s of load."""
+    shape = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None)
+    packed = pack_linear(linear, check=shape not in checked, batch_invariant=batch_invariant)
+    checked.add(shape)
+    return packed

@@ -117,8 +117,8 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     float32 calls of up to FP8_KERNEL_ROWS rows multiply the e4m3 bytes (never a float weight), the activations
     fake-quantized there too (the same values); bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
     (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
-    slices below with the library dequantizing them (dequantize_fp8's values, faster). Otherwise the weight is dequantized a slice
-    of rows at a time in torch, then F.linear."""
+    slices below with the library dequantizing them (dequantize_fp8's values, faster). Otherwise the weight
+    is dequantized a slice of rows at a time in torch, then F.linear."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k)
     if block is not None and use_triton(x) and act_group == block[1] and act == "dynamic":
