@@ -14,6 +14,7 @@ from jobrunner.kernels.attention.attention import AttentionMetadata, paged_atten
 from jobrunner.kernels.attention.metadata import choose_num_splits
 from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
 from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_compile_command, int4_library_name, int4_matmul_cpu
+from jobrunner.kernels.matmul.cpu_w4a8 import W4A8Library, W4A8Weights, quantize_activations_ref, w4a8_compile_command, w4a8_library_name, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_quantize_cpu, w4a8_unpack
 from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_library_name, int8_matmul_cpu
 from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
 from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_rtol, packing_available
@@ -36,6 +37,10 @@ __all__ = [
     # the CPU int4 matmul over packed nibbles: its C library's compile command, name, loader and launcher
     # (engine/run/cpu_kernel_build.py builds, keeps and hands it to the int4 linears)
     "Int4Library", "int4_compile_command", "int4_library_name", "int4_matmul_cpu",
+    # the CPU w4a8 matmul (int4 weights x int8 activations, AVX-512 VNNI): the same, its weights' repacking and
+    # its torch reference (the contract)
+    "W4A8Library", "W4A8Weights", "quantize_activations_ref", "w4a8_compile_command", "w4a8_library_name",
+    "w4a8_matmul_cpu", "w4a8_matmul_ref", "w4a8_pack", "w4a8_quantize_cpu", "w4a8_unpack",
     # the CPU weight-only int8 matmul, float activations: the same, for the int8 linears (and its fp8 form
     # for a shipped checkpoint's fp8 linears)
     "CPU_INT8_MAX_ROWS", "Int8Library", "fp8_matmul_cpu", "int8_compile_command", "int8_library_name",

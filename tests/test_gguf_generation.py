@@ -6,7 +6,8 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from conftest import _gguf_add_hparams, _gguf_add_tensors, read_json
+from benchmarks.gguf_convert import add_hparams, add_tensors
+from conftest import read_json
 from jobrunner.engine.config.engine_config import EngineConfig
 from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.api.request import Request, SamplingParams
@@ -49,9 +50,9 @@ def test_sentencepiece_gguf_generates_like_transformers(tiny_hf_model_dir, tmp_p
     cfg = read_json(src / "config.json")
     path = tmp_path / "tiny-llama-sp.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    _gguf_add_hparams(w, cfg)
+    add_hparams(w, cfg)
     add_sentencepiece_vocab(w, sp)
-    _gguf_add_tensors(w, src, "llama", "F32", cfg)
+    add_tensors(w, src, "llama", "F32", cfg)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -61,14 +61,70 @@ def test_a_draft_model_of_another_vocabulary_is_refused_before_any_row(target, t
 
 @pytest.mark.parametrize("args, says", [
     (["--speculative", "draft"], "--speculative draft needs --draft-model"),
-    (["--speculative", "auto", "--draft-model", "x"], "--draft-model drafts for --speculative draft, not auto"),
-    (["--draft-model", "x"], "--draft-model drafts for --speculative draft, not off"),
+    (["--speculative", "ngram", "--draft-model", "x"], "--draft-model drafts for --speculative draft or auto, not ngram"),
+    (["--draft-model", "x"], "--draft-model drafts for --speculative draft or auto, not off"),
 ])
 def test_the_draft_options_without_each_other_stop_before_any_work(tmp_path, args, says):
     dataset = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     r = CliRunner().invoke(main, ["submit", dataset, "-m", "dummy:x", "-o", str(tmp_path / "out"), *args])
     assert r.exit_code == 2 and says in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_auto_with_a_draft_model_drafts_where_it_pays_and_keeps_the_plain_tokens(target, monkeypatch):
+    """Under auto a draft model is asked only for the rows the switch lets draft: untried rows explore, then
+    a draft model that is the target itself (every draft kept) keeps drafting."""
+    from jobrunner.engine.core.draft_model import DraftModelDrafter
+
+    asked = []
+    propose = DraftModelDrafter.propose_rows
+    monkeypatch.setattr(DraftModelDrafter, "propose_rows",
+                        lambda self, rows, k: asked.append(len(rows)) or propose(self, rows, k))
+    plain = _generate(target)
+    spec = _generate(target, speculative="auto", draft_model=target)
+    assert spec["output"].to_list() == plain["output"].to_list()
+    assert spec["accepted_tokens"].sum() == spec["draft_tokens"].sum() > 0
+    assert asked and max(asked) <= len(ROWS)
+
+
+def test_auto_asks_a_costly_drafter_for_the_planned_rows_only():
+    """No shadow drafts from a model: before any step is timed every untried row explores; once a plain
+    step is cheaper than what drafting adds, the drafter is not asked at all."""
+    from jobrunner.engine.api.request import SamplingParams
+    from jobrunner.engine.schedule.kv_manager import KVCacheManager
+    from jobrunner.engine.schedule.scheduler import Scheduler
+    from jobrunner.engine.schedule.sequence import Sequence
+    from jobrunner.engine.spec.speculator import Speculator
+
+    class Costly:
+        costly, calls = True, []
+
+        def propose_rows(self, rows, k):
+            self.calls.append([seq_id for seq_id, _, _ in rows])
+            return {seq_id: [7] * k for seq_id, _, _ in rows}
+
+        def forget(self, seq_id):
+            pass
+
+        def close(self):
+            pass
+
+    spec = Speculator("auto", 4, Costly())
+    sched = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    rows = [Sequence(str(i), [1, 2, 3], 3, SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(3)]
+    for seq in rows:
+        sched.add(seq)
+    sched.finish_step(sched.schedule())
+    for seq in rows:
+        seq.token_ids.append(9)             # each row's first sample: decoding one token a step from here
+    spec.propose(rows, 1024)
+    assert Costly.calls == [[r.seq_id for r in rows]] and all(len(r.draft) == 2 for r in rows)   # untried: explore
+    for _ in range(30):                      # drafting costs far more than the tokens it could add
+        spec.timed(3, 6, 1.0)
+        spec.timed(3, 0, 0.01)
+    Costly.calls.clear()
+    spec.propose(rows, 1024)
+    assert Costly.calls == [] and all(r.draft == [] for r in rows)
 
 
 def test_the_draft_model_is_not_part_of_the_resume_fingerprint(target, tmp_path):

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "fp8")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")   # engine/spec: drafts from each row's own tokens or a
                                                          # draft model; auto where they pay
@@ -36,8 +36,8 @@ class EngineConfig:
                                         # (engine/run/batch_invariance.py: how, and what it does not cover)
     speculative: str = "off"            # off | ngram | auto: draft from each row's own tokens (engine/spec);
     num_speculative_tokens: int = 4     # auto where it pays by measurement; at most this many drafted a step
-    draft_model: str | None = None      # speculative "draft": a smaller model of the same vocabulary drafts (its
-                                        # local path, as `model`); the other modes draft by n-gram lookup
+    draft_model: str | None = None      # speculative "draft" (or "auto"): a smaller model of the same vocabulary
+                                        # drafts (its local path, as `model`); else drafts are n-gram lookups
     seed: int = 0
     grammar_timeout_s: float = 30.0     # structured output: a constraint's compile time at most (engine/sample/constraints.py)
     tensor_parallel: int = 1            # ranks (devices, processes) one engine spans (engine/parallel)

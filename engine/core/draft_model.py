@@ -21,9 +21,9 @@ def speculator(config: EngineConfig, tokenizer, engine_class) -> Speculator | No
     if config.speculative == "off":
         return None
     drafter = None
-    if config.speculative == "draft":
-        if not config.draft_model:
-            raise ConfigError("speculative 'draft' needs a draft model (EngineConfig.draft_model)")
+    if config.speculative == "draft" and not config.draft_model:
+        raise ConfigError("speculative 'draft' needs a draft model (EngineConfig.draft_model)")
+    if config.draft_model and config.speculative in ("draft", "auto"):
         drafter = DraftModelDrafter(engine_class(draft_config(config)))
         drafter.check_vocabulary(tokenizer)
     return Speculator(config.speculative, config.num_speculative_tokens, drafter)
@@ -38,7 +38,9 @@ def draft_config(config: EngineConfig) -> EngineConfig:
 
 
 class DraftModelDrafter:
-    """Proposes for many rows in one batch of the draft engine; forget() and close() as the drafter protocol."""
+    """Proposes for many rows in one batch of the draft engine; forget() and close() as the drafter protocol.
+    Costly: a proposal runs the draft model, so `auto` asks it only for the rows it lets draft (engine/spec)."""
+    costly = True
 
     def __init__(self, engine):
         self.engine = engine

@@ -6,11 +6,13 @@ What each scheme quantizes (decoder linears = qkv_proj, o_proj, gate_up_proj, do
     int8    Int8Linear, per channel              int8 (QuantEmbedding; a tied lm_head shares it)
     int4    Int4Linear, group 32 (or 64, 128)    int8 (as int8)
     w8a8    W8A8Linear, after SmoothQuant        int8 per row; lm_head W8A8Linear
+    w4a8    W4A8Linear: int4's weights, int8     int8 (as int8)
+            activations per group (CPU)
     fp8     Fp8Linear                            left in the model dtype
 
 Mixture-of-experts blocks: the stacked experts are int8 or fp8 per output channel of each
 expert, weight-only (engine/quant/experts.py), under int8 and fp8; a shared expert is a decoder
-linear like the others; the router stays in the model dtype. int4 and w8a8 refuse MoE models.
+linear like the others; the router stays in the model dtype. int4, w4a8 and w8a8 refuse MoE models.
 
 The embedding and lm_head are int8 even under int4: SmolLM2-135M's tied 49152 x 576
 embedding is a fifth of its weights, so 0.2x of float32 is out of reach with a float
@@ -19,7 +21,7 @@ matrix at 6-8 bits for the same reason).
 
 GGUF checkpoints (bundle.raw_weights): tensors stored as Q4_0/Q4_1 load into int4 (group 32)
 and Q8_0 into int8 (group 32) straight from the file's bytes, no float round trip, so the
-default model runs in int4 exactly as shipped. Other cases quantize the float weights the
+default model runs in int4 (and w4a8) exactly as shipped. Other cases quantize the float weights the
 loader already put in the model.
 """
 from __future__ import annotations
@@ -33,21 +35,22 @@ from torch import nn
 from jobrunner.engine.config.engine_config import ConfigError
 from jobrunner.engine.quant import formats, smooth
 from jobrunner.engine.quant.experts import check_expert_scheme, quantize_experts
-from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
+from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W4A8Linear, W8A8Linear
 from jobrunner.kernels.ops import int_mm_exact
 
-SCHEMES = ("none", "int8", "int4", "w8a8", "fp8")
+SCHEMES = ("none", "int8", "int4", "w8a8", "w4a8", "fp8")
+GROUPED = ("int4", "w4a8")          # schemes with int4 groups: "int4-g64", "w4a8-g128"
 INT4_GROUP_SIZES = (32, 64, 128)
 _LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
 def parse_scheme(scheme: str) -> tuple[str, int | None]:
-    """"int4" | "int4-g64" | ... -> (name, int4 group size or None); ConfigError when unknown."""
+    """"int4" | "int4-g64" | "w4a8" | ... -> (name, int4 group size or None); ConfigError when unknown."""
     name, _, group = (scheme or "none").partition("-g")
-    if name not in SCHEMES or (group and name != "int4"):
+    if name not in SCHEMES or (group and name not in GROUPED):
         raise ConfigError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)} "
-                          f"(int4 takes a group size as int4-g32, int4-g64 or int4-g128)")
-    if name != "int4":
+                          f"(int4 and w4a8 take a group size as int4-g32, int4-g64 or int4-g128)")
+    if name not in GROUPED:
         return name, None
     size = int(group) if group.isdigit() else (32 if not group else -1)
     if size not in INT4_GROUP_SIZES:
@@ -66,6 +69,9 @@ def check_quantization(scheme: str, device: torch.device | str, dtype: torch.dty
     if moe and name != "none":
         check_expert_scheme(name)
     device = torch.device(device)
+    if name == "w4a8" and device.type != "cpu":
+        raise ConfigError(f"--quantization w4a8 is a CPU mode (int8 dot products over int4 weights); the engine runs "
+                          f"on {device.type}: use int4 (weights only) or fp8 there")
     if name == "fp8":
         if device.type != "cuda":
             raise ConfigError(f"--quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer "
@@ -137,7 +143,7 @@ class _LinearQuantizer:
     @classmethod
     def choose(cls, model, name: str, group: int | None, bundle, device, w8a8_backend_name: str | None):
         # GGUF blocks map onto int8 and int4 whole; a tensor-parallel rank quantizes its float shard
-        raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", "int4") and model.tp.size == 1 else {}
+        raw = _raw_tensors(bundle, model.FUSED_SHARDS) if name in ("int8", *GROUPED) and model.tp.size == 1 else {}
         if name == "w8a8":
             backend, qmax = w8a8_backend(device)
             if w8a8_backend_name is not None:
@@ -154,14 +160,15 @@ class _LinearQuantizer:
             if parts and all(p.ggml_type in formats.GGUF_INT8_TYPES for p in parts):
                 return Int8Linear(*_to(formats.int8_from_gguf(parts), device), bias=bias)
             return Int8Linear(*formats.quantize_int8(w), bias=bias)
-        if self.name == "int4":
+        if self.name in GROUPED:
+            cls = Int4Linear if self.name == "int4" else W4A8Linear
             parts = self.raw.get(full)
             if self.group == formats.GGUF_GROUP and parts \
                     and all(p.ggml_type in formats.GGUF_INT4_TYPES for p in parts) \
                     and len({p.ggml_type for p in parts}) == 1:
                 packed, s, z = _to(formats.int4_from_gguf(parts), device)
-                return Int4Linear(packed, s, z, formats.GGUF_GROUP, lin.in_features, bias=bias)
-            return Int4Linear(*formats.quantize_int4(w, self.group), self.group, lin.in_features, bias=bias)
+                return cls(packed, s, z, formats.GGUF_GROUP, lin.in_features, bias=bias)
+            return cls(*formats.quantize_int4(w, self.group), self.group, lin.in_features, bias=bias)
         if self.name == "w8a8":
             return W8A8Linear(*formats.quantize_int8(w, qmax=self.qmax), bias=bias, backend=self.backend)
         return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=self.rowwise)

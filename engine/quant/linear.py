@@ -118,6 +118,22 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
+class W4A8Linear(Int4Linear):
+    """int4's weights times activations quantized to int8 per row and group at run time: a CPU speed mode
+    (llama.cpp's Q4 x Q8 arithmetic: exact int32 dot products, VNNI). The kernel
+    (kernels/matmul/cpu_w4a8.c) reads its own packing of the nibbles, made once when the kernel is
+    attached (engine/run/cpu_kernel_build.py); without it, the torch reference of the same arithmetic."""
+    scheme = "w4a8"
+
+    def forward(self, x):
+        from jobrunner.kernels.ops import w4a8_matmul_ref
+        return w4a8_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+
+    def forward_ref(self, x):
+        from jobrunner.kernels.ops import w4a8_matmul_ref
+        return w4a8_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+
+
 class W8A8Linear(QuantLinear):
     """int8 weights (per channel) times int8 activations quantized at run time.
 

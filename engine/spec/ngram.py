@@ -32,7 +32,8 @@ class NgramIndex:
 
 
 class NgramDrafter:
-    """Indexes by sequence id; `forget` a sequence when it ends."""
+    """Indexes by sequence id; `forget` a sequence when it ends. Cheap: every row gets a (shadow) draft."""
+    costly = False
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n

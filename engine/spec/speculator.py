@@ -23,7 +23,10 @@ from jobrunner.engine.spec.switch import SpeculationSwitch
 
 
 class Drafter(Protocol):
-    """Guesses rows' next tokens: NgramDrafter, or a draft model (engine/core/draft_model.py)."""
+    """Guesses rows' next tokens: NgramDrafter, or a draft model (engine/core/draft_model.py). A costly
+    drafter (a model's forward per proposal) is asked, under auto, only for the rows the switch lets draft:
+    no shadow drafts, so a row's acceptance is learned from its verified drafts alone."""
+    costly: bool
 
     def propose_rows(self, rows: list[tuple[int, list[int], int]], k: int) -> dict[int, list[int]]:
         """{seq_id: up to k guessed tokens after tokens[:known]} for each (seq_id, tokens, known)."""
@@ -39,6 +42,7 @@ class Speculator:
             raise ValueError(f"speculative mode must be one of {', '.join(SPECULATIVE_MODES)}, not {mode!r}")
         self.drafter = drafter or NgramDrafter()
         self.switch = SpeculationSwitch(mode, num_tokens)
+        self.ask_planned = mode == "auto" and getattr(self.drafter, "costly", False)
         self.drafted = self.accepted = 0        # verified drafted tokens, and those accepted
         self.active = False                     # the last proposal found drafts that pay
 
@@ -53,7 +57,12 @@ class Speculator:
                 tokens, known = seq.token_ids, seq.num_known_tokens     # not copied: a row may hold thousands
                 self.switch.row(seq.seq_id).check(tokens, known)
                 rows.append((seq, tokens, known))
-        proposals = self.drafter.propose_rows([(seq.seq_id, t, known) for seq, t, known in rows], self.switch.k)
+        asked = rows
+        if self.ask_planned:        # a costly drafter: only the rows that would draft, were their drafts at hand
+            ahead = self.switch.plan([seq.seq_id for seq, _, _ in rows], len(running), explore_untried=True)
+            asked = [r for r in rows if r[0].seq_id in ahead]
+        proposals = self.drafter.propose_rows([(seq.seq_id, t, known) for seq, t, known in asked],
+                                              self.switch.k) if asked else {}
         guesses = {}
         for seq, _, known in rows:
             guess = proposals.get(seq.seq_id, [])
@@ -62,7 +71,7 @@ class Speculator:
                 guess = guess[:seq.matcher.validate_tokens(guess)]
             if guess:
                 guesses[seq.seq_id] = (seq, guess)
-        plan = self.switch.plan(list(guesses), len(running))
+        plan = self.switch.plan(list(guesses), len(running), explore_untried=self.ask_planned)
         self.active = bool(plan)
         for seq_id, k in plan.items():
             seq, guess = guesses[seq_id]

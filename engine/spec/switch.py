@@ -77,6 +77,10 @@ class RowAcceptance:
             self.weight = ACCEPT_MEMORY * self.weight + tried
             self.draft = []
 
+    @property
+    def untried(self) -> bool:
+        return self.weight == PRIOR_WEIGHT
+
     def hold(self, draft: list[int], at: int) -> None:
         if not self.draft:
             self.draft, self.at = list(draft), at
@@ -100,15 +104,18 @@ class SpeculationSwitch:
     def forget(self, seq_id: int) -> None:
         self.rows.pop(seq_id, None)
 
-    def plan(self, candidates: list[int], batch_rows: int) -> dict[int, int]:
-        """Drafted tokens for each candidate row (seq ids with a draft at hand) in a step of batch_rows rows."""
+    def plan(self, candidates: list[int], batch_rows: int, explore_untried: bool = False) -> dict[int, int]:
+        """Drafted tokens for each candidate row (seq ids with a draft at hand) in a step of batch_rows rows.
+        explore_untried: rows whose drafts were never checked try too while the cost is measured (a costly
+        drafter makes no shadow drafts, so no row's guesses have proven right before it tries)."""
         if self.mode != "auto":
             return dict.fromkeys(candidates, self.k)
         c = self.cost.coefficients()
         if c is None:       # not measured yet: rows whose guesses have proven right try; then plain steps run
             if self.cost.drafting_steps >= EXPLORE_STEPS - 0.5:
                 return {}
-            return {s: min(EXPLORE_TOKENS, self.k) for s in candidates if self.row(s).rate >= EXPLORE_ACCEPT}
+            return {s: min(EXPLORE_TOKENS, self.k) for s in candidates
+                    if self.row(s).rate >= EXPLORE_ACCEPT or (explore_untried and self.row(s).untried)}
         fixed, per_row, when_drafting, per_draft = c
         worth = (fixed + per_row * batch_rows) / max(batch_rows, 1)     # seconds a plain step spends per token
         plan, total = {}, 0.0

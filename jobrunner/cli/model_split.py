@@ -22,7 +22,7 @@ GiB = 2**30
 # bytes per weight of the decoder linears (and experts) and of the embedding and lm_head, by scheme
 # (engine/quant/apply.py's table); None: the float dtype's
 _QUANT_BYTES = {"none": (None, None), "int8": (1.0, 1.0), "int4": (0.5, 1.0), "w8a8": (1.0, 1.0),
-                "fp8": (1.0, None)}
+                "w4a8": (0.5, 1.0),                 "fp8": (1.0, None)}
 _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 

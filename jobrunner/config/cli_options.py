@@ -202,7 +202,7 @@ OPTION_GROUPS: dict[str, list] = {
         click.option("--dtype", default=D.dtype, show_default=True, help="auto, float32, float16, bfloat16."),
         click.option("--quantization", type=click.Choice(JOB_QUANTIZATIONS),
                      default=D.quantization, show_default=True,
-                     help="Weight quantization (w8a8: a CPU speed mode; fp8: sm_89+ GPUs; auto: the fastest mode "
+                     help="Weight quantization (w8a8, w4a8: CPU speed modes, int8 activations; fp8: sm_89+ GPUs; auto: the fastest mode "
                           "within 1% of float32's perplexity on this machine, e.g. bfloat16 on AMX CPUs; a GPU keeps "
                           "the model's 16-bit dtype)."),
         click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=D.kv_cache_dtype,
@@ -231,8 +231,9 @@ OPTION_GROUPS: dict[str, list] = {
                           "lookup) or, with draft, from --draft-model, and one step verifies them; the same "
                           "tokens as without. auto: only where the measured acceptance pays for the verify cost "
                           "at the batch size (the tail of a job, outputs that copy their prompt)."),
-        click.option("--draft-model", help="With --speculative draft: a smaller model with the same vocabulary that "
-                                            "drafts each row's next tokens (named as --model names one)."),
+        click.option("--draft-model", help="With --speculative draft (or auto: where it pays): a smaller model with "
+                                            "the same vocabulary that drafts each row's next tokens (named as "
+                                            "--model names one)."),
         click.option("--speculative-tokens", type=int, default=D.speculative_tokens, show_default=True,
                      help="Drafted tokens a row verifies a step, at most (1-16)."),
         click.option("--deterministic/--no-deterministic", default=D.deterministic, show_default=True,

@@ -300,7 +300,7 @@ class EngineOptions:
     speculative: str = "off"                # off | ngram | draft | auto: draft tokens from each row's own prompt and
                                             # output, or from a draft model
     speculative_tokens: int = 4             # drafted tokens a row verifies a step, at most
-    draft_model: str | None = None          # --speculative draft: the model that drafts, as --model names one
+    draft_model: str | None = None          # --speculative draft (or auto): the model that drafts, as --model names one
     grammar_timeout: float = 30.0           # seconds a constraint may take to compile
 
     def __post_init__(self):
@@ -320,9 +320,9 @@ class EngineOptions:
             _bad("--speculative-tokens must be between 1 and 16")
         if self.speculative == "draft" and not self.draft_model:
             _bad("--speculative draft needs --draft-model (a smaller model with the same vocabulary)")
-        if self.draft_model and self.speculative != "draft":
-            _bad(f"--draft-model drafts for --speculative draft, not {self.speculative} (auto and ngram draft by "
-                 "n-gram lookup): add --speculative draft")
+        if self.draft_model and self.speculative not in ("draft", "auto"):
+            _bad(f"--draft-model drafts for --speculative draft or auto, not {self.speculative} (ngram drafts by "
+                 "n-gram lookup): add --speculative draft (always) or auto (where it pays)")
         check_device(self.device)
 
 

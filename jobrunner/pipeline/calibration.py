@@ -63,15 +63,17 @@ log = logging.getLogger("jobrunner")
 ENV = "JOBRUNNER_CALIBRATION"       # off: the flag rule, nothing measured; refresh: measure again
 EXACT = "--dtype float32 --quantization none"
 TOLERANCE = 0.01                    # a mode's perplexity at most 1% over float32's
-CALIBRATION_VERSION = 5             # the text, the workload or the figures' meaning changed: measure again
+CALIBRATION_VERSION = 6             # the text, the workload or the figures' meaning changed: measure again
                                     # (4: decode attention in place for bfloat16 too, issue 47 item 3;
-                                    # 5: the int4 candidate for GGUF files shipped 4-bit, issue 62 item 2)
+                                    # 5: the int4 candidate for GGUF files shipped 4-bit, issue 62 item 2;
+                                    # 6: the w4a8 candidate beside it)
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
-# dtype auto is float32 on CPU, as the flag rule says it. int4: a candidate only where the weights are
-# shipped 4-bit (engine.ships_int4: GGUF Q4_0/Q4_1, the default model's Q4_1), computed on as shipped, so
-# its perplexity is the checkpoint's own; elsewhere int4 would be a new rounding of float weights.
+# dtype auto is float32 on CPU, as the flag rule says it. int4 and w4a8 (int4's weights times int8
+# activations): candidates only where the weights are shipped 4-bit (engine.ships_int4: GGUF Q4_0/Q4_1, the
+# default model's Q4_1), computed on as shipped, so int4's perplexity is the checkpoint's own and w4a8's
+# adds only its activations' rounding; elsewhere both would be a new rounding of float weights.
 MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8"),
-         "int4": ("auto", "int4")}
+         "int4": ("auto", "int4"), "w4a8": ("auto", "w4a8")}
 FLOAT_MODES = ("float32", "bfloat16")       # what splits over --tensor-parallel ranks (w8a8 does not)
 # A job's shape, not a toy's: with 8-token prompts and 16 new, bfloat16 timed 1.3x float32 on an AVX-512
 # EPYC, yet ran the benchmark suite's jobs 1.3-1.6x slower (its attention and elementwise ops, which short
@@ -182,7 +184,7 @@ def measure_all(model: str, threads: int | None, packed_weights: bool = True) ->
     t0 = time.perf_counter()
     modes, skipped = {}, {}
     if not engine.ships_int4(model):
-        skipped["int4"] = "weights not shipped 4-bit (GGUF Q4_0/Q4_1)"
+        skipped["int4"] = skipped["w4a8"] = "weights not shipped 4-bit (GGUF Q4_0/Q4_1)"
     for mode in (m for m in MODES if m not in skipped):
         try:
             modes[mode] = measure_mode(model, mode, threads, packed_weights)
