@@ -10,8 +10,9 @@ The model (config.json, bfloat16 safetensors, the default model's tokenizer) is 
 jobrunner cache with its GGUF files: F16 written by our converter as llama.cpp's convert_hf_to_gguf
 writes it, Q8_0 and Q4_0 by llama.cpp's own quantizer (llama_model_quantize), which needs a Python that
 imports llama_cpp. Workloads, no chat template, EOS ignored:
-  free-generation   16 rows of ~100 prompt tokens, 64 new tokens each
-  shared-prefix     16 rows sharing a ~290-token few-shot prefix, 16 new tokens each
+  free-generation           16 rows of ~100 prompt tokens, 64 new tokens each
+  shared-prefix             16 rows sharing a ~290-token few-shot prefix, 16 new tokens each
+  shared-prefix/classify    the same rows classified (every label scored; not llama.cpp: it has no such job)
 Every system runs as a child process; wall excludes model load; peak memory is the child's
 (ru_maxrss: floored at this driver's own few hundred MB, far below a 1B model's). The result JSON and
 a Markdown table go to benchmarks/results/; speeds are reported, never checked.
@@ -118,24 +119,30 @@ def make_ggufs(path: Path, python: str | None) -> dict[str, Path]:
 
 
 def workloads(tok, rows: int, new: int) -> dict[str, tuple[W.Workload, int]]:
+    """name -> (workload, new tokens a row; 0: classify)"""
+    cls = W.shared_prefix(tok, n=rows)
     return {"free-generation": (W.free_generation(tok, n=rows, min_tokens=90, max_tokens=110), new),
-            "shared-prefix": (W.shared_prefix(tok, n=rows), 16)}
+            "shared-prefix": (cls, 16), "shared-prefix/classify": (cls, 0)}
 
 
-def run_one(system: str, data: Path, work: Path, ckpt: Path, ggufs: dict, new: int, rows: int, a) -> dict:
-    slug = f"{data.stem}.{system}"
+def run_one(system: str, w: W.Workload, data: Path, work: Path, ckpt: Path, ggufs: dict, new: int, a) -> dict:
+    slug = f"{data.stem}{'-classify' if not new else ''}.{system}"
     if system in OURS:
         model = ggufs.get("Q4_0") if system.endswith("Q4_0") else ckpt
         if model is None:
             return {"system": system, "skipped": "no Q4_0 file (needs --llamacpp-python)"}
-        args = ["-m", str(model), "--no-chat", "--max-tokens", str(new), "--ignore-eos", *OURS[system]]
-        return run_jobrunner(data, work / slug, args, system=system, timeout=a.timeout)
+        job = ["--max-tokens", str(new), "--ignore-eos"] if new else ["--kind", "classify", "--labels", ",".join(w.labels)]
+        return run_jobrunner(data, work / slug, ["-m", str(model), "--no-chat", *job, *OURS[system]], system=system,
+                             timeout=a.timeout)
     if system == "transformers":
-        return run_transformers(data, ckpt, work / f"{slug}.json", new_tokens=new, batch=rows, timeout=a.timeout)
+        return run_transformers(data, ckpt, work / f"{slug}.json", new_tokens=new or 1, batch=w.num_rows,
+                                labels=() if new else w.labels, timeout=a.timeout)
+    if not new:
+        return {"system": system, "skipped": "llama.cpp has no classify job"}
     q = system.split("-", 1)[1]
     if q not in ggufs:
         return {"system": system, "skipped": f"no {q} file (needs --llamacpp-python)"}
-    r = run_llamacpp(data, ggufs[q], work / f"{slug}.log", rows=rows, new_tokens=new, python=a.llamacpp_python,
+    r = run_llamacpp(data, ggufs[q], work / f"{slug}.log", rows=w.num_rows, new_tokens=new, python=a.llamacpp_python,
                      modes="parallel,prefix" if data.stem == "shared-prefix" else "parallel", timeout=a.timeout)
     return {**r, "system": system}
 
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new", type=int, default=64, help="new tokens a row in free generation")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
-    ap.add_argument("--only", help="comma-separated workloads: free-generation, shared-prefix")
+    ap.add_argument("--only", help="comma-separated workloads: free-generation, shared-prefix, shared-prefix/classify")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--llamacpp-python", help="a Python that imports llama_cpp (its quantizer and the peer)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -193,10 +200,10 @@ def main(argv=None) -> int:
         chosen = {k: v for k, v in chosen.items() if k in a.only.split(",")}
     results: dict[str, dict] = {}
     for name, (w, new) in chosen.items():
-        data = w.write(work / f"{name}.jsonl")
+        data = w.write(work / f"{w.name}.jsonl")
         results[name] = {}
         for system in systems:
-            r = run_one(system, data, work, ckpt, ggufs, new, a.rows, a)
+            r = run_one(system, w, data, work, ckpt, ggufs, new, a)
             results[name][system] = r
             print(f"[{name}] {system}: " + (f"wall {r['wall_s']:.1f} s, peak {r.get('peak_rss_mb', 0):.0f} MB"
                                             if r.get("wall_s") else r.get("skipped") or r.get("error", "")),

@@ -6,6 +6,7 @@ mode (whose lm_head is int8) against float32.
     python -m benchmarks.cpu_int8_bench --part kernel --m 1,16,64
     python -m benchmarks.cpu_int8_bench --part job --rows 16 --new 32 --repeats 2
     python -m benchmarks.cpu_int8_bench --part fp8 --m 1,16,64          # the fp8 form, per layer shape
+    python -m benchmarks.cpu_int8_bench --part fp8-dot --m 1,16,64          # e4m3 activations: the bf16 form
     python -m benchmarks.cpu_int8_bench --part fp8-job --rows 16,64 --repeats 2
 
 kernel: per (K, N) shape and M rows, the median of interleaved rounds of F.linear over float32 weights, oneDNN
@@ -20,9 +21,13 @@ job: `-m dummy:smollm2-135m` (the default model's shape, random weights), --rows
 fp8: the same shapes, fp8 (e4m3) weights per channel and in 128 x 128 blocks: oneDNN over the packed float32
     weight, the old fp8 path (fp8_weight_matmul without the kernel: a float slice dequantized at each call, then
     F.linear) and the kernel (cpu_int8.c's fp8 form).
+fp8-dot: the same shapes, an FP8_DYNAMIC linear's whole matmul (activations quantized per token; 128 x 128 blocks
+    with groups of 128 where they divide K): F.linear and oneDNN over the float32 weight, fp8_weight_matmul through
+    the float32 fp8 form and through the bf16 form (cpu_fp8_dot.c: e4m3 x e4m3 in bfloat16 dot products).
 fp8-job: llmcompressor FP8_DYNAMIC (or --schemes) checkpoints of the default model's shape, random weights (made
-    once by tests/quantized_checkpoints.py under --fp8-dir), with the kernel (JOBRUNNER_CPU_FP8=auto) and the
-    old path (off), against float32 on the first checkpoint's dequantized weights.
+    once by tests/quantized_checkpoints.py under --fp8-dir), with the kernel (JOBRUNNER_CPU_FP8=auto) through the
+    bf16 form (where the CPU has AVX512_BF16) and held to the float32 form, and the old path (off), against
+    float32 on the first checkpoint's dequantized weights.
 The CPU's name and whether it has avx512_vnni / avx512_bf16 head the output.
 """
 from __future__ import annotations
@@ -101,6 +106,50 @@ def fp8_case(k: int, n: int, m: int, block: tuple[int, int] | None, repeats: int
                         layers, 2 * m * n * k, repeats)
 
 
+def fp8_dot_case(k: int, n: int, m: int, block: tuple[int, int] | None, repeats: int, lib) -> dict:
+    """Seconds a call of float32 (F.linear and packed oneDNN) and of an FP8_DYNAMIC linear's matmul on the CPU:
+    fp8_weight_matmul with the activations quantized per token, through the float32 fp8 form (the library told
+    fp8_dot=False) and through the bf16 form (cpu_fp8_dot.c); distinct weights cycled as kernel_case does."""
+    from jobrunner.kernels.ops import FP8_MAX, Int8Library, dequantize_fp8, fp8_weight_matmul, pack_linear
+    layers = max(1, min(30, (64 << 20) // (4 * n * k)))
+    g = torch.Generator().manual_seed(0)
+    fp8, dense, packed = [], [], []
+    for _ in range(layers):
+        w = torch.randn(n, k, generator=g) * 0.05
+        amax = w.abs().amax(1, keepdim=True) if block is None else w.abs().amax()
+        s = amax / FP8_MAX if block is None else torch.full((-(-n // block[0]), -(-k // block[1])), (amax / FP8_MAX).item())
+        fp8.append(((w / (amax / FP8_MAX)).to(torch.float8_e4m3fn), s.contiguous()))
+        dense.append(dequantize_fp8(*fp8[-1], block, torch.float32))
+        lin = torch.nn.Linear(k, n, bias=False)
+        lin.weight.data = dense[-1]
+        packed.append(pack_linear(lin, 64))
+    f32_form = Int8Library(lib.path, fp8_dot=False)
+    x = torch.randn(m, k)
+    group = None if block is None else block[1]
+    return _per_layer_s({"F.linear f32": lambda i: F.linear(x, dense[i]), "oneDNN f32": lambda i: packed[i](x),
+                         "fp8 f32 form": lambda i: fp8_weight_matmul(x, *fp8[i], block, None, "dynamic", None, group,
+                                                                     f32_form),
+                         "fp8 bf16 form": lambda i: fp8_weight_matmul(x, *fp8[i], block, None, "dynamic", None, group,
+                                                                      lib)},
+                        layers, 2 * m * n * k, repeats)
+
+
+def fp8_dot_part(ms: list[int], repeats: int) -> None:
+    from jobrunner.engine.run.cpu_kernel_build import FP8, kernel_library
+    lib = kernel_library(FP8)
+    if lib is None or not lib.fp8_dot:
+        print("no bf16 fp8 form here (no kernel build, or no AVX512_BF16); nothing to compare")
+        return
+    print("\nfp8 with e4m3 activations (FP8_DYNAMIC: per token; blocks: per token and group of 128); us a call | "
+          "GFLOP/s; speed ratios of the bf16 form over each peer")
+    for block in (None, (128, 128)):
+        for m in ms:
+            for k, n in LAYER_SHAPES:
+                if block is None or k % block[1] == 0:
+                    _print_row(f"{'channel' if block is None else 'block128':8s} ", m, k, n,
+                               fp8_dot_case(k, n, m, block, repeats, lib), "fp8 bf16 form")
+
+
 def fp8_part(ms: list[int], repeats: int) -> None:
     from jobrunner.engine.run.cpu_kernel_build import FP8, kernel_library
     lib = kernel_library(FP8)
@@ -137,12 +186,15 @@ def kernel_part(ms: list[int], group: int | None, repeats: int) -> None:
 
 
 def job_once(rows: int, prompt: int, new: int, quantization: str, int8: str, int4: str,
-             model: str = "dummy:smollm2-135m", fp8: str = "auto") -> tuple[float, int]:
+             model: str = "dummy:smollm2-135m", fp8: str = "auto", fp8_dot: bool = True) -> tuple[float, int]:
     from jobrunner.engine import Engine
     from jobrunner.engine.api.request import Request, SamplingParams
     from jobrunner.engine.config.engine_config import EngineConfig
+    from jobrunner.kernels.matmul import cpu_int8, shipped_quant
     os.environ["JOBRUNNER_CPU_INT8"], os.environ["JOBRUNNER_CPU_INT4"] = int8, int4
     os.environ["JOBRUNNER_CPU_FP8"] = fp8
+    # fp8_dot False: the fp8 calls keep the float32 fp8 form (the bf16 form's row floor out of reach)
+    shipped_quant.FP8_DOT_MIN_ROWS = cpu_int8.FP8_DOT_MIN_ROWS if fp8_dot else 1 << 62
     eng = Engine(EngineConfig(model=model, quantization=quantization, dtype="float32",
                               kv_cache_memory=512 * 2**20))
     g = torch.Generator().manual_seed(0)
@@ -189,8 +241,9 @@ def fp8_checkpoints(root: Path, schemes: list[str]) -> dict[str, str]:
 
 def fp8_job_part(rows_list: list[int], prompt: int, new: int, repeats: int, root: Path, schemes: list[str]) -> None:
     dirs = fp8_checkpoints(root, schemes)
-    cases = [("float32", dirs["float32"], "auto")] + [
-        (f"{s} {how}", dirs[s], mode) for s in schemes for how, mode in (("kernel", "auto"), ("old path", "off"))]
+    forms = (("bf16 form", "auto", True), ("f32 form", "auto", False), ("old path", "off", True))
+    cases = [("float32", dirs["float32"], "auto", True)] + [
+        (f"{s} {how}", dirs[s], mode, dot) for s in schemes for how, mode, dot in forms]
     print(f"\nfp8 job: llmcompressor checkpoints of the default model's shape ({root}), {prompt}-token prompts, "
           f"{new} new tokens each, EOS ignored; median wall of {repeats} rounds, interleaved; speed over float32 "
           "(the first checkpoint's dequantized weights, packed float32 linears)")
@@ -198,8 +251,8 @@ def fp8_job_part(rows_list: list[int], prompt: int, new: int, repeats: int, root
         walls = {c[0]: [] for c in cases}
         toks = {}
         for _ in range(repeats):
-            for name, model, fp8 in cases:
-                w, toks[name] = job_once(rows, prompt, new, "none", "auto", "auto", model, fp8)
+            for name, model, fp8, dot in cases:
+                w, toks[name] = job_once(rows, prompt, new, "none", "auto", "auto", model, fp8, dot)
                 walls[name].append(w)
         base = statistics.median(walls["float32"])
         for name, *_ in cases:
@@ -209,7 +262,7 @@ def fp8_job_part(rows_list: list[int], prompt: int, new: int, repeats: int, root
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("kernel", "job", "both", "fp8", "fp8-job"), default="both")
+    ap.add_argument("--part", choices=("kernel", "job", "both", "fp8", "fp8-dot", "fp8-job"), default="both")
     ap.add_argument("--m", default="1,16,64", help="kernel rows, comma-separated")
     ap.add_argument("--group", type=int, default=None, help="kernel: scales per group of G columns (default per channel)")
     ap.add_argument("--rows", default="16", help="job rows, comma-separated")
@@ -228,6 +281,8 @@ def main(argv=None) -> int:
         kernel_part([int(v) for v in args.m.split(",")], args.group, args.repeats)
     if args.part == "fp8":
         fp8_part([int(v) for v in args.m.split(",")], args.repeats)
+    if args.part == "fp8-dot":
+        fp8_dot_part([int(v) for v in args.m.split(",")], args.repeats)
     if args.part == "fp8-job":
         fp8_job_part([int(v) for v in args.rows.split(",")], args.prompt, args.new, max(1, args.repeats // 2),
                      Path(args.fp8_dir), args.schemes.split(","))

@@ -34,9 +34,10 @@ def _library(name, command, load):
 def _weights(n: int, k: int, group: int, seed: int):
     from jobrunner.kernels.ops import dequantize_int4, pack_int4, w4a8_pack
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    s = (torch.rand(n, k // group, generator=g) * 0.02).half()
-    z = (torch.randn(n, k // group, generator=g) * 0.02).half()
+    kp = -(-k // group) * group                  # K rounded up to the group
+    q = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=g)
+    s = (torch.rand(n, kp // group, generator=g) * 0.02).half()
+    z = (torch.randn(n, kp // group, generator=g) * 0.02).half()
     packed = pack_int4(q, group)
     return (packed, s, z), w4a8_pack(packed, s, z, group, k), dequantize_int4(packed, s, z, group, k)
 

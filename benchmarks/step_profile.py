@@ -187,6 +187,12 @@ def print_phase(title: str, res: dict, flops: float) -> None:
     total = sum(res["groups"].values())
     for group, t in sorted(res["groups"].items(), key=lambda kv: -kv[1]):
         print(f"| {group} | {t * 1e3:.1f} | {100 * t / total:.0f}% |")
+    if "bandwidth" in res:
+        need = res["weight_bytes"] + res["kv_bytes"]
+        bound = need / res["bandwidth"]
+        print(f"\nBytes a step must read: weights {res['weight_bytes'] / 1e6:.0f} MB + K and V {res['kv_bytes'] / 1e6:.0f} "
+              f"MB; at the {res['bandwidth'] / 1e9:.1f} GB/s a 1 GiB read runs at here, {bound * 1e3:.1f} ms: "
+              f"the step takes {wall / bound:.2f}x its bytes-read bound")
     if "kv_bytes" in res:
         attention, kernel = res["groups"].get("attention", 0.0), res["kernel_s"]
         mb = res["kv_bytes"] / 1e6
@@ -225,6 +231,7 @@ def main(argv=None) -> None:
     try:
         params = _matmul_params(engine)
         results = {"decode": decode_phase(engine, args), "prefill": prefill_phase(engine, args)}
+        results["decode"].update(weight_bytes=_weight_bytes_read(engine), bandwidth=read_bandwidth())
         if args.prefix_len:
             results["shared_prefix"] = shared_prefix_phase(engine, args)
     finally:
@@ -241,6 +248,37 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **results}, f, indent=1)
+
+
+def _weight_bytes_read(engine) -> int:
+    """Bytes of every linear's weight and the output head's (what a decode step reads once at best; the
+    embedding's rows are gathered, not read whole, unless it is the tied head)."""
+    import torch
+    from jobrunner.engine.quant.linear import QuantLinear
+    from jobrunner.kernels.ops import PackedLinear
+    seen, total = set(), 0
+    for m in engine.rt.model.modules():
+        if isinstance(m, (torch.nn.Linear, PackedLinear, QuantLinear)):
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                if id(t) not in seen and t is not getattr(m, "bias", None):     # a tied head's weight: once
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes a second this process reads a float32 tensor of `gib` GiB at (torch's sum, its threads; best of)."""
+    import torch
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _matmul_params(engine) -> int:

@@ -40,7 +40,8 @@ def test_pick_under_tensor_parallel_takes_a_float_mode():
     assert calibration.pick(given, allowed=calibration.FLOAT_MODES) == "bfloat16"
 
 
-FAKE = {"float32": (12.0, 40.0), "bfloat16": (12.02, 90.0), "w8a8": (12.1, 120.0), "int4": (12.0, 150.0)}
+FAKE = {"float32": (12.0, 40.0), "bfloat16": (12.02, 90.0), "w8a8": (12.1, 120.0), "int4": (12.0, 150.0),
+        "w4a8": (12.1, 200.0)}
 
 
 @pytest.fixture
@@ -230,17 +231,19 @@ def test_without_the_text_file_the_flag_rule(measured, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("ships", [True, False])
-def test_int4_is_a_candidate_where_the_weights_ship_4_bit(measured, monkeypatch, ships):
-    """Issue 62 item 2: a GGUF file of Q4_0/Q4_1 weights (the default model's Q4_1) runs int4 on its own blocks,
-    so int4 is measured there, and chosen when fastest within 1%; elsewhere it is not run, and says why."""
+def test_int4_and_w4a8_are_candidates_where_the_weights_ship_4_bit(measured, monkeypatch, ships):
+    """Issue 62 item 2: a GGUF file of Q4_0/Q4_1 weights (the default model's Q4_1) runs int4 and w4a8 on its
+    own blocks, so both are measured there, and chosen when fastest within 1%; elsewhere they are not run, and
+    the summary says why."""
     monkeypatch.setattr(calibration.engine, "ships_int4", lambda model: ships)
     rec = calibration.cpu_auto(MODEL, 1)
     if ships:
-        assert measured == ["float32", "bfloat16", "w8a8", "int4"]
-        assert (rec["mode"], rec["dtype"], rec["quantization"]) == ("int4", "auto", "int4")
+        assert measured == ["float32", "bfloat16", "w8a8", "int4", "w4a8"]
+        assert (rec["mode"], rec["dtype"], rec["quantization"]) == ("w4a8", "auto", "w4a8")
     else:
         assert measured == ["float32", "bfloat16", "w8a8"] and rec["mode"] == "w8a8"
-        assert "int4 not run: weights not shipped 4-bit" in calibration.summary(rec)
+        summary = calibration.summary(rec)
+        assert "int4 not run: weights not shipped 4-bit" in summary and "w4a8 not run" in summary
 
 
 def test_which_checkpoints_ship_int4(default_gguf_path, tiny_gguf_path, tiny_hf_model_dir):

@@ -135,7 +135,8 @@ def test_linear_takes_the_kernel_for_the_float32_rows_it_covers(libs, monkeypatc
     monkeypatch.setattr(sq, "fp8_matmul_cpu", lambda *a: calls.append(a[0].shape) or real(*a))
     q, s = fp8_weight(48, 64, None)
     lin = Fp8WeightLinear(q, s, None, torch.randn(48), act="dynamic")
-    lin.cpu_kernel = libs["native"]
+    lin.cpu_kernel = c8.Int8Library(libs["native"].path, fp8_dot=False)     # the float32 form (the bf16 one:
+                                                                            # tests/test_cpu_fp8_bf16.py)
     for rows in (1, c8.FP8_KERNEL_ROWS, c8.FP8_KERNEL_ROWS + 1):
         x = torch.randn(rows, 64)
         close(lin(x), lin.forward_ref(x))
@@ -157,9 +158,10 @@ def test_many_rows_take_slices_the_library_dequantizes_bit_for_bit(libs, build):
         for rows in (slice(0, n), slice(5, n - 3)):
             assert torch.equal(c8.fp8_dequantize_cpu(q, s, block, rows, libs[build]),
                                sq.dequantize_fp8(q, s, block, torch.float32, rows))
+        lib = c8.Int8Library(libs[build].path, libs[build].portable, fp8_dot=False)    # no bf16 form
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(c8.FP8_KERNEL_ROWS + 3, k).to(dtype)
-            assert torch.equal(sq.fp8_weight_matmul(x, q, s, block, act="dynamic", cpu_kernel=libs[build]),
+            assert torch.equal(sq.fp8_weight_matmul(x, q, s, block, act="dynamic", cpu_kernel=lib),
                                sq.fp8_weight_matmul(x, q, s, block, act="dynamic"))
 
 

@@ -195,7 +195,7 @@ def test_no_compiler_warns_and_keeps_the_old_path(monkeypatch, tmp_path, caplog)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     lin = make(8, 64)
     with caplog.at_level(logging.WARNING, logger="jobrunner"):
-        assert cb.attach_cpu_kernels(torch.nn.Sequential(lin)) == {"int4": 0, "int8": 0, "fp8": 0}
+        assert cb.attach_cpu_kernels(torch.nn.Sequential(lin)) == {"int4": 0, "int8": 0, "fp8": 0, "w4a8": 0}
     assert lin.cpu_kernel is None and "int8 matmul is not available" in caplog.text and "no-such-cc" in caplog.text
     x = torch.randn(3, 64)
     close(lin(x), lin.forward_ref(x))

@@ -11,6 +11,8 @@ reference its fast `forward` (kernel) is tested against, and `dequantize(dtype)`
                                                                           when built (else dequantize + matmul)
     Int4Linear      packed u8 [N, Kp // 2], scales/zeros f16 [N, Kp // G] int4_matmul (same; on CPU the C kernel
                                                                           over the nibbles, when built)
+    W4A8Linear      Int4Linear's (the w4a8 kernel's layout once attached) per-row-and-group int8 x, int8 dot
+                                                                          products (the CPU w4a8 kernel)
     W8A8Linear      qweight int8 [N, K], scales f32 [N, 1]               per-token int8 x, torch._int_mm
                     (fbgemm backend: a prepacked weight instead)         (or fbgemm dynamic linear)
     Fp8Linear       qweight e4m3 [N, K], scales f32 [N, 1]               torch._scaled_mm (CUDA >= 8.9)
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.kernels.ops import dequantize_int4, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.ops import W4A8Weights, dequantize_int4, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_unpack, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 
 
 class QuantLinear(nn.Module):
@@ -120,18 +122,42 @@ class Int4Linear(QuantLinear):
 
 class W4A8Linear(Int4Linear):
     """int4's weights times activations quantized to int8 per row and group at run time: a CPU speed mode
-    (llama.cpp's Q4 x Q8 arithmetic: exact int32 dot products, VNNI). The kernel
-    (kernels/matmul/cpu_w4a8.c) reads its own packing of the nibbles, made once when the kernel is
-    attached (engine/run/cpu_kernel_build.py); without it, the torch reference of the same arithmetic."""
+    (llama.cpp's Q4 x Q8 arithmetic: exact int32 dot products, VNNI; kernels/matmul/cpu_w4a8.py has the
+    contract). use_kernel repacks the buffers into the kernel's layout once (the same bytes, no second
+    copy); without the kernel, the torch reference of the same arithmetic (slow: float64)."""
     scheme = "w4a8"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernel_weights: W4A8Weights | None = None     # the buffers, in the kernel's layout
+
+    def use_kernel(self, lib) -> None:
+        if self.kernel_weights is None:
+            w = w4a8_pack(self.packed, self.scales, self.zeros, self.group_size, self.in_features)
+            self.packed, self.scales, self.zeros = w.qweight, w.scales, w.zeros
+            self.kernel_weights = w
+        self.cpu_kernel = lib
+
+    def int4_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(packed, scales, zeros) in the int4 layout (Int4Linear's), unpacked where the kernel's layout holds them."""
+        if self.kernel_weights is None:
+            return self.packed, self.scales, self.zeros
+        return w4a8_unpack(self.kernel_weights)
+
     def forward(self, x):
-        from jobrunner.kernels.ops import w4a8_matmul_ref
-        return w4a8_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+        if self.cpu_kernel is not None and self.cpu_kernel.covers(x.float()):
+            return w4a8_matmul_cpu(x.float(), self.kernel_weights, self.bias, self.cpu_kernel).to(x.dtype)
+        return self.forward_ref(x)
 
     def forward_ref(self, x):
-        from jobrunner.kernels.ops import w4a8_matmul_ref
-        return w4a8_matmul_ref(x, self.packed, self.scales, self.zeros, self.group_size, self.bias)
+        y = w4a8_matmul_ref(x.float(), *self.int4_buffers(), self.group_size, self.bias)
+        return y.to(x.dtype)
+
+    def dequantize(self, dtype=torch.float32):
+        packed, scales, zeros = self.int4_buffers()
+        if zeros is None:               # the kernel's layout keeps symmetric weights' zeros implicit (-8 s)
+            zeros = -8 * scales
+        return dequantize_int4(packed, scales, zeros, self.group_size, self.in_features, dtype)
 
 
 class W8A8Linear(QuantLinear):

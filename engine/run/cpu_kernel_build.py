@@ -6,13 +6,14 @@ same compiler, the same build to a temporary name then a rename), its name a has
 After a CPU model is built (and quantized), attach_cpu_kernels hands each kernel to the linears it serves:
 the int4 one to every Int4Linear (ours, GGUF Q4_0/Q4_1, the shipped W4A16 / GPTQ / AWQ ones), the int8 one
 to every weight-only Int8Linear (`--quantization int8`, GGUF Q8_0, a shipped int8 checkpoint's, and the
-lm_head of int4 mode), and the int8 library's fp8 form to every fp8 linear of a shipped float-quantized
-checkpoint (Fp8WeightLinear: per channel or block scales, its activations fake-quantized as before). Each
+lm_head of int4 mode), the int8 library's fp8 form to every fp8 linear of a shipped float-quantized
+checkpoint (Fp8WeightLinear: per channel or block scales, its activations fake-quantized as before), and the
+w4a8 one to every W4A8Linear (`--quantization w4a8`: it repacks the nibbles into its layout once). Each
 linear then runs its kernel for the float32 calls the kernel takes (decode-sized ones) and its old path
 (dequantize a slice, F.linear) otherwise. A model without such linears builds nothing; where no compiler
 works, one warning says so and those linears keep the old path.
 
-JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8 and JOBRUNNER_CPU_FP8: auto (the -march=native build, the default),
+JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8, JOBRUNNER_CPU_FP8 and JOBRUNNER_CPU_W4A8: auto (the -march=native build, the default),
 portable (the plain C build, no -march: its loop runs on any CPU) or off (the old path only); read when a
 model is built.
 """
@@ -27,11 +28,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from jobrunner.engine.quant.linear import Int4Linear, Int8Linear
+from jobrunner.engine.quant.linear import Int4Linear, Int8Linear, W4A8Linear
 from jobrunner.engine.run.cpu_decode import build_library, env_mode, library_path
 from jobrunner.engine.shipped.shipped_linear import Fp8WeightLinear
-from jobrunner.kernels.ops import (Int4Library, Int8Library, int4_compile_command, int4_library_name,
-                                   int8_compile_command, int8_library_name)
+from jobrunner.kernels.ops import (Int4Library, Int8Library, W4A8Library, int4_compile_command, int4_library_name,
+                                   int8_compile_command, int8_library_name, w4a8_compile_command, w4a8_library_name)
 
 MODES = ("auto", "portable", "off")
 log = logging.getLogger("jobrunner")
@@ -48,6 +49,7 @@ class CpuMatmulKernel:
     linear: type                                 # the module class it serves
     weight: str                                  # that module's weight buffer (its device decides)
     float32: tuple[str, ...] = ()                # buffers the kernel reads as float32 (an exact upcast)
+    takes_layout: bool = False                   # the linear repacks its buffers for the kernel: m.use_kernel(lib)
 
 
 INT4 = CpuMatmulKernel("int4", "JOBRUNNER_CPU_INT4", int4_library_name, int4_compile_command, Int4Library,
@@ -56,7 +58,9 @@ INT8 = CpuMatmulKernel("int8", "JOBRUNNER_CPU_INT8", int8_library_name, int8_com
                        Int8Linear, "qweight", float32=("scales", "zeros"))
 FP8 = CpuMatmulKernel("fp8", "JOBRUNNER_CPU_FP8", int8_library_name, int8_compile_command, Int8Library,
                       Fp8WeightLinear, "qweight", float32=("scales",))     # the int8 library, its fp8 form
-KERNELS = (INT4, INT8, FP8)
+W4A8 = CpuMatmulKernel("w4a8", "JOBRUNNER_CPU_W4A8", w4a8_library_name, w4a8_compile_command, W4A8Library,
+                       W4A8Linear, "packed", takes_layout=True)
+KERNELS = (INT4, INT8, FP8, W4A8)
 
 
 def kernel_mode(kernel: CpuMatmulKernel) -> str:
@@ -100,10 +104,13 @@ def attach_cpu_kernels(model: nn.Module) -> dict[str, int]:
 
 
 def _attach(kernel: CpuMatmulKernel, model: nn.Module) -> int:
-    linears = [m for m in model.modules()
-               if isinstance(m, kernel.linear) and getattr(m, kernel.weight).device.type == "cpu"]
+    linears = [m for m in model.modules()       # the exact class: a W4A8Linear is an Int4Linear of another kernel
+               if type(m) is kernel.linear and getattr(m, kernel.weight).device.type == "cpu"]
     lib = kernel_library(kernel) if linears else None
     for m in linears:
+        if lib is not None and kernel.takes_layout:
+            m.use_kernel(lib)
+            continue
         m.cpu_kernel = lib
         if lib is None:
             continue

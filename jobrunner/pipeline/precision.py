@@ -10,9 +10,9 @@ the first calibration, the ranks of a torchrun job. The flag rule rests on the d
 costs +0.8% and runs 1.7-2.8x faster on CPUs with VNNI (int8 dot products: torch._int_mm, or fbgemm
 with row scales); on AVX2 alone fbgemm's 7-bit activations cost +5.9%, so float32 is the choice there.
 Another model or machine may fall either side of the 1%: that is why the measurement decides.
-GGUF blocks as shipped times int8 activations (llama.cpp's Q4_1 x Q8_1; issue 20 item 3:
-kernels/matmul/gguf_matmul.py, "q4xq8" in the quant report) is no candidate: no maintained CPU kernel for it
-is on PyPI, and torch's paths ran it 1.3-100x slower than float32 on an AVX2 EPYC. On a GPU the
+GGUF blocks as shipped times int8 activations (llama.cpp's Q4_1 x Q8_1) is the w4a8 candidate where the
+weights ship 4-bit: our own C kernel (kernels/matmul/cpu_w4a8.c, VNNI int8 dot products; no maintained CPU
+kernel for it is on PyPI, and torch's paths ran it 1.3-100x slower than float32, issue 20 item 3). On a GPU the
 model's own dtype (bfloat16) already is the fast path: nothing more is chosen. The default stays exact
 (float32 on CPU): auto is asked for, never assumed.
 """

@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_e4m3.h"     /* e4m3_round */
+
 #define MR 8      /* activation rows a block */
 
 typedef struct {
@@ -286,24 +288,6 @@ int fp8_dequantize(const uint8_t *q, const float *scales, float *out, int n0, in
     }
     (void)fast;
     return 0;
-}
-
-/* v clamped to +-448 and rounded to the nearest e4m3 value, ties to even, as torch casts float32 to
-   float8_e4m3fn (below 2^-6 onto multiples of 2^-9, else onto 3 mantissa bits). */
-static inline float e4m3_round(float v) {
-    v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
-    uint32_t u, sub_bits;
-    memcpy(&u, &v, 4);
-    const uint32_t sign = u & 0x80000000u, a = u ^ sign;
-    float mag;
-    memcpy(&mag, &a, 4);
-    const float sub = (mag + 16384.0f) - 16384.0f;          /* both forms, then one chosen: it vectorizes */
-    memcpy(&sub_bits, &sub, 4);
-    const uint32_t normal = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
-    const uint32_t r = (a < (121u << 23) ? sub_bits : normal) | sign;
-    float out;
-    memcpy(&out, &r, 4);
-    return out;
 }
 
 /* The activations of an fp8 scheme, fake-quantized as shipped_quant.fake_quantize_fp8 does, bit for bit:

@@ -21,10 +21,17 @@ float16, exactly). The reference there is dequantize_fp8 + F.linear (shipped_qua
 Beside it, for shipped_quant.fp8_weight_matmul: the scheme's activation fake-quantization (fake_quantize_fp8_cpu)
 and float32 slices of the weight for calls past FP8_KERNEL_ROWS (fp8_dequantize_cpu), both bit for bit the
 torch functions' values.
+
+Where the scheme quantizes the activations to e4m3 too (FP8_DYNAMIC, FP8_BLOCK, static) and the CPU has
+AVX512_BF16, the same library's bf16 form (cpu_fp8_dot.c, built in with cpu_int8.c: fp8_dot_cpu) multiplies
+e4m3 by e4m3 in bfloat16 dot products: every e4m3 value is a bfloat16 and their products are exact in float32,
+so it differs from the reference by float32 rounding only (RTOL/ATOL) at twice a float32 FMA's multiply-adds.
+Int8Library.fp8_dot says whether a library has it (the portable build and portable=True never do).
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from pathlib import Path
 
 import torch
@@ -32,6 +39,7 @@ import torch
 from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library_name, run_over_rows
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
+DOT_SOURCE, HEADER = SOURCE.with_name("cpu_fp8_dot.c"), SOURCE.with_name("cpu_e4m3.h")     # built in with it
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
 # the kernel's rows per call at most: it beat the old path 1.1-2x at 512 rows on the default model's shapes and
 # lost at 1,024-2,048 to oneDNN over a float slice of the weight (2 threads, AMD EPYC, RESULTS.md's int8 section)
@@ -39,23 +47,34 @@ CPU_INT8_MAX_ROWS = 512
 # the fp8 form's rows per call at most; more: a float32 slice of the weight dequantized by the library, then
 # oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
 FP8_KERNEL_ROWS = 256
+# the bf16 form's rows per call at least (fewer: the float32 fp8 form, which widens the weight in registers;
+# more: every count, it beat float32 oneDNN 1.15-1.45x at 256-1024 rows; benchmarks/cpu_int8_bench.py --part fp8-dot)
+FP8_DOT_MIN_ROWS = 2
 # bfloat16 rows: widened to float32 at the kernel's edge up to this many (2.5-4x bfloat16 slices + F.linear at 1
 # row, 1.3x at 16, 0.6-1.0x at 64: a /tmp script beside RESULTS.md's fp8 figures)
 FP8_BF16_KERNEL_ROWS = 16
 
 def int8_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
-    return compile_command(SOURCE, cc, output, variant)
+    """One library of both sources: cpu_int8.c's forms and cpu_fp8_dot.c's (the bf16 fp8 form)."""
+    argv = compile_command(SOURCE, cc, output, variant)
+    at = argv.index(str(SOURCE)) + 1
+    return argv[:at] + [str(DOT_SOURCE)] + argv[at:]
 
 
 def int8_library_name(variant: str = "native") -> str:
-    return library_name(SOURCE, variant)
+    """cpu_int4.library_name's hash, over every file the library is built from: a stale build is never loaded."""
+    name = library_name(SOURCE, variant)
+    digest = hashlib.sha256(name.encode() + b"".join(p.read_bytes() for p in (DOT_SOURCE, HEADER))).hexdigest()[:12]
+    return f"{SOURCE.stem}-{variant}-{digest}.so"
 
 
 class Int8Library:
     """The compiled kernel, loaded. isa: "avx512" or "portable" (the loop this build runs per channel and for
-    groups of a multiple of 16); portable=True makes a native build run its portable loop too (tests compare)."""
+    groups of a multiple of 16); portable=True makes a native build run its portable loop too (tests compare).
+    fp8_dot: whether fp8 calls with e4m3 activations may take the bf16 form (fp8_dot_cpu); fp8_dot=False keeps
+    them on the float32 fp8 form."""
 
-    def __init__(self, path: Path, portable: bool = False):
+    def __init__(self, path: Path, portable: bool = False, fp8_dot: bool = True):
         lib = ctypes.CDLL(str(path))
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
         fn = lib.int8_matmul
@@ -71,8 +90,16 @@ class Int8Library:
         self.dequantize = lib.fp8_dequantize
         self.dequantize.argtypes = [ptr, ptr, ptr] + [i32] * 7
         self.dequantize.restype = i32
+        self.dot, self.dot_quantize, self.dot_widen = lib.fp8_dot_matmul, lib.fp8_dot_quantize, lib.fp8_dot_widen
+        self.dot.argtypes = [ptr, ctypes.c_int64, ptr, i32, ptr, ptr, i32, i32, ptr, ptr] + [i32] * 4
+        self.dot_quantize.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, ptr, i32]
+        self.dot_widen.argtypes = [ptr, ptr, i32]
+        for f in (self.dot, self.dot_quantize, self.dot_widen, lib.fp8_dot_isa):
+            f.restype = i32
         self.function, self.path, self.portable = fn, path, portable
         self.isa = "avx512" if lib.int8_kernel_isa() and not portable else "portable"
+        # the bf16 fp8 form (cpu_fp8_dot.c): where the build has AVX512_BF16, unless told not to (tests compare)
+        self.fp8_dot = bool(lib.fp8_dot_isa()) and not portable and fp8_dot
 
     def takes(self, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
         """Whether the kernel serves this call (else the caller's torch path does)."""
@@ -113,19 +140,74 @@ def fp8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     [ceil(N / bn), ceil(K / bk)] (block (bn, bk)) -> [..., N] float32."""
     k = x.shape[-1]
     n = qweight.shape[0]
-    if x.dtype != torch.float32 or qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
-        raise TypeError(f"fp8_matmul_cpu: x {x.dtype} (float32), qweight {qweight.dtype} (float8_e4m3fn), "
-                        f"scales {scales.dtype} (float32)")
-    bn, bk = (1, k) if block is None else block
-    if qweight.shape[1] != k or scales.shape != (-(-n // bn), -(-k // bk)):
-        raise ValueError(f"fp8_matmul_cpu: x [..., {k}], qweight {tuple(qweight.shape)}, scales "
-                         f"{tuple(scales.shape)}, block {block}: want qweight [N, K], scales [N, 1] or the "
-                         f"block grid")
-    if not (qweight.is_contiguous() and scales.is_contiguous()):
-        raise ValueError("fp8_matmul_cpu: qweight and scales contiguous")
+    bn, bk = _fp8_weight_checked("fp8_matmul_cpu", x, qweight, scales, block)
     return run_over_rows("fp8", x, n, bias, lambda x2, stride, b, out: lib.fp8(
         x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), b, out.data_ptr(), x2.shape[0], n, k, bk,
         bn, torch.get_num_threads(), int(lib.portable)))
+
+
+def _fp8_weight_checked(where: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       block: tuple[int, int] | None) -> tuple[int, int]:
+    """(bn, bk) of an fp8 call whose arguments the library takes; TypeError / ValueError otherwise."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    if x.dtype != torch.float32 or qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError(f"{where}: x {x.dtype} (float32), qweight {qweight.dtype} (float8_e4m3fn), "
+                        f"scales {scales.dtype} (float32)")
+    bn, bk = (1, k) if block is None else block
+    if qweight.shape[1] != k or scales.shape != (-(-n // bn), -(-k // bk)):
+        raise ValueError(f"{where}: x [..., {k}], qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)}, block {block}: want qweight [N, K], scales [N, 1] or the "
+                         f"block grid")
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"{where}: qweight and scales contiguous")
+    return bn, bk
+
+
+def fp8_dot_quantize_cpu(x2: torch.Tensor, static_scale: torch.Tensor | None, group: int | None,
+                         lib: Int8Library) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] float32 (unit column stride) -> (its e4m3 values as bfloat16 [M, K], their float32 scales
+    [M, K // G]): per token, per group of `group` columns, or static_scale (per tensor, then [M, 1]).
+    xq.float() * xs is fake_quantize_fp8's result bit for bit."""
+    m, k = x2.shape
+    g = k if static_scale is not None or group is None else group
+    if x2.dtype != torch.float32 or x2.stride(1) != 1 or k % g:
+        raise ValueError(f"fp8_dot_quantize_cpu: x2 {x2.dtype} [{m}, {k}] column stride {x2.stride(1)}, groups "
+                         f"of {g}: want float32, stride 1, K a multiple of the group")
+    s = None if static_scale is None else static_scale.to(torch.float32).reshape(1).contiguous()
+    xq, xs = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(m, k // g, dtype=torch.float32)
+    rc = lib.dot_quantize(x2.data_ptr(), x2.stride(0) if m > 1 else k, xq.data_ptr(), xs.data_ptr(), m, k, g,
+                          None if s is None else s.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"fp8_dot_quantize_cpu: the kernel refused [{m}, {k}] in groups of {g} ({rc})")
+    return xq, xs
+
+
+def fp8_dot_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
+                bias: torch.Tensor | None, static_scale: torch.Tensor | None, act_group: int | None,
+                lib: Int8Library) -> torch.Tensor:
+    """x [..., K] float32, its activations quantized to e4m3 (fp8_dot_quantize_cpu: per token, per group of
+    act_group columns, or static_scale), times the e4m3 weight (fp8_matmul_cpu's layouts) in bfloat16 dot
+    products (cpu_fp8_dot.c) -> [..., N] float32: fp8_weight_matmul_ref with that act within RTOL/ATOL."""
+    if not lib.fp8_dot:
+        raise RuntimeError(f"fp8_dot_cpu: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
+    n, k = qweight.shape[0], x.shape[-1]
+    bn, bk = _fp8_weight_checked("fp8_dot_cpu", x, qweight, scales, block)
+    s = None if static_scale is None else static_scale.to(torch.float32).reshape(1).contiguous()
+    group = k if s is not None or act_group is None else act_group
+    if k % group:
+        raise ValueError(f"fp8_dot_cpu: activation groups of {act_group} do not divide K = {k}")
+    return run_over_rows("fp8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot(
+        x2.data_ptr(), stride, None if s is None else s.data_ptr(), group, qweight.data_ptr(), scales.data_ptr(),
+        bk, bn, b, out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads()))
+
+
+def fp8_dot_widen_cpu(q: torch.Tensor, lib: Int8Library) -> torch.Tensor:
+    """e4m3 bytes (any shape, contiguous) -> bfloat16 through the bf16 form's own widening (tests read it)."""
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    if not q.is_contiguous() or lib.dot_widen(q.data_ptr(), out.data_ptr(), q.numel()) != 0:
+        raise RuntimeError("fp8_dot_widen_cpu: no bf16 form in this build, or q not contiguous")
+    return out
 
 
 def fake_quantize_fp8_cpu(x2: torch.Tensor, static_scale: torch.Tensor | None, group: int | None,

@@ -20,8 +20,8 @@
    each summing 4 consecutive k against 4 activation bytes broadcast ({1to16}). Scales and zeros: float16 or
    float32 [Nb, groups, 16] (zeros NULL: z = -8 s).
 
-   A call first quantizes the M rows into a scratch buffer (xq, sa, xsum; rows split over the threads), then
-   threads split the column blocks. Each walks its columns a tile of NB blocks at a time (four at 1-2 rows:
+   A call first quantizes the M rows into a scratch buffer (xq, sa, xsum; the rows split over the threads, or
+   before they start where there are few), then threads split the column blocks. Each walks its columns a tile of NB blocks at a time (four at 1-2 rows:
    decode, where unpacking is the work) and, for each tile, the rows MR at a time, so a tile's weights stay
    in L1 across the rows; a tile's int32 sums live in registers for one group, then go to float32: the
    accumulators get cvt(idot) * (s * sa) + z * xsum. G a multiple of 8 runs that loop; any other even G,
@@ -35,11 +35,11 @@
 #ifndef MR
 #define MR 4      /* activation rows a tile (at most 8) */
 #endif
-#ifndef NB
-#define NB 2      /* column blocks of 16 a tile (NB1 at 1-2 rows; at most 4) */
+#ifndef NB        /* column blocks of 16 a tile (at most 4): 4 x 2, 4 x 3 and 3 x 4 tiles measured alike, 5 x 2, */
+#define NB 2      /* 6 x 2, 8 x 1 and 2 x 4 5-40% slower (one thread of a 2-core AMD EPYC, group 32) */
 #endif
 #ifndef NB1
-#define NB1 4
+#define NB1 4     /* column blocks a tile at 1-2 rows (1 to 4 measured within 5%) */
 #endif
 
 typedef struct {
@@ -49,7 +49,7 @@ typedef struct {
 } Problem;
 
 /* Row m of x quantized: xq [ldq] (zero past K), sa and xsum [groups]. */
-static void quantize_row(const float *x, int8_t *xq, int64_t ldq, float *sa, float *xsum, int K, int G) {
+static __attribute__((unused)) void quantize_row(const float *x, int8_t *xq, int64_t ldq, float *sa, float *xsum, int K, int G) {
     const int groups = (K + G - 1) / G;
     memset(xq, 0, (size_t)ldq);
     for (int g = 0; g < groups; g++) {
@@ -136,10 +136,41 @@ static void blocks_portable(const Problem *p, int b0, int b1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HAVE_VNNI 1
+#define QUANTIZE_ROW quantize_row_avx512
+
+static inline __mmask16 lanes(int left) {
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+}
 
 static inline __m512 load16(const Problem *p, const void *t, size_t i) {   /* 16 scales or zeros as float32 */
     return p->scale_f32 ? _mm512_loadu_ps((const float *)t + i)
                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t + i)));
+}
+
+/* quantize_row's arithmetic, 16 columns at a time (the same bits; xsum summed in another order). */
+static void quantize_row_avx512(const float *x, int8_t *xq, int64_t ldq, float *sa, float *xsum, int K, int G) {
+    const int groups = (K + G - 1) / G;
+    memset(xq, 0, (size_t)ldq);
+    for (int g = 0; g < groups; g++) {
+        const int k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
+        __m512 mx = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+        for (int k = k0; k < k1; k += 16) {
+            const __m512 v = _mm512_maskz_loadu_ps(lanes(k1 - k), x + k);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            sm = _mm512_add_ps(sm, v);
+        }
+        const float amax = _mm512_reduce_max_ps(mx);
+        xsum[g] = _mm512_reduce_add_ps(sm);
+        sa[g] = amax / 127.0f;
+        if (amax == 0.0f) continue;
+        const __m512 inv = _mm512_set1_ps(127.0f / amax);
+        for (int k = k0; k < k1; k += 16) {
+            const __mmask16 m = lanes(k1 - k);
+            const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm512_mask_cvtepi32_storeu_epi8(xq + k, m, q);
+        }
+    }
 }
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -191,7 +222,7 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m0,
     }
     _Pragma("GCC unroll 4") for (int c = 0; c < nb; c++) {
         const int n = (b0 + c) * 16, left = p->N - n;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const __mmask16 mask = lanes(left);
         const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + n) : _mm512_setzero_ps();
         _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
             _mm512_mask_storeu_ps(p->out + (size_t)(m0 + r) * p->N + n, mask, _mm512_add_ps(acc[r][c], bias));
@@ -207,8 +238,8 @@ static inline __attribute__((always_inline)) void rows(const Problem *p, int b, 
         case 6: if (MR >= 6) tile(p, m, 6, b, nb); break;
         case 5: if (MR >= 5) tile(p, m, 5, b, nb); break;
         case 4: if (MR >= 4) tile(p, m, 4, b, nb); break;
-        case 3: tile(p, m, 3, b, nb); break;
-        case 2: tile(p, m, 2, b, nb); break;
+        case 3: if (MR >= 3) tile(p, m, 3, b, nb); break;
+        case 2: if (MR >= 2) tile(p, m, 2, b, nb); break;
         default: tile(p, m, 1, b, nb); break;
         }
     }
@@ -227,6 +258,7 @@ static void blocks_vnni(const Problem *p, int b0, int b1) {
 }
 #else
 #define HAVE_VNNI 0
+#define QUANTIZE_ROW quantize_row
 #endif
 
 /* Which loop this build runs for G a multiple of 8: 1 AVX-512 VNNI, 0 portable. */
@@ -246,7 +278,7 @@ int w4a8_quantize(const float *x, int64_t ldx, int8_t *xq, int64_t ldq, float *s
     if (threads < 1) threads = 1;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int m = 0; m < M; m++)
-        quantize_row(x + (size_t)m * ldx, xq + (size_t)m * ldq, ldq, sa + (size_t)m * groups,
+        QUANTIZE_ROW(x + (size_t)m * ldx, xq + (size_t)m * ldq, ldq, sa + (size_t)m * groups,
                      xsum + (size_t)m * groups, K, G);
     return 0;
 }
@@ -269,13 +301,18 @@ int w4a8_matmul(const float *x, int64_t ldx, const uint8_t *qw, const void *scal
     const int fast = HAVE_VNNI && !portable && G % 8 == 0;
     if (threads < 1) threads = 1;
     if (threads > Nb) threads = Nb;
+    const int few = (int64_t)M * K <= 32768;          /* a few rows: quantized before the threads start */
+    for (int m = 0; few && m < M; m++)
+        QUANTIZE_ROW(x + (size_t)m * ldx, xq + (size_t)m * ldq, ldq, sa + (size_t)m * groups,
+                     xsum + (size_t)m * groups, K, G);
     _Pragma("omp parallel num_threads(threads)")
     {
-        _Pragma("omp for schedule(static)")
-        for (int m = 0; m < M; m++)
-            quantize_row(x + (size_t)m * ldx, xq + (size_t)m * ldq, ldq, sa + (size_t)m * groups,
-                         xsum + (size_t)m * groups, K, G);
-        /* the implied barrier: every row quantized before any thread reads them */
+        if (!few) {
+            _Pragma("omp for schedule(static)")
+            for (int m = 0; m < M; m++)
+                QUANTIZE_ROW(x + (size_t)m * ldx, xq + (size_t)m * ldq, ldq, sa + (size_t)m * groups,
+                             xsum + (size_t)m * groups, K, G);
+        }   /* the implied barrier: every row quantized before any thread reads them */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int b0 = (int)((long)Nb * t / nt), b1 = (int)((long)Nb * (t + 1) / nt);
         if (b0 < b1) {
