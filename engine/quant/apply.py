@@ -174,6 +174,18 @@ class _LinearQuantizer:
         return Fp8Linear(*formats.quantize_fp8(w), bias=bias, rowwise=self.rowwise)
 
 
+def int8_activations(model: nn.Module) -> int:
+    """w4a8 over int4 linears already built (a shipped W4A16 / GPTQ / AWQ checkpoint's, inside act-order or
+    concatenated wrappers too): each becomes a W4A8Linear over the same buffers. Returns how many."""
+    swaps = [(name, m) for name, m in model.named_modules() if type(m) is Int4Linear]
+    for name, m in swaps:
+        parent, _, attr = name.rpartition(".")
+        w4a8 = W4A8Linear(m.packed, m.scales, m.zeros, m.group_size, m.in_features, bias=m.bias)
+        setattr(model.get_submodule(parent) if parent else model, attr, w4a8)
+    model.quantization = "w4a8"
+    return len(swaps)
+
+
 def _quantize_layers(model: nn.Module, quantize: _LinearQuantizer) -> None:
     """Every decoder layer's linears swapped for quantize's modules; a MoE block's experts quantized too."""
     for i, layer in enumerate(model.layers):

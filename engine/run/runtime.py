@@ -128,9 +128,12 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
     shipped = getattr(bundle, "quantization", None)
-    if shipped is not None and config.quantization != "none":
+    if shipped is not None and config.quantization not in ("none", "w4a8"):
         raise ConfigError(f"--quantization {config.quantization}: the checkpoint is quantized already "
                           f"({shipped.name}) and runs as shipped; drop --quantization (or give a float checkpoint)")
+    if shipped is not None and config.quantization == "w4a8" and not shipped.int4_weight_only:
+        raise ConfigError(f"--quantization w4a8 runs a checkpoint's int4 weights with int8 activations; this one's "
+                          f"are {shipped.name}: drop --quantization")
     if shipped is not None and config.loras:
         raise ConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped.name})")
     image_processor = getattr(bundle, "image_processor", None)
@@ -172,8 +175,11 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
     with building(tp):
         model = build_model(bundle, device, dtype, config.seed)
     if config.quantization != "none":
-        from jobrunner.engine.quant import quantize_model
-        quantize_model(model, config.quantization, bundle)
+        from jobrunner.engine.quant import int8_activations, quantize_model
+        if getattr(bundle, "quantization", None) is not None:
+            int8_activations(model)            # w4a8 over a shipped int4 checkpoint's own linears
+        else:
+            quantize_model(model, config.quantization, bundle)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
         added = pack_linears(model, batch_invariant=config.batch_invariant)

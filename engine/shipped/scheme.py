@@ -75,6 +75,11 @@ class ShippedQuant:
         schemes = sorted({s.describe() for _, s in self.groups})
         return f"{self.method}: {'; '.join(schemes)}"
 
+    @property
+    def int4_weight_only(self) -> bool:
+        """Every quantized linear int4 with float activations: the linears `--quantization w4a8` can run."""
+        return all(s.weights.type == "int" and s.weights.bits == 4 and s.acts is None for _, s in self.groups)
+
     def scheme_for(self, module: str) -> ModuleScheme | None:
         """The scheme of the linear named `module` (HF's name, e.g. "model.layers.0.mlp.down_proj"), or
         None where it stays float (ignored, or no group targets it)."""

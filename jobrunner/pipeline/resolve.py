@@ -121,9 +121,10 @@ def shipped_scheme(cfg: JobConfig, model: str) -> str | None:
     except (ModelError, ConfigError) as e:
         raise JobConfigError(str(e)) from None
     q = cfg.engine.quantization
-    if shipped is not None and q not in ("none", "auto"):
+    if shipped is not None and q not in ("none", "auto", "w4a8"):    # w4a8: int4 weights' own (the engine checks)
         raise JobConfigError(f"--quantization {q}: the checkpoint is quantized already ({shipped}) and runs as "
-                             f"shipped; drop --quantization, or give a float checkpoint")
+                             f"shipped; drop --quantization (w4a8 runs an int4 one's weights with int8 "
+                             f"activations), or give a float checkpoint")
     if shipped is not None and cfg.lora.lora:
         raise JobConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped})")
     return shipped
