@@ -13,7 +13,8 @@ kernel: per (K, N) shape and M rows, the median of interleaved rounds of F.linea
     zeros) / time.
 job: `-m dummy:smollm2-135m` (the default model's shape, random weights), --rows prompts of --prompt
     tokens each, --new tokens each (EOS ignored), float32 against `--quantization int4` with the kernel
-    (JOBRUNNER_CPU_INT4=auto) and with the old path (off); the job's wall and its generated tokens/s.
+    (JOBRUNNER_CPU_INT4=auto) and with the old path (off), and `--quantization w4a8` (int4's weights times
+    int8 activations, kernels/matmul/cpu_w4a8.c); the job's wall and its generated tokens/s.
 The CPU's name and whether it has avx512_vnni / avx512_bf16 head the output.
 """
 from __future__ import annotations
@@ -134,7 +135,8 @@ def job_once(rows: int, prompt: int, new: int, quantization: str, mode: str) -> 
 def job_part(rows_list: list[int], prompt: int, new: int, repeats: int) -> None:
     print(f"\njob: -m dummy:smollm2-135m, {prompt}-token prompts, {new} new tokens each, EOS ignored; "
           f"median wall of {repeats} rounds, interleaved; generated tok/s; speed over float32")
-    cases = (("float32", "none", "off"), ("int4 kernel", "int4", "auto"), ("int4 old path", "int4", "off"))
+    cases = (("float32", "none", "off"), ("int4 kernel", "int4", "auto"), ("int4 old path", "int4", "off"),
+             ("w4a8 kernel", "w4a8", "auto"))
     for rows in rows_list:
         walls = {name: [] for name, _, _ in cases}
         toks = {}

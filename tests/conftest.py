@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gguf_convert import write_gguf
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # A ChatML template, as small instruct models ship it.
@@ -215,6 +213,7 @@ def tiny_gguf_path(tiny_hf_model_dir, tmp_path_factory):
             return made[key]
         src = tiny_hf_model_dir(arch, **kwargs)
         path = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}") / f"tiny-{arch}.{qtype}.gguf"
+        from benchmarks.gguf_convert import write_gguf
         write_gguf(src, path, arch, qtype)
         made[key] = path
         return path
