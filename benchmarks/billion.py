@@ -44,8 +44,10 @@ OURS = {
     "bfloat16": ["--dtype", "bfloat16"],
     "int8": ["--quantization", "int8"],
     "int4": ["--quantization", "int4"],
+    "w4a8": ["--quantization", "w4a8"],
     "auto": ["--quantization", "auto"],
     "int4-Q4_0": ["--quantization", "int4"],
+    "w4a8-Q4_0": ["--quantization", "w4a8"],
 }
 LLAMACPP = ("F16", "Q8_0", "Q4_0")
 SYSTEMS = (*OURS, "transformers", *(f"llama.cpp-{q}" for q in LLAMACPP))
@@ -53,7 +55,7 @@ LLAMA_FTYPE = {"Q8_0": 7, "Q4_0": 2}           # llama.h's LLAMA_FTYPE_MOSTLY_*
 
 # issue 62's targets, as (system, peer, at most this ratio of the peer's wall)
 TARGETS = (("float32", "transformers", 0.6), ("auto", "transformers", 0.35), ("int4", "llama.cpp-Q4_0", 0.7),
-           ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0))
+           ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0), ("w4a8-Q4_0", "llama.cpp-Q4_0", 0.7))
 
 
 def model_dir(layers: int) -> Path:
@@ -128,7 +130,7 @@ def workloads(tok, rows: int, new: int) -> dict[str, tuple[W.Workload, int]]:
 def run_one(system: str, w: W.Workload, data: Path, work: Path, ckpt: Path, ggufs: dict, new: int, a) -> dict:
     slug = f"{data.stem}{'-classify' if not new else ''}.{system}"
     if system in OURS:
-        model = ggufs.get("Q4_0") if system.endswith("Q4_0") else ckpt
+        model = ggufs.get("Q4_0") if system.endswith("Q4_0") else ckpt      # -Q4_0: llama.cpp's own 4-bit blocks
         if model is None:
             return {"system": system, "skipped": "no Q4_0 file (needs --llamacpp-python)"}
         job = ["--max-tokens", str(new), "--ignore-eos"] if new else ["--kind", "classify", "--labels", ",".join(w.labels)]

@@ -190,11 +190,10 @@ def job_once(rows: int, prompt: int, new: int, quantization: str, int8: str, int
     from jobrunner.engine import Engine
     from jobrunner.engine.api.request import Request, SamplingParams
     from jobrunner.engine.config.engine_config import EngineConfig
-    from jobrunner.kernels.matmul import cpu_int8, shipped_quant
+    from jobrunner.kernels.matmul import shipped_quant
     os.environ["JOBRUNNER_CPU_INT8"], os.environ["JOBRUNNER_CPU_INT4"] = int8, int4
     os.environ["JOBRUNNER_CPU_FP8"] = fp8
-    # fp8_dot False: the fp8 calls keep the float32 fp8 form (the bf16 form's row floor out of reach)
-    shipped_quant.FP8_DOT_MIN_ROWS = cpu_int8.FP8_DOT_MIN_ROWS if fp8_dot else 1 << 62
+    shipped_quant.FP8_DOT = fp8_dot              # False: the fp8 calls keep the float32 fp8 form
     eng = Engine(EngineConfig(model=model, quantization=quantization, dtype="float32",
                               kv_cache_memory=512 * 2**20))
     g = torch.Generator().manual_seed(0)

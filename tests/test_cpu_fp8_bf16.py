@@ -125,27 +125,26 @@ def test_strided_batched_rows_and_refusals(lib):
 
 
 def test_fp8_weight_matmul_takes_the_form_for_e4m3_activations(lib, monkeypatch):
-    """float32 rows whose scheme quantizes them to e4m3, FP8_DOT_MIN_ROWS or more, any count (past FP8_KERNEL_ROWS
-    too): the form. Weight-only (act None: the activations are not e4m3), bfloat16 rows, fewer rows, groups that
-    do not divide K, and a library told fp8_dot=False: the float32 form or the slices, as before."""
+    """float32 rows whose scheme quantizes them to e4m3, any count (past FP8_KERNEL_ROWS too): the form.
+    Weight-only (act None: the activations are not e4m3), bfloat16 rows, a library told fp8_dot=False, and
+    shipped_quant.FP8_DOT off: the float32 form or the slices, as before."""
     calls = []
     real = sq.fp8_dot_cpu
     monkeypatch.setattr(sq, "fp8_dot_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     q, s = fp8_weight(48, 64, None)
     static = torch.tensor([0.05])
-    taken = [(c8.FP8_DOT_MIN_ROWS, "dynamic", None), (16, "dynamic", 32), (16, "static", None),
-             (c8.FP8_KERNEL_ROWS + 3, "dynamic", None)]
+    taken = [(1, "dynamic", None), (16, "dynamic", 32), (16, "static", None), (c8.FP8_KERNEL_ROWS + 3, "dynamic", None)]
     for rows, act, group in taken:
         x = torch.randn(rows, 64)
         close(sq.fp8_weight_matmul(x, q, s, None, None, act, static, group, lib),
               sq.fp8_weight_matmul_ref(x, q, s, None, None, act, static, group))
     assert calls == [r for r, *_ in taken]
     off = c8.Int8Library(lib.path, fp8_dot=False)
-    for x, act, group, lib_ in ((torch.randn(16, 64), None, None, lib),
-                                (torch.randn(16, 64, dtype=torch.bfloat16), "dynamic", None, lib),
-                                (torch.randn(c8.FP8_DOT_MIN_ROWS - 1, 64), "dynamic", None, lib),
-                                (torch.randn(16, 64), "dynamic", None, off)):
-        sq.fp8_weight_matmul(x, q, s, None, None, act, None, group, lib_)
+    for x, act, lib_ in ((torch.randn(16, 64), None, lib), (torch.randn(16, 64, dtype=torch.bfloat16), "dynamic", lib),
+                         (torch.randn(16, 64), "dynamic", off)):
+        sq.fp8_weight_matmul(x, q, s, None, None, act, None, None, lib_)
+    monkeypatch.setattr(sq, "FP8_DOT", False)
+    sq.fp8_weight_matmul(torch.randn(16, 64), q, s, None, None, "dynamic", None, None, lib)
     assert len(calls) == len(taken)
 
 

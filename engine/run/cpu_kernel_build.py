@@ -7,7 +7,8 @@ After a CPU model is built (and quantized), attach_cpu_kernels hands each kernel
 the int4 one to every Int4Linear (ours, GGUF Q4_0/Q4_1, the shipped W4A16 / GPTQ / AWQ ones), the int8 one
 to every weight-only Int8Linear (`--quantization int8`, GGUF Q8_0, a shipped int8 checkpoint's, and the
 lm_head of int4 mode), the int8 library's fp8 form to every fp8 linear of a shipped float-quantized
-checkpoint (Fp8WeightLinear: per channel or block scales, its activations fake-quantized as before), and the
+checkpoint (Fp8WeightLinear: per channel or block scales; with e4m3 activations, bfloat16 dot products where
+the CPU has them: kernels/matmul/cpu_fp8_dot.c), and the
 w4a8 one to every W4A8Linear (`--quantization w4a8`: it repacks the nibbles into its layout once). Each
 linear then runs its kernel for the float32 calls the kernel takes (decode-sized ones) and its old path
 (dequantize a slice, F.linear) otherwise. A model without such linears builds nothing; where no compiler

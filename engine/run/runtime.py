@@ -127,15 +127,7 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
         bundle = load_model_bundle(config.model)
     if config.quantization != "none" and bundle.config.moe is not None:     # and the experts', before any weight
         check_quantization(config.quantization, device, dtype, moe=True)
-    shipped = getattr(bundle, "quantization", None)
-    if shipped is not None and config.quantization not in ("none", "w4a8"):
-        raise ConfigError(f"--quantization {config.quantization}: the checkpoint is quantized already "
-                          f"({shipped.name}) and runs as shipped; drop --quantization (or give a float checkpoint)")
-    if shipped is not None and config.quantization == "w4a8" and not shipped.int4_weight_only:
-        raise ConfigError(f"--quantization w4a8 runs a checkpoint's int4 weights with int8 activations; this one's "
-                          f"are {shipped.name}: drop --quantization")
-    if shipped is not None and config.loras:
-        raise ConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped.name})")
+    _check_shipped(config, getattr(bundle, "quantization", None))
     image_processor = getattr(bundle, "image_processor", None)
     if image_processor is not None and config.tensor_parallel > 1:
         raise ConfigError("tensor parallelism does not split a vision-language model's vision tower; "
@@ -165,6 +157,20 @@ def build_runtime(config: EngineConfig, bundle=None, tp: TensorParallel | None =
                          seqs, tokens, pooling=getattr(bundle, "pooling", None),
                          generation=getattr(bundle, "generation", None) or GenerationDefaults(),
                          tp=tp or SINGLE, followers=followers, loras=loras, image_processor=image_processor)
+
+
+def _check_shipped(config: EngineConfig, shipped) -> None:
+    """ConfigError for what a quantized checkpoint (`shipped`, None: a float one) cannot take."""
+    if shipped is None:
+        return
+    if config.quantization not in ("none", "w4a8"):
+        raise ConfigError(f"--quantization {config.quantization}: the checkpoint is quantized already "
+                          f"({shipped.name}) and runs as shipped; drop --quantization (or give a float checkpoint)")
+    if config.quantization == "w4a8" and not shipped.int4_weight_only:
+        raise ConfigError(f"--quantization w4a8 runs a checkpoint's int4 weights with int8 activations; this one's "
+                          f"are {shipped.name}: drop --quantization")
+    if config.loras:
+        raise ConfigError(f"LoRA adapters apply to float checkpoints; this one is quantized ({shipped.name})")
 
 
 def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: TensorParallel):

@@ -44,12 +44,11 @@
 #define NC 16     /* weight columns a thread widens into its scratch at a time (a multiple of 4) */
 #endif
 #ifndef RB
-#define RB 8      /* activation rows a tile, one segment (at most 8) */
+#define RB 8      /* activation rows a tile (at most 8; 8 beat 4 and 6 with segments too, spills and all) */
 #endif
 #ifndef NR
 #define NR 2      /* columns a tile past 2 rows (at most 4) */
 #endif
-#define RBS 4     /* activation rows a tile, several segments (two accumulator sets) */
 
 typedef struct {
     const uint16_t *xq; const float *xs; const uint8_t *q; const float *ws; const float *bias; float *out;
@@ -165,17 +164,6 @@ static inline int next_edge(const Dot *p, int k0) {
     return e < p->K ? e : p->K;
 }
 
-/* The lane sums of a, b, c, d: 16-lane halves, quarters, then within each 128-bit block. */
-static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
-    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                         12, 8, 4, 0), s));
-}
-
 /* rows [m0, m0 + mr) x columns [n0, n0 + nr), whose bf16 rows are w0 + c Kp; mr, nr, seg constants inlined. */
 static inline __attribute__((always_inline)) void tile(const Dot *p, const uint16_t *w0, int m0, const int mr,
                                                        int n0, const int nr, const int seg) {
@@ -214,22 +202,12 @@ static inline __attribute__((always_inline)) void tile(const Dot *p, const uint1
                 }
         }
     }
-    float sums[8 * 4];
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i + 4 <= mr * nr; i += 4)      /* the tile's sums four at a time, then one at a time */
-        _mm_storeu_ps(sums + i, reduce4(seg ? tot[i / nr][i % nr] : acc[i / nr][i % nr],
-                                        seg ? tot[(i + 1) / nr][(i + 1) % nr] : acc[(i + 1) / nr][(i + 1) % nr],
-                                        seg ? tot[(i + 2) / nr][(i + 2) % nr] : acc[(i + 2) / nr][(i + 2) % nr],
-                                        seg ? tot[(i + 3) / nr][(i + 3) % nr] : acc[(i + 3) / nr][(i + 3) % nr]));
-    _Pragma("GCC unroll 4")
-    for (int i = mr * nr / 4 * 4; i < mr * nr; i++)
-        sums[i] = _mm512_reduce_add_ps(seg ? tot[i / nr][i % nr] : acc[i / nr][i % nr]);
     _Pragma("GCC unroll 8")
     for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 4")
         for (int c = 0; c < nr; c++) {
             const int n = n0 + c;
-            float v = sums[r * nr + c];
+            float v = _mm512_reduce_add_ps(seg ? tot[r][c] : acc[r][c]);
             if (!seg) v *= p->xs[m0 + r] * p->ws[(size_t)(n / p->BN) * p->wgroups];
             p->out[(size_t)(m0 + r) * p->N + n] = v + (p->bias ? p->bias[n] : 0.0f);
         }
@@ -238,9 +216,8 @@ static inline __attribute__((always_inline)) void tile(const Dot *p, const uint1
 /* Every block of rows over the chunk's columns [c0, c1) (scratch: their bf16 rows), tiles of nr columns. */
 static inline __attribute__((always_inline)) void chunk(const Dot *p, const uint16_t *scratch, int c0, int c1,
                                                         const int nr, const int seg) {
-    const int rb = seg ? RBS : RB;
-    for (int m = 0; m < p->M; m += rb) {
-        const int mr = p->M - m < rb ? p->M - m : rb;
+    for (int m = 0; m < p->M; m += RB) {
+        const int mr = p->M - m < RB ? p->M - m : RB;
         for (int n = c0; n < c1; n += nr) {
             const uint16_t *w0 = scratch + (size_t)(n - c0) * p->Kp;
             const int left = c1 - n;

@@ -47,9 +47,6 @@ CPU_INT8_MAX_ROWS = 512
 # the fp8 form's rows per call at most; more: a float32 slice of the weight dequantized by the library, then
 # oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
 FP8_KERNEL_ROWS = 256
-# the bf16 form's rows per call at least (fewer: the float32 fp8 form, which widens the weight in registers;
-# more: every count, it beat float32 oneDNN 1.15-1.45x at 256-1024 rows; benchmarks/cpu_int8_bench.py --part fp8-dot)
-FP8_DOT_MIN_ROWS = 2
 # bfloat16 rows: widened to float32 at the kernel's edge up to this many (2.5-4x bfloat16 slices + F.linear at 1
 # row, 1.3x at 16, 0.6-1.0x at 64: a /tmp script beside RESULTS.md's fp8 figures)
 FP8_BF16_KERNEL_ROWS = 16

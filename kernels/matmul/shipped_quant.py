@@ -24,12 +24,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jobrunner.kernels.matmul.cpu_int8 import (FP8_BF16_KERNEL_ROWS, FP8_DOT_MIN_ROWS, FP8_KERNEL_ROWS, Int8Library,
-                                               fake_quantize_fp8_cpu, fp8_dequantize_cpu, fp8_dot_cpu, fp8_matmul_cpu)
+from jobrunner.kernels.matmul.cpu_int8 import (FP8_BF16_KERNEL_ROWS, FP8_KERNEL_ROWS, Int8Library, fake_quantize_fp8_cpu,
+                                               fp8_dequantize_cpu, fp8_dot_cpu, fp8_matmul_cpu)
 from jobrunner.kernels.matmul.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact
 from jobrunner.kernels.common.triton_utils import use_triton
 
 INT8_HALF_RANGE = 127.5            # compressed-tensors' symmetric scale divisor: (127 - (-128)) / 2
+# fp8_weight_matmul's e4m3-activation calls take the CPU library's bf16 form where it has one (every row count: it
+# matched or beat the float32 fp8 form from 1 row and float32 oneDNN from 16; benchmarks/cpu_int8_bench.py
+# --part fp8-dot); False holds them to the float32 form (the benchmark's fp8-job compares the two)
+FP8_DOT = True
 
 
 def _nonzero(s: torch.Tensor) -> torch.Tensor:
@@ -114,9 +118,9 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       cpu_kernel: Int8Library | None = None) -> torch.Tensor:
     """x [..., K] (its activations fake-quantized to fp8 when act is "dynamic" or "static") times the
     fp8 weight. The Triton kernel runs block scales on CUDA. On the CPU with cpu_kernel: float32 calls whose
-    activations are quantized to e4m3 (act "dynamic" or "static") of FP8_DOT_MIN_ROWS rows or more take the bf16
-    form where the library has it (cpu_fp8_dot.c, AVX512_BF16: e4m3 times e4m3 in exact bfloat16 products, any
-    number of rows); otherwise (cpu_int8.c's fp8 form)
+    activations are quantized to e4m3 (act "dynamic" or "static") take the bf16 form where the library has it
+    (FP8_DOT; cpu_fp8_dot.c, AVX512_BF16: e4m3 times e4m3 in exact bfloat16 products, any number of rows);
+    otherwise (cpu_int8.c's fp8 form)
     float32 calls of up to FP8_KERNEL_ROWS rows multiply the e4m3 bytes (never a float weight), the activations
     fake-quantized there too (the same values); bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
     (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
@@ -128,8 +132,8 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         from jobrunner.kernels.matmul.fp8_block_triton import fp8_block_matmul_triton       # quantizes x2 itself, per token and group
         return fp8_block_matmul_triton(x2, qweight, scales, block, bias).view(*x.shape[:-1], n)
     lib = cpu_kernel if cpu_kernel is not None and cpu_kernel.serves_fp8(x2, qweight, scales) else None
-    if lib is not None and lib.fp8_dot and act is not None and x2.dtype == torch.float32 \
-            and x2.shape[0] >= FP8_DOT_MIN_ROWS and (act == "static" or act_group is None or k % act_group == 0):
+    if FP8_DOT and lib is not None and lib.fp8_dot and act is not None and x2.dtype == torch.float32 \
+            and (act == "static" or act_group is None or k % act_group == 0):
         static = static_scale if act == "static" else None
         return fp8_dot_cpu(x2, qweight, scales, block, bias, static, act_group, lib).view(*x.shape[:-1], n)
     if act is not None:
