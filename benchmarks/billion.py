@@ -63,7 +63,7 @@ def model_dir(layers: int) -> Path:
     return cache_root() / "bench-models" / f"llama-1b-random-{layers}layers"
 
 
-def make_model(path: Path, layers: int) -> Path:
+def make_model(path: Path, layers: int, shape: dict = SHAPE) -> Path:
     """The random 1B-shaped checkpoint (bfloat16 on disk) with the default model's tokenizer; kept once made."""
     if (path / "done").is_file():
         return path
@@ -74,18 +74,18 @@ def make_model(path: Path, layers: int) -> Path:
     from jobrunner.models.known import pull
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.LlamaConfig(**{**SHAPE, "num_hidden_layers": layers})
+    cfg = transformers.LlamaConfig(**{**shape, "num_hidden_layers": layers})
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(str(path))
     gguf = Path(pull("smollm2-135m-instruct"))
     transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(path))
     g = torch.Generator().manual_seed(0)
-    h, ff, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    h, ff, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"] * shape["head_dim"]
 
     def rand(*shape, std=0.02):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": rand(SHAPE["vocab_size"], h),
+    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], h),
                "model.norm.weight": (1 + rand(h, std=0.1).float()).to(torch.bfloat16)}
     for i in range(layers):
         p = f"model.layers.{i}."
