@@ -1,6 +1,7 @@
 """The house holds: import-linter's contracts (pyproject.toml) pass on the installed layout and fail on a
 wrong import; no folder imports one that imports it back, nor one above it; no module of the kernels
-imports one that imports it back; the product's layer names every module of jobrunner/."""
+imports one that imports it back; the product's layer names every module of jobrunner/; every file a
+kernel compiles at run time (C sources, headers) and every data file is in the installed package."""
 import re
 import sys
 import tomllib
@@ -54,6 +55,15 @@ def test_a_wrong_import_breaks_its_contract(tmp_path, module, source, contract):
     assert r.returncode != 0, r.stdout[-2000:]
     broken = r.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, r.stdout[-3000:]
+
+
+def test_every_kernel_source_is_package_data():
+    """A non-editable install (a wheel) holds only the package data pyproject names: a C source or header left
+    out builds no kernel there (each falls back to its slow path with a warning)."""
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for path in [*REPO.glob("kernels/*/*.c"), *REPO.glob("kernels/*/*.h"), *REPO.glob("jobrunner/*/*.txt")]:
+        package = ("jobrunner.kernels." if path.parts[-3] == "kernels" else "jobrunner.") + path.parent.name
+        assert any(path.match(pattern) for pattern in data.get(package, [])), f"{path} is not in {package}'s data"
 
 
 def test_the_product_layer_names_every_module_of_jobrunner():

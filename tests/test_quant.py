@@ -480,3 +480,32 @@ def test_default_model_weight_bytes(default_runs):
     float_bytes = default_runs["none"][0]
     assert default_runs["int8"][0] <= 0.3 * float_bytes
     assert default_runs["int4"][0] <= 0.2 * float_bytes
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "w4a8"])
+def test_layers_are_quantized_as_they_load(tiny_hf_model_dir, monkeypatch, scheme):
+    """build_model quantizes each decoder layer as soon as its weights are in (issue 62 item 3: the float copies
+    never all exist at once, so the peak follows the quantized bytes); the weights are those of quantizing the
+    whole float model after loading."""
+    from jobrunner.engine.load.loader import load_model_bundle
+    from jobrunner.engine.quant import apply
+    from jobrunner.engine.run.runtime import build_model
+
+    path = str(tiny_hf_model_dir("llama", num_hidden_layers=3))
+    bundle = load_model_bundle(path)
+    read, at_quantize = [], []
+    weights = bundle.weights
+    monkeypatch.setattr(bundle, "weights", lambda: (read.append(n) or (n, t) for n, t in weights()))
+    real = apply._quantize_layer
+    monkeypatch.setattr(apply, "_quantize_layer", lambda m, i, q: at_quantize.append((i, len(read))) or real(m, i, q))
+    streamed = build_model(bundle, torch.device("cpu"), torch.float32, 0, scheme)
+    assert streamed.quantized_as_loaded and [i for i, _ in at_quantize] == sorted(i for i, _ in at_quantize)
+    assert len(at_quantize) == 3 and all(n < len(read) for _, n in at_quantize[:-1])   # before the rest was read
+    quantize_model(streamed, scheme, bundle, layers_done=True)
+
+    whole = build_model(load_model_bundle(path), torch.device("cpu"), torch.float32, 0)
+    assert not whole.quantized_as_loaded
+    quantize_model(whole, scheme, load_model_bundle(path))
+    for (name, a), (_, b) in zip(streamed.named_modules(), whole.named_modules()):
+        if hasattr(a, "dequantize"):
+            assert type(a) is type(b) and torch.equal(a.dequantize(), b.dequantize()), name

@@ -12,7 +12,7 @@ gathered from all ranks' rows.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -106,44 +106,63 @@ class CausalLM(nn.Module):
 
     _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     layer_done: Callable[[int], None] | None = None) -> set[str]:
         """Copies HF-named tensors in, one at a time; returns the names of parameters filled
-        (a fused parameter's shards as "<name>#<shard>")."""
-        params = dict(self.named_parameters())
+        (a fused parameter's shards as "<name>#<shard>"). layer_done(i), where given, runs as soon as decoder
+        layer i has every weight (to quantize it before the next layers' float weights are read: the float
+        copies of a quantized model then never exist all at once)."""
+        params, shard_sizes = dict(self.named_parameters()), self._shard_sizes()
+        waiting = self._layer_weight_names() if layer_done is not None else {}
         filled: set[str] = set()
-        shard_sizes = self._shard_sizes()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name in params and name.split(".")[-2] in shard_sizes:     # stored fused already (Phi-3)
-                with torch.no_grad():
-                    params[name].data.copy_(tensor)
-                filled.update(f"{name}#{i}" for i in range(len(shard_sizes[name.split(".")[-2]])))
-                continue
-            for piece, (fused, shard) in self.FUSED_SHARDS.items():
-                if f".{piece}." in name:
-                    target = name.replace(piece, fused)
-                    param = params[target]
-                    sizes = [param.shape[0] // 2] * 2 if fused == "gate_up_proj" else shard_sizes[fused]
-                    offset = sum(sizes[:shard])
-                    with torch.no_grad():
-                        param.data[offset:offset + sizes[shard]].copy_(tensor)
-                    filled.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise KeyError(f"unexpected weight {name!r}")
-                target = params[name].data
-                with torch.no_grad():
-                    if name in self._VOCAB_ROWS and tensor.shape[0] < target.shape[0]:
-                        target[tensor.shape[0]:].zero_()       # the last rank's padding rows
-                        target = target[:tensor.shape[0]]
-                    target.copy_(tensor)
-                filled.add(name)
+            done = self._fill_one(name, tensor, params, shard_sizes)
+            filled |= done
+            layer = _layer_of(name)
+            if layer in waiting:
+                waiting[layer] -= done
+                if not waiting[layer]:
+                    del waiting[layer]
+                    for n in [n for n in params if _layer_of(n) == layer]:
+                        del params[n]           # this dict holds no float weight the callback replaces
+                    layer_done(layer)
         return filled
+
+    def _fill_one(self, name: str, tensor: torch.Tensor, params: dict, shard_sizes: dict) -> set[str]:
+        """One HF tensor copied into its parameter (or its shard of a fused one); the names it filled."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return set()
+        if name in params and name.split(".")[-2] in shard_sizes:     # stored fused already (Phi-3)
+            with torch.no_grad():
+                params[name].data.copy_(tensor)
+            return {f"{name}#{i}" for i in range(len(shard_sizes[name.split(".")[-2]]))}
+        for piece, (fused, shard) in self.FUSED_SHARDS.items():
+            if f".{piece}." in name:
+                target = name.replace(piece, fused)
+                param = params[target]
+                sizes = [param.shape[0] // 2] * 2 if fused == "gate_up_proj" else shard_sizes[fused]
+                offset = sum(sizes[:shard])
+                with torch.no_grad():
+                    param.data[offset:offset + sizes[shard]].copy_(tensor)
+                return {f"{target}#{shard}"}
+        if name not in params:
+            raise KeyError(f"unexpected weight {name!r}")
+        target = params[name].data
+        with torch.no_grad():
+            if name in self._VOCAB_ROWS and tensor.shape[0] < target.shape[0]:
+                target[tensor.shape[0]:].zero_()       # the last rank's padding rows
+                target = target[:tensor.shape[0]]
+            target.copy_(tensor)
+        return {name}
+
+    def _layer_weight_names(self) -> dict[int, set[str]]:
+        """Decoder layer -> what load_weights must fill in it."""
+        out: dict[int, set[str]] = {}
+        for name in self.expected_weight_names():
+            if (layer := _layer_of(name)) is not None:
+                out.setdefault(layer, set()).add(name)
+        return out
 
     def expected_weight_names(self) -> set[str]:
         """What load_weights must fill for a complete model."""
@@ -158,3 +177,10 @@ class CausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a weight name ("layers.3.mlp.down_proj.weight") belongs to, None outside them."""
+    if name.startswith("layers."):
+        return int(name.split(".", 2)[1])
+    return None

@@ -98,16 +98,32 @@ def w8a8_backend(device: torch.device) -> tuple[str, int]:
     return "ref", 127
 
 
+def layer_quantizer(model: nn.Module, scheme: str, bundle=None):
+    """f(i) that quantizes decoder layer i's linears, for build_model to call as each layer's weights arrive (so a
+    quantized model's float weights never exist all at once), or None where the scheme needs the whole float
+    model first (w8a8: SmoothQuant calibrates on it; fp8) or the model has experts. quantize_model then does
+    the rest (embedding, head) with layers_done=True."""
+    name, group = parse_scheme(scheme)
+    if name not in ("int8", *GROUPED) or any(hasattr(layer.mlp, "experts") for layer in model.layers):
+        return None
+    device = model.embed_tokens.weight.device
+    check_quantization(scheme, device, model.embed_tokens.weight.dtype)
+    quantizer = _LinearQuantizer.choose(model, name, group, bundle, device, None)
+    return torch.no_grad()(lambda i: _quantize_layer(model, i, quantizer))
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_name: str | None = None,
-                   quantize_lm_head: bool | None = None, smooth_alpha: float | None = smooth.ALPHA) -> nn.Module:
+                   quantize_lm_head: bool | None = None, smooth_alpha: float | None = smooth.ALPHA,
+                   layers_done: bool = False) -> nn.Module:
     """Swaps `model`'s modules in place for quantized ones (see the module doc); returns model.
 
     bundle: the ModelBundle the model was loaded from; with a GGUF bundle, Q4_0/Q4_1/Q8_0 tensors
     load straight from the file. w8a8_backend_name: "int_mm" | "fbgemm" | "ref" (default: the
     fastest exact one here). quantize_lm_head: default True for int8/int4/w8a8, False for fp8.
     smooth_alpha: w8a8 only: SmoothQuant strength (engine/quant/smooth.py), calibrated on a short
-    built-in text with the bundle's tokenizer; None (or no bundle) skips it."""
+    built-in text with the bundle's tokenizer; None (or no bundle) skips it. layers_done: the decoder layers
+    were quantized as they loaded (layer_quantizer); only the embedding and head are left."""
     name, group = parse_scheme(scheme)
     if name == "none":
         return model
@@ -119,7 +135,9 @@ def quantize_model(model: nn.Module, scheme: str, bundle=None, *, w8a8_backend_n
             and smooth.applies_to(model):
         ids = smooth.calibration_ids(bundle.tokenizer)
         smooth.smooth_model(model, smooth.input_amax(model, ids), smooth_alpha)
-    _quantize_layers(model, quantizer)
+    if not layers_done:
+        for i in range(len(model.layers)):
+            _quantize_layer(model, i, quantizer)
     if quantize_lm_head is None:
         quantize_lm_head = name != "fp8"
     if quantize_lm_head:
@@ -186,16 +204,16 @@ def int8_activations(model: nn.Module) -> int:
     return len(swaps)
 
 
-def _quantize_layers(model: nn.Module, quantize: _LinearQuantizer) -> None:
-    """Every decoder layer's linears swapped for quantize's modules; a MoE block's experts quantized too."""
-    for i, layer in enumerate(model.layers):
-        for parent_name, attr in _decoder_linears(layer):
-            parent = layer.get_submodule(parent_name)
-            lin = getattr(parent, attr)
-            setattr(parent, attr, quantize(f"layers.{i}.{parent_name}.{attr}", lin))
-            del lin
-        if hasattr(layer.mlp, "experts"):       # a MoE block: its router stays in the model dtype
-            quantize_experts(layer.mlp.experts, quantize.name)
+def _quantize_layer(model: nn.Module, i: int, quantize: _LinearQuantizer) -> None:
+    """Decoder layer i's linears swapped for quantize's modules; a MoE block's experts quantized too."""
+    layer = model.layers[i]
+    for parent_name, attr in _decoder_linears(layer):
+        parent = layer.get_submodule(parent_name)
+        lin = getattr(parent, attr)
+        setattr(parent, attr, quantize(f"layers.{i}.{parent_name}.{attr}", lin))
+        del lin
+    if hasattr(layer.mlp, "experts"):       # a MoE block: its router stays in the model dtype
+        quantize_experts(layer.mlp.experts, quantize.name)
 
 
 def _decoder_linears(layer):

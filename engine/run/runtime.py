@@ -179,13 +179,13 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
     if config.batch_invariant:         # what the mode does not cover yet, refused before any weight is read
         batch_invariance.check_config(config, bundle, device, kv_dtype)
     with building(tp):
-        model = build_model(bundle, device, dtype, config.seed)
+        model = build_model(bundle, device, dtype, config.seed, config.quantization)
     if config.quantization != "none":
         from jobrunner.engine.quant import int8_activations, quantize_model
         if getattr(bundle, "quantization", None) is not None:
             int8_activations(model)            # w4a8 over a shipped int4 checkpoint's own linears
         else:
-            quantize_model(model, config.quantization, bundle)
+            quantize_model(model, config.quantization, bundle, layers_done=model.quantized_as_loaded)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
         added = pack_linears(model, batch_invariant=config.batch_invariant)
@@ -214,8 +214,12 @@ def _agreed(num_blocks: int, tp: TensorParallel) -> int:
     return int(n.item())
 
 
-def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """Allocates the model without initializing it, then fills it from the weights, one tensor at a time."""
+def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0, quantization: str = "none") -> CausalLM:
+    """Allocates the model without initializing it, then fills it from the weights, one tensor at a time. With a
+    `quantization` whose decoder linears quantize one layer at a time (engine/quant: layer_quantizer), each layer
+    is quantized as soon as its weights are in (model.quantized_as_loaded): the float copies of the model's
+    linears never exist all at once, so the peak memory follows the quantized bytes. Storage is touched only
+    when written (torch.empty), and a quantized layer's float storage is freed before the next is read."""
     cfg = bundle.config
     with _uninitialized():
         model = model_class(cfg.architecture)(cfg)
@@ -227,11 +231,17 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.init_buffers()
+    model.quantized_as_loaded = False
     if bundle.weight_format == "dummy":
         _random_init(model, seed)
     else:
         weights = bundle.weights() if model.tp.size == 1 else bundle.shard_weights(model.shards.select)
-        filled = model.load_weights(weights if shipped is None else shipped.split(weights))
+        layer_done = _layer_quantizer(model, bundle, quantization) if shipped is None else None
+        model.quantized_as_loaded = layer_done is not None
+        if layer_done is not None:
+            filled = model.load_weights(weights, layer_done=layer_done)
+        else:
+            filled = model.load_weights(weights if shipped is None else shipped.split(weights))
         missing = model.expected_weight_names() - filled
         if shipped is not None:
             shipped.finish()
@@ -241,6 +251,15 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0)
                               + (" ..." if len(missing) > 5 else ""))
     model.eval().requires_grad_(False)
     return model
+
+
+def _layer_quantizer(model: CausalLM, bundle, quantization: str):
+    """engine/quant's layer_quantizer where this model's loading can call it (a dense model's own load_weights:
+    experts and vision towers load their own way), else None."""
+    if quantization == "none" or type(model).load_weights is not CausalLM.load_weights:
+        return None
+    from jobrunner.engine.quant import layer_quantizer
+    return layer_quantizer(model, quantization, bundle)
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",

@@ -23,23 +23,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_half.h"      /* half_to_float */
+
 #define MR 8      /* activation rows a block */
 
-static inline float half_to_float(uint16_t h) {    /* IEEE binary16 -> binary32, exact (no F16C needed) */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0) bits = sign | ((exp + 112u) << 23) | (man << 13);
-    else if (man == 0) bits = sign;
-    else {                                           /* subnormal: normalize */
-        exp = 113;
-        while (!(man & 0x400u)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 typedef struct {
     const float *x; int64_t ldx;

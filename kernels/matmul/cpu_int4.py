@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 from pathlib import Path
 
 import torch
@@ -45,8 +46,11 @@ def compile_command(source: Path, cc: list[str], output: Path, variant: str) -> 
 
 
 def library_name(source: Path, variant: str) -> str:
-    """A kernel library's file name, a hash of its source and the flags: a stale build is never loaded."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
+    """A kernel library's file name, a hash of its source, the local headers it includes and the flags: a stale
+    build is never loaded."""
+    text = source.read_bytes()
+    headers = b"".join(source.with_name(h.decode()).read_bytes() for h in re.findall(rb'#include "([^"]+)"', text))
+    digest = hashlib.sha256(text + headers + " ".join(flags(variant) + LIBS).encode()).hexdigest()[:12]
     return f"{source.stem}-{variant}-{digest}.so"
 
 
