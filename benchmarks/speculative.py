@@ -4,6 +4,7 @@ machine state; figures are ratios of the same job's wall time (model load exclud
 
     python -m benchmarks.speculative                       # every workload below
     python -m benchmarks.speculative --only extraction --rows 100 --modes off,auto
+    python -m benchmarks.speculative --only extraction --jobrunner-args "--dtype bfloat16"
 
   extraction   rows whose answers copy spans of their prompts (repeat a passage, list its sentences,
                wrap it in JSON), 128 new tokens: at --max-num-seqs 8 and at the defaults
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -74,6 +76,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=("extraction", "long-tail", "cpu-suite"), action="append")
     ap.add_argument("--rows", type=int, default=100, help="extraction rows")
     ap.add_argument("--modes", default="off,auto,ngram", help="--speculative values to run (off first: the base)")
+    ap.add_argument("--jobrunner-args", dest="extra", type=shlex.split, default=[],
+                    help='extra options for every run, e.g. "--dtype bfloat16"')
     args = ap.parse_args(argv)
     modes = tuple(args.modes.split(","))
     only = set(args.only or ("extraction", "long-tail", "cpu-suite"))
@@ -81,7 +85,7 @@ def main(argv=None) -> None:
     tok = W.our_tokenizer(args.model)
     print("| job | --speculative | wall s | completion tok/s | speed vs off | accepted / drafted | steps |\n"
           "|---|---|---|---|---|---|---|")
-    model = ["-m", args.model]
+    model = ["-m", args.model, *args.extra]
     if "extraction" in only:
         data = _write(extraction(args.rows), tmp / "extraction.jsonl")
         compare("extraction, batch 8", data, tmp, [*model, "--max-tokens", "128", "--max-num-seqs", "8"], modes)
