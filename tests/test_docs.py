@@ -41,6 +41,7 @@ OTHER_TOOLS = {
     "--fewshot_as_multiturn": "lm_eval", "--max-restarts": "torchrun", "--nproc-per-node": "torchrun",
     "--nnodes": "torchrun", "--rdzv-backend": "torchrun", "--rdzv-endpoint": "torchrun", "--index-url": "pip",
     "--strict": "mkdocs build", "--suite": "python -m benchmarks", "--make": "python -m benchmarks.vision_caption",
+    "--part": "python -m benchmarks.cpu_int4_bench / cpu_int8_bench", "--w4a8": "python -m benchmarks.shipped_quant",
 }
 
 
