@@ -180,6 +180,7 @@ def test_the_switch_drafts_where_it_pays_and_not_where_it_costs():
     fresh = SpeculationSwitch("auto", 4)
     fresh.row(1).rate = 0.6
     assert fresh.plan([1, 2], batch_rows=8) == {1: 2}   # not measured: proven rows try, and so measure
+    assert fresh.plan([1, 2], batch_rows=100) == {}     # ... in small batches only (the tail), not at 100 rows
     assert SpeculationSwitch("ngram", 3).plan([1, 2], batch_rows=256) == {1: 3, 2: 3}
 
 
