@@ -106,9 +106,7 @@ def layer_quantizer(model: nn.Module, scheme: str, bundle=None):
     name, group = parse_scheme(scheme)
     if name not in ("int8", *GROUPED) or any(hasattr(layer.mlp, "experts") for layer in model.layers):
         return None
-    device = model.embed_tokens.weight.device
-    check_quantization(scheme, device, model.embed_tokens.weight.dtype)
-    quantizer = _LinearQuantizer.choose(model, name, group, bundle, device, None)
+    quantizer = _LinearQuantizer.choose(model, name, group, bundle, model.embed_tokens.weight.device, None)
     return torch.no_grad()(lambda i: _quantize_layer(model, i, quantizer))
 
 

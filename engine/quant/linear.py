@@ -145,8 +145,9 @@ class W4A8Linear(Int4Linear):
         return w4a8_unpack(self.kernel_weights)
 
     def forward(self, x):
-        if self.cpu_kernel is not None and self.cpu_kernel.covers(x.float()):
-            return w4a8_matmul_cpu(x.float(), self.kernel_weights, self.bias, self.cpu_kernel).to(x.dtype)
+        x32 = x.float()         # the activations are rounded to int8 anyway: any float dtype widens first
+        if self.cpu_kernel is not None and self.cpu_kernel.covers(x32):
+            return w4a8_matmul_cpu(x32, self.kernel_weights, self.bias, self.cpu_kernel).to(x.dtype)
         return self.forward_ref(x)
 
     def forward_ref(self, x):
