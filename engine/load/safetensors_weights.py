@@ -16,22 +16,43 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 def safetensors_weights(files: list[Path]) -> Callable[..., WeightIterator]:
     """weights(select=None): every tensor whole, or as select(name, shape) slices it (ModelBundle.shard_weights)."""
     def weights(select=None) -> WeightIterator:
-        from safetensors import safe_open
         for file in files:
-            with safe_open(file, framework="pt") as st:
-                for name in st.keys():
-                    if name.endswith("rotary_emb.inv_freq"):  # a buffer in old checkpoints
-                        continue
-                    if select is None:
-                        yield name, st.get_tensor(name)
-                        continue
-                    part = st.get_slice(name)
-                    picked = select(name, tuple(part.get_shape()))
-                    if picked is None:
-                        yield name, st.get_tensor(name)
-                    elif picked[1]:                     # no ranges: another rank's (an expert it holds)
-                        yield name, read_ranges(part, picked)
+            yield from _file_weights(file, select)
     return weights
+
+
+# A file's mapping keeps every page read through it resident (RSS) until it closes: read whole through one
+# mapping, a checkpoint would count a second time beside the weights built from it (a quantized model's peak
+# would follow the file, not its own bytes). So the file is reopened after this many bytes.
+MAPPED_BYTES = 256 << 20
+
+
+def _file_weights(file: Path, select) -> WeightIterator:
+    from safetensors import safe_open
+    names, done = None, 0
+    while names is None or done < len(names):
+        with safe_open(file, framework="pt") as st:
+            if names is None:
+                names = [n for n in st.keys() if not n.endswith("rotary_emb.inv_freq")]  # a buffer in old checkpoints
+            read = 0
+            while done < len(names) and read < MAPPED_BYTES:
+                name = names[done]
+                done += 1
+                tensor = _read(st, name, select)
+                if tensor is not None:
+                    read += tensor.nbytes
+                    yield name, tensor
+
+
+def _read(st, name: str, select) -> torch.Tensor | None:
+    """The tensor whole, or the ranges select picks of it; None where select picks none (another rank's)."""
+    if select is None:
+        return st.get_tensor(name)
+    part = st.get_slice(name)
+    picked = select(name, tuple(part.get_shape()))
+    if picked is None:
+        return st.get_tensor(name)
+    return read_ranges(part, picked) if picked[1] else None
 
 
 def read_ranges(part, picked) -> torch.Tensor:
