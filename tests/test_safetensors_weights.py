@@ -78,3 +78,24 @@ def test_pages_read_are_not_kept_resident(checkpoint, monkeypatch, mapped):
         assert peak < 24 * 1024, f"{peak} kB of the file resident at once"
     else:
         assert peak > 40 * 1024, f"only {peak} kB resident through one mapping: this test measures nothing here"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_gguf_mappings_pages_are_dropped_once_copied(tmp_path):
+    """engine.load.gguf.drop_pages, as GGUF loading calls it after each tensor is dequantized or its blocks copied:
+    the pages leave the process's resident set, and the data reads back unchanged (faulted in again from the
+    file)."""
+    import numpy as np
+
+    from jobrunner.engine.load.gguf import drop_pages
+    path = tmp_path / "blocks.bin"
+    want = np.random.default_rng(0).integers(0, 255, 48 * MB + 123, dtype=np.uint8)
+    want.tofile(path)
+    mapped = np.memmap(path, mode="c").view(np.ndarray)        # as GGUFFile's reader holds it
+    view = mapped[100:40 * MB + 7]                              # starts and ends inside a page
+    before = _rss_file_kb()
+    assert int(view.sum()) > 0 and _rss_file_kb() - before > 36 * 1024
+    drop_pages(view)
+    assert _rss_file_kb() - before < 4 * 1024
+    assert np.array_equal(mapped, want)
+    drop_pages(np.arange(10))                                   # not on a mapping: nothing to drop

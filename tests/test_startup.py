@@ -93,7 +93,12 @@ def test_a_model_too_large_to_copy_loads_from_the_file(tiny_gguf_path, tmp_path,
     path = tiny_gguf_path("llama", "Q8_0")
     bundle = load_model_bundle(str(path), cache_dir=tmp_path)
     assert not (tmp_path / "float").exists() or not any((tmp_path / "float").rglob("model.safetensors"))
-    assert len(_weights(bundle)) > 0
+    direct = _weights(bundle)
+    monkeypatch.undo()
+    copied = _weights(load_model_bundle(str(path), cache_dir=tmp_path / "copied"))
+    assert len(direct) > 0 and direct.keys() == copied.keys()
+    assert all(torch.equal(direct[n], copied[n]) for n in direct)      # each pass maps the file anew, pages dropped
+    assert [n for n, _ in bundle.weights()] == list(direct)             # and a second pass reads it all again
 
 
 def test_building_an_engine_imports_neither_dynamo_nor_sympy(tiny_gguf_path, tmp_path):

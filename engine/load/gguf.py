@@ -14,6 +14,7 @@ llama.cpp's converter changes two things we undo here:
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from contextlib import contextmanager
@@ -23,6 +24,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:     # numpy < 2
+    byte_bounds = np.byte_bounds
 
 from jobrunner.engine.api.errors import ModelError
 from jobrunner.engine.config.architectures import GGUF_ARCHITECTURES
@@ -188,6 +194,7 @@ class GGUFFile:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             with _one_thread():
                 w = self._unpermute(name, dequantize(t.data, t.tensor_type.name, shape, t.tensor_type)).contiguous()
+            drop_pages(t.data)      # w is a fresh tensor
             yield hf, w
 
     def iter_raw_tensors(self) -> Iterator[RawTensor]:
@@ -200,6 +207,25 @@ class GGUFFile:
             rows = self._unpermute(name, t.data.view(np.uint8).reshape(shape[0], -1))
             raw = rows.reshape(1, -1) if len(shape) == 1 else rows
             yield RawTensor(hf, t.tensor_type.name, shape, np.ascontiguousarray(raw))
+
+
+def drop_pages(data: np.ndarray) -> None:
+    """Lets the kernel drop the pages of a GGUF mapping that `data`, a view of it, lies on, once what was read
+    from them has been copied. A mapping keeps every page read through it resident (RSS) while the file is open,
+    so without this a model built from a GGUF would count the file a second time. Nothing writes to these
+    mappings, so a page read again faults back in from the file unchanged. A no-op for arrays not on a mapping."""
+    root = data
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base                                # views down to np.memmap's own array over the mapping
+    if not isinstance(root, np.memmap):
+        return
+    origin = byte_bounds(root)[0] - root.offset % mmap.ALLOCATIONGRANULARITY     # the mapping's first byte
+    start, end = byte_bounds(data)
+    page = mmap.PAGESIZE
+    first = -(-(start - origin) // page) * page         # whole pages inside the view only: a neighbour's are kept
+    last = (end - origin) // page * page
+    if last > first:
+        root.base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 @contextmanager

@@ -165,9 +165,11 @@ def _load_gguf(path: Path, source: str, cache_dir=None) -> ModelBundle:
         hf_config, tokenizer = f.hf_config(), Tokenizer.from_gguf(f)
         if f.float32_bytes() > float_cache.MAX_FLOAT_BYTES or \
                 not float_cache.write(converted, hf_config, tokenizer, f.iter_tensors()):
+            # each pass maps the file anew: held by the bundle, one mapping would keep every page read
+            # resident for the engine's life, beside the weights built from them
             return ModelBundle(config=_model_config(hf_config, str(path)), hf_config=hf_config, tokenizer=tokenizer,
-                               weights=f.iter_tensors, source=source, weight_format="gguf",
-                               raw_weights=f.iter_raw_tensors)
+                               weights=lambda: GGUFFile(path).iter_tensors(), source=source, weight_format="gguf",
+                               raw_weights=lambda: GGUFFile(path).iter_raw_tensors())
         cached = hf_config, tokenizer, float_cache.weights_file(converted)
     hf_config, tokenizer, weights_file = cached
     weights = safetensors_weights([weights_file])

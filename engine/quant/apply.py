@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from jobrunner.engine.config.engine_config import ConfigError
+from jobrunner.engine.load.gguf import drop_pages
 from jobrunner.engine.quant import formats, smooth
 from jobrunner.engine.quant.experts import check_expert_scheme, quantize_experts
 from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W4A8Linear, W8A8Linear
@@ -170,15 +171,21 @@ class _LinearQuantizer:
 
     def __call__(self, full: str, lin: nn.Linear) -> nn.Module:
         """The quantized module for `lin`, the model's module `full` (e.g. "layers.0.self_attn.qkv_proj")."""
+        parts = self.raw.pop(full, None)        # a module's blocks are read once: copied, then their pages dropped
+        try:
+            return self._quantized(lin, parts)
+        finally:
+            for part in parts or ():
+                drop_pages(part.data)
+
+    def _quantized(self, lin: nn.Linear, parts: list | None) -> nn.Module:
         w, bias, device = lin.weight, lin.bias, self.device
         if self.name == "int8":
-            parts = self.raw.get(full)
             if parts and all(p.ggml_type in formats.GGUF_INT8_TYPES for p in parts):
                 return Int8Linear(*_to(formats.int8_from_gguf(parts), device), bias=bias)
             return Int8Linear(*formats.quantize_int8(w), bias=bias)
         if self.name in GROUPED:
             cls = Int4Linear if self.name == "int4" else W4A8Linear
-            parts = self.raw.get(full)
             if self.group == formats.GGUF_GROUP and parts \
                     and all(p.ggml_type in formats.GGUF_INT4_TYPES for p in parts) \
                     and len({p.ggml_type for p in parts}) == 1:
