@@ -246,7 +246,30 @@ def test_int4_and_w4a8_are_candidates_where_the_weights_ship_4_bit(measured, mon
         assert "int4 not run: weights not shipped 4-bit" in summary and "w4a8 not run" in summary
 
 
-def test_which_checkpoints_ship_int4(default_gguf_path, tiny_gguf_path, tiny_hf_model_dir):
+def test_a_shipped_int4_checkpoint_is_measured_among_its_own_modes(measured, monkeypatch, tmp_path):
+    """A GPTQ, AWQ or W4A16 checkpoint under auto on CPU: float32 runs it as shipped (the perplexity to stay
+    within), bfloat16 and w4a8 (its int4 weights times int8 activations) are measured beside it; w8a8 and int4
+    would quantize it again and are not. As shipped under --tensor-parallel, for other schemes, and where the
+    output it resumes ran as shipped before any record."""
+    monkeypatch.setattr(calibration.engine, "ships_int4", lambda model: True)
+    dtype, quantization, rec = resolve_precision(cpu_auto_cfg(), "W4A16", MODEL)
+    assert (dtype, quantization, rec["mode"]) == ("auto", "w4a8", "w4a8")
+    assert measured == ["float32", "bfloat16", "w4a8"]
+    assert "quantized int4 already" in rec["skipped"]["w8a8"] and "int4" in rec["skipped"]
+    assert resolve_precision(cpu_auto_cfg(tensor_parallel=2), "W4A16", MODEL) == ("auto", "none", None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST).write_text(json.dumps({"format": FORMAT_MARK}))
+    assert resolve_precision(cpu_auto_cfg(), "W4A16", MODEL, resumes=str(out)) == ("auto", "none", None)
+    assert resolve_precision(cpu_auto_cfg(), "W4A16", MODEL, resumes=str(tmp_path / "new"))[1] == "w4a8"
+    monkeypatch.setenv(calibration.ENV, "off")
+    rec = calibration.cpu_auto(MODEL, 1, shipped=True)
+    assert (rec["mode"], rec["quantization"]) == ("float32", "none") and "as shipped" in rec["why"]
+    monkeypatch.setattr(calibration.engine, "ships_int4", lambda model: False)      # W8A16: nothing to measure
+    assert len(measured) == 3 and resolve_precision(cpu_auto_cfg(), "W8A16", MODEL) == ("auto", "none", None)
+
+
+def test_which_checkpoints_ship_int4(default_gguf_path, tiny_gguf_path, tiny_hf_model_dir, tmp_path):
     from jobrunner import engine
 
     assert engine.ships_int4(str(default_gguf_path))            # SmolLM2-135M-Instruct.Q4_1.gguf
@@ -255,6 +278,12 @@ def test_which_checkpoints_ship_int4(default_gguf_path, tiny_gguf_path, tiny_hf_
     assert not engine.ships_int4(str(tiny_gguf_path(qtype="F32")))
     assert not engine.ships_int4(str(tiny_hf_model_dir("llama")))
     assert not engine.ships_int4(MODEL)
+    pytest.importorskip("compressed_tensors")
+    from quantized_checkpoints import make_compressed, make_gptq
+    assert engine.ships_int4(str(make_compressed(tmp_path / "w4a16", "llama", "W4A16")))
+    assert engine.ships_int4(str(make_gptq(tmp_path / "gptq", "llama", bits=4, group_size=32)))
+    assert not engine.ships_int4(str(make_compressed(tmp_path / "w8a16", "llama", "W8A16")))
+    assert not engine.ships_int4(str(make_gptq(tmp_path / "gptq8", "llama", bits=8, group_size=32)))
 
 
 def test_a_real_calibration_of_a_4_bit_gguf_measures_int4_on_its_own_blocks(tiny_gguf_path, tmp_path, monkeypatch):
@@ -266,3 +295,16 @@ def test_a_real_calibration_of_a_4_bit_gguf_measures_int4_on_its_own_blocks(tiny
     f32, int4 = rec["modes"]["float32"]["perplexity"], rec["modes"]["int4"]["perplexity"]
     assert abs(int4 / f32 - 1) < 1e-3 and rec["modes"]["int4"]["tokens_per_s"] > 0
     assert rec["mode"] == calibration.pick(rec["modes"])
+
+
+def test_a_real_calibration_of_a_shipped_w4a16_checkpoint(tmp_path, monkeypatch):
+    """float32 runs the checkpoint's own int4 linears; w4a8 the same weights with int8 activations: measured,
+    and picked by the rule like any mode."""
+    pytest.importorskip("compressed_tensors")
+    from quantized_checkpoints import make_compressed
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(calibration.ENV, raising=False)
+    rec = calibration.cpu_auto(str(make_compressed(tmp_path / "ckpt", "llama", "W4A16")), threads=1, shipped=True)
+    f32, w4a8 = rec["modes"]["float32"], rec["modes"]["w4a8"]
+    assert abs(w4a8["perplexity"] / f32["perplexity"] - 1) < 0.05 and w4a8["tokens_per_s"] > 0
+    assert "w8a8" not in rec["modes"] and rec["mode"] == calibration.pick(rec["modes"], allowed=calibration.SHIPPED_MODES)

@@ -88,6 +88,12 @@ def checkpoint_quantization(model: str) -> str | None:
     """The scheme of a quantized HF checkpoint directory (config.json's quantization_config, as
     ModelBundle.quantization names it), None for a float one, a GGUF file or dummy:; ConfigError for a
     scheme the engine does not run. Reads config.json only."""
+    quant = _shipped_quant(model)
+    return None if quant is None else quant.name
+
+
+def _shipped_quant(model: str):
+    """config.json's quantization_config read (ShippedQuant), None where it has none or there is no config."""
     if model.startswith("dummy:"):
         return None
     fs, path = _url_to_fs(model)
@@ -98,16 +104,17 @@ def checkpoint_quantization(model: str) -> str | None:
         hf_config = json.loads(fs.cat_file(config))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {config}: {e}") from e
-    quant = read_quantization(hf_config)
-    return None if quant is None else quant.name
+    return read_quantization(hf_config)
 
 
 def ships_int4(model: str) -> bool:
-    """Whether `model` is a local GGUF file whose 2-D weights are mostly stored 4-bit (Q4_0/Q4_1): the
-    int4 quantization then computes on its blocks as shipped (engine/quant/apply.py), the checkpoint's own
-    numbers. Reads the header only."""
+    """Whether `model`'s linears are shipped 4-bit, so int4 and w4a8 compute on them as shipped (the checkpoint's
+    own numbers): a local GGUF file whose 2-D weights are mostly Q4_0/Q4_1 (engine/quant/apply.py; its header
+    read), or a checkpoint quantized int4 weight-only (W4A16, GPTQ, AWQ: `--quantization w4a8` runs its linears
+    with int8 activations; its config.json read)."""
     if not (model.endswith(".gguf") and os.path.isfile(model)):
-        return False
+        quant = _shipped_quant(model)
+        return quant is not None and quant.int4_weight_only
     from jobrunner.engine.load.gguf import GGUFFile      # numpy and the gguf reader: only for a .gguf file
     matrices = [t.tensor_type.name for t in GGUFFile(model).reader.tensors if len(t.shape) == 2]
     return sum(name in ("Q4_0", "Q4_1") for name in matrices) * 2 > len(matrices)

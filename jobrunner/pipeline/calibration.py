@@ -70,11 +70,14 @@ CALIBRATION_VERSION = 6             # the text, the workload or the figures' mea
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
 # dtype auto is float32 on CPU, as the flag rule says it. int4 and w4a8 (int4's weights times int8
 # activations): candidates only where the weights are shipped 4-bit (engine.ships_int4: GGUF Q4_0/Q4_1, the
-# default model's Q4_1), computed on as shipped, so int4's perplexity is the checkpoint's own and w4a8's
+# default model's Q4_1; a GPTQ, AWQ or W4A16 checkpoint: w4a8 only), computed on as shipped, so int4's perplexity is the checkpoint's own and w4a8's
 # adds only its activations' rounding; elsewhere both would be a new rounding of float weights.
 MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8"),
          "int4": ("auto", "int4"), "w4a8": ("auto", "w4a8")}
 FLOAT_MODES = ("float32", "bfloat16")       # what splits over --tensor-parallel ranks (w8a8 does not)
+# A checkpoint quantized int4 weight-only (GPTQ, AWQ, W4A16): float32 runs it as shipped (its perplexity the
+# base), w4a8 its linears with int8 activations; w8a8 and int4 would quantize it again (the engine refuses).
+SHIPPED_MODES = ("float32", "bfloat16", "w4a8")
 # A job's shape, not a toy's: with 8-token prompts and 16 new, bfloat16 timed 1.3x float32 on an AVX-512
 # EPYC, yet ran the benchmark suite's jobs 1.3-1.6x slower (its attention and elementwise ops, which short
 # contexts hide); at 128 + 32 the calibration ranks the modes as those jobs do.
@@ -99,25 +102,27 @@ def pick(figures: Mapping[str, Mapping], tolerance: float = TOLERANCE, allowed=t
 
 
 def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_only: bool = False,
-             packed_weights: bool = True) -> dict:
+             packed_weights: bool = True, shipped: bool = False) -> dict:
     """The record of auto's choice for `model` on this CPU: the cached figures, else measured now
     (`measure`; on `threads`, None: the free cores), else the flag rule. float_only: --tensor-parallel,
-    where w8a8 does not split. packed_weights: the job's (float32's speed depends on it)."""
-    allowed = FLOAT_MODES if float_only else tuple(MODES)
+    where w8a8 does not split. packed_weights: the job's (float32's speed depends on it). shipped: a checkpoint
+    quantized int4 weight-only, chosen among SHIPPED_MODES (as shipped where nothing is measured)."""
+    allowed = FLOAT_MODES if float_only else SHIPPED_MODES if shipped else tuple(MODES)
     setting = os.environ.get(ENV, "on").strip().lower()
+    fallback = as_shipped if shipped else by_flags
     if setting == "off":
-        return by_flags(f"{ENV}=off", float_only)
+        return fallback(f"{ENV}=off", float_only)
     if _torchrun_rank():        # each rank resolves: caches or measurements could differ between nodes, flags cannot
-        return by_flags("a torchrun rank measures nothing and reads no cache", float_only)
+        return fallback("a torchrun rank measures nothing and reads no cache", float_only)
     if not TEXT_FILE.is_file():     # an install without the package's data
-        return by_flags(f"{TEXT_FILE.name} is not installed", float_only)
+        return fallback(f"{TEXT_FILE.name} is not installed", float_only)
     path = cache_path(model, packed_weights)
     figures = read_cache(path) if path is not None and setting != "refresh" else None
     source = "cache"
     if figures is None:
         if not measure:
-            return by_flags("auto: calibrated at first run", float_only)
-        figures, source = measure_all(model, threads, packed_weights), "measured"
+            return fallback("auto: calibrated at first run", float_only)
+        figures, source = measure_all(model, threads, packed_weights, shipped), "measured"
         if "float32" not in figures["modes"]:
             return by_flags(f"float32 could not be measured ({figures['skipped'].get('float32')})", float_only)
         if path is not None:
@@ -126,7 +131,7 @@ def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_onl
     dtype, quantization = MODES[mode]
     why = (f"fastest within {TOLERANCE:.0%} of float32's perplexity" if mode != "float32"
            else f"no mode within {TOLERANCE:.0%} of float32's perplexity ran faster")
-    if float_only and pick(figures["modes"]) not in FLOAT_MODES:
+    if float_only and pick(figures["modes"], allowed=SHIPPED_MODES if shipped else tuple(MODES)) not in FLOAT_MODES:
         why += " of the float modes (w8a8 does not split over --tensor-parallel ranks)"
     return {**figures, "mode": mode, "dtype": dtype, "quantization": quantization, "why": why, "source": source,
             "tolerance": TOLERANCE, "exact": EXACT, **({"cache_file": str(path)} if path is not None else {})}
@@ -139,6 +144,13 @@ def by_flags(reason: str, float_only: bool = False) -> dict:
         quantization, why = "none", f"{why}, but w8a8 does not split over --tensor-parallel ranks"
     mode = next(m for m, dq in MODES.items() if dq == (dtype, quantization))
     return {"mode": mode, "dtype": dtype, "quantization": quantization, "why": f"{reason}; by flags: {why}",
+            "source": "flags", "modes": {}, "machine": machine(), "tolerance": TOLERANCE, "exact": EXACT}
+
+
+def as_shipped(reason: str, float_only: bool = False) -> dict:
+    """The record of a shipped int4 checkpoint run as shipped, nothing measured (`reason`: why not)."""
+    dtype, quantization = MODES["float32"]
+    return {"mode": "float32", "dtype": dtype, "quantization": quantization, "why": f"{reason}; as shipped",
             "source": "flags", "modes": {}, "machine": machine(), "tolerance": TOLERANCE, "exact": EXACT}
 
 
@@ -175,16 +187,28 @@ def output_record(output_url: str) -> dict | None:
     return record if isinstance(record, dict) and record.get("mode") in MODES else None
 
 
+def output_begun(output_url: str) -> bool:
+    """Whether a job has written the output's manifest (False where it cannot be read: check_output's to say)."""
+    try:
+        fs, root = output_fs(output_url)
+        return load_manifest(fs, root) is not None
+    except Exception:  # noqa: BLE001 - as output_record
+        return False
+
+
 # --- measuring -------------------------------------------------------------------------------
 
 
-def measure_all(model: str, threads: int | None, packed_weights: bool = True) -> dict:
+def measure_all(model: str, threads: int | None, packed_weights: bool = True, shipped: bool = False) -> dict:
     """Every mode's figures, one engine at a time: {"modes": {mode: figures}, "skipped": {mode: why},
-    "machine", "seconds", "measured_at"}. A mode the engine refuses (or fails to run) is skipped."""
+    "machine", "seconds", "measured_at"}. A mode the engine refuses (or fails to run) is skipped. shipped:
+    a checkpoint quantized int4 weight-only (SHIPPED_MODES)."""
     t0 = time.perf_counter()
     modes, skipped = {}, {}
-    if not engine.ships_int4(model):
-        skipped["int4"] = skipped["w4a8"] = "weights not shipped 4-bit (GGUF Q4_0/Q4_1)"
+    if shipped:
+        skipped["w8a8"] = skipped["int4"] = "the checkpoint is quantized int4 already: float32 runs it as shipped"
+    elif not engine.ships_int4(model):
+        skipped["int4"] = skipped["w4a8"] = "weights not shipped 4-bit (GGUF Q4_0/Q4_1, GPTQ, AWQ, W4A16)"
     for mode in (m for m in MODES if m not in skipped):
         try:
             modes[mode] = measure_mode(model, mode, threads, packed_weights)

@@ -21,7 +21,7 @@ from jobrunner.config.job import JobConfig, JobConfigError
 from jobrunner.config.lora import LoraOptions
 from jobrunner.config.tool_options import check_job_tools
 from jobrunner.pipeline import checks, preload
-from jobrunner.pipeline.calibration import cpu_auto, output_record, summary
+from jobrunner.pipeline.calibration import cpu_auto, output_begun, output_record, summary
 from jobrunner.pipeline.precision import auto_precision, measures, on_gpu
 from jobrunner.models.known import resolve_adapter, resolve_model
 
@@ -178,14 +178,16 @@ def precision(cfg: JobConfig, shipped: str | None = None, model: str | None = No
     the flag rule); an output it `resumes` (its URL) that recorded a choice keeps that one, so no output
     mixes modes. A GPU keeps the model's 16-bit dtype and a chosen --dtype is kept (precision.auto_precision);
     w8a8 does not split over tensor-parallel ranks, so auto takes a float mode there; a quantized
-    checkpoint (`shipped`) runs as shipped. model: the resolved path (default: cfg's, as given)."""
+    checkpoint (`shipped`) runs as shipped, or on CPU, where it is int4 weight-only (GPTQ, AWQ, W4A16), as
+    measured among calibration.SHIPPED_MODES (w4a8: its weights times int8 activations). model: the resolved
+    path (default: cfg's, as given)."""
     e = cfg.engine
     if e.quantization != "auto":
         return e.dtype, e.quantization, None
-    if shipped is not None:
+    tp = cfg.parallel.tensor_parallel > 1
+    if shipped is not None and (tp or not measures(e.device, e.dtype) or not engine.ships_int4(model or e.model)):
         log.info("--quantization auto: the checkpoint's own (%s)", shipped)
         return e.dtype, "none", None
-    tp = cfg.parallel.tensor_parallel > 1
     if not measures(e.device, e.dtype):
         dtype, quantization, why = auto_precision(e.device, e.dtype)
         if quantization == "w8a8" and tp:
@@ -193,11 +195,15 @@ def precision(cfg: JobConfig, shipped: str | None = None, model: str | None = No
         log.info("--quantization auto: dtype %s, quantization %s (%s)", dtype, quantization, why)
         return dtype, quantization, None
     kept = output_record(resumes) if resumes is not None else None
+    if shipped is not None and kept is None and resumes is not None and output_begun(resumes):
+        # begun before auto measured shipped checkpoints (no record): it ran as shipped, and goes on so
+        log.info("--quantization auto: the checkpoint's own (%s), as the output it resumes ran it", shipped)
+        return e.dtype, "none", None
     if kept is not None and not (tp and kept["quantization"] == "w8a8"):
         record = {**kept, "resumed": True}      # the figures it rested on, where they were measured
     else:
         record = cpu_auto(model or e.model, e.threads, measure=measure, float_only=tp,
-                          packed_weights=e.packed_weights)
+                          packed_weights=e.packed_weights, shipped=shipped is not None)
     log.info("--quantization auto: %s", summary(record))
     return record["dtype"], record["quantization"], record
 
