@@ -2,6 +2,7 @@
 
     python -m benchmarks.long_row                              # 100 short rows, one of ~3,300 tokens
     python -m benchmarks.long_row --rows 400 --long-tokens 2700 --max-tokens 16
+    python -m benchmarks.long_row --jobrunner-args "--quantization auto"       # both runs in auto's mode
 
 The long row adds its own prefill and decode, not a padding of every short row's decode attention to
 its length: the ratio "with / without" is what to watch (a job that pads pays it on every step that row
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -33,6 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=100, help="short rows")
     ap.add_argument("--long-tokens", type=int, default=3300)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--jobrunner-args", default="", help="more `jobrunner submit` options for both runs, one string")
     args = ap.parse_args(argv)
 
     tok = W.our_tokenizer(args.model)
@@ -41,7 +44,8 @@ def main(argv=None) -> None:
     without = short.write(tmp / "short.jsonl")
     with_long = W.Workload("long-row", "", short.rows + [{"id": "long", "prompt": long_prompt(tok, args.long_tokens)}],
                            [], []).write(tmp / "with-long.jsonl")
-    common = ["-m", args.model, "--no-chat", "--max-tokens", str(args.max_tokens), "--ignore-eos"]
+    common = ["-m", args.model, "--no-chat", "--max-tokens", str(args.max_tokens), "--ignore-eos",
+              *shlex.split(args.jobrunner_args)]
     print(f"{args.rows} short rows (16-64 tokens), {args.max_tokens} new tokens each; the long row: "
           f"~{args.long_tokens} tokens\n")
     print("| job | wall s | rows/s | prompt tokens | completion tokens |\n|---|---|---|---|---|")

@@ -41,9 +41,10 @@ from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 DOT_SOURCE, HEADER = SOURCE.with_name("cpu_fp8_dot.c"), SOURCE.with_name("cpu_e4m3.h")     # built in with it
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
-# the kernel's rows per call at most: it beat the old path 1.1-2x at 512 rows on the default model's shapes and
-# lost at 1,024-2,048 to oneDNN over a float slice of the weight (2 threads, AMD EPYC, RESULTS.md's int8 section)
-CPU_INT8_MAX_ROWS = 512
+# the kernel's rows per call at most: past it, dequantized slices on oneDNN (quant_matmul._sliced_linear) win:
+# 1.0-1.2x the kernel at 128 rows, 1.1-1.4x at 256, 1.3-1.7x at 512 and 1.6-4.5x at 2,048 on the default model's
+# and a 1B model's shapes (the kernel re-reads every activation row for each pair of columns); 2 threads, AMD EPYC
+CPU_INT8_MAX_ROWS = 128
 # the fp8 form's rows per call at most; more: a float32 slice of the weight dequantized by the library, then
 # oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
 FP8_KERNEL_ROWS = 256

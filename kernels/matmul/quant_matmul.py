@@ -52,14 +52,16 @@ import torch.nn.functional as F
 
 from jobrunner.kernels.common.triton_utils import use_triton
 from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_matmul_cpu
+from jobrunner.kernels.matmul.cpu_linear import dense_linear
 
 FP8_MAX = 448.0                 # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-8               # all-zero rows/tokens keep a finite scale
 # CPU path: rows of W dequantized per slice, so the transient float copy stays small and cache-warm
 CPU_DEQUANT_ELEMENTS = 1 << 20
-# the CPU int4 kernel's rows per call at most: above it the sliced dequantization wins (2 threads: about 256
-# rows even on the default model's shapes, benchmarks/cpu_int4_bench.py)
-CPU_INT4_MAX_ROWS = 128
+# the CPU int4 kernel's rows per call at most: above it the sliced dequantization on oneDNN wins (2 threads, AMD
+# EPYC: at 512 rows 1.1-1.2x the kernel on three of four default-model and 1B shapes, at 2,048 1.15-1.2x on all;
+# at 256 the kernel is 1.4-1.6x it on the default model's shapes, where unpacking the nibbles in torch costs most)
+CPU_INT4_MAX_ROWS = 256
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -191,14 +193,14 @@ def _rows_per_slice(n: int, k: int) -> int:
 
 def _sliced_linear(x2: torch.Tensor, n: int, k: int, dequant_rows, bias) -> torch.Tensor:
     """x2: [M, K]; dequant_rows(r0, r1) -> [r1 - r0, K] float weight rows. Computes x2 @ W^T
-    one slice of rows at a time (the transient float weight stays ~4 MB, in cache)."""
+    one slice of rows at a time (the transient float weight stays ~4 MB, in cache), on dense_linear."""
     step = _rows_per_slice(n, k)
     if step >= n:
-        return F.linear(x2, dequant_rows(0, n), bias)
+        return dense_linear(x2, dequant_rows(0, n), bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        out[:, r0:r1] = F.linear(x2, dequant_rows(r0, r1), None if bias is None else bias[r0:r1])
+        out[:, r0:r1] = dense_linear(x2, dequant_rows(r0, r1), None if bias is None else bias[r0:r1])
     return out
 
 
