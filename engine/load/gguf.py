@@ -97,6 +97,10 @@ class RawTensor:
     shape: tuple[int, ...]     # logical shape in torch order, e.g. (out_features, in_features)
     data: np.ndarray
 
+    def drop_pages(self) -> None:
+        """Once its blocks have been copied: the file's pages under it leave the resident set (drop_pages)."""
+        drop_pages(self.data)
+
 
 class GGUFFile:
     """A parsed GGUF file: `metadata` (key -> python value), `hf_config()`, tensor iterators."""

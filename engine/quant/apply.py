@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from jobrunner.engine.config.engine_config import ConfigError
-from jobrunner.engine.load.gguf import drop_pages
 from jobrunner.engine.quant import formats, smooth
 from jobrunner.engine.quant.experts import check_expert_scheme, quantize_experts
 from jobrunner.engine.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantEmbedding, W4A8Linear, W8A8Linear
@@ -176,7 +175,7 @@ class _LinearQuantizer:
             return self._quantized(lin, parts)
         finally:
             for part in parts or ():
-                drop_pages(part.data)
+                part.drop_pages()
 
     def _quantized(self, lin: nn.Linear, parts: list | None) -> nn.Module:
         w, bias, device = lin.weight, lin.bias, self.device
