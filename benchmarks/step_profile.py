@@ -193,6 +193,13 @@ def print_phase(title: str, res: dict, flops: float) -> None:
         print(f"\nBytes a step must read: weights {res['weight_bytes'] / 1e6:.0f} MB + K and V {res['kv_bytes'] / 1e6:.0f} "
               f"MB; at the {res['bandwidth'] / 1e9:.1f} GB/s a 1 GiB read runs at here, {bound * 1e3:.1f} ms: "
               f"the step takes {wall / bound:.2f}x its bytes-read bound")
+    if "peak_flops" in res:
+        # the linears at the rate a prefill chunk's reach (or their weights' reading, if slower), then K and V read
+        linears = max(flops / res["peak_flops"], res["weight_bytes"] / res["bandwidth"])
+        both = linears + res["kv_bytes"] / res["bandwidth"]
+        print(f"With arithmetic: the linears at the {res['peak_flops'] / 1e9:.0f} GFLOP/s a prefill chunk's matmuls reach "
+              f"here take {linears * 1e3:.1f} ms at least, K and V's reading {res['kv_bytes'] / res['bandwidth'] * 1e3:.1f} ms: "
+              f"the step takes {wall / both:.2f}x that bound")
     if "kv_bytes" in res:
         attention, kernel = res["groups"].get("attention", 0.0), res["kernel_s"]
         mb = res["kv_bytes"] / 1e6
@@ -238,6 +245,7 @@ def main(argv=None) -> None:
         engine.close()
     import torch
     print(f"model {model}, {torch.get_num_threads()} threads, dtype {args.dtype}, quantization {args.quantization}")
+    results["decode"]["peak_flops"] = _matmul_rate(results["prefill"])
     print_phase(f"decode step, {args.seqs} sequences at ~{args.prompt_len} tokens", results["decode"],
                 2 * params * args.seqs)
     print_phase(f"prefill chunk of {args.chunk} tokens", results["prefill"], 2 * params * args.chunk)
@@ -248,6 +256,12 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **results}, f, indent=1)
+
+
+def _matmul_rate(res: dict) -> float:
+    """FLOP/s of a phase's matmuls together (profiled): what the linears reach on this machine at a prefill's M."""
+    mm = res["matmuls"].values()
+    return sum(m["gflops"] * 1e9 * m["ms"] for m in mm) / max(sum(m["ms"] for m in mm), 1e-9)
 
 
 def _weight_bytes_read(engine) -> int:
