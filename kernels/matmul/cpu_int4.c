@@ -146,11 +146,14 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m0,
                 _mm512_reduce_add_ps(acc[r][c]) + (p->bias ? p->bias[n0 + c] : 0.0f);
 }
 
-/* Columns [n0, n1) of rows [m0, m0 + mr): mr a constant after inlining. */
+/* Columns [n0, n1) of rows [m0, m0 + mr): mr a constant after inlining. Tiles of 4 columns for 1-2 rows (decoding
+   the nibbles is the work), else 3 (24 accumulators: 3-8% over tiles of 2 at 16 rows, the same bits). */
 static inline __attribute__((always_inline)) void columns(const Problem *p, int m0, const int mr, int n0, int n1) {
     int n = n0;
     if (mr <= 2)
         for (; n + 4 <= n1; n += 4) tile(p, m0, mr, n, 4);
+    else
+        for (; n + 3 <= n1; n += 3) tile(p, m0, mr, n, 3);
     for (; n + 2 <= n1; n += 2) tile(p, m0, mr, n, 2);
     for (; n < n1; n++) tile(p, m0, mr, n, 1);
 }
