@@ -70,8 +70,9 @@ CALIBRATION_VERSION = 6             # the text, the workload or the figures' mea
 # mode -> (EngineConfig.dtype, EngineConfig.quantization), the more exact first (ties go to it);
 # dtype auto is float32 on CPU, as the flag rule says it. int4 and w4a8 (int4's weights times int8
 # activations): candidates only where the weights are shipped 4-bit (engine.ships_int4: GGUF Q4_0/Q4_1, the
-# default model's Q4_1; a GPTQ, AWQ or W4A16 checkpoint: w4a8 only), computed on as shipped, so int4's perplexity is the checkpoint's own and w4a8's
-# adds only its activations' rounding; elsewhere both would be a new rounding of float weights.
+# default model's Q4_1; a GPTQ, AWQ or W4A16 checkpoint: w4a8 only), computed on as shipped, so int4's
+# perplexity is the checkpoint's own and w4a8's adds only its activations' rounding; elsewhere both would be
+# a new rounding of float weights.
 MODES = {"float32": ("auto", "none"), "bfloat16": ("bfloat16", "none"), "w8a8": ("auto", "w8a8"),
          "int4": ("auto", "int4"), "w4a8": ("auto", "w4a8")}
 FLOAT_MODES = ("float32", "bfloat16")       # what splits over --tensor-parallel ranks (w8a8 does not)
@@ -131,8 +132,10 @@ def cpu_auto(model: str, threads: int | None, *, measure: bool = True, float_onl
     dtype, quantization = MODES[mode]
     why = (f"fastest within {TOLERANCE:.0%} of float32's perplexity" if mode != "float32"
            else f"no mode within {TOLERANCE:.0%} of float32's perplexity ran faster")
-    if float_only and pick(figures["modes"], allowed=SHIPPED_MODES if shipped else tuple(MODES)) not in FLOAT_MODES:
+    if float_only and pick(figures["modes"]) not in FLOAT_MODES:
         why += " of the float modes (w8a8 does not split over --tensor-parallel ranks)"
+    if shipped and mode == "float32":
+        why += ": its own int4 weights with float32 activations, as shipped"
     return {**figures, "mode": mode, "dtype": dtype, "quantization": quantization, "why": why, "source": source,
             "tolerance": TOLERANCE, "exact": EXACT, **({"cache_file": str(path)} if path is not None else {})}
 
