@@ -23,7 +23,7 @@ from jobrunner.kernels.attention.kv_int8 import store_kv_int8
 from jobrunner.kernels.lora.sgmv import Segments, sgmv, sgmv_ref
 from jobrunner.kernels.moe.moe import combine_in_expert_order, fused_moe, fused_moe_ref, moe_by_expert, moe_over_linears, route_topk
 from jobrunner.kernels.norm.norm import rms_norm
-from jobrunner.kernels.matmul.quant_matmul import AMAX_FLOOR, FP8_MAX, dequantize_int4, dequantize_int8, fbgemm_full_range, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.matmul.quant_matmul import AMAX_FLOOR, FP8_MAX, widened_bf16, dequantize_int4, dequantize_int8, fbgemm_full_range, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref, int_mm_exact, pack_int4, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 from jobrunner.kernels.matmul.shipped_quant import dequantize_fp8, fake_quantize_fp8, fp8_weight_matmul, fp8_weight_matmul_ref, quantize_act_int8, w8a8_shipped_matmul, w8a8_shipped_matmul_ref
 from jobrunner.kernels.rotary.rotary import apply_rotary, attention_factor, inverse_frequencies, rotary_cos_sin
 from jobrunner.kernels.token_mask.token_mask import apply_token_bitmask
@@ -53,7 +53,7 @@ __all__ = [
     "apply_rotary", "attention_factor", "gelu_tanh_and_mul", "inverse_frequencies", "rms_norm", "rotary_cos_sin",
     "silu_and_mul",
     # quantized matmuls: the dispatch, and the torch forward each quantized linear keeps as its reference
-    "AMAX_FLOOR", "FP8_MAX", "dequantize_int4", "dequantize_int8", "fbgemm_full_range", "fp8_matmul", "fp8_matmul_ref",
+    "AMAX_FLOOR", "FP8_MAX", "widened_bf16", "dequantize_int4", "dequantize_int8", "fbgemm_full_range", "fp8_matmul", "fp8_matmul_ref",
     "int4_matmul",
     "int4_matmul_ref", "int8_matmul", "int8_matmul_ref", "int_mm_exact", "pack_int4", "w8a8_matmul_fbgemm",
     "w8a8_matmul_int_mm", "w8a8_matmul_ref", "w8a8_per_batch_ref",

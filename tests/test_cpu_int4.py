@@ -126,9 +126,12 @@ def test_dispatch_takes_the_kernel_for_decode_rows_only(libs, monkeypatch):
     for rows in (1, qm.CPU_INT4_MAX_ROWS, qm.CPU_INT4_MAX_ROWS + 1):
         x = torch.randn(rows, 64)
         close(qm.int4_matmul(x, packed, s, z, 32, None, libs["native"]), qm.int4_matmul_ref(x, packed, s, z, 32))
-    qm.int4_matmul(torch.randn(2, 64, dtype=torch.bfloat16), packed, s, z, 32, None, libs["native"])
+    qm.int4_matmul(torch.randn(2, 64, dtype=torch.float16), packed, s, z, 32, None, libs["native"])   # the old path
+    qm.int4_matmul(torch.randn(3, 64, dtype=torch.bfloat16), packed, s, z, 32, None, libs["native"])  # widened
+    qm.int4_matmul(torch.randn(qm.BF16_KERNEL_ROWS + 1, 64, dtype=torch.bfloat16), packed, s, z, 32, None,
+                   libs["native"])                                            # past BF16_KERNEL_ROWS: the old path
     qm.int4_matmul(torch.randn(2, 64), packed, s, z, 32)                      # no library handed: the old path
-    assert calls == [(1, 64), (qm.CPU_INT4_MAX_ROWS, 64)]
+    assert calls == [(1, 64), (qm.CPU_INT4_MAX_ROWS, 64), (3, 64)]
 
 
 def _greedy(model_dir, mode, monkeypatch, **engine):

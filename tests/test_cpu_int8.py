@@ -125,10 +125,12 @@ def test_linear_takes_the_kernel_for_float32_rows_it_covers(libs, monkeypatch):
     for rows in (1, c8.CPU_INT8_MAX_ROWS, c8.CPU_INT8_MAX_ROWS + 1):
         x = torch.randn(rows, 64)
         close(lin(x), lin.forward_ref(x))
-    lin(torch.randn(2, 64, dtype=torch.bfloat16))                        # another dtype: the old path
+    lin(torch.randn(2, 64, dtype=torch.float16))                         # another dtype: the old path
+    lin(torch.randn(3, 64, dtype=torch.bfloat16))                        # widened (quant_matmul.widened_bf16)
+    lin(torch.randn(17, 64, dtype=torch.bfloat16))                       # past BF16_KERNEL_ROWS: the old path
     lin.cpu_kernel = None
     lin(torch.randn(2, 64))                                              # no library handed: the old path
-    assert calls == [(1, 64), (c8.CPU_INT8_MAX_ROWS, 64)]
+    assert calls == [(1, 64), (c8.CPU_INT8_MAX_ROWS, 64), (3, 64)]
 
 
 def _greedy(model, int8_mode, monkeypatch, int4_mode="auto", **engine):

@@ -10,4 +10,4 @@ NUMERICS_VERSION = 5     # 2: the CPU decode attention's softmax sum in fixed la
                          #    the in-place decode attention
                          # 4: fp8 checkpoints with e4m3 activations through bfloat16 dot products on CPU
                          # 5: quantized weights' dequantized slices on oneDNN (prefill), the int8 and int4
-                         #    kernels' row limits 128 and 256
+                         #    kernels' row limits 128 and 256; bfloat16 calls of up to 16 rows on those kernels

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.kernels.ops import W4A8Weights, dequantize_int4, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_unpack, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.ops import W4A8Weights, widened_bf16, dequantize_int4, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_unpack, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 
 
 class QuantLinear(nn.Module):
@@ -72,6 +72,9 @@ class Int8Linear(QuantLinear):
     def forward(self, x):
         if self.cpu_kernel is not None and self.cpu_kernel.takes(x, self.scales, self.zeros):
             return int8_matmul_cpu(x, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel)
+        x32 = widened_bf16(x) if self.cpu_kernel is not None else None
+        if x32 is not None and self.cpu_kernel.takes(x32, self.scales, self.zeros):
+            return int8_matmul_cpu(x32, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel).to(x.dtype)
         y = int8_matmul(x, self.qweight, self.scales, self.bias)
         return y if self.zeros is None else y + self._zero_terms(x)
 

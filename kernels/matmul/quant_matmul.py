@@ -62,6 +62,17 @@ CPU_DEQUANT_ELEMENTS = 1 << 20
 # EPYC: at 512 rows 1.1-1.2x the kernel on three of four default-model and 1B shapes, at 2,048 1.15-1.2x on all;
 # at 256 the kernel is 1.4-1.6x it on the default model's shapes, where unpacking the nibbles in torch costs most)
 CPU_INT4_MAX_ROWS = 256
+# bfloat16 calls of up to this many rows run the float32 CPU kernels, widened at the edge (exactly) and rounded
+# back once: the weight's bytes read once instead of a bfloat16 slice dequantized at every call (as fp8's
+# FP8_BF16_KERNEL_ROWS); past it the bfloat16 slices on oneDNN
+BF16_KERNEL_ROWS = 16
+
+
+def widened_bf16(x: torch.Tensor) -> torch.Tensor | None:
+    """x in float32 where it is a CPU bfloat16 call of up to BF16_KERNEL_ROWS rows, else None."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() <= BF16_KERNEL_ROWS * x.shape[-1]:
+        return x.float()
+    return None
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -247,6 +258,9 @@ def int4_matmul(x, packed, scales, zeros, group_size, bias=None, cpu_lib: Int4Li
         return int4_matmul_triton(x, packed, scales, zeros, group_size, bias)
     if cpu_lib is not None and cpu_lib.covers(x, scales) and x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1]:
         return int4_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
+    x32 = widened_bf16(x) if cpu_lib is not None else None
+    if x32 is not None and cpu_lib.covers(x32, scales):
+        return int4_matmul_cpu(x32, packed, scales, zeros, group_size, bias, cpu_lib).to(x.dtype)
     return _int4_matmul_cpu(x, packed, scales, zeros, group_size, bias)
 
 
