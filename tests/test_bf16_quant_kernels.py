@@ -26,46 +26,28 @@ def _check(y, x, w, on_kernel: bool) -> None:
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-@pytest.fixture
-def int4_linear():
-    lib = kernel_library(INT4)
+def _linear(kind: str):
+    """An int4 (group 64) or int8 (per channel) linear with its CPU kernel, and (module, name) of the kernel call
+    its bfloat16 rows reach."""
+    lib = kernel_library(INT4 if kind == "int4" else INT8)
     if lib is None:
-        pytest.skip("no C compiler for the int4 kernel")
-    m = Int4Linear(*quantize_int4(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.1, 64), 64, K)
+        pytest.skip(f"no C compiler for the {kind} kernel")
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.1
+    m = Int4Linear(*quantize_int4(w, 64), 64, K) if kind == "int4" else Int8Linear(*quantize_int8(w))
     m.cpu_kernel = lib
-    return m
+    return m, (qm, "int4_matmul_cpu") if kind == "int4" else (ql, "int8_matmul_cpu")
 
 
-@pytest.fixture
-def int8_linear():
-    lib = kernel_library(INT8)
-    if lib is None:
-        pytest.skip("no C compiler for the int8 kernel")
-    m = Int8Linear(*quantize_int8(torch.randn(N, K, generator=torch.Generator().manual_seed(1)) * 0.1))
-    m.cpu_kernel = lib
-    return m
-
-
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 5, qm.BF16_KERNEL_ROWS, qm.BF16_KERNEL_ROWS + 1, 40])
-def test_int4_bfloat16_calls(int4_linear, monkeypatch, rows):
+def test_bfloat16_calls(kind, monkeypatch, rows):
+    linear, (module, name) = _linear(kind)
     calls = []
-    real = qm.int4_matmul_cpu
-    monkeypatch.setattr(qm, "int4_matmul_cpu", lambda x, *a: calls.append(x.dtype) or real(x, *a))
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, *a: calls.append(x.dtype) or real(x, *a))
     x = torch.randn(rows, K).bfloat16()
     with torch.inference_mode():
-        y = int4_linear(x)
+        y = linear(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, N)
     assert calls == ([torch.float32] if rows <= qm.BF16_KERNEL_ROWS else [])
-    _check(y, x, int4_linear.dequantize(torch.float32), on_kernel=rows <= qm.BF16_KERNEL_ROWS)
-
-
-@pytest.mark.parametrize("rows", [1, qm.BF16_KERNEL_ROWS, qm.BF16_KERNEL_ROWS + 1])
-def test_int8_bfloat16_calls(int8_linear, monkeypatch, rows):
-    calls = []
-    real = ql.int8_matmul_cpu
-    monkeypatch.setattr(ql, "int8_matmul_cpu", lambda x, *a: calls.append(x.dtype) or real(x, *a))
-    x = torch.randn(rows, K).bfloat16()
-    with torch.inference_mode():
-        y = int8_linear(x)
-    assert y.dtype == torch.bfloat16 and calls == ([torch.float32] if rows <= qm.BF16_KERNEL_ROWS else [])
-    _check(y, x, int8_linear.dequantize(torch.float32), on_kernel=rows <= qm.BF16_KERNEL_ROWS)
+    _check(y, x, linear.dequantize(torch.float32), on_kernel=rows <= qm.BF16_KERNEL_ROWS)

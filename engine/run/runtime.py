@@ -238,7 +238,7 @@ def build_model(bundle, device: torch.device, dtype: torch.dtype, seed: int = 0,
         weights = bundle.weights() if model.tp.size == 1 else bundle.shard_weights(model.shards.select)
         layer_done = _layer_quantizer(model, bundle, quantization) if shipped is None else None
         model.quantized_as_loaded = layer_done is not None
-        if layer_done is not None:
+        if layer_done is not None:     # only CausalLM's own load_weights takes it (_layer_quantizer)
             filled = model.load_weights(weights, layer_done=layer_done)
         else:
             filled = model.load_weights(weights if shipped is None else shipped.split(weights))

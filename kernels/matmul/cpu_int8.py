@@ -41,7 +41,7 @@ from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 DOT_SOURCE, HEADER = SOURCE.with_name("cpu_fp8_dot.c"), SOURCE.with_name("cpu_e4m3.h")     # built in with it
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
-# the kernel's rows per call at most: past it, dequantized slices on oneDNN (quant_matmul._sliced_linear) win:
+# the kernel's rows per call at most: past it, dequantized slices on oneDNN (quant_matmul.sliced_linear) win:
 # 1.0-1.2x the kernel at 128 rows, 1.1-1.4x at 256, 1.3-1.7x at 512 and 1.6-4.5x at 2,048 on the default model's
 # and a 1B model's shapes (the kernel re-reads every activation row for each pair of columns); 2 threads, AMD EPYC
 CPU_INT8_MAX_ROWS = 128

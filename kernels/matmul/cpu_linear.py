@@ -7,7 +7,7 @@ rows ran each count within 10% of the best), so no batch-size buckets are kept: 
 replaces the dense one and costs no memory (an lm_head tied to the embeddings gets its own copy).
 
 Float32: not bit-exact against F.linear (MKL): oneDNN sums in another order. Both are float32 rounding of
-the exact product, within `packed_bound` of it (checked at packing, and in tests/test_cpu_linear.py); greedy
+the exact product, within `packed_error`'s bound of it (checked at packing, and in tests/test_cpu_linear.py); greedy
 tokens still match transformers on the parity tests.
 Bfloat16: F.linear runs oneDNN already, but reorders the weight at every call; packed it gave the
 same bits, 1.1-2x faster at decode batch sizes (the lm_head most). Off: EngineConfig.packed_weights.
@@ -22,34 +22,27 @@ is refused rather than trusted (tests/test_determinism.py holds it over the shap
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packed_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per output element, how far a float32-accumulated product may be from the exact one (x @ weight.T + bias
-    in float64), whatever order the K terms are summed in: the worst-case bound of a sum of K + 1 terms,
-    gamma_{K+1} * sum |x| |w| (Higham, Accuracy and Stability, 3.1), plus the output dtype's own rounding.
-    A tolerance scaled to a typical error instead (a few ulps of sqrt(K) max|x| max|w|) refused a sound
-    2048 x 16384 float32 weight; a broken build (a wrong layout) misses this one by orders of magnitude."""
-    u = torch.finfo(torch.float32).eps / 2
-    k = x.shape[-1] + 1
-    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
-    rounding = torch.finfo(weight.dtype).eps * _exact(x, weight, bias).abs()    # the output's: a whole ulp (binade edges)
-    return k * u / (1 - k * u) * magnitude + rounding
-
-
 def packed_error(packed_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                  ) -> float:
-    """The largest |packed - exact| over packed_bound: at most 1 for a sound product."""
-    off = (packed_out.double() - _exact(x, weight, bias)).abs()
-    return (off / packed_bound(x, weight, bias).clamp_min(1e-300)).max().item()
-
-
-def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    """The largest |packed - exact| (x @ weight.T + bias in float64) over the bound a float32-accumulated product
+    keeps to whatever order its K terms are summed in: at most 1 for a sound product. The bound, per output
+    element: gamma_{K+1} * sum |x| |w|, the worst case of a sum of K + 1 terms (Higham, Accuracy and Stability,
+    3.1), plus the output dtype's own rounding (a whole ulp: binade edges). A tolerance scaled to a typical error
+    instead (a few ulps of sqrt(K) max|x| max|w|) refused a sound 2048 x 16384 float32 weight; a broken build
+    (a wrong layout) misses this one by orders of magnitude."""
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    u, k = torch.finfo(torch.float32).eps / 2, x.shape[-1] + 1
+    bound = k * u / (1 - k * u) * magnitude + torch.finfo(weight.dtype).eps * exact.abs()
+    return ((packed_out.double() - exact).abs() / bound.clamp_min(1e-300)).max().item()
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,6 +55,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.nn.functional.linear(x, weight, bias)
 
 
+@functools.lru_cache(maxsize=None)
 def packing_available() -> bool:
     """Whether this torch has oneDNN's linear ops (x86 and arm builds with mkldnn do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -202,10 +202,11 @@ def _rows_per_slice(n: int, k: int) -> int:
     return max(64, min(n, CPU_DEQUANT_ELEMENTS // max(k, 1)))
 
 
-def _sliced_linear(x2: torch.Tensor, n: int, k: int, dequant_rows, bias) -> torch.Tensor:
+def sliced_linear(x2: torch.Tensor, n: int, k: int, dequant_rows, bias, step: int | None = None) -> torch.Tensor:
     """x2: [M, K]; dequant_rows(r0, r1) -> [r1 - r0, K] float weight rows. Computes x2 @ W^T
-    one slice of rows at a time (the transient float weight stays ~4 MB, in cache), on dense_linear."""
-    step = _rows_per_slice(n, k)
+    one slice of rows at a time (the transient float weight stays ~4 MB, in cache), on dense_linear.
+    step: the slice's rows (default _rows_per_slice's)."""
+    step = step or _rows_per_slice(n, k)
     if step >= n:
         return dense_linear(x2, dequant_rows(0, n), bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
@@ -226,7 +227,7 @@ def _int8_matmul_cpu(x, qweight, scales, bias):
         y = F.linear(x2, qweight.to(dt)).mul_(scales.view(1, n).to(dt))
         y = y if b is None else y.add_(b)
     else:
-        y = _sliced_linear(x2, n, k, lambda r0, r1: dequantize_int8(qweight[r0:r1], scales[r0:r1], dt), b)
+        y = sliced_linear(x2, n, k, lambda r0, r1: dequantize_int8(qweight[r0:r1], scales[r0:r1], dt), b)
     return y.view(*x.shape[:-1], n)
 
 
@@ -234,7 +235,7 @@ def _int4_matmul_cpu(x, packed, scales, zeros, group_size, bias):
     n = packed.shape[0]
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    y = _sliced_linear(x2, n, k, lambda r0, r1: dequantize_int4(packed[r0:r1], scales[r0:r1], zeros[r0:r1],
+    y = sliced_linear(x2, n, k, lambda r0, r1: dequantize_int4(packed[r0:r1], scales[r0:r1], zeros[r0:r1],
                                                                 group_size, k, x.dtype), _cast(bias, x.dtype))
     return y.view(*x.shape[:-1], n)
 

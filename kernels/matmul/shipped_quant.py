@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from jobrunner.kernels.matmul.cpu_int8 import (FP8_BF16_KERNEL_ROWS, FP8_KERNEL_ROWS, Int8Library, fake_quantize_fp8_cpu,
                                                fp8_dequantize_cpu, fp8_dot_cpu, fp8_matmul_cpu)
-from jobrunner.kernels.matmul.cpu_linear import dense_linear
-from jobrunner.kernels.matmul.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact
+from jobrunner.kernels.matmul.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact, sliced_linear
 from jobrunner.kernels.common.triton_utils import use_triton
 
 INT8_HALF_RANGE = 127.5            # compressed-tensors' symmetric scale divisor: (127 - (-128)) / 2
@@ -126,7 +125,7 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     fake-quantized there too (the same values); bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
     (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
     slices below with the library dequantizing them (dequantize_fp8's values, faster). Otherwise the weight
-    is dequantized a slice of rows at a time in torch, then dense_linear."""
+    is dequantized a slice of rows at a time in torch, then dense_linear (quant_matmul.sliced_linear)."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k)
     if block is not None and use_triton(x) and act_group == block[1] and act == "dynamic":
@@ -157,13 +156,7 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         dequant = lambda rows: fp8_dequantize_cpu(qweight, scales, block, rows, lib, scratch).to(x.dtype)  # noqa: E731
     else:
         dequant = lambda rows: dequantize_fp8(qweight, scales, block, x.dtype, rows)  # noqa: E731
-    if step >= n:
-        return dense_linear(x2, dequant(slice(0, n)), b).view(*x.shape[:-1], n)
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        out[:, r0:r1] = dense_linear(x2, dequant(slice(r0, r1)), None if b is None else b[r0:r1])
-    return out.view(*x.shape[:-1], n)
+    return sliced_linear(x2, n, k, lambda r0, r1: dequant(slice(r0, r1)), b, step).view(*x.shape[:-1], n)
 
 
 def fp8_weight_matmul_ref(x, qweight, scales, block, bias=None, act=None, static_scale=None, act_group=None):
