@@ -1,5 +1,5 @@
 """The CPU int4 matmul over packed nibbles (kernels/matmul/cpu_int4.py and .c) against the dequantized reference
-(int4_matmul_ref), its dispatch (int4_matmul: the kernel for float32 calls of up to CPU_INT4_MAX_ROWS rows),
+(int4_matmul_ref), its dispatch (int4_matmul: the kernel for float32 calls, of any size where it runs its panel path),
 and the engine's side (engine/run/cpu_kernel_build.py: the build, the modes, the fallback, the int4 linears it
 serves: ours and the shipped GPTQ ones, act order included).
 
@@ -56,7 +56,7 @@ def close(got, ref):
 
 @pytest.mark.parametrize("build", ["native", "portable", "native-portable-loop"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 400])      # 64 and 400: the panel path, 400 over two slabs of rows
 def test_kernel_matches_dequantized_reference(libs, build, group, m):
     lib = libs[build]
     for n, k in SHAPES:
@@ -68,6 +68,24 @@ def test_kernel_matches_dequantized_reference(libs, build, group, m):
             # without zero points: symmetric, W = (q - 8) s (Q4_0's and GPTQ's form)
             sym = (s.float() * -8).to(scale_dtype)
             close(ci.int4_matmul_cpu(x, packed, s, None, group, None, lib), qm.int4_matmul_ref(x, packed, s, sym, group))
+
+
+def test_panel_path_reads_float16_scales_at_any_offset(libs):
+    """The panel path gathers float16 scales and zeros by the dword that holds each: a tensor starting at an odd
+    half (a view into a larger buffer) reads the same values."""
+    packed, s, z = make(96, 200, 32, torch.float16, seed=5)
+    shifted = []
+    for t in (s, z):
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        buf[1:] = t.flatten()
+        shifted.append(buf[1:].view(t.shape))
+    assert shifted[0].storage_offset() == 1 and shifted[0].is_contiguous()
+    x = torch.randn(40, 200)
+    ref = qm.int4_matmul_ref(x, packed, s, z, 32)
+    close(ci.int4_matmul_cpu(x, packed, *shifted, 32, None, libs["native"]), ref)
+    sym = (s.float() * -8).to(torch.float16)
+    close(ci.int4_matmul_cpu(x, packed, shifted[0], None, 32, None, libs["native"]),
+          qm.int4_matmul_ref(x, packed, s, sym, 32))
 
 
 def test_builds_run_the_loop_they_say(libs):
@@ -118,11 +136,24 @@ def test_act_order_permutes_the_activations_once(libs):
     close(lin(x), F.linear(x, lin.dequantize()))
 
 
+def test_dispatch_takes_the_kernel_for_any_rows_where_it_has_the_panel_path(libs, monkeypatch):
+    calls = []
+    real = qm.int4_matmul_cpu
+    monkeypatch.setattr(qm, "int4_matmul_cpu", lambda *a: calls.append(a[0].shape) or real(*a))
+    rows = qm.CPU_INT4_MAX_ROWS + 1
+    for group, n, lib in ((32, 64, "native"), (48, 64, "native"), (32, 16, "native"), (32, 64, "portable")):
+        packed, s, z = make(n, 96, group)
+        x = torch.randn(rows, 96)
+        close(qm.int4_matmul(x, packed, s, z, group, None, libs[lib]), qm.int4_matmul_ref(x, packed, s, z, group))
+    panel = libs["native"].isa == "avx512"                  # group 32, 64 columns: the panel path, any rows
+    assert calls == ([(rows, 96)] if panel else [])         # group 48, 16 columns, the portable build: slices
+
+
 def test_dispatch_takes_the_kernel_for_decode_rows_only(libs, monkeypatch):
     calls = []
     real = qm.int4_matmul_cpu
     monkeypatch.setattr(qm, "int4_matmul_cpu", lambda *a: calls.append(a[0].shape) or real(*a))
-    packed, s, z = make(16, 64, 32)
+    packed, s, z = make(16, 64, 32)                         # 16 columns: no panel path
     for rows in (1, qm.CPU_INT4_MAX_ROWS, qm.CPU_INT4_MAX_ROWS + 1):
         x = torch.randn(rows, 64)
         close(qm.int4_matmul(x, packed, s, z, 32, None, libs["native"]), qm.int4_matmul_ref(x, packed, s, z, 32))

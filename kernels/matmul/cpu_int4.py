@@ -2,9 +2,11 @@
 
 The old CPU path (quant_matmul._int4_matmul_cpu) dequantizes the weight a slice of rows at a time at every
 call and runs F.linear on the float slice: at decode it writes and reads 8x the int4 bytes as float32 each
-step. Here a small C kernel (cpu_int4.c beside this file: its comment has the loop and the work split) widens
-the nibbles in registers, dequantizes them there (q * s + z) and multiplies them into up to 8 activation
-rows at once; threads split the output columns. It takes our int4 layout (quant_matmul.py's module doc), so
+step. Here a small C kernel (cpu_int4.c beside this file: its comment has the loops and the work split) widens
+the nibbles in registers and dequantizes them there (q * s + z): at decode it multiplies them into up to 8
+activation rows at once; from 24 rows (prefill) it dequantizes a 128 x 32 panel into L1 and runs an outer
+product over it as a float GEMM does, at oneDNN's float32 rate. Threads split the output columns. It takes
+our int4 layout (quant_matmul.py's module doc), so
 it serves every int4 linear: our `--quantization int4`, GGUF Q4_0/Q4_1 loaded as int4, and the shipped
 W4A16 / GPTQ / AWQ linears (engine/shipped/build.py turns them into that layout; act order arrives with
 its columns already permuted, the activations once per call: engine/shipped/shipped_linear.PermutedInput).
@@ -33,6 +35,7 @@ BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC
 VARIANTS = {"native": ("-march=native",), "portable": ()}
 LIBS = ("-lm",)
 SCALE_DTYPES = (torch.float16, torch.float32)
+PANEL_GROUPS, PANEL_COLUMNS = (32, 64, 128), 32     # cpu_int4.c's panel path: G dividing KB, N >= PW
 RTOL, ATOL = 1e-4, 1e-4          # against int4_matmul_ref in float32, relative to the row's max |out|
 
 
@@ -75,6 +78,11 @@ class Int4Library:
         lib.int4_kernel_isa.restype = i32
         self.function, self.path, self.portable = fn, path, portable
         self.isa = "avx512" if lib.int4_kernel_isa() and not portable else "portable"
+
+    def panel_path(self, group_size: int, n: int) -> bool:
+        """Whether calls past PANEL_MIN_ROWS rows run the panel path (cpu_int4.c), as fast as oneDNN's float32 at
+        prefill sizes, rather than the tile loop."""
+        return self.isa == "avx512" and group_size in PANEL_GROUPS and n >= PANEL_COLUMNS
 
     def covers(self, x: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether the kernel takes this call (else the caller's torch path serves)."""

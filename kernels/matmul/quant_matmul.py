@@ -37,7 +37,7 @@ fp8 (e4m3): qweight float8_e4m3fn [N, K], scales float32 [N, 1]; x is scaled per
 Dispatch (one function per op): int8/int4 take the Triton kernels on CUDA (or with
 JOBRUNNER_TRITON=1, interpreted on CPU tensors); elsewhere they dequantize the weight to
 x.dtype just in time, a slice of rows at a time, and run a float matmul, except int4 given the CPU
-kernel (cpu_int4.py: the nibbles multiplied in registers, float32 calls of up to CPU_INT4_MAX_ROWS rows). On the CPUs we
+kernel (cpu_int4.py: the nibbles multiplied in registers, float32 calls; int4_matmul says which). On the CPUs we
 measured, that beats torch's own weight-only int8/int4 CPU ops many times over (see
 DESIGN.md): weight-only quantization on CPU buys memory, not speed. w8a8 is the CPU speed
 mode: `torch._int_mm` where it is exact (oneDNN with AVX512-VNNI or AMX), else fbgemm's
@@ -58,9 +58,10 @@ FP8_MAX = 448.0                 # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-8               # all-zero rows/tokens keep a finite scale
 # CPU path: rows of W dequantized per slice, so the transient float copy stays small and cache-warm
 CPU_DEQUANT_ELEMENTS = 1 << 20
-# the CPU int4 kernel's rows per call at most: above it the sliced dequantization on oneDNN wins (2 threads, AMD
-# EPYC: at 512 rows 1.1-1.2x the kernel on three of four default-model and 1B shapes, at 2,048 1.15-1.2x on all;
-# at 256 the kernel is 1.4-1.6x it on the default model's shapes, where unpacking the nibbles in torch costs most)
+# the CPU int4 kernel's rows per call at most where it has no panel path (Int4Library.panel_path: builds without
+# AVX-512, group sizes other than 32, 64, 128): above it the sliced dequantization on oneDNN wins (2 threads, AMD
+# EPYC: at 512 rows 1.1-1.2x the tile loop on three of four default-model and 1B shapes); the panel path takes
+# every row count (at 512 and 2,048 rows 1.0-1.3x the slices, RESULTS.md)
 CPU_INT4_MAX_ROWS = 256
 # bfloat16 calls of up to this many rows run the float32 CPU kernels, widened at the edge (exactly) and rounded
 # back once: the weight's bytes read once instead of a bfloat16 slice dequantized at every call (as fp8's
@@ -252,12 +253,14 @@ def int8_matmul(x, qweight, scales, bias=None):
 
 def int4_matmul(x, packed, scales, zeros, group_size, bias=None, cpu_lib: Int4Library | None = None):
     """x: [..., K] float; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G]. Returns [..., N].
-    cpu_lib: the loaded CPU int4 kernel (kernels/matmul/cpu_int4.py), which takes float32 calls of up to
-    CPU_INT4_MAX_ROWS rows; larger ones (prefill) dequantize a slice at a time, which is faster there."""
+    cpu_lib: the loaded CPU int4 kernel (kernels/matmul/cpu_int4.py), which takes float32 calls of any size where
+    it runs its panel path, else of up to CPU_INT4_MAX_ROWS rows; larger ones (prefill) then dequantize a slice at a
+    time, which is faster there."""
     if use_triton(x):
         from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton
         return int4_matmul_triton(x, packed, scales, zeros, group_size, bias)
-    if cpu_lib is not None and cpu_lib.covers(x, scales) and x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1]:
+    if cpu_lib is not None and cpu_lib.covers(x, scales) and (
+            x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1] or cpu_lib.panel_path(group_size, packed.shape[0])):
         return int4_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
     x32 = widened_bf16(x) if cpu_lib is not None else None
     if x32 is not None and cpu_lib.covers(x32, scales):
