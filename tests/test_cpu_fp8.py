@@ -51,7 +51,7 @@ def close(got, ref):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])     # 64 and 300: the panel path, 300 over three slabs of rows
 def test_kernel_matches_the_dequantized_reference(libs, build, m):  # noqa: F811
     for n, k, block in CASES:
         q, s = fp8_weight(n, k, block, seed=n + k)
@@ -64,11 +64,14 @@ def test_kernel_matches_the_dequantized_reference(libs, build, m):  # noqa: F811
 @pytest.mark.parametrize("block", [None, (2, 16)])
 def test_every_byte_decodes_exactly(libs, build, block):  # noqa: F811
     """Each of the 254 non-NaN bytes in a row, read back through one-hot rows: W's values exactly (subnormals,
-    zeros of both signs, the largest 448), times scales that are powers of two."""
+    zeros of both signs, the largest 448), times scales that are powers of two. 32 weight rows and 254 one-hot
+    activation rows: the panel path on AVX-512 (the tile loop for the portable builds)."""
     values = torch.tensor([b for b in range(256) if b not in NAN_BYTES], dtype=torch.uint8)
     k = values.numel()
-    q = torch.stack([values, values.flip(0), values.roll(77), values.roll(-5)]).view(torch.float8_e4m3fn)
-    s = torch.tensor([[1.0], [0.125], [4.0], [1.0]]) if block is None else torch.tensor([[0.5] * 16, [2.0] * 16])
+    q = torch.stack([values.roll(37 * i) if i % 2 else values.flip(0).roll(i) for i in range(32)])
+    q = q.view(torch.float8_e4m3fn)
+    powers = torch.tensor([2.0 ** (i % 7 - 3) for i in range(32)])
+    s = powers[:, None] if block is None else powers[:16, None].expand(16, 16).contiguous()
     want = sq.dequantize_fp8(q.contiguous(), s, block, torch.float32)
     assert torch.isfinite(want).all() and want.abs().max() == 448 * s.max()
     got = c8.fp8_matmul_cpu(torch.eye(k), q.contiguous(), s, block, None, libs[build])

@@ -78,6 +78,7 @@ static void block_portable(const Problem *p, int m0, int m1, int n0, int n1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
+#include "cpu_panel.h"
 
 static inline __mmask16 lanes(int left) {
     return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
@@ -178,31 +179,9 @@ static void block_avx512(const Problem *p, int m0, int m1, int n0, int n1) {
     }
 }
 
-/* The panel path (PANEL_MIN_ROWS rows and more; G dividing KB): a GEMM whose packing step is the dequantization.
-   For each 32 columns and KB k-values, the nibbles of 16 columns (64 bytes of each row) are transposed in
-   registers (16 x 16 dwords), widened and dequantized once into a float panel P[k][32] in L1; then every
-   block of PR activation rows runs an outer product over it, straight from x (a packed copy of the rows was
-   slower: 2 threads, AMD EPYC): per k, two weight vectors and PR broadcasts feed 2 PR FMAs. A weight is
-   decoded once per SLAB rows, not once per 8 as in the tile loop, and no horizontal sum is left. Each
-   out[m, n] is one FMA chain over k in order, stored and reloaded between blocks of KB. */
-#define KB 128    /* k-values a decoded block: 64 bytes of a column's row */
-#define PW 32     /* columns a panel */
-#define PR 12     /* activation rows a micro-tile: 24 accumulators */
-#define SLAB 384  /* rows a pass over the panels: a panel's out tile (48 KB) and the rows' KB columns in L2 */
-
-static inline void transpose16(__m512i *r) {     /* r[i] dword j -> r[j] dword i */
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]); }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]); r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88); t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88); t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) { r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd); }
-}
+/* The panel path (PANEL_MIN_ROWS rows and more; G dividing KB; cpu_panel.h has the loop): each 64 bytes of 16
+   columns' rows are transposed in registers, their nibbles widened and dequantized into the panel. */
+#define KB 128    /* k-values a decoded panel: 64 bytes of a column's row */
 
 /* Scales and zeros of group g of columns [n0, n0 + 16), gathered. A float16 is read from the aligned dword
    holding it (never past a page the tensor is on), its half picked by the index's low bit. */
@@ -240,11 +219,8 @@ static inline __attribute__((always_inline)) void decode16(const Problem *p, con
     const int half = G / 2;
     const size_t rowb = (size_t)p->Kp / 2;
     const int left = (int)rowb - b0;                       /* a multiple of 16: whole units */
-    const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-    __m512i r[16];
-    _Pragma("GCC unroll 16")
-    for (int c = 0; c < 16; c++) r[c] = _mm512_maskz_loadu_epi8(m, p->packed + (size_t)(n0 + c) * rowb + b0);
-    transpose16(r);                                        /* r[u]: bytes 4u..4u+3 of the 16 columns */
+    __m512i r[16];                                         /* r[u]: bytes 4u..4u+3 of the 16 columns */
+    load_transposed(p->packed + (size_t)n0 * rowb + b0, rowb, left, r);
     const __m512i low = _mm512_set1_epi32(15);
     __m512 vs = _mm512_setzero_ps(), vz = vs;
     _Pragma("GCC unroll 16")
@@ -273,83 +249,16 @@ static void decode_panel(const Problem *p, int n, int b0, float *P) {
     }
 }
 
-/* out[m0 .. m0 + mr, n0 .. n0 + 32] (+)= X[r][k] x P[k][c] over kn k-values (X: x's rows from m0 at the block's
-   first k); mr a constant after inlining. */
-static inline __attribute__((always_inline)) void micro(const Problem *p, const float *X, const float *P, int m0,
-                                                       const int mr, int n0, int kn, int first, int last) {
-    __m512 acc[PR][2];
-    _Pragma("GCC unroll 12")
-    for (int r = 0; r < mr; r++) {
-        float *o = p->out + (size_t)(m0 + r) * p->N + n0;
-        acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
-        acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16);
-    }
-    for (int k = 0; k < kn; k++) {
-        const __m512 w0 = _mm512_load_ps(P + (size_t)k * PW), w1 = _mm512_load_ps(P + (size_t)k * PW + 16);
-        _Pragma("GCC unroll 12")
-        for (int r = 0; r < mr; r++) {
-            const __m512 xb = _mm512_set1_ps(X[(size_t)r * p->ldx + k]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-        }
-    }
-    const __m512 b0 = last && p->bias ? _mm512_loadu_ps(p->bias + n0) : _mm512_setzero_ps();
-    const __m512 b1 = last && p->bias ? _mm512_loadu_ps(p->bias + n0 + 16) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 12")
-    for (int r = 0; r < mr; r++) {
-        float *o = p->out + (size_t)(m0 + r) * p->N + n0;
-        _mm512_storeu_ps(o, _mm512_add_ps(acc[r][0], b0));
-        _mm512_storeu_ps(o + 16, _mm512_add_ps(acc[r][1], b1));
-    }
+static void panel_decode(const void *kernel, int n, int k0, float *P) { decode_panel(kernel, n, k0 / 2, P); }
+
+static void panel_tile(const void *kernel, int m0, int rows, int n0, int n1) {
+    block_avx512(kernel, m0, m0 + rows, n0, n1);
 }
 
-/* Whole panels [n0, n1) (n1 - n0 a multiple of PW) over all rows. */
-static void panels(const Problem *p, int n0, int n1) {
-    float P[KB * PW] __attribute__((aligned(64)));
-    const int blocks = (p->M + PR - 1) / PR;
-    for (int n = n0; n < n1; n += PW)                     /* panel by panel: its out tile stays in L2 */
-        for (int k0 = 0; k0 < p->K; k0 += KB) {
-            const int kn = p->K - k0 < KB ? p->K - k0 : KB, first = k0 == 0, last = k0 + KB >= p->K;
-            decode_panel(p, n, k0 / 2, P);
-            for (int b = 0; b < blocks; b++) {
-                const int m = b * PR, mr = p->M - m < PR ? p->M - m : PR;
-                const float *a = p->x + (size_t)m * p->ldx + k0;
-                switch (mr) {
-                case 12: micro(p, a, P, m, 12, n, kn, first, last); break;
-                case 11: micro(p, a, P, m, 11, n, kn, first, last); break;
-                case 10: micro(p, a, P, m, 10, n, kn, first, last); break;
-                case 9: micro(p, a, P, m, 9, n, kn, first, last); break;
-                case 8: micro(p, a, P, m, 8, n, kn, first, last); break;
-                case 7: micro(p, a, P, m, 7, n, kn, first, last); break;
-                case 6: micro(p, a, P, m, 6, n, kn, first, last); break;
-                case 5: micro(p, a, P, m, 5, n, kn, first, last); break;
-                case 4: micro(p, a, P, m, 4, n, kn, first, last); break;
-                case 3: micro(p, a, P, m, 3, n, kn, first, last); break;
-                case 2: micro(p, a, P, m, 2, n, kn, first, last); break;
-                default: micro(p, a, P, m, 1, n, kn, first, last); break;
-                }
-            }
-        }
-}
-
-/* Threads split the panels; the last also takes the columns past the last whole panel (the tile loop). */
 static void run_panels(const Problem *p, int threads) {
-    const int whole = p->N / PW;
-    if (threads < 1) threads = 1;
-    if (whole < threads) threads = whole;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int n0 = (int)((long)whole * t / nt) * PW, n1 = (int)((long)whole * (t + 1) / nt) * PW;
-        for (int m0 = 0; m0 < p->M; m0 += SLAB) {          /* slabs of rows: their KB columns stay in L2 */
-            Problem slab = *p;
-            slab.x += (size_t)m0 * p->ldx;
-            slab.out += (size_t)m0 * p->N;
-            slab.M = p->M - m0 < SLAB ? p->M - m0 : SLAB;
-            panels(&slab, n0, n1);
-        }
-        if (t == nt - 1 && whole * PW < p->N) block_avx512(p, 0, p->M, whole * PW, p->N);
-    }
+    const PanelJob job = {p->x, p->ldx, p->out, p->N, p->M, p->N, p->K, KB, p->bias, p, panel_decode, NULL,
+                          panel_tile};
+    panel_run(&job, threads);
 }
 #else
 #define HAVE_AVX512 0

@@ -40,6 +40,7 @@
 #include "cpu_e4m3.h"     /* e4m3_round */
 
 #define MR 8      /* activation rows a block */
+#define PANEL_MIN_ROWS 24   /* rows from which the panel path runs: below, the tile loop is faster (widening is the work) */
 
 typedef struct {
     const float *x; int64_t ldx;
@@ -90,6 +91,7 @@ static void block_portable(const Problem *p, int n0, int n1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
+#include "cpu_panel.h"
 
 static inline __mmask16 lanes(int left) {
     return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
@@ -200,6 +202,88 @@ static void block_fast(const Problem *p, int n0, int n1) {
     else if (fp8) columns(p, n0, n1, 0, 1);
     else columns(p, n0, n1, 0, 0);
 }
+
+/* The panel path (PANEL_MIN_ROWS rows and more; cpu_panel.h has the loop): 64 bytes of 16 columns' rows
+   transposed in registers, each byte widened as widen() does and, with groups or zeros, dequantized into the
+   panel; per channel the panel holds the integers (fp8: their values times 2^-8) and the scale comes at the end,
+   as in the tile loop. */
+#define KB 64     /* k-values a decoded panel: 64 bytes of a column's row */
+
+/* Byte t of each dword of r widened to float32 (int8: its integer; fp8: as widen()). */
+static inline __attribute__((always_inline)) __m512 widen_byte(__m512i r, const int t, const int fp8) {
+    const __m512i b = _mm512_srai_epi32(_mm512_slli_epi32(r, 24 - 8 * t), 24);      /* sign-extended */
+    if (fp8)
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 7)),
+                                                _mm256_set1_epi16((short)0xbf80)));
+    return _mm512_cvtepi32_ps(b);
+}
+
+/* Scales (times smul) and zeros of group g of columns [n0, n0 + 16); row: each column's first scale index. */
+static inline void group_vectors(const Problem *p, __m512i row, int n0, int g, __m512 *vs, __m512 *vz) {
+    *vs = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(row, _mm512_set1_epi32(g)), p->scales, 4),
+                        _mm512_set1_ps(p->smul));
+    *vz = p->zeros ? _mm512_i32gather_ps(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(p->groups),
+              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+              _mm512_set1_epi32(n0 * p->groups + g)), p->zeros, 4) : _mm512_setzero_ps();
+}
+
+/* Columns [n0, n0 + 16) at k0 into P[k][c0 + 0..15]; affine and fp8 constants where it is inlined. */
+static inline __attribute__((always_inline)) void decode16(const Problem *p, int n0, int k0, float *P, int c0,
+                                                          const int affine, const int fp8) {
+    const int left = p->K - k0;
+    __m512i r[16];                                         /* r[u]: k0 + 4u .. 4u + 3 of the 16 columns */
+    load_transposed((const uint8_t *)p->q + (size_t)n0 * p->K + k0, p->K, left, r);
+    __m512 vs = _mm512_setzero_ps(), vz = vs;
+    __m512i row = _mm512_setzero_si512();
+    if (affine) {
+        int first[16];
+        for (int c = 0; c < 16; c++) first[c] = (n0 + c) / p->BN * p->groups;
+        row = _mm512_loadu_si512(first);
+    }
+    int group = -1;
+    _Pragma("GCC unroll 16")
+    for (int u = 0; u < 16; u++) {
+        if (4 * u >= left) break;
+        if (affine && (k0 + 4 * u) / p->G != group) {     /* G a multiple of 16: 4 k-values share a group */
+            group = (k0 + 4 * u) / p->G;
+            group_vectors(p, row, n0, group, &vs, &vz);
+        }
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < 4; t++) {
+            const __m512 w = widen_byte(r[u], t, fp8);
+            _mm512_store_ps(P + (size_t)(4 * u + t) * PW + c0, affine ? _mm512_fmadd_ps(w, vs, vz) : w);
+        }
+    }
+}
+
+static void panel_decode(const void *kernel, int n, int k0, float *P) {
+    const Problem *p = kernel;
+    const int fp8 = p->table != 0;
+    if (p->affine && fp8) { decode16(p, n, k0, P, 0, 1, 1); decode16(p, n + 16, k0, P, 16, 1, 1); }
+    else if (p->affine) { decode16(p, n, k0, P, 0, 1, 0); decode16(p, n + 16, k0, P, 16, 1, 0); }
+    else if (fp8) { decode16(p, n, k0, P, 0, 0, 1); decode16(p, n + 16, k0, P, 16, 0, 1); }
+    else { decode16(p, n, k0, P, 0, 0, 0); decode16(p, n + 16, k0, P, 16, 0, 0); }
+}
+
+static int panel_scale(const void *kernel, int n, float *scale) {     /* per channel: the scale at the end */
+    const Problem *p = kernel;
+    for (int c = 0; c < PW && !p->affine; c++) scale[c] = scale_at(p, n + c, 0);
+    return !p->affine;
+}
+
+static void panel_tile(const void *kernel, int m0, int rows, int n0, int n1) {
+    Problem slab = *(const Problem *)kernel;
+    slab.x += (size_t)m0 * slab.ldx;
+    slab.out += (size_t)m0 * slab.N;
+    slab.M = rows;
+    block_fast(&slab, n0, n1);
+}
+
+static void run_panels(const Problem *p, int threads) {
+    const PanelJob job = {p->x, p->ldx, p->out, p->N, p->M, p->N, p->K, KB, p->bias, p, panel_decode, panel_scale,
+                          panel_tile};
+    panel_run(&job, threads);
+}
 #else
 #define HAVE_AVX512 0
 #endif
@@ -210,6 +294,12 @@ int int8_kernel_isa(void) { return HAVE_AVX512; }
 static int run(const Problem *p, int threads, int portable) {
     const int N = p->N;
     const int fast = HAVE_AVX512 && !portable && (!p->affine || p->G % 16 == 0);
+#if HAVE_AVX512
+    if (fast && p->M >= PANEL_MIN_ROWS && N >= PW) {
+        run_panels(p, threads);
+        return 0;
+    }
+#endif
     if (threads < 1) threads = 1;
     if ((long)N < 8L * threads) threads = N / 8 > 1 ? N / 8 : 1;
     _Pragma("omp parallel num_threads(threads)")
