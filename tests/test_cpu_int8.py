@@ -1,6 +1,6 @@
 """The CPU weight-only int8 matmul (kernels/matmul/cpu_int8.py and .c) against the dequantized reference
 (Int8Linear.forward_ref: the weight dequantized in float32, then F.linear), Int8Linear's dispatch (the kernel for
-float32 calls of up to CPU_INT8_MAX_ROWS rows), and the engine's side (engine/run/cpu_kernel_build.py: the build,
+float32 calls, of any size where it runs its panel path), and the engine's side (engine/run/cpu_kernel_build.py: the build,
 JOBRUNNER_CPU_INT8, the fallback, the int8 linears it serves: `--quantization int8`, GGUF Q8_0, a shipped
 asymmetric int8 checkpoint, and the lm_head of int4 mode), greedy tokens kernel on against off.
 
@@ -130,7 +130,23 @@ def test_linear_takes_the_kernel_for_float32_rows_it_covers(libs, monkeypatch):
     lin(torch.randn(17, 64, dtype=torch.bfloat16))                       # past BF16_KERNEL_ROWS: the old path
     lin.cpu_kernel = None
     lin(torch.randn(2, 64))                                              # no library handed: the old path
-    assert calls == [(1, 64), (c8.CPU_INT8_MAX_ROWS, 64), (3, 64)]
+    assert calls == [(1, 64), (c8.CPU_INT8_MAX_ROWS, 64), (3, 64)]     # 16 columns: no panel path
+
+
+def test_the_panel_path_takes_any_rows(libs, monkeypatch):
+    """32 columns or more, per channel or groups of a multiple of 16, AVX-512: every float32 call; groups off the
+    lanes and the portable build keep the row limit."""
+    calls = []
+    real = ql.int8_matmul_cpu
+    monkeypatch.setattr(ql, "int8_matmul_cpu", lambda *a: calls.append(a[0].shape) or real(*a))
+    rows = c8.CPU_INT8_MAX_ROWS + 1
+    for group, lib in ((None, "native"), (32, "native"), (24, "native"), (None, "portable")):
+        lin = make(48, 96, group, zeros=group is not None, bias=True)
+        lin.cpu_kernel = libs[lib]
+        x = torch.randn(rows, 96)
+        close(lin(x), lin.forward_ref(x))
+    panel = libs["native"].isa == "avx512"
+    assert calls == ([(rows, 96)] * 2 if panel else [])
 
 
 def _greedy(model, int8_mode, monkeypatch, int4_mode="auto", **engine):

@@ -207,7 +207,7 @@ static void block_fast(const Problem *p, int n0, int n1) {
    transposed in registers, each byte widened as widen() does and, with groups or zeros, dequantized into the
    panel; per channel the panel holds the integers (fp8: their values times 2^-8) and the scale comes at the end,
    as in the tile loop. */
-#define KB 64     /* k-values a decoded panel: 64 bytes of a column's row */
+#define KB 128    /* k-values a decoded panel: twice 64 bytes of a column's row */
 
 /* Byte t of each dword of r widened to float32 (int8: its integer; fp8: as widen()). */
 static inline __attribute__((always_inline)) __m512 widen_byte(__m512i r, const int t, const int fp8) {
@@ -256,13 +256,21 @@ static inline __attribute__((always_inline)) void decode16(const Problem *p, int
     }
 }
 
+static inline __attribute__((always_inline)) void decode32(const Problem *p, int n, int k0, float *P,
+                                                          const int affine, const int fp8) {
+    for (int k = k0; k < k0 + KB && k < p->K; k += 64) {
+        decode16(p, n, k, P + (size_t)(k - k0) * PW, 0, affine, fp8);
+        decode16(p, n + 16, k, P + (size_t)(k - k0) * PW, 16, affine, fp8);
+    }
+}
+
 static void panel_decode(const void *kernel, int n, int k0, float *P) {
     const Problem *p = kernel;
     const int fp8 = p->table != 0;
-    if (p->affine && fp8) { decode16(p, n, k0, P, 0, 1, 1); decode16(p, n + 16, k0, P, 16, 1, 1); }
-    else if (p->affine) { decode16(p, n, k0, P, 0, 1, 0); decode16(p, n + 16, k0, P, 16, 1, 0); }
-    else if (fp8) { decode16(p, n, k0, P, 0, 0, 1); decode16(p, n + 16, k0, P, 16, 0, 1); }
-    else { decode16(p, n, k0, P, 0, 0, 0); decode16(p, n + 16, k0, P, 16, 0, 0); }
+    if (p->affine && fp8) decode32(p, n, k0, P, 1, 1);
+    else if (p->affine) decode32(p, n, k0, P, 1, 0);
+    else if (fp8) decode32(p, n, k0, P, 0, 1);
+    else decode32(p, n, k0, P, 0, 0);
 }
 
 static int panel_scale(const void *kernel, int n, float *scale) {     /* per channel: the scale at the end */

@@ -11,8 +11,8 @@ asymmetric checkpoint's).
 
 Built, kept and loaded like the int4 kernel (cpu_int4.py: the same flags and the two builds, "native" and
 "portable"); engine/run/cpu_kernel_build.py builds it at first use and hands it to the int8 linears.
-Activations float32 only and at most CPU_INT8_MAX_ROWS rows a call (others: the old path); the activations are
-not quantized, so a result differs from the dequantized reference (int8_matmul_ref) by rounding only:
+Activations float32 only, and at most CPU_INT8_MAX_ROWS rows a call without the panel path (others: the old
+path); the activations are not quantized, so a result differs from the dequantized reference (int8_matmul_ref) by rounding only:
 RTOL/ATOL below.
 
 The same library multiplies fp8 (e4m3) weights (fp8_matmul_cpu: a shipped float-quantized checkpoint's
@@ -36,17 +36,18 @@ from pathlib import Path
 
 import torch
 
-from jobrunner.kernels.matmul.cpu_int4 import VARIANTS, compile_command, library_name, run_over_rows
+from jobrunner.kernels.matmul.cpu_int4 import PANEL_COLUMNS, VARIANTS, compile_command, library_name, run_over_rows
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
 DOT_SOURCE, HEADER = SOURCE.with_name("cpu_fp8_dot.c"), SOURCE.with_name("cpu_e4m3.h")     # built in with it
 RTOL, ATOL = 1e-4, 1e-4          # against the dequantized reference in float32, relative to the max |out|
-# the kernel's rows per call at most: past it, dequantized slices on oneDNN (quant_matmul.sliced_linear) win:
-# 1.0-1.2x the kernel at 128 rows, 1.1-1.4x at 256, 1.3-1.7x at 512 and 1.6-4.5x at 2,048 on the default model's
-# and a 1B model's shapes (the kernel re-reads every activation row for each pair of columns); 2 threads, AMD EPYC
+# the kernel's rows per call at most where it has no panel path (Int8Library.panel_path): past it, dequantized
+# slices on oneDNN (quant_matmul.sliced_linear) win over the tile loop: 1.0-1.2x at 128 rows, 1.1-1.4x at 256,
+# 1.3-1.7x at 512 and 1.6-4.5x at 2,048 on the default model's and a 1B model's shapes; 2 threads, AMD EPYC.
+# The panel path takes every row count (1.0-1.4x the slices at 512 and 2,048 rows, RESULTS.md)
 CPU_INT8_MAX_ROWS = 128
-# the fp8 form's rows per call at most; more: a float32 slice of the weight dequantized by the library, then
-# oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
+# the fp8 form's rows per call at most without the panel path; more: a float32 slice of the weight dequantized
+# by the library, then oneDNN (benchmarks/cpu_int8_bench.py --part fp8; RESULTS.md's fp8 section)
 FP8_KERNEL_ROWS = 256
 # bfloat16 rows: widened to float32 at the kernel's edge up to this many (2.5-4x bfloat16 slices + F.linear at 1
 # row, 1.3x at 16, 0.6-1.0x at 64: a /tmp script beside RESULTS.md's fp8 figures)
@@ -99,10 +100,18 @@ class Int8Library:
         # the bf16 fp8 form (cpu_fp8_dot.c): where the build has AVX512_BF16, unless told not to (tests compare)
         self.fp8_dot = bool(lib.fp8_dot_isa()) and not portable and fp8_dot
 
+    def panel_path(self, n: int, group: int, affine: bool) -> bool:
+        """Whether calls of 24 rows and more run the panel path (cpu_panel.h), at oneDNN float32's rate at prefill
+        sizes, so the kernel is worth any number of rows: AVX-512, 32 columns or more, and per channel scales or
+        groups of a multiple of 16 (affine: groups or zeros, dequantized in the panel)."""
+        return self.isa == "avx512" and n >= PANEL_COLUMNS and (not affine or group % 16 == 0)
+
     def takes(self, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
         """Whether the kernel serves this call (else the caller's torch path does)."""
+        n, groups, k = scales.shape[0], scales.shape[-1], x.shape[-1]
         return (x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype == torch.float32
-                and (zeros is None or zeros.dtype == torch.float32) and x.numel() <= CPU_INT8_MAX_ROWS * x.shape[-1])
+                and (zeros is None or zeros.dtype == torch.float32)
+                and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path(n, k // groups, groups > 1 or zeros is not None)))
 
     def serves_fp8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether the library's fp8 functions serve this call (shipped_quant.fp8_weight_matmul: which of them)."""

@@ -120,9 +120,9 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     fp8 weight. The Triton kernel runs block scales on CUDA. On the CPU with cpu_kernel: float32 calls whose
     activations are quantized to e4m3 (act "dynamic" or "static") take the bf16 form where the library has it
     (FP8_DOT; cpu_fp8_dot.c, AVX512_BF16: e4m3 times e4m3 in exact bfloat16 products, any number of rows);
-    otherwise (cpu_int8.c's fp8 form)
-    float32 calls of up to FP8_KERNEL_ROWS rows multiply the e4m3 bytes (never a float weight), the activations
-    fake-quantized there too (the same values); bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
+    otherwise (cpu_int8.c's fp8 form) float32 calls (of up to FP8_KERNEL_ROWS rows without its panel path)
+    multiply the e4m3 bytes (never a float weight), the activations fake-quantized there too (the same values);
+    bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
     (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
     slices below with the library dequantizing them (dequantize_fp8's values, faster). Otherwise the weight
     is dequantized a slice of rows at a time in torch, then dense_linear (quant_matmul.sliced_linear)."""
@@ -142,7 +142,8 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
             x2 = fake_quantize_fp8_cpu(x2, static, act_group, lib)
         else:
             x2 = fake_quantize_fp8(x2, static, act_group)
-    if lib is not None and x2.dtype == torch.float32 and x2.shape[0] <= FP8_KERNEL_ROWS:
+    if lib is not None and x2.dtype == torch.float32 and (x2.shape[0] <= FP8_KERNEL_ROWS or lib.panel_path(
+            n, block[1] if block else k, block is not None and -(-k // block[1]) > 1)):
         return fp8_matmul_cpu(x2, qweight, scales, block, bias, lib).view(*x.shape[:-1], n)
     if lib is not None and x2.dtype == torch.bfloat16 and x2.shape[0] <= FP8_BF16_KERNEL_ROWS:
         y = fp8_matmul_cpu(x2.float(), qweight, scales, block, bias, lib)      # widened exactly, at the edge
