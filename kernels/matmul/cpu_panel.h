@@ -41,12 +41,16 @@ static inline void transpose16(__m512i *r) {     /* r[i] dword j -> r[j] dword i
 }
 
 /* 64 bytes of each of 16 rows (row stride `stride`, `left` bytes of each before its end), transposed: r[u] holds
-   bytes 4u..4u+3 of the 16 rows. */
+   bytes 4u..4u+3 of the 16 rows. The rows' bytes 128 on are prefetched: 32 rows a panel are more streams than
+   the hardware prefetcher follows (+3-8% at 24-64 rows on a 1B model's shapes; 256 and 512 ahead gained less). */
 static inline __attribute__((always_inline)) void load_transposed(const uint8_t *rows, size_t stride, int left,
                                                                  __m512i *r) {
     const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
     _Pragma("GCC unroll 16")
-    for (int c = 0; c < 16; c++) r[c] = _mm512_maskz_loadu_epi8(m, rows + (size_t)c * stride);
+    for (int c = 0; c < 16; c++) {
+        r[c] = _mm512_maskz_loadu_epi8(m, rows + (size_t)c * stride);
+        if (left > 128) _mm_prefetch((const char *)(rows + (size_t)c * stride + 128), _MM_HINT_T0);
+    }
     transpose16(r);
 }
 
