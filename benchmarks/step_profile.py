@@ -27,6 +27,7 @@ GROUPS = [
     ("cpu_attention", "attention"), ("attention", "attention"), ("sdpa", "attention"), ("flex", "attention"),
     ("scaled_dot_product", "attention"), ("softmax", "attention"), ("bmm", "attention"),
     ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("linear", "matmul"), ("fbgemm", "matmul"),
+    (".matmul", "matmul"),          # the C weight kernels' calls, named cpu_int4.matmul etc. (no shapes recorded)
     ("quantized", "matmul"), ("rms_norm", "norm"), ("aten::pow", "norm"), ("aten::rsqrt", "norm"),
     ("aten::mean", "norm"), ("aten::sum", "norm"),
     ("aten::sin", "rotary"), ("aten::cos", "rotary"), ("aten::neg", "rotary"), ("aten::cat", "rotary"),
@@ -193,7 +194,7 @@ def print_phase(title: str, res: dict, flops: float) -> None:
         print(f"\nBytes a step must read: weights {res['weight_bytes'] / 1e6:.0f} MB + K and V {res['kv_bytes'] / 1e6:.0f} "
               f"MB; at the {res['bandwidth'] / 1e9:.1f} GB/s a 1 GiB read runs at here, {bound * 1e3:.1f} ms: "
               f"the step takes {wall / bound:.2f}x its bytes-read bound")
-    if "peak_flops" in res:
+    if res.get("peak_flops"):       # none where no matmul recorded its shapes (the C weight kernels' calls)
         # the linears at the rate a prefill chunk's reach (or their weights' reading, if slower), then K and V read
         linears = max(flops / res["peak_flops"], res["weight_bytes"] / res["bandwidth"])
         both = linears + res["kv_bytes"] / res["bandwidth"]
@@ -296,11 +297,12 @@ def _timed(fn) -> float:
 
 
 def _matmul_params(engine) -> int:
-    """Weights a token multiplies: every linear layer's (plain or packed) plus the output head's."""
+    """Weights a token multiplies: every linear layer's (plain, packed or quantized) plus the output head's."""
     import torch
+    from jobrunner.engine.quant.linear import QuantLinear
     from jobrunner.kernels.ops import PackedLinear
     return sum(m.in_features * m.out_features for m in engine.rt.model.modules()
-               if isinstance(m, (torch.nn.Linear, PackedLinear)))
+               if isinstance(m, (torch.nn.Linear, PackedLinear, QuantLinear)))
 
 
 if __name__ == "__main__":
