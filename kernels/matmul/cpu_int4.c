@@ -15,9 +15,9 @@
      row are widened to 32 nibbles in two zmm registers, dequantized there (one FMA each: q * s + z) and
      multiplied into the activations of up to 8 rows at once; columns by threes (3+ rows) or fours (1-2 rows:
      four independent rows keep the FMA units fed). The sum over k runs in 16 lanes, reduced at the end.
-   - the panel path (more rows: prefill; the comment above panels()): a weight decoded once per 384 rows into
-     a float panel in L1, then an outer product over it, as a float GEMM runs; 1.1-1.3x the tile loop from 32
-     rows, and faster than oneDNN over dequantized slices up to 2,048 rows on most shapes (RESULTS.md).
+   - the panel path (more rows: large decode batches, prefill; cpu_panel.h has the loop): a weight decoded once
+     per 128 rows into a float panel in L1, then an outer product over it, as a float GEMM runs; 1.05-1.36x the
+     tile loop from 24 rows, and as fast as oneDNN over dequantized slices or faster up to 2,048 rows.
    Columns past K (the last group's padding) never meet an activation.
 
    Arithmetic is float32, so a result differs from F.linear's by the order of the sum only. A G that is not a

@@ -17,7 +17,8 @@
    Threads split N (OpenMP, the libgomp torch has loaded); each walks its columns in tiles of 4 (1-2 rows:
    decode, where widening is the work) or 3 (24 accumulators for 8 rows: 2-8% over tiles of 2 at 16 rows),
    and runs every block of rows over a tile while its bytes are in L1, so the weight is read from memory
-   once a call whatever M.
+   once a call whatever M. From PANEL_MIN_ROWS rows the panel path runs instead (cpu_panel.h: 128 x 32 weights
+   widened into a float panel in L1, an outer product over it; the comment above decode16 here).
 
    fp8 (fp8_weight_matmul, a shipped compressed-tensors float-quantized checkpoint's): q [N, K] e4m3 bytes,
    scales per channel [N, 1] (G = K) or per [BN, G] block [ceil(N / BN), ceil(K / G)] (FP8_BLOCK), no zeros;
