@@ -169,7 +169,7 @@ def test_many_rows_take_slices_the_library_dequantizes_bit_for_bit(libs, build):
             assert torch.equal(c8.fp8_dequantize_cpu(q, s, block, rows, libs[build]),
                                sq.dequantize_fp8(q, s, block, torch.float32, rows))
         lib = c8.Int8Library(libs[build].path, libs[build].portable, fp8_dot=False)    # no bf16 form
-        panel = lib.panel_path(n, block[1] if block else k, block is not None and -(-k // block[1]) > 1)
+        panel = lib.fp8_panel_path(n, k, block)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(c8.FP8_KERNEL_ROWS + 3, k).to(dtype)
             got = sq.fp8_weight_matmul(x, q, s, block, act="dynamic", cpu_kernel=lib)

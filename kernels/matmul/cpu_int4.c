@@ -183,33 +183,25 @@ static void block_avx512(const Problem *p, int m0, int m1, int n0, int n1) {
    columns' rows are transposed in registers, their nibbles widened and dequantized into the panel. */
 #define KB 128    /* k-values a decoded panel: 64 bytes of a column's row */
 
-/* Scales and zeros of group g of columns [n0, n0 + 16), gathered. A float16 is read from the aligned dword
-   holding it (never past a page the tensor is on), its half picked by the index's low bit. */
+/* 16 float16 values at element offsets idx of `halves`, as float32: each read from the aligned dword holding it
+   (never past a page the tensor is on), its half picked by its byte offset. */
+static inline __m512 gather_halves(const void *halves, __m512i idx) {
+    const uintptr_t at = (uintptr_t)halves;
+    const __m512i bytes = _mm512_add_epi32(_mm512_slli_epi32(idx, 1), _mm512_set1_epi32((int)(at & 3)));
+    const __m512i word = _mm512_andnot_si512(_mm512_set1_epi32(3), bytes);
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(2)), 3);   /* 16 or 0 */
+    const __m512i w = _mm512_srlv_epi32(_mm512_i32gather_epi32(word, (const void *)(at & ~(uintptr_t)3), 1), hi);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+}
+
+/* Scales and zeros of group g of columns [n0, n0 + 16), gathered (no zeros: z = -8 s). */
 static inline void sz_columns(const Problem *p, int n0, int g, __m512 *vs, __m512 *vz) {
     const int groups = p->Kp / p->G;
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(groups), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), _mm512_set1_epi32(n0 * groups + g));
-    if (p->scale_f32) {
-        *vs = _mm512_i32gather_ps(idx, p->scales, 4);
-        *vz = p->zeros ? _mm512_i32gather_ps(idx, p->zeros, 4) : _mm512_mul_ps(*vs, _mm512_set1_ps(-8.0f));
-        return;
-    }
-    const uintptr_t base = (uintptr_t)p->scales & ~(uintptr_t)3, zbase = (uintptr_t)p->zeros & ~(uintptr_t)3;
-    const __m512i shift = _mm512_set1_epi32((int)((uintptr_t)p->scales & 3));     /* 0 or 2: its start */
-    const __m512i bytes = _mm512_add_epi32(_mm512_slli_epi32(idx, 1), shift);     /* byte offsets from base */
-    const __m512i word = _mm512_andnot_si512(_mm512_set1_epi32(3), bytes);
-    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(2)), 3);   /* 16 or 0 */
-    const __m512i sw = _mm512_srlv_epi32(_mm512_i32gather_epi32(word, (const void *)base, 1), hi);
-    *vs = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sw));
-    if (p->zeros) {
-        const __m512i zshift = _mm512_set1_epi32((int)((uintptr_t)p->zeros & 3));
-        const __m512i zb = _mm512_add_epi32(_mm512_slli_epi32(idx, 1), zshift);
-        const __m512i zw = _mm512_srlv_epi32(_mm512_i32gather_epi32(_mm512_andnot_si512(_mm512_set1_epi32(3), zb),
-            (const void *)zbase, 1), _mm512_slli_epi32(_mm512_and_si512(zb, _mm512_set1_epi32(2)), 3));
-        *vz = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(zw));
-    } else {
-        *vz = _mm512_mul_ps(*vs, _mm512_set1_ps(-8.0f));
-    }
+    *vs = p->scale_f32 ? _mm512_i32gather_ps(idx, p->scales, 4) : gather_halves(p->scales, idx);
+    if (!p->zeros) *vz = _mm512_mul_ps(*vs, _mm512_set1_ps(-8.0f));
+    else *vz = p->scale_f32 ? _mm512_i32gather_ps(idx, p->zeros, 4) : gather_halves(p->zeros, idx);
 }
 
 /* Columns [n0, n0 + 16) of the block at byte b0 of their rows, dequantized into P[k][c0 + 0..15]. G a constant
@@ -256,8 +248,7 @@ static void panel_tile(const void *kernel, int m0, int rows, int n0, int n1) {
 }
 
 static void run_panels(const Problem *p, int threads) {
-    const PanelJob job = {p->x, p->ldx, p->out, p->N, p->M, p->N, p->K, KB, p->bias, p, panel_decode, NULL,
-                          panel_tile};
+    const PanelJob job = {p->x, p->ldx, p->out, p->M, p->N, p->K, KB, p->bias, p, panel_decode, NULL, panel_tile};
     panel_run(&job, threads);
 }
 #else

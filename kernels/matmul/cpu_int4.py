@@ -79,7 +79,7 @@ class Int4Library:
         self.function, self.path, self.portable = fn, path, portable
         self.isa = "avx512" if lib.int4_kernel_isa() and not portable else "portable"
 
-    def panel_path(self, group_size: int, n: int) -> bool:
+    def panel_path(self, n: int, group_size: int) -> bool:
         """Whether calls past PANEL_MIN_ROWS rows run the panel path (cpu_int4.c), as fast as oneDNN's float32 at
         prefill sizes, rather than the tile loop."""
         return self.isa == "avx512" and group_size in PANEL_GROUPS and n >= PANEL_COLUMNS

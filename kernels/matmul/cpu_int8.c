@@ -219,13 +219,11 @@ static inline __attribute__((always_inline)) __m512 widen_byte(__m512i r, const 
     return _mm512_cvtepi32_ps(b);
 }
 
-/* Scales (times smul) and zeros of group g of columns [n0, n0 + 16); row: each column's first scale index. */
-static inline void group_vectors(const Problem *p, __m512i row, int n0, int g, __m512 *vs, __m512 *vz) {
-    *vs = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(row, _mm512_set1_epi32(g)), p->scales, 4),
-                        _mm512_set1_ps(p->smul));
-    *vz = p->zeros ? _mm512_i32gather_ps(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(p->groups),
-              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-              _mm512_set1_epi32(n0 * p->groups + g)), p->zeros, 4) : _mm512_setzero_ps();
+/* Scales (times smul) and zeros of group g of 16 columns, whose first scale and zero are at srow and zrow. */
+static inline void group_vectors(const Problem *p, __m512i srow, __m512i zrow, int g, __m512 *vs, __m512 *vz) {
+    const __m512i at = _mm512_set1_epi32(g);
+    *vs = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(srow, at), p->scales, 4), _mm512_set1_ps(p->smul));
+    *vz = p->zeros ? _mm512_i32gather_ps(_mm512_add_epi32(zrow, at), p->zeros, 4) : _mm512_setzero_ps();
 }
 
 /* Columns [n0, n0 + 16) at k0 into P[k][c0 + 0..15]; affine and fp8 constants where it is inlined. */
@@ -235,11 +233,13 @@ static inline __attribute__((always_inline)) void decode16(const Problem *p, int
     __m512i r[16];                                         /* r[u]: k0 + 4u .. 4u + 3 of the 16 columns */
     load_transposed((const uint8_t *)p->q + (size_t)n0 * p->K + k0, p->K, left, r);
     __m512 vs = _mm512_setzero_ps(), vz = vs;
-    __m512i row = _mm512_setzero_si512();
+    __m512i srow = _mm512_setzero_si512(), zrow = srow;      /* each column's first scale and zero */
     if (affine) {
         int first[16];
         for (int c = 0; c < 16; c++) first[c] = (n0 + c) / p->BN * p->groups;
-        row = _mm512_loadu_si512(first);
+        srow = _mm512_loadu_si512(first);
+        zrow = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(p->groups), _mm512_setr_epi32(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), _mm512_set1_epi32(n0 * p->groups));
     }
     int group = -1;
     _Pragma("GCC unroll 16")
@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void decode16(const Problem *p, int
         if (4 * u >= left) break;
         if (affine && (k0 + 4 * u) / p->G != group) {     /* G a multiple of 16: 4 k-values share a group */
             group = (k0 + 4 * u) / p->G;
-            group_vectors(p, row, n0, group, &vs, &vz);
+            group_vectors(p, srow, zrow, group, &vs, &vz);
         }
         _Pragma("GCC unroll 4")
         for (int t = 0; t < 4; t++) {
@@ -289,7 +289,7 @@ static void panel_tile(const void *kernel, int m0, int rows, int n0, int n1) {
 }
 
 static void run_panels(const Problem *p, int threads) {
-    const PanelJob job = {p->x, p->ldx, p->out, p->N, p->M, p->N, p->K, KB, p->bias, p, panel_decode, panel_scale,
+    const PanelJob job = {p->x, p->ldx, p->out, p->M, p->N, p->K, KB, p->bias, p, panel_decode, panel_scale,
                           panel_tile};
     panel_run(&job, threads);
 }

@@ -106,12 +106,18 @@ class Int8Library:
         groups of a multiple of 16 (affine: groups or zeros, dequantized in the panel)."""
         return self.isa == "avx512" and n >= PANEL_COLUMNS and (not affine or group % 16 == 0)
 
+    def fp8_panel_path(self, n: int, k: int, block: tuple[int, int] | None) -> bool:
+        """panel_path for an fp8 weight [n, k]: block scales dequantize in the panel where a row has two groups or
+        more (cpu_int8.c's affine), per channel ones at the end."""
+        return self.panel_path(n, block[1] if block else k, block is not None and -(-k // block[1]) > 1)
+
     def takes(self, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
         """Whether the kernel serves this call (else the caller's torch path does)."""
         n, groups, k = scales.shape[0], scales.shape[-1], x.shape[-1]
+        affine = groups > 1 or zeros is not None
         return (x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype == torch.float32
                 and (zeros is None or zeros.dtype == torch.float32)
-                and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path(n, k // groups, groups > 1 or zeros is not None)))
+                and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path(n, k // groups, affine)))
 
     def serves_fp8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether the library's fp8 functions serve this call (shipped_quant.fp8_weight_matmul: which of them)."""

@@ -1,10 +1,10 @@
 /* The panel path of the CPU weight kernels (cpu_int4.c, cpu_int8.c): a float32 GEMM whose packing step is the
    weight's dequantization. A kernel decodes KB k-values of PW = 32 columns into a float panel P[k][32] (its own
-   widening; this header's transpose16 turns 16 rows of 64 bytes into dwords of 16 columns), then panel_rows
-   runs every block of PR activation rows over it as an outer product straight from x: per k, two weight
-   vectors and PR broadcasts feed 2 PR FMAs. A weight is decoded once per SLAB rows (the tile loops decode it
-   once per 8), and no horizontal sum is left. Each out[m, n] is one FMA chain over k in order, stored and
-   reloaded between panels of k. AVX-512 only; included where the kernels' AVX-512 loops are compiled. */
+   widening; this header's load_transposed turns 16 rows of 64 bytes into dwords of 16 columns), then panel_rows
+   runs every block of PR activation rows over it as an outer product: per k, two weight vectors and PR
+   broadcasts feed 2 PR FMAs. A weight is decoded once per SLAB rows (the tile loops decode it once per 8), and
+   no horizontal sum is left. Each out[m, n] is one FMA chain over k in order (panel_columns says how the
+   copies keep it so). AVX-512 only; included where the kernels' AVX-512 loops are compiled. */
 #ifndef JOBRUNNER_CPU_PANEL_H
 #define JOBRUNNER_CPU_PANEL_H
 #include <immintrin.h>
@@ -113,7 +113,7 @@ static inline void panel_rows(const float *X, int64_t ldx, const float *P, float
 /* What a kernel hands the driver: its rows and output, and three functions over its own problem (`kernel`). */
 typedef struct {
     const float *x; int64_t ldx;          /* M rows of K */
-    float *out; int64_t ldo;              /* M rows of N */
+    float *out;                           /* M rows of N */
     int M, N, K, kb;                      /* kb: k-values a decoded panel (a multiple of 4) */
     const float *bias;                    /* [N] or NULL */
     const void *kernel;
@@ -131,14 +131,14 @@ static void panel_columns(const PanelJob *j, int m0, int M, int n0, int n1, floa
     float P[256 * PW] __attribute__((aligned(64)));      /* kb <= 256 */
     float scale[PW];
     const float *x = j->x + (size_t)m0 * j->ldx;
-    float *out = j->out + (size_t)m0 * j->ldo;
+    float *out = j->out + (size_t)m0 * j->N;
     const int lda = kc + 16;
     for (int c0 = 0; c0 < j->K; c0 += kc) {
         const int c1 = c0 + kc < j->K ? c0 + kc : j->K, final = c1 == j->K;
         for (int m = 0; m < M; m++) memcpy(A + (size_t)m * lda, x + (size_t)m * j->ldx + c0, (size_t)(c1 - c0) * 4);
         for (int n = n0; n < n1; n += PW) {
             if (c0 > 0)
-                for (int m = 0; m < M; m++) memcpy(C + (size_t)m * PW, out + (size_t)m * j->ldo + n, PW * 4);
+                for (int m = 0; m < M; m++) memcpy(C + (size_t)m * PW, out + (size_t)m * j->N + n, PW * 4);
             const int scaled = final && j->scale && j->scale(j->kernel, n, scale);
             for (int k0 = c0; k0 < c1; k0 += j->kb) {
                 const int kn = c1 - k0 < j->kb ? c1 - k0 : j->kb, last = final && k0 + j->kb >= c1;
@@ -146,7 +146,7 @@ static void panel_columns(const PanelJob *j, int m0, int M, int n0, int n1, floa
                 panel_rows(A + (k0 - c0), lda, P, C, PW, M, kn, k0 == 0, last && scaled ? scale : NULL,
                            last && j->bias ? j->bias + n : NULL);
             }
-            for (int m = 0; m < M; m++) memcpy(out + (size_t)m * j->ldo + n, C + (size_t)m * PW, PW * 4);
+            for (int m = 0; m < M; m++) memcpy(out + (size_t)m * j->N + n, C + (size_t)m * PW, PW * 4);
         }
     }
 }

@@ -260,7 +260,7 @@ def int4_matmul(x, packed, scales, zeros, group_size, bias=None, cpu_lib: Int4Li
         from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton
         return int4_matmul_triton(x, packed, scales, zeros, group_size, bias)
     if cpu_lib is not None and cpu_lib.covers(x, scales) and (
-            x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1] or cpu_lib.panel_path(group_size, packed.shape[0])):
+            x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1] or cpu_lib.panel_path(packed.shape[0], group_size)):
         return int4_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
     x32 = widened_bf16(x) if cpu_lib is not None else None
     if x32 is not None and cpu_lib.covers(x32, scales):

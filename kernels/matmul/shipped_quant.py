@@ -142,8 +142,8 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
             x2 = fake_quantize_fp8_cpu(x2, static, act_group, lib)
         else:
             x2 = fake_quantize_fp8(x2, static, act_group)
-    if lib is not None and x2.dtype == torch.float32 and (x2.shape[0] <= FP8_KERNEL_ROWS or lib.panel_path(
-            n, block[1] if block else k, block is not None and -(-k // block[1]) > 1)):
+    if lib is not None and x2.dtype == torch.float32 and (x2.shape[0] <= FP8_KERNEL_ROWS
+                                                          or lib.fp8_panel_path(n, k, block)):
         return fp8_matmul_cpu(x2, qweight, scales, block, bias, lib).view(*x.shape[:-1], n)
     if lib is not None and x2.dtype == torch.bfloat16 and x2.shape[0] <= FP8_BF16_KERNEL_ROWS:
         y = fp8_matmul_cpu(x2.float(), qweight, scales, block, bias, lib)      # widened exactly, at the edge
