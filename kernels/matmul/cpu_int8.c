@@ -41,7 +41,7 @@
 #include "cpu_e4m3.h"     /* e4m3_round */
 
 #define MR 8      /* activation rows a block */
-#define PANEL_MIN_ROWS 24   /* rows from which the panel path runs: below, the tile loop is faster (widening is the work) */
+#define PANEL_MIN_ROWS 16   /* rows from which the panel path runs: below, the tile loop is faster (widening is the work) */
 
 typedef struct {
     const float *x; int64_t ldx;

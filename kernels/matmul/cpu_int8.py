@@ -101,7 +101,7 @@ class Int8Library:
         self.fp8_dot = bool(lib.fp8_dot_isa()) and not portable and fp8_dot
 
     def panel_path(self, n: int, group: int, affine: bool) -> bool:
-        """Whether calls of 24 rows and more run the panel path (cpu_panel.h), at oneDNN float32's rate at prefill
+        """Whether calls of 16 rows and more run the panel path (cpu_panel.h), at oneDNN float32's rate at prefill
         sizes, so the kernel is worth any number of rows: AVX-512, 32 columns or more, and per channel scales or
         groups of a multiple of 16 (affine: groups or zeros, dequantized in the panel)."""
         return self.isa == "avx512" and n >= PANEL_COLUMNS and (not affine or group % 16 == 0)

@@ -41,8 +41,9 @@ static inline void transpose16(__m512i *r) {     /* r[i] dword j -> r[j] dword i
 }
 
 /* 64 bytes of each of 16 rows (row stride `stride`, `left` bytes of each before its end), transposed: r[u] holds
-   bytes 4u..4u+3 of the 16 rows. The rows' bytes 128 on are prefetched: 32 rows a panel are more streams than
-   the hardware prefetcher follows (+3-8% at 24-64 rows on a 1B model's shapes; 256 and 512 ahead gained less). */
+   bytes 4u..4u+3 of the 16 rows. The rows' bytes 128 on are prefetched into L1 and 512 on into L2: 32 rows a
+   panel are more streams than the hardware prefetcher follows (+3-8% at 24-64 rows on a 1B model's shapes for
+   the first, +2-8% more at 16-64 for the second in int8; 256 and 512 ahead into L1 gained less). */
 static inline __attribute__((always_inline)) void load_transposed(const uint8_t *rows, size_t stride, int left,
                                                                  __m512i *r) {
     const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
@@ -50,6 +51,7 @@ static inline __attribute__((always_inline)) void load_transposed(const uint8_t 
     for (int c = 0; c < 16; c++) {
         r[c] = _mm512_maskz_loadu_epi8(m, rows + (size_t)c * stride);
         if (left > 128) _mm_prefetch((const char *)(rows + (size_t)c * stride + 128), _MM_HINT_T0);
+        if (left > 512) _mm_prefetch((const char *)(rows + (size_t)c * stride + 512), _MM_HINT_T1);
     }
     transpose16(r);
 }
@@ -90,10 +92,13 @@ static inline __attribute__((always_inline)) void panel_micro(const float *X, in
 /* Every block of PR rows of M over the panel P: panel_micro's arguments, X and out at row 0. */
 static inline void panel_rows(const float *X, int64_t ldx, const float *P, float *out, int64_t ldo, int M, int kn,
                               int first, const float *scale, const float *bias) {
-    for (int m = 0; m < M; m += PR) {
+    const int tiles = (M + PR - 1) / PR;
+    for (int t = 0, m = 0; t < tiles; t++) {
+        const int mr = (M - m) / (tiles - t);    /* balanced: 16 rows run as 8 + 8, not 12 + 4 */
         const float *x = X + (size_t)m * ldx;
         float *o = out + (size_t)m * ldo;
-        switch (M - m < PR ? M - m : PR) {
+        m += mr;
+        switch (mr) {
         case 12: panel_micro(x, ldx, P, o, ldo, 12, kn, first, scale, bias); break;
         case 11: panel_micro(x, ldx, P, o, ldo, 11, kn, first, scale, bias); break;
         case 10: panel_micro(x, ldx, P, o, ldo, 10, kn, first, scale, bias); break;
