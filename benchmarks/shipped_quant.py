@@ -6,12 +6,17 @@ Each DIR is an HF checkpoint (float, or compressed-tensors / GPTQ / AWQ). For ea
 decode tokens/s (greedy, ignore_eos, float32 activations) and resident weight bytes, and
 transformers' generate on the same directory (which decompresses a compressed-tensors checkpoint
 to float on its first forward), with the ratio; with --w4a8, also ours under `--quantization w4a8`
-(an int4 checkpoint's own weights times int8 activations). One process, one thread count for all.
+(an int4 checkpoint's own weights times int8 activations). One process, one thread count for all;
+with --transformers-python PY, transformers runs in that interpreter instead (a venv of its own with
+optimum and gptqmodel, which GPTQ and AWQ need and the test extra does not install), at the same
+thread count.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,18 +49,34 @@ def transformers_speed(path: str, rows: int, new: int) -> float:
     return (out.shape[1] - 32) * rows / (time.perf_counter() - t0)
 
 
+def transformers_elsewhere(python: str, path: str, rows: int, new: int) -> float:
+    """transformers_speed run by another interpreter (this repository on its path), at this thread count."""
+    code = ("import sys, torch; torch.set_num_threads(int(sys.argv[4])); "
+            "from benchmarks.shipped_quant import transformers_speed; "
+            "print('tok/s', transformers_speed(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
+    done = subprocess.run([python, "-c", code, path, str(rows), str(new), str(torch.get_num_threads())],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    last = [line for line in done.stdout.splitlines() if line.startswith("tok/s ")]
+    if done.returncode or not last:
+        raise ImportError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    return float(last[-1].split()[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--w4a8", action="store_true", help="also ours under --quantization w4a8 (int4 checkpoints)")
+    ap.add_argument("--transformers-python", help="run transformers by this interpreter (one with optimum and "
+                                                  "gptqmodel for GPTQ and AWQ)")
     a = ap.parse_args()
     print(f"threads {torch.get_num_threads()}, {a.rows} rows x {a.new} new tokens (32-token prompts)")
     print(f"{'checkpoint':<40} {'ours tok/s':>11} {'weights MB':>11} {'HF tok/s':>9} {'ours/HF':>8}")
     for d in a.dirs:
         try:
-            hf = transformers_speed(d, a.rows, a.new)
+            hf = (transformers_elsewhere(a.transformers_python, d, a.rows, a.new) if a.transformers_python
+                  else transformers_speed(d, a.rows, a.new))
         except ImportError as e:        # e.g. GPTQ needs optimum / gptqmodel, which the test extra does not install
             hf, why = None, str(e).splitlines()[0]
             print(f"transformers cannot load {d}: {why}")
