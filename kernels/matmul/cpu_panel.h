@@ -1,8 +1,8 @@
 /* The panel path of the CPU weight kernels (cpu_int4.c, cpu_int8.c): a float32 GEMM whose packing step is the
    weight's dequantization. A kernel decodes KB k-values of PW = 32 columns into a float panel P[k][32] (its own
    widening; this header's load_transposed turns 16 rows of 64 bytes into dwords of 16 columns), then panel_rows
-   runs every block of PR activation rows over it as an outer product: per k, two weight vectors and PR
-   broadcasts feed 2 PR FMAs. A weight is decoded once per SLAB rows (the tile loops decode it once per 8), and
+   runs every block of up to PR activation rows over it as an outer product: per k, two weight vectors and one
+   broadcast a row feed two FMAs a row. A weight is decoded once per SLAB rows (the tile loops decode it once per 8), and
    no horizontal sum is left. Each out[m, n] is one FMA chain over k in order (panel_columns says how the
    copies keep it so). AVX-512 only; included where the kernels' AVX-512 loops are compiled. */
 #ifndef JOBRUNNER_CPU_PANEL_H
@@ -14,7 +14,7 @@
 #include <string.h>
 
 #define PW 32     /* columns a panel: two zmm */
-#define PR 12     /* activation rows a micro-tile: 24 accumulators */
+#define PR 12     /* activation rows a micro-tile at most: 24 accumulators */
 #define SLAB 128  /* rows a pass over the panels: a panel's out tile C (16 KB) stays in L1 (384: 0.85-0.9x) */
 #define X_CHUNK (256 * 1024)    /* bytes of x a pass over the panels reads: they stay in L2 for the next panel */
 
@@ -89,7 +89,8 @@ static inline __attribute__((always_inline)) void panel_micro(const float *X, in
     }
 }
 
-/* Every block of PR rows of M over the panel P: panel_micro's arguments, X and out at row 0. */
+/* M rows over the panel P in ceil(M / PR) blocks of near-equal size: panel_micro's arguments, X and out at
+   row 0. A row's sum does not depend on its block. */
 static inline void panel_rows(const float *X, int64_t ldx, const float *P, float *out, int64_t ldo, int M, int kn,
                               int first, const float *scale, const float *bias) {
     const int tiles = (M + PR - 1) / PR;
