@@ -13,7 +13,8 @@ from jobrunner.kernels.activation.activation import gelu_tanh_and_mul, silu_and_
 from jobrunner.kernels.attention.attention import AttentionMetadata, paged_attention, store_kv
 from jobrunner.kernels.attention.metadata import choose_num_splits
 from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, compile_command, library_name
-from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_compile_command, int4_library_name, int4_matmul_cpu
+from jobrunner.kernels.matmul.cpu_int4 import (Int4Library, int4_bf16_matmul_cpu, int4_compile_command, int4_library_name,
+                                              int4_matmul_cpu)
 from jobrunner.kernels.matmul.cpu_w4a8 import W4A8Library, W4A8Weights, quantize_activations_ref, w4a8_compile_command, w4a8_library_name, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_quantize_cpu, w4a8_unpack
 from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_library_name, int8_matmul_cpu
 from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
@@ -36,7 +37,7 @@ __all__ = [
     "CpuDecode", "DecodeLibrary", "compile_command", "library_name",
     # the CPU int4 matmul over packed nibbles: its C library's compile command, name, loader and launcher
     # (engine/run/cpu_kernel_build.py builds, keeps and hands it to the int4 linears)
-    "Int4Library", "int4_compile_command", "int4_library_name", "int4_matmul_cpu",
+    "Int4Library", "int4_bf16_matmul_cpu", "int4_compile_command", "int4_library_name", "int4_matmul_cpu",
     # the CPU w4a8 matmul (int4 weights x int8 activations, AVX-512 VNNI): the same, its weights' repacking and
     # its torch reference (the contract)
     "W4A8Library", "W4A8Weights", "quantize_activations_ref", "w4a8_compile_command", "w4a8_library_name",

@@ -79,6 +79,7 @@ static void block_portable(const Problem *p, int m0, int m1, int n0, int n1) {
 #include <immintrin.h>
 #define HAVE_AVX512 1
 #include "cpu_panel.h"
+#include "cpu_int4_scales.h"   /* int4_group_scales */
 
 static inline __mmask16 lanes(int left) {
     return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
@@ -183,27 +184,6 @@ static void block_avx512(const Problem *p, int m0, int m1, int n0, int n1) {
    columns' rows are transposed in registers, their nibbles widened and dequantized into the panel. */
 #define KB 128    /* k-values a decoded panel: 64 bytes of a column's row */
 
-/* 16 float16 values at element offsets idx of `halves`, as float32: each read from the aligned dword holding it
-   (never past a page the tensor is on), its half picked by its byte offset. */
-static inline __m512 gather_halves(const void *halves, __m512i idx) {
-    const uintptr_t at = (uintptr_t)halves;
-    const __m512i bytes = _mm512_add_epi32(_mm512_slli_epi32(idx, 1), _mm512_set1_epi32((int)(at & 3)));
-    const __m512i word = _mm512_andnot_si512(_mm512_set1_epi32(3), bytes);
-    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(2)), 3);   /* 16 or 0 */
-    const __m512i w = _mm512_srlv_epi32(_mm512_i32gather_epi32(word, (const void *)(at & ~(uintptr_t)3), 1), hi);
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
-}
-
-/* Scales and zeros of group g of columns [n0, n0 + 16), gathered (no zeros: z = -8 s). */
-static inline void sz_columns(const Problem *p, int n0, int g, __m512 *vs, __m512 *vz) {
-    const int groups = p->Kp / p->G;
-    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set1_epi32(groups), _mm512_setr_epi32(
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), _mm512_set1_epi32(n0 * groups + g));
-    *vs = p->scale_f32 ? _mm512_i32gather_ps(idx, p->scales, 4) : gather_halves(p->scales, idx);
-    if (!p->zeros) *vz = _mm512_mul_ps(*vs, _mm512_set1_ps(-8.0f));
-    else *vz = p->scale_f32 ? _mm512_i32gather_ps(idx, p->zeros, 4) : gather_halves(p->zeros, idx);
-}
-
 /* Columns [n0, n0 + 16) of the block at byte b0 of their rows, dequantized into P[k][c0 + 0..15]. G a constant
    where it is inlined (32, 64 or 128), so the group arithmetic is shifts and the 16 dwords stay in registers. */
 static inline __attribute__((always_inline)) void decode16(const Problem *p, const int G, int n0, int b0, float *P,
@@ -219,7 +199,7 @@ static inline __attribute__((always_inline)) void decode16(const Problem *p, con
     for (int u = 0; u < 16; u++) {
         if (4 * u >= left) break;
         const int j = (4 * u) % half;                      /* byte in its group; a group starts at j == 0 */
-        if (j == 0) sz_columns(p, n0, (b0 + 4 * u) / half, &vs, &vz);
+        if (j == 0) int4_group_scales(p->scales, p->zeros, p->scale_f32, p->Kp / G, n0, (b0 + 4 * u) / half, &vs, &vz);
         const int klo = (4 * u / half) * G + j;           /* k of the low nibble, in the block */
         _Pragma("GCC unroll 4")
         for (int t = 0; t < 4; t++) {

@@ -17,8 +17,11 @@ is built belong to engine/run/cpu_kernel_build.py. Two builds: "native" (-march=
 where the CPU has it) and "portable" (no -march: the plain C loop on any CPU; also what a native build
 runs for a group size that is not a multiple of 32).
 
-Activations float32 only (other dtypes: the old path); arithmetic float32, so a result differs from the
-dequantized reference (int4_matmul_ref) by the order of the sum only: RTOL/ATOL below.
+Activations float32: arithmetic float32, so a result differs from the dequantized reference (int4_matmul_ref)
+by the order of the sum only: RTOL/ATOL below. Bfloat16 activations: the same library's bf16 form
+(cpu_int4_bf16.c, built in with cpu_int4.c: int4_bf16_matmul_cpu) where the CPU has AVX512_BF16, exact
+products of bfloat16 and nibble summed by vdpbf16ps at twice float32's FMA rate (1.5-1.8x the float32 kernel
+from 16 rows, 1.15-1.25x at 4: RESULTS.md); elsewhere bfloat16 calls are widened to float32 at the edge.
 """
 from __future__ import annotations
 
@@ -30,12 +33,16 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_int4.c")
+BF16_SOURCE = SOURCE.with_name("cpu_int4_bf16.c")      # built in with it: the bf16 form
 # -ffast-math is not used (see kernels/attention/cpu_attention.py: it would set flush-to-zero process-wide)
 BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 VARIANTS = {"native": ("-march=native",), "portable": ()}
 LIBS = ("-lm",)
 SCALE_DTYPES = (torch.float16, torch.float32)
 PANEL_GROUPS, PANEL_COLUMNS = (32, 64, 128), 32     # cpu_int4.c's panel path: G dividing KB, N >= PW
+# the bf16 form's rows per call at least: at 1 row it ran 0.86-1.01x the widened float32 kernel, at 4 rows
+# 1.14-1.25x (groups of 128, the default model's and a 1B model's shapes; AMD EPYC Zen 4, 2 threads)
+BF16_FORM_MIN_ROWS = 4
 RTOL, ATOL = 1e-4, 1e-4          # against int4_matmul_ref in float32, relative to the row's max |out|
 
 
@@ -58,26 +65,37 @@ def library_name(source: Path, variant: str) -> str:
 
 
 def int4_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
-    return compile_command(SOURCE, cc, output, variant)
+    """One library of both sources: cpu_int4.c's loops and cpu_int4_bf16.c's bf16 form."""
+    argv = compile_command(SOURCE, cc, output, variant)
+    at = argv.index(str(SOURCE)) + 1
+    return argv[:at] + [str(BF16_SOURCE)] + argv[at:]
 
 
 def int4_library_name(variant: str = "native") -> str:
-    return library_name(SOURCE, variant)
+    """library_name's hash over both sources and the headers they include: a stale build is never loaded."""
+    name = library_name(SOURCE, variant)
+    digest = hashlib.sha256(name.encode() + library_name(BF16_SOURCE, variant).encode()).hexdigest()[:12]
+    return f"{SOURCE.stem}-{variant}-{digest}.so"
 
 
 class Int4Library:
     """The compiled kernel, loaded. isa: "avx512" or "portable" (the loop this build runs for G % 32 == 0);
     portable=True makes a native build run its portable loop too (tests compare the two)."""
 
-    def __init__(self, path: Path, portable: bool = False):
+    def __init__(self, path: Path, portable: bool = False, bf16_form: bool = True):
         lib = ctypes.CDLL(str(path))
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
         fn = lib.int4_matmul
         fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 7
         fn.restype = i32
-        lib.int4_kernel_isa.restype = i32
+        self.bf16_function = lib.int4_bf16_matmul
+        self.bf16_function.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 6
+        self.bf16_function.restype = i32
+        lib.int4_kernel_isa.restype = lib.int4_bf16_isa.restype = i32
         self.function, self.path, self.portable = fn, path, portable
         self.isa = "avx512" if lib.int4_kernel_isa() and not portable else "portable"
+        # the bf16 form (cpu_int4_bf16.c): where the build has AVX512_BF16, unless told not to (tests compare)
+        self.bf16 = bool(lib.int4_bf16_isa()) and not portable and bf16_form
 
     def panel_path(self, n: int, group_size: int) -> bool:
         """Whether calls past PANEL_MIN_ROWS rows run the panel path (cpu_int4.c), as fast as oneDNN's float32 at
@@ -88,29 +106,54 @@ class Int4Library:
         """Whether the kernel takes this call (else the caller's torch path serves)."""
         return x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype in SCALE_DTYPES
 
+    def covers_bf16(self, x: torch.Tensor, n: int, group_size: int, scales: torch.Tensor) -> bool:
+        """Whether the bf16 form takes this bfloat16 call: AVX512_BF16, groups of 32, 64 or 128, whole panels of
+        columns, BF16_FORM_MIN_ROWS rows or more."""
+        return (self.bf16 and x.device.type == "cpu" and x.dtype == torch.bfloat16 and scales.dtype in SCALE_DTYPES
+                and group_size in PANEL_GROUPS and n % PANEL_COLUMNS == 0
+                and x.numel() >= BF16_FORM_MIN_ROWS * x.shape[-1])
+
 
 def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     group_size: int, bias: torch.Tensor | None, lib: Int4Library) -> torch.Tensor:
     """x: [..., K] float32; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G] float16 or float32 (zeros
     None: symmetric, W = (q - 8) * s) -> [..., N] float32."""
+    n, kp = check_int4_arguments("int4_matmul_cpu", x, torch.float32, packed, scales, zeros, group_size)
+    return run_over_rows("int4", x, n, bias, lambda x2, stride, b, out: lib.function(
+        x2.data_ptr(), stride, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+        int(scales.dtype == torch.float32), b, out.data_ptr(), x2.shape[0], n, x.shape[-1], kp, group_size,
+        torch.get_num_threads(), int(lib.portable)))
+
+
+def int4_bf16_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                         group_size: int, bias: torch.Tensor | None, lib: Int4Library) -> torch.Tensor:
+    """int4_matmul_cpu for x [..., K] bfloat16 through the bf16 form (lib.covers_bf16 says where it runs):
+    summed in float32, rounded to bfloat16 once -> [..., N] bfloat16."""
+    n, kp = check_int4_arguments("int4_bf16_matmul_cpu", x, torch.bfloat16, packed, scales, zeros, group_size)
+    return run_over_rows("int4_bf16", x, n, bias, lambda x2, stride, b, out: lib.bf16_function(
+        x2.data_ptr(), stride, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+        int(scales.dtype == torch.float32), b, out.data_ptr(), x2.shape[0], n, x.shape[-1], kp, group_size,
+        torch.get_num_threads())).to(torch.bfloat16)
+
+
+def check_int4_arguments(name: str, x: torch.Tensor, dtype: torch.dtype, packed: torch.Tensor,
+                         scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int) -> tuple[int, int]:
+    """(N, Kp) of a call to an int4 kernel; TypeError or ValueError naming what is wrong."""
     k = x.shape[-1]
     n, half = packed.shape
     kp = half * 2
-    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or scales.dtype not in SCALE_DTYPES:
-        raise TypeError(f"int4_matmul_cpu: x {x.dtype} (float32), packed {packed.dtype} (uint8), "
+    if x.dtype != dtype or packed.dtype != torch.uint8 or scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"{name}: x {x.dtype} ({dtype}), packed {packed.dtype} (uint8), "
                         f"scales {scales.dtype} (float16 or float32)")
     if zeros is not None and (zeros.dtype != scales.dtype or zeros.shape != scales.shape):
-        raise TypeError(f"int4_matmul_cpu: zeros {zeros.dtype} {tuple(zeros.shape)} must match the scales")
+        raise TypeError(f"{name}: zeros {zeros.dtype} {tuple(zeros.shape)} must match the scales")
     if group_size < 2 or group_size % 2 or kp % group_size or not kp - group_size < k <= kp \
             or scales.shape != (n, kp // group_size):
-        raise ValueError(f"int4_matmul_cpu: x [..., {k}], packed {tuple(packed.shape)}, scales "
+        raise ValueError(f"{name}: x [..., {k}], packed {tuple(packed.shape)}, scales "
                          f"{tuple(scales.shape)}, group {group_size}: want Kp = K rounded up to the group")
     if not (packed.is_contiguous() and scales.is_contiguous() and (zeros is None or zeros.is_contiguous())):
-        raise ValueError("int4_matmul_cpu: packed, scales and zeros contiguous")
-    return run_over_rows("int4", x, n, bias, lambda x2, stride, b, out: lib.function(
-        x2.data_ptr(), stride, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
-        int(scales.dtype == torch.float32), b, out.data_ptr(), x2.shape[0], n, k, kp, group_size,
-        torch.get_num_threads(), int(lib.portable)))
+        raise ValueError(f"{name}: packed, scales and zeros contiguous")
+    return n, kp
 
 
 def run_over_rows(kind: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, call) -> torch.Tensor:

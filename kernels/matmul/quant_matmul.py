@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.kernels.common.triton_utils import use_triton
-from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_matmul_cpu
+from jobrunner.kernels.matmul.cpu_int4 import Int4Library, int4_bf16_matmul_cpu, int4_matmul_cpu
 from jobrunner.kernels.matmul.cpu_linear import dense_linear
 
 FP8_MAX = 448.0                 # largest finite float8_e4m3fn
@@ -255,10 +255,13 @@ def int4_matmul(x, packed, scales, zeros, group_size, bias=None, cpu_lib: Int4Li
     """x: [..., K] float; packed [N, Kp // 2] uint8; scales, zeros [N, Kp // G]. Returns [..., N].
     cpu_lib: the loaded CPU int4 kernel (kernels/matmul/cpu_int4.py), which takes float32 calls of any size where
     it runs its panel path, else of up to CPU_INT4_MAX_ROWS rows; larger ones (prefill) then dequantize a slice at a
-    time, which is faster there."""
+    time, which is faster there. Bfloat16 calls: its bf16 form where the CPU has one (any size from
+    BF16_FORM_MIN_ROWS), else widened to float32 up to BF16_KERNEL_ROWS, else bfloat16 slices."""
     if use_triton(x):
         from jobrunner.kernels.matmul.quant_matmul_triton import int4_matmul_triton
         return int4_matmul_triton(x, packed, scales, zeros, group_size, bias)
+    if cpu_lib is not None and cpu_lib.covers_bf16(x, packed.shape[0], group_size, scales):
+        return int4_bf16_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
     if cpu_lib is not None and cpu_lib.covers(x, scales) and (
             x.numel() <= CPU_INT4_MAX_ROWS * x.shape[-1] or cpu_lib.panel_path(packed.shape[0], group_size)):
         return int4_matmul_cpu(x, packed, scales, zeros, group_size, bias, cpu_lib)
