@@ -44,6 +44,7 @@ OURS = {
     "bfloat16": ["--dtype", "bfloat16"],
     "int8": ["--quantization", "int8"],
     "int4": ["--quantization", "int4"],
+    "int4-bf16": ["--quantization", "int4", "--dtype", "bfloat16"],    # nibbles times bfloat16 activations
     "w4a8": ["--quantization", "w4a8"],
     "auto": ["--quantization", "auto"],
     "int4-Q4_0": ["--quantization", "int4"],
@@ -55,7 +56,7 @@ LLAMA_FTYPE = {"Q8_0": 7, "Q4_0": 2}           # llama.h's LLAMA_FTYPE_MOSTLY_*
 
 # issue 62's targets, as (system, peer, at most this ratio of the peer's wall)
 TARGETS = (("float32", "transformers", 0.6), ("auto", "transformers", 0.35), ("int4", "llama.cpp-Q4_0", 0.7),
-           ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0), ("w4a8-Q4_0", "llama.cpp-Q4_0", 0.7))
+           ("int4-bf16", "llama.cpp-Q4_0", 0.7), ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0), ("w4a8-Q4_0", "llama.cpp-Q4_0", 0.7))
 
 
 def model_dir(layers: int) -> Path:

@@ -10,11 +10,14 @@ kernel: per (K, N) shape and M rows, the median of interleaved rounds of F.linea
     dequantized, then F.linear) and the kernel. "step" cycles through --layers distinct weights of the
     shape (a decode step reads each layer's weight once, from memory, not cache); "hot" reuses one.
     GFLOP/s = 2 M N K / time; GB/s = the weight's bytes (float32, or int4 with its float16 scales and
-    zeros) / time.
+    zeros) / time. Where the CPU has AVX512_BF16, also oneDNN over a packed bfloat16 weight (what
+    `--dtype bfloat16` runs) and the kernel's bf16 form (bfloat16 activations times the nibbles,
+    cpu_int4_bf16.c), with the form's speed over each.
 job: `-m dummy:smollm2-135m` (the default model's shape, random weights), --rows prompts of --prompt
     tokens each, --new tokens each (EOS ignored), float32 against `--quantization int4` with the kernel
     (JOBRUNNER_CPU_INT4=auto) and with the old path (off), and `--quantization w4a8` (int4's weights times
-    int8 activations, kernels/matmul/cpu_w4a8.c); the job's wall and its generated tokens/s.
+    int8 activations, kernels/matmul/cpu_w4a8.c), and under `--dtype bfloat16` bfloat16 weights against
+    `--quantization int4` (the bf16 form where the CPU has it); the job's wall and its generated tokens/s.
 The CPU's name and whether it has avx512_vnni / avx512_bf16 head the output.
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ def _int4_weights(k: int, n: int, group: int, seed: int):
 
 def kernel_case(k: int, n: int, m: int, layers: int, repeats: int, lib, group: int = 32) -> dict:
     """Seconds a call of each path, cycling through `layers` distinct weights."""
-    from jobrunner.kernels.ops import dequantize_int4, int4_matmul, int4_matmul_cpu, pack_linear
+    from jobrunner.kernels.ops import dequantize_int4, int4_bf16_matmul_cpu, int4_matmul, int4_matmul_cpu, pack_linear
     int4 = [_int4_weights(k, n, group, i) for i in range(layers)]
     dense = [dequantize_int4(p, s, z, group, k) for p, s, z in int4]
     packed = []
@@ -86,6 +89,15 @@ def kernel_case(k: int, n: int, m: int, layers: int, repeats: int, lib, group: i
            "oneDNN f32": cycle(lambda i: packed[i](x)),
            "int4 old": cycle(lambda i: int4_matmul(x, *int4[i], group)),
            "int4 kernel": cycle(lambda i: int4_matmul_cpu(x, *int4[i], group, None, lib))}
+    if lib.bf16:
+        xb = x.bfloat16()
+        packed_bf16 = []
+        for w in dense:
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+            lin.weight.data = w.bfloat16()
+            packed_bf16.append(pack_linear(lin, 64))
+        fns |= {"oneDNN bf16": cycle(lambda i: packed_bf16[i](xb)),
+                "int4 bf16 form": cycle(lambda i: int4_bf16_matmul_cpu(xb, *int4[i], group, None, lib))}
     calls = max(1, int(2e8 / (2 * m * n * k * layers)))
     with torch.inference_mode():
         secs = _median_s(fns, calls, repeats)
@@ -104,7 +116,7 @@ def kernel_part(ms: list[int], layers: int, repeats: int) -> None:
         for k, n in SHAPES:
             r = kernel_case(k, n, m, layers, repeats, lib)
             flop = 2 * m * n * k
-            wbytes = {"F.linear f32": 4 * n * k, "oneDNN f32": 4 * n * k}
+            wbytes = {"F.linear f32": 4 * n * k, "oneDNN f32": 4 * n * k, "oneDNN bf16": 2 * n * k}
             cells = []
             for name, t in r.items():
                 b = wbytes.get(name, n * k // 2 + 4 * n * (k // 32))
@@ -112,15 +124,18 @@ def kernel_part(ms: list[int], layers: int, repeats: int) -> None:
             kt = r["int4 kernel"]
             print(f"M {m:3d}  K {k:4d} N {n:4d}   " + "   ".join(cells) +
                   f"   x{r['F.linear f32'] / kt:.2f} F.linear, x{r['oneDNN f32'] / kt:.2f} oneDNN, "
-                  f"x{r['int4 old'] / kt:.2f} old", flush=True)
+                  f"x{r['int4 old'] / kt:.2f} old" + (f"; bf16 form x{r['oneDNN bf16'] / r['int4 bf16 form']:.2f} "
+                  f"oneDNN bf16, x{kt / r['int4 bf16 form']:.2f} the kernel" if "int4 bf16 form" in r else ""),
+                  flush=True)
 
 
-def job_once(rows: int, prompt: int, new: int, quantization: str, mode: str) -> tuple[float, int]:
+def job_once(rows: int, prompt: int, new: int, quantization: str, mode: str, dtype: str = "float32"
+             ) -> tuple[float, int]:
     from jobrunner.engine import Engine
     from jobrunner.engine.api.request import Request, SamplingParams
     from jobrunner.engine.config.engine_config import EngineConfig
     os.environ["JOBRUNNER_CPU_INT4"] = mode
-    eng = Engine(EngineConfig(model="dummy:smollm2-135m", quantization=quantization, dtype="float32",
+    eng = Engine(EngineConfig(model="dummy:smollm2-135m", quantization=quantization, dtype=dtype,
                               kv_cache_memory=512 * 2**20))
     g = torch.Generator().manual_seed(0)
     reqs = [Request(str(i), torch.randint(10, 40000, (prompt,), generator=g).tolist(),
@@ -135,17 +150,18 @@ def job_once(rows: int, prompt: int, new: int, quantization: str, mode: str) -> 
 def job_part(rows_list: list[int], prompt: int, new: int, repeats: int) -> None:
     print(f"\njob: -m dummy:smollm2-135m, {prompt}-token prompts, {new} new tokens each, EOS ignored; "
           f"median wall of {repeats} rounds, interleaved; generated tok/s; speed over float32")
-    cases = (("float32", "none", "off"), ("int4 kernel", "int4", "auto"), ("int4 old path", "int4", "off"),
-             ("w4a8 kernel", "w4a8", "auto"))
+    cases = (("float32", "none", "off", "float32"), ("int4 kernel", "int4", "auto", "float32"),
+             ("int4 old path", "int4", "off", "float32"), ("w4a8 kernel", "w4a8", "auto", "float32"),
+             ("bfloat16", "none", "off", "bfloat16"), ("int4 bfloat16", "int4", "auto", "bfloat16"))
     for rows in rows_list:
-        walls = {name: [] for name, _, _ in cases}
+        walls = {case[0]: [] for case in cases}
         toks = {}
         for _ in range(repeats):
-            for name, q, mode in cases:
-                w, toks[name] = job_once(rows, prompt, new, q, mode)
+            for name, q, mode, dtype in cases:
+                w, toks[name] = job_once(rows, prompt, new, q, mode, dtype)
                 walls[name].append(w)
         base = statistics.median(walls["float32"])
-        for name, _, _ in cases:
+        for name, *_ in cases:
             w = statistics.median(walls[name])
             print(f"rows {rows:3d}  {name:14s} {w:7.2f} s  {toks[name] / w:7.1f} tok/s  x{base / w:.2f}", flush=True)
 

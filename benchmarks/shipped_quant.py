@@ -1,12 +1,14 @@
 """Decode speed and weight memory of quantized checkpoints as shipped, side by side in one run.
 
-    python -m benchmarks.shipped_quant DIR [DIR ...] [--rows 16] [--new 64] [--w4a8]
+    python -m benchmarks.shipped_quant DIR [DIR ...] [--rows 16] [--new 64] [--w4a8] [--bf16]
 
 Each DIR is an HF checkpoint (float, or compressed-tensors / GPTQ / AWQ). For each: our engine's
 decode tokens/s (greedy, ignore_eos, float32 activations) and resident weight bytes, and
 transformers' generate on the same directory (which decompresses a compressed-tensors checkpoint
 to float on its first forward), with the ratio; with --w4a8, also ours under `--quantization w4a8`
-(an int4 checkpoint's own weights times int8 activations). One process, one thread count for all;
+(an int4 checkpoint's own weights times int8 activations); with --bf16, also ours under `--dtype bfloat16`
+(an int4 checkpoint's nibbles times bfloat16 activations: the int4 kernel's bf16 form where the CPU has
+AVX512_BF16). One process, one thread count for all;
 with --transformers-python PY, transformers runs in that interpreter instead (a venv of its own with
 optimum and gptqmodel, which GPTQ and AWQ need and the test extra does not install), at the same
 thread count.
@@ -21,11 +23,11 @@ from pathlib import Path
 import torch
 
 
-def ours(path: str, rows: int, new: int, quantization: str = "none") -> tuple[float, int]:
+def ours(path: str, rows: int, new: int, quantization: str = "none", dtype: str = "float32") -> tuple[float, int]:
     from jobrunner.engine.config.engine_config import EngineConfig
     from jobrunner.engine.core.engine import Engine
     from jobrunner.engine.api.request import Request, SamplingParams
-    eng = Engine(EngineConfig(model=path, dtype="float32", quantization=quantization))
+    eng = Engine(EngineConfig(model=path, dtype=dtype, quantization=quantization))
     g = torch.Generator().manual_seed(0)
     reqs = [Request(str(i), torch.randint(3, 1000, (32,), generator=g).tolist(),
                     SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)) for i in range(rows)]
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--w4a8", action="store_true", help="also ours under --quantization w4a8 (int4 checkpoints)")
+    ap.add_argument("--bf16", action="store_true", help="also ours under --dtype bfloat16")
     ap.add_argument("--transformers-python", help="run transformers by this interpreter (one with optimum and "
                                                   "gptqmodel for GPTQ and AWQ)")
     a = ap.parse_args()
@@ -80,8 +83,10 @@ def main() -> None:
         except ImportError as e:        # e.g. GPTQ needs optimum / gptqmodel, which the test extra does not install
             hf, why = None, str(e).splitlines()[0]
             print(f"transformers cannot load {d}: {why}")
-        for label, q in [(d, "none")] + ([("w4a8 " + d, "w4a8")] if a.w4a8 else []):
-            tps, wb = ours(d, a.rows, a.new, q)
+        runs = [(d, "none", "float32")] + ([("w4a8 " + d, "w4a8", "float32")] if a.w4a8 else []) \
+            + ([("bf16 " + d, "none", "bfloat16")] if a.bf16 else [])
+        for label, q, dtype in runs:
+            tps, wb = ours(d, a.rows, a.new, q, dtype)
             versus = f"{hf:>9.1f} {tps / hf:>8.2f}" if hf else f"{'-':>9} {'-':>8}"
             print(f"{label[-40:]:<40} {tps:>11.1f} {wb / 2**20:>11.1f} {versus}", flush=True)
 

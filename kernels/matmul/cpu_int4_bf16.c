@@ -59,6 +59,21 @@ static inline __m512i nibble_table(int symmetric) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(flo)), _mm512_cvtepi32_epi16(fhi), 1);
 }
 
+/* Byte t of each dword of r as a vpermw index pair: its low nibble in the low word's bits 0..3, its high nibble
+   in the high word's (the bits above them are ignored by the table's repetition, or zero). */
+static inline __attribute__((always_inline)) __m512i nibble_pair(__m512i r, const int t) {
+#if defined(__AVX512VBMI__)
+    /* vpmultishiftqb: byte b of a qword takes the 8 bits at offset ctrl[b]: the low word's byte 8t on, the high
+       word's 8t + 4 on, in each of the qword's two dwords */
+    const long long lo = 8 * t, hi = 8 * t + 4;
+    const long long ctrl = lo | hi << 16 | (lo + 32) << 32 | (hi + 32) << 48;
+    return _mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctrl), r);
+#else
+    return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(r, 8 * t), t < 2 ? _mm512_slli_epi32(r, 12 - 8 * t)
+                                   : _mm512_srli_epi32(r, 8 * t - 12));
+#endif
+}
+
 /* Columns [n0, n0 + 16) at bytes [b0, b0 + nb) into P[pair][c0 + 0..15] as bfloat16 pairs. */
 static inline void decode16(const Bf16Problem *p, __m512i table, int n0, int b0, int nb, uint32_t *P, int c0) {
     const size_t rowb = (size_t)p->Kp / 2;
@@ -67,15 +82,9 @@ static inline void decode16(const Bf16Problem *p, __m512i table, int n0, int b0,
     _Pragma("GCC unroll 16")
     for (int u = 0; u < 16; u++) {
         if (4 * u >= nb) break;
-        /* byte t of the dword: low nibble to the low word's bits 0..3, high nibble to the high word's 16..19 */
-        const __m512i w[4] = {
-            _mm512_mask_blend_epi16(0xaaaaaaaau, r[u], _mm512_slli_epi32(r[u], 12)),
-            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(r[u], 8), _mm512_slli_epi32(r[u], 4)),
-            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(r[u], 16), _mm512_srli_epi32(r[u], 4)),
-            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(r[u], 24), _mm512_srli_epi32(r[u], 12))};
         _Pragma("GCC unroll 4")
         for (int t = 0; t < 4; t++)
-            _mm512_store_si512(P + (size_t)(4 * u + t) * PW + c0, _mm512_permutexvar_epi16(w[t], table));
+            _mm512_store_si512(P + (size_t)(4 * u + t) * PW + c0, _mm512_permutexvar_epi16(nibble_pair(r[u], t), table));
     }
 }
 
