@@ -145,8 +145,12 @@ def test_the_panel_path_takes_any_rows(libs, monkeypatch):
         lin.cpu_kernel = libs[lib]
         x = torch.randn(rows, 96)
         close(lin(x), lin.forward_ref(x))
+        # bfloat16 past BF16_KERNEL_ROWS: widened where the panel path runs (float32's rate), else the old path
+        xb = x.bfloat16()
+        got, want = lin(xb), lin.forward_ref(xb.float())
+        assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
     panel = libs["native"].isa == "avx512"
-    assert calls == ([(rows, 96)] * 2 if panel else [])
+    assert calls == ([(rows, 96)] * 4 if panel else [])
 
 
 def _greedy(model, int8_mode, monkeypatch, int4_mode="auto", **engine):

@@ -69,9 +69,10 @@ CPU_INT4_MAX_ROWS = 256
 BF16_KERNEL_ROWS = 16
 
 
-def widened_bf16(x: torch.Tensor) -> torch.Tensor | None:
-    """x in float32 where it is a CPU bfloat16 call of up to BF16_KERNEL_ROWS rows, else None."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() <= BF16_KERNEL_ROWS * x.shape[-1]:
+def widened_bf16(x: torch.Tensor, any_rows: bool = False) -> torch.Tensor | None:
+    """x in float32 where it is a CPU bfloat16 call of up to BF16_KERNEL_ROWS rows (any_rows: of any size, for a
+    kernel whose panel path runs at float32's GEMM rate), else None."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and (any_rows or x.numel() <= BF16_KERNEL_ROWS * x.shape[-1]):
         return x.float()
     return None
 
