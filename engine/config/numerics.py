@@ -5,7 +5,7 @@ settings (a kernel, an accumulation order, the sampler, the tokenizer's handling
 format): the result cache (jobrunner/cache) keys on it, so results computed by an older numeric
 path are never served to a newer one.
 """
-NUMERICS_VERSION = 7     # 2: the CPU decode attention's softmax sum in fixed lanes; mean pooling's running sum
+NUMERICS_VERSION = 8     # 2: the CPU decode attention's softmax sum in fixed lanes; mean pooling's running sum
                          # 3: the CPU int4/int8/fp8 weight kernels; short prompt chunks in small steps through
                          #    the in-place decode attention
                          # 4: fp8 checkpoints with e4m3 activations through bfloat16 dot products on CPU
@@ -13,3 +13,5 @@ NUMERICS_VERSION = 7     # 2: the CPU decode attention's softmax sum in fixed la
                          #    kernels' row limits 128 and 256; bfloat16 calls of up to 16 rows on those kernels
                          # 6: the CPU int4 kernel's panel path (24 rows and more, any count: prefill too)
                          # 7: the CPU int8/fp8 kernels' panel path from 16 rows (was 24)
+                         # 8: bfloat16 int4 calls of 4+ rows through the int4 kernel's bf16 form; bfloat16 int8 calls of
+                         #    any size widened to the int8 kernel where its panel path runs

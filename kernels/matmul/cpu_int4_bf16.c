@@ -240,18 +240,18 @@ int int4_bf16_matmul(const uint16_t *x, int64_t ldx, const uint8_t *packed, cons
     uint32_t *xi = aligned_alloc(64, ((size_t)M * ldxi * 4 + 63) / 64 * 64);
     float *xsum = zeros ? malloc((size_t)M * groups * 4) : NULL;
     if (!xi || (zeros && !xsum)) { free(xi); free(xsum); return -4; }
-    if (threads < 1) threads = 1;
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int m = 0; m < M; m++)
-        pair_row(x + (size_t)m * ldx, K, Kp, G, xi + (size_t)m * ldxi, xsum ? xsum + (size_t)m * groups : NULL);
     const Bf16Problem p = {xi, ldxi, xsum, groups, packed, scales, zeros, scale_f32, bias, out, M, N, Kp, G};
     const int whole = N / PW, rows = M < SLAB ? M : SLAB;
     int kc = X_CHUNK / (4 * rows) / PB * PB;                       /* pairs a chunk: a multiple of PB */
     if (kc < PB) kc = PB;
+    if (threads < 1) threads = 1;
     if (whole < threads) threads = whole;
     int failed = 0;
-    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")
+    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")     /* one region: a fork costs ~10 us */
     {
+        _Pragma("omp for schedule(static)")                              /* (its barrier: every row paired) */
+        for (int m = 0; m < M; m++)
+            pair_row(x + (size_t)m * ldx, K, Kp, G, xi + (size_t)m * ldxi, xsum ? xsum + (size_t)m * groups : NULL);
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int n0 = (int)((long)whole * t / nt) * PW, n1 = (int)((long)whole * (t + 1) / nt) * PW;
         float *C = aligned_alloc(64, (size_t)rows * PW * 4);
