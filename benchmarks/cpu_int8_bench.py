@@ -27,7 +27,8 @@ fp8-dot: the same shapes, an FP8_DYNAMIC linear's whole matmul (activations quan
 fp8-job: llmcompressor FP8_DYNAMIC (or --schemes) checkpoints of the default model's shape, random weights (made
     once by tests/quantized_checkpoints.py under --fp8-dir), with the kernel (JOBRUNNER_CPU_FP8=auto) through the
     bf16 form (where the CPU has AVX512_BF16) and held to the float32 form, and the old path (off), against
-    float32 on the first checkpoint's dequantized weights.
+    float32 on the first checkpoint's dequantized weights; then under --dtype bfloat16 those weights and each
+    checkpoint (its bfloat16 rows through the bf16 form as they are).
 The CPU's name and whether it has avx512_vnni / avx512_bf16 head the output.
 """
 from __future__ import annotations
@@ -186,7 +187,8 @@ def kernel_part(ms: list[int], group: int | None, repeats: int) -> None:
 
 
 def job_once(rows: int, prompt: int, new: int, quantization: str, int8: str, int4: str,
-             model: str = "dummy:smollm2-135m", fp8: str = "auto", fp8_dot: bool = True) -> tuple[float, int]:
+             model: str = "dummy:smollm2-135m", fp8: str = "auto", fp8_dot: bool = True,
+             dtype: str = "float32") -> tuple[float, int]:
     from jobrunner.engine import Engine
     from jobrunner.engine.api.request import Request, SamplingParams
     from jobrunner.engine.config.engine_config import EngineConfig
@@ -194,7 +196,7 @@ def job_once(rows: int, prompt: int, new: int, quantization: str, int8: str, int
     os.environ["JOBRUNNER_CPU_INT8"], os.environ["JOBRUNNER_CPU_INT4"] = int8, int4
     os.environ["JOBRUNNER_CPU_FP8"] = fp8
     shipped_quant.FP8_DOT = fp8_dot              # False: the fp8 calls keep the float32 fp8 form
-    eng = Engine(EngineConfig(model=model, quantization=quantization, dtype="float32",
+    eng = Engine(EngineConfig(model=model, quantization=quantization, dtype=dtype,
                               kv_cache_memory=512 * 2**20))
     g = torch.Generator().manual_seed(0)
     reqs = [Request(str(i), torch.randint(10, 40000, (prompt,), generator=g).tolist(),
@@ -241,8 +243,10 @@ def fp8_checkpoints(root: Path, schemes: list[str]) -> dict[str, str]:
 def fp8_job_part(rows_list: list[int], prompt: int, new: int, repeats: int, root: Path, schemes: list[str]) -> None:
     dirs = fp8_checkpoints(root, schemes)
     forms = (("bf16 form", "auto", True), ("f32 form", "auto", False), ("old path", "off", True))
-    cases = [("float32", dirs["float32"], "auto", True)] + [
-        (f"{s} {how}", dirs[s], mode, dot) for s in schemes for how, mode, dot in forms]
+    cases = [("float32", dirs["float32"], "auto", True, "float32")] + [
+        (f"{s} {how}", dirs[s], mode, dot, "float32") for s in schemes for how, mode, dot in forms] + [
+        ("bfloat16", dirs["float32"], "auto", True, "bfloat16")] + [
+        (f"{s} bfloat16", dirs[s], "auto", True, "bfloat16") for s in schemes]   # bf16 rows: the form as they are
     print(f"\nfp8 job: llmcompressor checkpoints of the default model's shape ({root}), {prompt}-token prompts, "
           f"{new} new tokens each, EOS ignored; median wall of {repeats} rounds, interleaved; speed over float32 "
           "(the first checkpoint's dequantized weights, packed float32 linears)")
@@ -250,8 +254,8 @@ def fp8_job_part(rows_list: list[int], prompt: int, new: int, repeats: int, root
         walls = {c[0]: [] for c in cases}
         toks = {}
         for _ in range(repeats):
-            for name, model, fp8, dot in cases:
-                w, toks[name] = job_once(rows, prompt, new, "none", "auto", "auto", model, fp8, dot)
+            for name, model, fp8, dot, dtype in cases:
+                w, toks[name] = job_once(rows, prompt, new, "none", "auto", "auto", model, fp8, dot, dtype)
                 walls[name].append(w)
         base = statistics.median(walls["float32"])
         for name, *_ in cases:

@@ -126,8 +126,9 @@ def test_strided_batched_rows_and_refusals(lib):
 
 def test_fp8_weight_matmul_takes_the_form_for_e4m3_activations(lib, monkeypatch):
     """float32 rows whose scheme quantizes them to e4m3, any count (past FP8_KERNEL_ROWS too): the form.
-    Weight-only (act None: the activations are not e4m3), bfloat16 rows, a library told fp8_dot=False, and
-    shipped_quant.FP8_DOT off: the float32 form or the slices, as before."""
+    Weight-only float32 rows (act None: the activations are not e4m3), a library told fp8_dot=False, and
+    shipped_quant.FP8_DOT off: the float32 form or the slices, as before (bfloat16 rows:
+    test_bfloat16_rows_take_the_form_as_they_are)."""
     calls = []
     real = sq.fp8_dot_cpu
     monkeypatch.setattr(sq, "fp8_dot_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -140,12 +141,37 @@ def test_fp8_weight_matmul_takes_the_form_for_e4m3_activations(lib, monkeypatch)
               sq.fp8_weight_matmul_ref(x, q, s, None, None, act, static, group))
     assert calls == [r for r, *_ in taken]
     off = c8.Int8Library(lib.path, fp8_dot=False)
-    for x, act, lib_ in ((torch.randn(16, 64), None, lib), (torch.randn(16, 64, dtype=torch.bfloat16), "dynamic", lib),
-                         (torch.randn(16, 64), "dynamic", off)):
+    for x, act, lib_ in ((torch.randn(16, 64), None, lib), (torch.randn(16, 64), "dynamic", off)):
         sq.fp8_weight_matmul(x, q, s, None, None, act, None, None, lib_)
     monkeypatch.setattr(sq, "FP8_DOT", False)
     sq.fp8_weight_matmul(torch.randn(16, 64), q, s, None, None, "dynamic", None, None, lib)
     assert len(calls) == len(taken)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 300])
+def test_bfloat16_rows_take_the_form_as_they_are(lib, monkeypatch, m):
+    """Bfloat16 rows of weight-only fp8 (under --dtype bfloat16) times the e4m3 weight, exact products summed in
+    float32: the float32 reference over the same bfloat16 values within the kernel's tolerance plus the output's
+    one bfloat16 rounding; fp8_weight_matmul takes that form for them at any row count, and not where the library
+    has none. Bfloat16 rows of an e4m3-activation scheme are widened (exactly) to the float32 entry."""
+    calls, dot = [], []
+    real, real_dot = sq.fp8_dot_bf16_cpu, sq.fp8_dot_cpu
+    monkeypatch.setattr(sq, "fp8_dot_bf16_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(sq, "fp8_dot_cpu", lambda *a: dot.append(a[0].dtype) or real_dot(*a))
+    for n, k, block in CASES:
+        q, s = fp8_weight(n, k, block, seed=n + k)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3).bfloat16()
+        bias = torch.randn(n) if n % 2 else None
+        for act in (None, "dynamic"):
+            got = sq.fp8_weight_matmul(x, q, s, block, bias, act, None, None, lib)
+            ref = sq.fp8_weight_matmul_ref(x.float(), q, s, block, bias, act)
+            assert got.dtype == torch.bfloat16
+            scale = ref.abs().max().clamp(min=1.0)
+            assert ((got.float() - ref).abs() <= c8.ATOL * scale + c8.RTOL * ref.abs().max() + 2 ** -8 * ref.abs()).all()
+    assert calls == [m] * len(CASES) and dot == [torch.float32] * len(CASES)
+    sq.fp8_weight_matmul(torch.randn(4, 64).bfloat16(), *fp8_weight(8, 64, None), None, None, None, None, None,
+                         c8.Int8Library(lib.path, fp8_dot=False))
+    assert len(calls) == len(CASES)
 
 
 def _greedy(path, monkeypatch, mode: str, reference: bool = False):

@@ -269,12 +269,13 @@ int fp8_dot_widen(const uint8_t *q, uint16_t *out, int n) {
 #endif
 }
 
-/* out [M, N] = the header's sum over x [M, K] (rows ldx apart), quantized here as fp8_dot_quantize does (groups of
-   Ga; static_scale: G = K), q [N, K] e4m3 bytes, ws [ceil(N / BN), ceil(K / Gw)]. 0 done; -2 bad arguments;
-   -3 no bf16 form in this build; -4 no memory. */
-int fp8_dot_matmul(const float *x, int64_t ldx, const float *static_scale, int Ga, const uint8_t *q, const float *ws,
-                   int Gw, int BN, const float *bias, float *out, int M, int N, int K, int threads) {
-    if (M < 0 || N < 0 || K < 1 || Ga < 1 || K % Ga || ldx < K || Gw < 1 || BN < 1 || (static_scale && Ga != K))
+/* fp8_dot_matmul over x's rows in float32 (quantized here) or, xb, in bfloat16 as they are (weight-only fp8
+   under bfloat16 activations: every bfloat16 times an e4m3 value is exact in float32 too; xs 1, Ga = K). */
+static int dot_run(const float *x, const uint16_t *xb, int64_t ldx, const float *static_scale, int Ga,
+                   const uint8_t *q, const float *ws, int Gw, int BN, const float *bias, float *out, int M, int N,
+                   int K, int threads) {
+    if (M < 0 || N < 0 || K < 1 || Ga < 1 || K % Ga || ldx < K || Gw < 1 || BN < 1 || (static_scale && Ga != K)
+        || (xb && Ga != K))
         return -2;
 #if HAVE_BF16_DOT
     const int wgroups = (K + Gw - 1) / Gw;
@@ -293,8 +294,14 @@ int fp8_dot_matmul(const float *x, int64_t ldx, const float *static_scale, int G
     _Pragma("omp parallel num_threads(threads) reduction(|:failed)")
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int m = (int)((long)M * t / nt); m < (int)((long)M * (t + 1) / nt); m++)
-            quantize_row(x + (size_t)m * ldx, xq + (size_t)m * K, xs + (size_t)m * (K / Ga), K, Ga, static_scale);
+        for (int m = (int)((long)M * t / nt); m < (int)((long)M * (t + 1) / nt); m++) {
+            if (xb) {
+                memcpy(xq + (size_t)m * K, xb + (size_t)m * ldx, (size_t)K * sizeof(uint16_t));
+                xs[m] = 1.0f;
+            } else {
+                quantize_row(x + (size_t)m * ldx, xq + (size_t)m * K, xs + (size_t)m * (K / Ga), K, Ga, static_scale);
+            }
+        }
         _Pragma("omp barrier")
         const int quads = (N + 3) / 4;      /* each thread a contiguous run of columns, cut on multiples of 4 */
         const int n0 = (int)((long)quads * t / nt) * 4, n1c = (int)((long)quads * (t + 1) / nt) * 4;
@@ -308,7 +315,21 @@ int fp8_dot_matmul(const float *x, int64_t ldx, const float *static_scale, int G
     free(xs);
     return failed ? -4 : 0;
 #else
-    (void)x, (void)q, (void)ws, (void)bias, (void)out, (void)threads;
+    (void)x, (void)xb, (void)q, (void)ws, (void)bias, (void)out, (void)threads;
     return -3;
 #endif
+}
+
+/* out [M, N] = the header's sum over x [M, K] (rows ldx apart), quantized here as fp8_dot_quantize does (groups of
+   Ga; static_scale: G = K), q [N, K] e4m3 bytes, ws [ceil(N / BN), ceil(K / Gw)]. 0 done; -2 bad arguments;
+   -3 no bf16 form in this build; -4 no memory. */
+int fp8_dot_matmul(const float *x, int64_t ldx, const float *static_scale, int Ga, const uint8_t *q, const float *ws,
+                   int Gw, int BN, const float *bias, float *out, int M, int N, int K, int threads) {
+    return dot_run(x, NULL, ldx, static_scale, Ga, q, ws, Gw, BN, bias, out, M, N, K, threads);
+}
+
+/* fp8_dot_matmul for x [M, K] bfloat16 bits taken as they are: out = ws * sum x q (+ bias). */
+int fp8_dot_matmul_bf16(const uint16_t *x, int64_t ldx, const uint8_t *q, const float *ws, int Gw, int BN,
+                        const float *bias, float *out, int M, int N, int K, int threads) {
+    return dot_run(NULL, x, ldx, NULL, K, q, ws, Gw, BN, bias, out, M, N, K, threads);
 }

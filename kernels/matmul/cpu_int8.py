@@ -91,6 +91,9 @@ class Int8Library:
         self.dequantize.restype = i32
         self.dot, self.dot_quantize, self.dot_widen = lib.fp8_dot_matmul, lib.fp8_dot_quantize, lib.fp8_dot_widen
         self.dot.argtypes = [ptr, ctypes.c_int64, ptr, i32, ptr, ptr, i32, i32, ptr, ptr] + [i32] * 4
+        self.dot_bf16 = lib.fp8_dot_matmul_bf16
+        self.dot_bf16.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, ptr, ptr] + [i32] * 4
+        self.dot_bf16.restype = i32
         self.dot_quantize.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, ptr, i32]
         self.dot_widen.argtypes = [ptr, ptr, i32]
         for f in (self.dot, self.dot_quantize, self.dot_widen, lib.fp8_dot_isa):
@@ -159,13 +162,27 @@ def fp8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         bn, torch.get_num_threads(), int(lib.portable)))
 
 
+def fp8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
+                     bias: torch.Tensor | None, lib: Int8Library) -> torch.Tensor:
+    """x [..., K] bfloat16, taken as it is (weight-only fp8, or activations already rounded to e4m3 in bfloat16),
+    times the e4m3 weight in bfloat16 dot products (cpu_fp8_dot.c: exact products, summed in float32) ->
+    [..., N] bfloat16, rounded once."""
+    if not lib.fp8_dot:
+        raise RuntimeError(f"fp8_dot_bf16_cpu: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
+    n, k = qweight.shape[0], x.shape[-1]
+    bn, bk = _fp8_weight_checked("fp8_dot_bf16_cpu", x, qweight, scales, block, torch.bfloat16)
+    return run_over_rows("fp8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
+        x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), bk, bn, b, out.data_ptr(), x2.shape[0], n, k,
+        torch.get_num_threads())).to(torch.bfloat16)
+
+
 def _fp8_weight_checked(where: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       block: tuple[int, int] | None) -> tuple[int, int]:
-    """(bn, bk) of an fp8 call whose arguments the library takes; TypeError / ValueError otherwise."""
+                       block: tuple[int, int] | None, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(bn, bk) of an fp8 call whose arguments the library takes (x of `dtype`); TypeError / ValueError otherwise."""
     k = x.shape[-1]
     n = qweight.shape[0]
-    if x.dtype != torch.float32 or qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
-        raise TypeError(f"{where}: x {x.dtype} (float32), qweight {qweight.dtype} (float8_e4m3fn), "
+    if x.dtype != dtype or qweight.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError(f"{where}: x {x.dtype} ({dtype}), qweight {qweight.dtype} (float8_e4m3fn), "
                         f"scales {scales.dtype} (float32)")
     bn, bk = (1, k) if block is None else block
     if qweight.shape[1] != k or scales.shape != (-(-n // bn), -(-k // bk)):

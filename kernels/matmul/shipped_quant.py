@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.kernels.matmul.cpu_int8 import (FP8_BF16_KERNEL_ROWS, FP8_KERNEL_ROWS, Int8Library, fake_quantize_fp8_cpu,
-                                               fp8_dequantize_cpu, fp8_dot_cpu, fp8_matmul_cpu)
+                                               fp8_dequantize_cpu, fp8_dot_bf16_cpu, fp8_dot_cpu,
+                                               fp8_matmul_cpu)
 from jobrunner.kernels.matmul.quant_matmul import CPU_DEQUANT_ELEMENTS, FP8_MAX, int_mm_exact, sliced_linear
 from jobrunner.kernels.common.triton_utils import use_triton
 
@@ -117,10 +118,11 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       static_scale: torch.Tensor | None = None, act_group: int | None = None,
                       cpu_kernel: Int8Library | None = None) -> torch.Tensor:
     """x [..., K] (its activations fake-quantized to fp8 when act is "dynamic" or "static") times the
-    fp8 weight. The Triton kernel runs block scales on CUDA. On the CPU with cpu_kernel: float32 calls whose
-    activations are quantized to e4m3 (act "dynamic" or "static") take the bf16 form where the library has it
-    (FP8_DOT; cpu_fp8_dot.c, AVX512_BF16: e4m3 times e4m3 in exact bfloat16 products, any number of rows);
-    otherwise (cpu_int8.c's fp8 form) float32 calls (of up to FP8_KERNEL_ROWS rows without its panel path)
+    fp8 weight. The Triton kernel runs block scales on CUDA. On the CPU with cpu_kernel: calls whose activations
+    are quantized to e4m3 (act "dynamic" or "static"; bfloat16 ones widened first, exactly) take the bf16 form
+    where the library has it (FP8_DOT; cpu_fp8_dot.c, AVX512_BF16: e4m3 times e4m3 in exact bfloat16 products,
+    any number of rows), and weight-only bfloat16 calls the same form over their bfloat16 values as they are
+    (fp8_dot_bf16_cpu); otherwise (cpu_int8.c's fp8 form) float32 calls (of up to FP8_KERNEL_ROWS rows without its panel path)
     multiply the e4m3 bytes (never a float weight), the activations fake-quantized there too (the same values);
     bfloat16 calls of up to FP8_BF16_KERNEL_ROWS too, in float32
     (the weight unrounded to bfloat16: closer to the exact product than the reference); more rows take the
@@ -132,10 +134,13 @@ def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         from jobrunner.kernels.matmul.fp8_block_triton import fp8_block_matmul_triton       # quantizes x2 itself, per token and group
         return fp8_block_matmul_triton(x2, qweight, scales, block, bias).view(*x.shape[:-1], n)
     lib = cpu_kernel if cpu_kernel is not None and cpu_kernel.serves_fp8(x2, qweight, scales) else None
-    if FP8_DOT and lib is not None and lib.fp8_dot and act is not None and x2.dtype == torch.float32 \
+    if FP8_DOT and lib is not None and lib.fp8_dot and act is not None and x2.dtype in (torch.float32, torch.bfloat16) \
             and (act == "static" or act_group is None or k % act_group == 0):
         static = static_scale if act == "static" else None
-        return fp8_dot_cpu(x2, qweight, scales, block, bias, static, act_group, lib).view(*x.shape[:-1], n)
+        y = fp8_dot_cpu(x2.float(), qweight, scales, block, bias, static, act_group, lib)   # bfloat16: widened exactly
+        return y.to(x.dtype).view(*x.shape[:-1], n)
+    if FP8_DOT and lib is not None and lib.fp8_dot and act is None and x2.dtype == torch.bfloat16:
+        return fp8_dot_bf16_cpu(x2, qweight, scales, block, bias, lib).view(*x.shape[:-1], n)
     if act is not None:
         static = static_scale if act == "static" else None
         if lib is not None and x2.dtype == torch.float32 and (act_group is None or k % act_group == 0):
