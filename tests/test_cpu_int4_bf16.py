@@ -51,15 +51,15 @@ def check(got, x, packed, s, z, group, bias=None):
     assert (err <= bound + 1e-30).all(), (err / bound.clamp_min(1e-300)).max()
 
 
-def raw(lib, x, packed, s, z, group, bias=None, threads=None):
-    """The kernel's float32 output, before int4_bf16_matmul_cpu rounds it to bfloat16."""
+def raw(lib, x, packed, s, z, group, bias=None, threads=None, dtype=torch.float32):
+    """The kernel's output in float32 (its sums before rounding), or bfloat16 (what int4_bf16_matmul_cpu asks)."""
     n, kp = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(x.shape[0], n)
+    out = torch.empty(x.shape[0], n, dtype=dtype)
     b = None if bias is None else bias.float().contiguous()
     rc = lib.bf16_function(x.data_ptr(), x.stride(0), packed.data_ptr(), s.data_ptr(),
                            None if z is None else z.data_ptr(), int(s.dtype == torch.float32),
-                           None if b is None else b.data_ptr(), out.data_ptr(), x.shape[0], n, x.shape[1], kp,
-                           group, threads or torch.get_num_threads())
+                           None if b is None else b.data_ptr(), out.data_ptr(), int(dtype == torch.bfloat16),
+                           x.shape[0], n, x.shape[1], kp, group, threads or torch.get_num_threads())
     assert rc == 0, rc
     return out
 
@@ -82,6 +82,16 @@ def test_launcher_rounds_to_bfloat16_and_keeps_shapes(lib):
     got = ci.int4_bf16_matmul_cpu(x, packed, s, z, 64, None, lib)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 64)
     assert torch.equal(got, raw(lib, x.reshape(6, 200), packed, s, z, 64).bfloat16().view(2, 3, 64))
+
+
+@pytest.mark.parametrize("m, k", [(5, 576), (140, 2304)])      # 140 x 2304: k in chunks, sums kept between
+def test_bfloat16_out_is_the_float32_sums_rounded_to_nearest_even(lib, m, k):
+    packed, s, z = make(96, k, 32, torch.float16, seed=7)
+    x = torch.randn(m, k).bfloat16()
+    b = torch.randn(96)
+    for zeros in (z, None):
+        assert torch.equal(raw(lib, x, packed, s, zeros, 32, b, dtype=torch.bfloat16),
+                           raw(lib, x, packed, s, zeros, 32, b).bfloat16())
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(lib):

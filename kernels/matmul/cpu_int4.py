@@ -89,7 +89,7 @@ class Int4Library:
         fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 7
         fn.restype = i32
         self.bf16_function = lib.int4_bf16_matmul
-        self.bf16_function.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 6
+        self.bf16_function.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, i32, ptr, ptr] + [i32] * 7
         self.bf16_function.restype = i32
         lib.int4_kernel_isa.restype = lib.int4_bf16_isa.restype = i32
         self.function, self.path, self.portable = fn, path, portable
@@ -128,12 +128,12 @@ def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 def int4_bf16_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                          group_size: int, bias: torch.Tensor | None, lib: Int4Library) -> torch.Tensor:
     """int4_matmul_cpu for x [..., K] bfloat16 through the bf16 form (lib.covers_bf16 says where it runs):
-    summed in float32, rounded to bfloat16 once -> [..., N] bfloat16."""
+    summed in float32, rounded to bfloat16 once by the kernel -> [..., N] bfloat16."""
     n, kp = check_int4_arguments("int4_bf16_matmul_cpu", x, torch.bfloat16, packed, scales, zeros, group_size)
     return run_over_rows("int4_bf16", x, n, bias, lambda x2, stride, b, out: lib.bf16_function(
         x2.data_ptr(), stride, packed.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
-        int(scales.dtype == torch.float32), b, out.data_ptr(), x2.shape[0], n, x.shape[-1], kp, group_size,
-        torch.get_num_threads())).to(torch.bfloat16)
+        int(scales.dtype == torch.float32), b, out.data_ptr(), 1, x2.shape[0], n, x.shape[-1], kp, group_size,
+        torch.get_num_threads()), out_dtype=torch.bfloat16)
 
 
 def check_int4_arguments(name: str, x: torch.Tensor, dtype: torch.dtype, packed: torch.Tensor,
@@ -156,16 +156,17 @@ def check_int4_arguments(name: str, x: torch.Tensor, dtype: torch.dtype, packed:
     return n, kp
 
 
-def run_over_rows(kind: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, call) -> torch.Tensor:
+def run_over_rows(kind: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, call,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A kernel of this family (int4, int8) over x [..., K]: its rows as an [M, K] view of unit column stride,
-    the bias as float32, a fresh float32 [M, N] output; call(x2, row stride, bias pointer or None, out) returns
-    the kernel's code (0: done). -> [..., N]"""
+    the bias as float32, a fresh [M, N] output of out_dtype; call(x2, row stride, bias pointer or None, out)
+    returns the kernel's code (0: done). -> [..., N]"""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    out = torch.empty(x2.shape[0], n, dtype=out_dtype)
     stride = x2.stride(0) if x2.shape[0] > 1 else k
     if torch.autograd.profiler._is_profiler_enabled:     # named for the profiler, which can't see into it
         with torch.profiler.record_function(f"cpu_{kind}.matmul"):    # (entered always, it cost ~6 us a call)

@@ -5,7 +5,7 @@
        D[m, n, g] = sum_{k in g} x[m, k] * q[n, k],   X[m, g] = sum_{k in g} x[m, k]
 
    x [M, K] bfloat16; packed, scales, zeros as cpu_int4.c's (zeros NULL: symmetric, q taken as q - 8 and no X
-   term); out [M, N] float32.
+   term); out [M, N] float32, or bfloat16 (out_bf16: rounded once, to nearest even, as torch rounds).
 
    Why it is the product up to float32 rounding: a nibble (0..15, or -8..7) is exactly a bfloat16, and the
    product of two bfloat16 is exact in float32, so vdpbf16ps (acc += a0 b0 + a1 b1 over bf16 pairs: 32 products
@@ -41,7 +41,8 @@ typedef struct {
     const uint32_t *xi; int ldxi;          /* M rows of Kp / 2 pairs (row stride ldxi dwords) */
     const float *xsum; int groups;         /* [M, groups] X, or NULL (symmetric) */
     const uint8_t *packed; const void *scales, *zeros; int scale_f32;
-    const float *bias; float *out;
+    const float *bias; float *out;         /* float32 out, or the sums between chunks of k where out16 is set */
+    uint16_t *out16;                       /* bfloat16 out, or NULL */
     int M, N, Kp, G;
 } Bf16Problem;
 
@@ -166,7 +167,8 @@ static void columns_bf16(const Bf16Problem *p, int m0, int M, int n0, int n1, fl
     const int rowb = p->Kp / 2, gp = p->G / 2;
     const uint32_t *xi = p->xi + (size_t)m0 * p->ldxi;
     const float *X = p->xsum ? p->xsum + (size_t)m0 * p->groups : NULL;
-    float *out = p->out + (size_t)m0 * p->N;
+    float *out = p->out ? p->out + (size_t)m0 * p->N : NULL;
+    uint16_t *out16 = p->out16 ? p->out16 + (size_t)m0 * p->N : NULL;
     for (int c0 = 0; c0 < rowb; c0 += kc) {
         const int c1 = c0 + kc < rowb ? c0 + kc : rowb;
         for (int n = n0; n < n1; n += PW) {
@@ -187,13 +189,21 @@ static void columns_bf16(const Bf16Problem *p, int m0, int M, int n0, int n1, fl
                 panel_rows_bf16(p, xi + b0, X ? X + g0 : NULL, P, nb, S, Z, C, M, b0 == 0);
             }
             for (int m = 0; m < M; m++) {
-                float *o = out + (size_t)m * p->N + n;
-                if (c1 == rowb && p->bias)
-                    for (int c = 0; c < PW; c += 16)
-                        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_load_ps(C + (size_t)m * PW + c),
-                                                              _mm512_loadu_ps(p->bias + n + c)));
-                else
-                    memcpy(o, C + (size_t)m * PW, PW * 4);
+                const float *c = C + (size_t)m * PW;
+                if (c1 < rowb) {
+                    memcpy(out + (size_t)m * p->N + n, c, PW * 4);
+                    continue;
+                }
+                const __m512 lo = p->bias ? _mm512_add_ps(_mm512_load_ps(c), _mm512_loadu_ps(p->bias + n))
+                                          : _mm512_load_ps(c);
+                const __m512 hi = p->bias ? _mm512_add_ps(_mm512_load_ps(c + 16), _mm512_loadu_ps(p->bias + n + 16))
+                                          : _mm512_load_ps(c + 16);
+                if (out16) {
+                    _mm512_storeu_si512(out16 + (size_t)m * p->N + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                } else {
+                    _mm512_storeu_ps(out + (size_t)m * p->N + n, lo);
+                    _mm512_storeu_ps(out + (size_t)m * p->N + n + 16, hi);
+                }
             }
         }
     }
@@ -225,10 +235,11 @@ static void pair_row(const uint16_t *x, int K, int Kp, int G, uint32_t *xi, floa
 /* 1 where this build has the bf16 form (AVX512_BF16), else 0. */
 int int4_bf16_isa(void) { return HAVE_BF16; }
 
-/* 0 done; -2 bad arguments; -3 no bf16 form in this build (or G not 32, 64, 128, or N not a multiple of 32);
-   -4 out of memory. */
+/* out: float32, or bfloat16 where out_bf16. 0 done; -2 bad arguments; -3 no bf16 form in this build (or G not
+   32, 64, 128, or N not a multiple of 32); -4 out of memory. */
 int int4_bf16_matmul(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, const void *zeros,
-                     int scale_f32, const float *bias, float *out, int M, int N, int K, int Kp, int G, int threads) {
+                     int scale_f32, const float *bias, void *out, int out_bf16, int M, int N, int K, int Kp, int G,
+                     int threads) {
     if (M < 0 || N < 0 || K < 0 || G < 2 || G % 2 || Kp % G || Kp < K || Kp - K >= G || ldx < K)
         return -2;
 #if HAVE_BF16
@@ -239,11 +250,17 @@ int int4_bf16_matmul(const uint16_t *x, int64_t ldx, const uint8_t *packed, cons
     const int groups = Kp / G, rowb = Kp / 2, ldxi = rowb + 16;      /* + 16: rows not a power of two apart */
     uint32_t *xi = aligned_alloc(64, ((size_t)M * ldxi * 4 + 63) / 64 * 64);
     float *xsum = zeros ? malloc((size_t)M * groups * 4) : NULL;
-    if (!xi || (zeros && !xsum)) { free(xi); free(xsum); return -4; }
-    const Bf16Problem p = {xi, ldxi, xsum, groups, packed, scales, zeros, scale_f32, bias, out, M, N, Kp, G};
     const int whole = N / PW, rows = M < SLAB ? M : SLAB;
     int kc = X_CHUNK / (4 * rows) / PB * PB;                       /* pairs a chunk: a multiple of PB */
     if (kc < PB) kc = PB;
+    /* bfloat16 out over chunks of k: the sums between chunks kept in float32 */
+    float *sums = out_bf16 && kc < rowb ? malloc((size_t)M * N * 4) : NULL;
+    if (!xi || (zeros && !xsum) || (out_bf16 && kc < rowb && !sums)) {
+        free(xi); free(xsum); free(sums);
+        return -4;
+    }
+    const Bf16Problem p = {xi, ldxi, xsum, groups, packed, scales, zeros, scale_f32, bias,
+                           out_bf16 ? sums : out, out_bf16 ? out : NULL, M, N, Kp, G};
     if (threads < 1) threads = 1;
     if (whole < threads) threads = whole;
     int failed = 0;
@@ -263,9 +280,11 @@ int int4_bf16_matmul(const uint16_t *x, int64_t ldx, const uint8_t *packed, cons
     }
     free(xi);
     free(xsum);
+    free(sums);
     return failed ? -4 : 0;
 #else
-    (void)x; (void)packed; (void)scales; (void)zeros; (void)scale_f32; (void)bias; (void)out; (void)threads;
+    (void)x; (void)packed; (void)scales; (void)zeros; (void)scale_f32; (void)bias; (void)out; (void)out_bf16;
+    (void)threads;
     return -3;
 #endif
 }
