@@ -160,14 +160,15 @@ def _greedy(model_dir, lib_form: bool, monkeypatch):
         for m in linears:
             m.cpu_kernel = off
     reqs = [Request(str(i), p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(([5, 6, 7, 8], [11, 200, 3, 3, 64, 90, 17], [9] * 20, [1, 2], [4] * 9))]
+            for i, p in enumerate(([5, 6, 7, 8], [11, 200, 3, 3, 64, 90, 17], [9] * 20, [1, 2], [4] * 9,
+                                   [3, 1, 4, 1, 5], [100] * 3, [7, 7], list(range(20, 31))))]
     outs = {o.id: o.token_ids for o in eng.generate(reqs)}
     assert bool(calls) == lib_form
     return [outs[str(i)] for i in range(len(reqs))]
 
 
 def test_engine_bfloat16_int4_greedy_same_through_the_form(tiny_hf_model_dir, monkeypatch, lib):
-    """A bfloat16 int4 model: the form (prefill and 5-row decode) against the widened float32 kernel and the
+    """A bfloat16 int4 model: the form (prefill and 9-row decode) against the widened float32 kernel and the
     bfloat16 slices it replaces: the same greedy tokens."""
     path = tiny_hf_model_dir("llama")
     assert _greedy(path, True, monkeypatch) == _greedy(path, False, monkeypatch)

@@ -20,8 +20,8 @@ runs for a group size that is not a multiple of 32).
 Activations float32: arithmetic float32, so a result differs from the dequantized reference (int4_matmul_ref)
 by the order of the sum only: RTOL/ATOL below. Bfloat16 activations: the same library's bf16 form
 (cpu_int4_bf16.c, built in with cpu_int4.c: int4_bf16_matmul_cpu) where the CPU has AVX512_BF16, exact
-products of bfloat16 and nibble summed by vdpbf16ps at twice float32's FMA rate (1.5-1.8x the float32 kernel
-from 16 rows, 1.15-1.25x at 4: RESULTS.md); elsewhere bfloat16 calls are widened to float32 at the edge.
+products of bfloat16 and nibble summed by vdpbf16ps at twice float32's FMA rate (1.3-1.9x the float32 kernel
+from 16 rows, 1.1-1.6x at 8: RESULTS.md); elsewhere bfloat16 calls are widened to float32 at the edge.
 """
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ VARIANTS = {"native": ("-march=native",), "portable": ()}
 LIBS = ("-lm",)
 SCALE_DTYPES = (torch.float16, torch.float32)
 PANEL_GROUPS, PANEL_COLUMNS = (32, 64, 128), 32     # cpu_int4.c's panel path: G dividing KB, N >= PW
-# the bf16 form's rows per call at least: at 1 row it ran 0.86-1.01x the widened float32 kernel, at 4 rows
-# 1.14-1.25x (groups of 128, the default model's and a 1B model's shapes; AMD EPYC Zen 4, 2 threads)
-BF16_FORM_MIN_ROWS = 4
+# the bf16 form's rows per call at least, against the widened float32 kernel (AMD EPYC Zen 4, 2 threads, the
+# default model's and a 1B model's shapes): at 1 row 0.8-1.0x, at 4 rows 0.8-1.3x (groups of 32) and 1.2-1.4x
+# (groups of 128), at 8 rows 1.13-1.40x and 1.34-1.59x, at 16 1.3-1.7x
+BF16_FORM_MIN_ROWS = 8
 RTOL, ATOL = 1e-4, 1e-4          # against int4_matmul_ref in float32, relative to the row's max |out|
 
 
