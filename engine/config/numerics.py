@@ -13,5 +13,6 @@ NUMERICS_VERSION = 8     # 2: the CPU decode attention's softmax sum in fixed la
                          #    kernels' row limits 128 and 256; bfloat16 calls of up to 16 rows on those kernels
                          # 6: the CPU int4 kernel's panel path (24 rows and more, any count: prefill too)
                          # 7: the CPU int8/fp8 kernels' panel path from 16 rows (was 24)
-                         # 8: bfloat16 int4 calls of 4+ rows through the int4 kernel's bf16 form; bfloat16 int8 calls of
-                         #    any size widened to the int8 kernel where its panel path runs
+                         # 8: bfloat16 int4 calls of 8+ rows through the int4 kernel's bf16 form; bfloat16 int8 calls of
+                         #    any size widened to the int8 kernel where its panel path runs; bfloat16 fp8 calls through
+                         #    the bf16 dot form (weight-only as they are, e4m3 activations widened and quantized in C)
