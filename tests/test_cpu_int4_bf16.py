@@ -142,7 +142,8 @@ def test_dispatch_takes_the_form_for_bfloat16_calls_it_covers(lib, monkeypatch):
         want, _ = exact(x, packed, s, z, group)
         assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()      # bfloat16 rounding
         assert calls.pop() == (rows, 192) if taken else not calls
-    qm.int4_matmul(torch.randn(8, 192).bfloat16(), *make(64, 192, 32), 32, None, ci.Int4Library(lib.path, bf16_form=False))
+    off = ci.Int4Library(lib.path, bf16_form=False)
+    qm.int4_matmul(torch.randn(8, 192).bfloat16(), *make(64, 192, 32), 32, None, off)
     assert not calls
 
 

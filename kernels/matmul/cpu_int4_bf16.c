@@ -85,7 +85,8 @@ static inline void decode16(const Bf16Problem *p, __m512i table, int n0, int b0,
         if (4 * u >= nb) break;
         _Pragma("GCC unroll 4")
         for (int t = 0; t < 4; t++)
-            _mm512_store_si512(P + (size_t)(4 * u + t) * PW + c0, _mm512_permutexvar_epi16(nibble_pair(r[u], t), table));
+            _mm512_store_si512(P + (size_t)(4 * u + t) * PW + c0,
+                               _mm512_permutexvar_epi16(nibble_pair(r[u], t), table));
     }
 }
 
