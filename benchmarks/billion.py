@@ -56,7 +56,8 @@ LLAMA_FTYPE = {"Q8_0": 7, "Q4_0": 2}           # llama.h's LLAMA_FTYPE_MOSTLY_*
 
 # issue 62's targets, as (system, peer, at most this ratio of the peer's wall)
 TARGETS = (("float32", "transformers", 0.6), ("auto", "transformers", 0.35), ("int4", "llama.cpp-Q4_0", 0.7),
-           ("int4-bf16", "llama.cpp-Q4_0", 0.7), ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0), ("w4a8-Q4_0", "llama.cpp-Q4_0", 0.7))
+           ("int4-bf16", "llama.cpp-Q4_0", 0.7), ("int8", "float32", 1.0), ("bfloat16", "float32", 1.0),
+           ("w4a8-Q4_0", "llama.cpp-Q4_0", 0.7))
 
 
 def model_dir(layers: int) -> Path:

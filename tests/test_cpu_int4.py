@@ -48,6 +48,13 @@ def make(n, k, group, scale_dtype=torch.float16, seed=0):
     return qm.pack_int4(q, group), s, z
 
 
+def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view one element into a larger buffer: a float16 tensor starting at an odd half."""
+    buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    buf[1:] = t.flatten()
+    return buf[1:].view(t.shape)
+
+
 def close(got, ref):
     """The kernel's documented tolerance: relative to the output's largest magnitude."""
     scale = ref.abs().max().clamp(min=1.0)
@@ -74,11 +81,7 @@ def test_panel_path_reads_float16_scales_at_any_offset(libs):
     """The panel path gathers float16 scales and zeros by the dword that holds each: a tensor starting at an odd
     half (a view into a larger buffer) reads the same values."""
     packed, s, z = make(96, 200, 32, torch.float16, seed=5)
-    shifted = []
-    for t in (s, z):
-        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
-        buf[1:] = t.flatten()
-        shifted.append(buf[1:].view(t.shape))
+    shifted = [at_odd_offset(s), at_odd_offset(z)]
     assert shifted[0].storage_offset() == 1 and shifted[0].is_contiguous()
     x = torch.randn(40, 200)
     ref = qm.int4_matmul_ref(x, packed, s, z, 32)

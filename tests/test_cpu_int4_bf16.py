@@ -16,7 +16,7 @@ from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.quant.linear import Int4Linear
 from jobrunner.kernels.matmul import cpu_int4 as ci
 from jobrunner.kernels.matmul import quant_matmul as qm
-from test_cpu_int4 import libs, make  # noqa: F401 - the session's builds
+from test_cpu_int4 import at_odd_offset, libs, make  # noqa: F401 - libs: the session's builds
 
 SHAPES = ((32, 100), (64, 576), (96, 200), (32, 33), (128, 1536))    # (N, K): whole panels; K off the 128s
 
@@ -106,13 +106,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(lib)
 
 def test_float16_scales_at_an_odd_offset(lib):
     packed, s, z = make(64, 256, 32, torch.float16, seed=5)
-    shifted = []
-    for t in (s, z):
-        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
-        buf[1:] = t.flatten()
-        shifted.append(buf[1:].view(t.shape))
     x = torch.randn(9, 256).bfloat16()
-    assert torch.equal(raw(lib, x, packed, *shifted, 32), raw(lib, x, packed, s, z, 32))
+    assert torch.equal(raw(lib, x, packed, at_odd_offset(s), at_odd_offset(z), 32), raw(lib, x, packed, s, z, 32))
 
 
 def test_refusals(lib, libs):  # noqa: F811
