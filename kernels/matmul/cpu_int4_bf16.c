@@ -18,7 +18,7 @@
    and a weight dword is the byte's two nibbles looked up as bfloat16 (vpermw over a 32-word table: the index's
    bit 4 is ignored by repeating the 16 values). A panel is 64 bytes (128 k) of 32 columns: load_transposed
    (cpu_panel.h) turns 16 columns' 64 bytes into dwords of 16 columns, each dword 4 bytes, so a panel row of 16
-   columns costs a shift, a blend and the lookup. Then blocks of up to MR rows run an outer product over the
+   columns costs a vpmultishiftqb (where the CPU has VBMI; else two shifts and a blend) and the lookup. Then blocks of up to MR rows run an outer product over the
    panel, a group at a time: per pair, two weight vectors and a broadcast a row feed two vdpbf16ps a row; at
    the group's end the group sums are scaled into the row's totals. Each out[m, n] is one chain over the groups
    in order, whatever the rows beside it, the chunk or the threads. Threads split N in whole panels; x is read
