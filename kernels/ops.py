@@ -16,7 +16,7 @@ from jobrunner.kernels.attention.cpu_attention import CpuDecode, DecodeLibrary, 
 from jobrunner.kernels.matmul.cpu_int4 import (Int4Library, int4_bf16_matmul_cpu, int4_compile_command, int4_library_name,
                                               int4_matmul_cpu)
 from jobrunner.kernels.matmul.cpu_w4a8 import W4A8Library, W4A8Weights, quantize_activations_ref, w4a8_compile_command, w4a8_library_name, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_quantize_cpu, w4a8_unpack
-from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_library_name, int8_matmul_cpu
+from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_dot_bf16_cpu, int8_library_name, int8_matmul_cpu
 from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
 from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_error, packing_available
 from jobrunner.kernels.common.device import to_device
@@ -45,7 +45,7 @@ __all__ = [
     # the CPU weight-only int8 matmul, float activations: the same, for the int8 linears (and its fp8 form
     # for a shipped checkpoint's fp8 linears)
     "CPU_INT8_MAX_ROWS", "Int8Library", "fp8_matmul_cpu", "int8_compile_command", "int8_library_name",
-    "int8_matmul_cpu",
+    "int8_matmul_cpu", "int8_dot_bf16_cpu",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_error", "packing_available",
     # float linears on CUDA whose rows' sums keep one order whatever the batch (the batch-invariant mode's)

@@ -4,7 +4,8 @@ FP8_BLOCK per token and group, static). Against the torch reference (shipped_qua
 fake-quantized activations times the dequantized weight) within cpu_int8.RTOL/ATOL; every e4m3 byte widened to
 bfloat16 exactly; the activations' e4m3 values and scales bit for bit fake_quantize_fp8's; fp8_weight_matmul's
 dispatch (which calls take the form); greedy tokens of llmcompressor fp8 checkpoints identical through the form
-and through the reference path. The form's tests skip on a CPU (or compiler) without AVX512_BF16.
+and through the reference path; bfloat16 rows as they are (weight-only fp8 under --dtype bfloat16) and
+symmetric int8 weights through the same form. The form's tests skip on a CPU (or compiler) without AVX512_BF16.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.shipped.shipped_linear import Fp8WeightLinear
 from jobrunner.kernels.matmul import cpu_int8 as c8
 from jobrunner.kernels.matmul import shipped_quant as sq
+from jobrunner.engine.quant import linear as ql
 from test_cpu_fp8 import CASES, close, fp8_weight
 from test_cpu_int8 import libs  # noqa: F401 - the session's builds
+from test_cpu_int8 import make as make_int8
 
 
 def _cpu_flags() -> str:
@@ -209,3 +212,36 @@ def test_benchmark_times_both_forms(lib):
         times = fp8_dot_case(64, 40, 3, block, 1, lib)
         assert set(times) == {"F.linear f32", "oneDNN f32", "fp8 f32 form", "fp8 bf16 form"}
         assert min(times.values()) > 0
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 130])
+def test_int8_weights_through_the_form(lib, m):
+    """Symmetric int8 weights (per channel, groups of 32) times bfloat16 rows through the same form: each int8
+    value widened to its bfloat16 exactly (-128 included), the products exact, summed in float32, rounded once."""
+    for n, k, group in ((37, 100, None), (64, 577, None), (48, 192, 32), (130, 256, 64)):
+        lin = make_int8(n, k, group, bias=True, seed=n + k)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3).bfloat16()
+        got = c8.int8_dot_bf16_cpu(x, lin.qweight, lin.scales, lin.bias, lib)
+        w = lin.dequantize(torch.float64)
+        want = x.double() @ w.T + lin.bias.double()
+        magnitude = x.double().abs() @ w.abs().T + lin.bias.double().abs()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * magnitude).all()
+
+
+def test_int8_linear_takes_the_form_for_bfloat16_rows(lib, monkeypatch):
+    """Int8Linear: bfloat16 rows on a symmetric weight take the form; float32 rows, a weight with zero points
+    and a library without the form keep the int8 kernel's paths."""
+    calls = []
+    real = ql.int8_dot_bf16_cpu
+    monkeypatch.setattr(ql, "int8_dot_bf16_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    sym, affine = make_int8(64, 96, 32, bias=True), make_int8(64, 96, 32, zeros=True)
+    for lin in (sym, affine):
+        lin.cpu_kernel = lib
+    xb = torch.randn(c8.INT8_DOT_MIN_ROWS + 3, 96).bfloat16()
+    sym(xb), sym(xb.float()), affine(xb)
+    sym.cpu_kernel = c8.Int8Library(lib.path, fp8_dot=False)
+    sym(xb)
+    assert calls == [xb.shape[0]]
+    with pytest.raises(TypeError, match="bfloat16"):
+        c8.int8_dot_bf16_cpu(xb.float(), sym.qweight, sym.scales, None, lib)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.kernels.ops import W4A8Weights, widened_bf16, dequantize_int4, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_unpack, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
+from jobrunner.kernels.ops import W4A8Weights, widened_bf16, dequantize_int4, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_unpack, dequantize_int8, fp8_matmul, fp8_matmul_ref, int4_matmul, int4_matmul_ref, fbgemm_full_range, int8_dot_bf16_cpu, int8_matmul, int8_matmul_cpu, w8a8_matmul_fbgemm, w8a8_matmul_int_mm, w8a8_matmul_ref, w8a8_per_batch_ref
 
 
 class QuantLinear(nn.Module):
@@ -70,6 +70,8 @@ class Int8Linear(QuantLinear):
         return self.in_features // self.scales.shape[1]
 
     def forward(self, x):
+        if self.cpu_kernel is not None and self.cpu_kernel.takes_bf16_dot(x, self.zeros):
+            return int8_dot_bf16_cpu(x, self.qweight, self.scales, self.bias, self.cpu_kernel)
         if self.cpu_kernel is not None and self.cpu_kernel.takes(x, self.scales, self.zeros):
             return int8_matmul_cpu(x, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel)
         # bfloat16: widened for decode-sized calls, and for any call the panel path takes (float32's GEMM rate:

@@ -53,6 +53,7 @@
 typedef struct {
     const uint16_t *xq; const float *xs; const uint8_t *q; const float *ws; const float *bias; float *out;
     int M, N, K, Kp, Ga, Gw, BN, wgroups, segmented;   /* Kp: a scratch row's length; wgroups = ceil(K / Gw) */
+    int int8;                                          /* q: int8 values, not e4m3 bytes */
 } Dot;
 
 /* 32 e4m3 bytes -> their 32 bfloat16 values, exactly (the header). */
@@ -67,6 +68,13 @@ static inline __m512i widen_bf16(__m256i bytes) {
     return _mm512_or_si512(mag, _mm512_and_si512(w, _mm512_set1_epi16((short)0x8000)));
 }
 
+/* 32 int8 values -> their 32 bfloat16 values, exactly (|q| <= 128 has at most 8 significant bits). */
+static inline __m512i widen_int8_bf16(__m256i bytes) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 static inline __mmask32 lanes32(int left) {
     return left >= 32 ? (__mmask32)0xffffffffu : left > 0 ? (__mmask32)((1u << left) - 1) : (__mmask32)0;
 }
@@ -78,7 +86,8 @@ static void widen_rows(const Dot *p, int n0, int n1, uint16_t *scratch) {
         uint16_t *o = scratch + (size_t)(n - n0) * p->Kp;
         for (int k = 0; k < p->Kp; k += 32) {
             const __mmask32 mk = lanes32(p->K - k);
-            _mm512_storeu_si512(o + k, _mm512_maskz_mov_epi16(mk, widen_bf16(_mm256_maskz_loadu_epi8(mk, w + k))));
+            const __m256i bytes = _mm256_maskz_loadu_epi8(mk, w + k);
+            _mm512_storeu_si512(o + k, _mm512_maskz_mov_epi16(mk, p->int8 ? widen_int8_bf16(bytes) : widen_bf16(bytes)));
         }
     }
 }
@@ -270,10 +279,11 @@ int fp8_dot_widen(const uint8_t *q, uint16_t *out, int n) {
 }
 
 /* fp8_dot_matmul over x's rows in float32 (quantized here) or, xb, in bfloat16 as they are (weight-only fp8
-   under bfloat16 activations: every bfloat16 times an e4m3 value is exact in float32 too; xs 1, Ga = K). */
+   under bfloat16 activations: every bfloat16 times an e4m3 value is exact in float32 too; xs 1, Ga = K); int8:
+   q holds int8 values (each exactly a bfloat16 too), not e4m3 bytes. */
 static int dot_run(const float *x, const uint16_t *xb, int64_t ldx, const float *static_scale, int Ga,
-                   const uint8_t *q, const float *ws, int Gw, int BN, const float *bias, float *out, int M, int N,
-                   int K, int threads) {
+                   const uint8_t *q, int int8, const float *ws, int Gw, int BN, const float *bias, float *out, int M,
+                   int N, int K, int threads) {
     if (M < 0 || N < 0 || K < 1 || Ga < 1 || K % Ga || ldx < K || Gw < 1 || BN < 1 || (static_scale && Ga != K)
         || (xb && Ga != K))
         return -2;
@@ -282,7 +292,7 @@ static int dot_run(const float *x, const uint16_t *xb, int64_t ldx, const float 
     uint16_t *xq = malloc((size_t)M * K * sizeof(uint16_t) + 64);
     float *xs = malloc((size_t)M * (K / Ga) * sizeof(float) + 64);
     const Dot p = {xq, xs, q, ws, bias, out, M, N, K, (K + 31) / 32 * 32 + 32, Ga, Gw, BN, wgroups,
-                   Ga < K || wgroups > 1};
+                   Ga < K || wgroups > 1, int8};
     if (threads < 1) threads = 1;
     if ((long)N < 8L * threads) threads = N / 8 > 1 ? N / 8 : 1;
     if (!xq || !xs) {
@@ -315,7 +325,7 @@ static int dot_run(const float *x, const uint16_t *xb, int64_t ldx, const float 
     free(xs);
     return failed ? -4 : 0;
 #else
-    (void)x, (void)xb, (void)q, (void)ws, (void)bias, (void)out, (void)threads;
+    (void)x, (void)xb, (void)q, (void)int8, (void)ws, (void)bias, (void)out, (void)threads;
     return -3;
 #endif
 }
@@ -325,11 +335,12 @@ static int dot_run(const float *x, const uint16_t *xb, int64_t ldx, const float 
    -3 no bf16 form in this build; -4 no memory. */
 int fp8_dot_matmul(const float *x, int64_t ldx, const float *static_scale, int Ga, const uint8_t *q, const float *ws,
                    int Gw, int BN, const float *bias, float *out, int M, int N, int K, int threads) {
-    return dot_run(x, NULL, ldx, static_scale, Ga, q, ws, Gw, BN, bias, out, M, N, K, threads);
+    return dot_run(x, NULL, ldx, static_scale, Ga, q, 0, ws, Gw, BN, bias, out, M, N, K, threads);
 }
 
-/* fp8_dot_matmul for x [M, K] bfloat16 bits taken as they are: out = ws * sum x q (+ bias). */
-int fp8_dot_matmul_bf16(const uint16_t *x, int64_t ldx, const uint8_t *q, const float *ws, int Gw, int BN,
+/* fp8_dot_matmul for x [M, K] bfloat16 bits taken as they are: out = ws * sum x q (+ bias); int8: q [N, K] holds
+   int8 values (symmetric int8 weights: per channel, Gw = K, or groups of Gw), not e4m3 bytes. */
+int fp8_dot_matmul_bf16(const uint16_t *x, int64_t ldx, const uint8_t *q, int int8, const float *ws, int Gw, int BN,
                         const float *bias, float *out, int M, int N, int K, int threads) {
-    return dot_run(NULL, x, ldx, NULL, K, q, ws, Gw, BN, bias, out, M, N, K, threads);
+    return dot_run(NULL, x, ldx, NULL, K, q, int8, ws, Gw, BN, bias, out, M, N, K, threads);
 }

@@ -52,6 +52,10 @@ FP8_KERNEL_ROWS = 256
 # bfloat16 rows: widened to float32 at the kernel's edge up to this many (2.5-4x bfloat16 slices + F.linear at 1
 # row, 1.3x at 16, 0.6-1.0x at 64: a /tmp script beside RESULTS.md's fp8 figures)
 FP8_BF16_KERNEL_ROWS = 16
+# bfloat16 calls on symmetric int8 weights from this many rows take the bf16 dot form (int8_dot_bf16_cpu); against
+# the int8 kernel widened to float32 (AMD EPYC Zen 4, 2 threads; 576 x 49152 and a 1B model's shapes): 0.6-1.3x at
+# 1-4 rows, 0.97-1.26x at 8, 1.21-1.32x at 16, 1.36-1.47x at 64
+INT8_DOT_MIN_ROWS = 16
 
 def int8_compile_command(cc: list[str], output: Path, variant: str = "native") -> list[str]:
     """One library of both sources: cpu_int8.c's forms and cpu_fp8_dot.c's (the bf16 fp8 form)."""
@@ -92,7 +96,7 @@ class Int8Library:
         self.dot, self.dot_quantize, self.dot_widen = lib.fp8_dot_matmul, lib.fp8_dot_quantize, lib.fp8_dot_widen
         self.dot.argtypes = [ptr, ctypes.c_int64, ptr, i32, ptr, ptr, i32, i32, ptr, ptr] + [i32] * 4
         self.dot_bf16 = lib.fp8_dot_matmul_bf16
-        self.dot_bf16.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, ptr, ptr] + [i32] * 4
+        self.dot_bf16.argtypes = [ptr, ctypes.c_int64, ptr, i32, ptr, i32, i32, ptr, ptr] + [i32] * 4
         self.dot_bf16.restype = i32
         self.dot_quantize.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, ptr, i32]
         self.dot_widen.argtypes = [ptr, ptr, i32]
@@ -121,6 +125,12 @@ class Int8Library:
         return (x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype == torch.float32
                 and (zeros is None or zeros.dtype == torch.float32)
                 and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path(n, k // groups, affine)))
+
+    def takes_bf16_dot(self, x: torch.Tensor, zeros: torch.Tensor | None) -> bool:
+        """Whether a bfloat16 call on a symmetric int8 weight runs the bf16 dot form (int8_dot_bf16_cpu): AVX512_BF16
+        and INT8_DOT_MIN_ROWS rows or more."""
+        return (self.fp8_dot and zeros is None and x.device.type == "cpu" and x.dtype == torch.bfloat16
+                and x.numel() >= INT8_DOT_MIN_ROWS * x.shape[-1])
 
     def serves_fp8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether the library's fp8 functions serve this call (shipped_quant.fp8_weight_matmul: which of them)."""
@@ -172,8 +182,28 @@ def fp8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     n, k = qweight.shape[0], x.shape[-1]
     bn, bk = _fp8_weight_checked("fp8_dot_bf16_cpu", x, qweight, scales, block, torch.bfloat16)
     return run_over_rows("fp8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
-        x2.data_ptr(), stride, qweight.data_ptr(), scales.data_ptr(), bk, bn, b, out.data_ptr(), x2.shape[0], n, k,
-        torch.get_num_threads())).to(torch.bfloat16)
+        x2.data_ptr(), stride, qweight.data_ptr(), 0, scales.data_ptr(), bk, bn, b, out.data_ptr(), x2.shape[0], n,
+        k, torch.get_num_threads())).to(torch.bfloat16)
+
+
+def int8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                      lib: Int8Library) -> torch.Tensor:
+    """x [..., K] bfloat16 times a symmetric int8 weight (qweight [N, K] int8, scales [N, K // G] float32: per
+    channel or groups of G) through the bf16 dot form (cpu_fp8_dot.c: an int8 value is exactly a bfloat16, so
+    the products are exact and summed in float32) -> [..., N] bfloat16, rounded once."""
+    if not lib.fp8_dot:
+        raise RuntimeError(f"int8_dot_bf16_cpu: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
+    n, k = qweight.shape
+    if x.dtype != torch.bfloat16 or qweight.dtype != torch.int8 or scales.dtype != torch.float32 \
+            or x.shape[-1] != k or scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1]:
+        raise TypeError(f"int8_dot_bf16_cpu: x {x.dtype} [..., {x.shape[-1]}] (bfloat16), qweight {qweight.dtype} "
+                        f"{tuple(qweight.shape)} (int8), scales {scales.dtype} {tuple(scales.shape)} (float32 [N, G])")
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("int8_dot_bf16_cpu: qweight and scales contiguous")
+    group = k // scales.shape[1]
+    return run_over_rows("int8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
+        x2.data_ptr(), stride, qweight.data_ptr(), 1, scales.data_ptr(), group, 1, b, out.data_ptr(), x2.shape[0],
+        n, k, torch.get_num_threads())).to(torch.bfloat16)
 
 
 def _fp8_weight_checked(where: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
