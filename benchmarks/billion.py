@@ -43,6 +43,7 @@ OURS = {
     "float32": ["--dtype", "float32"],
     "bfloat16": ["--dtype", "bfloat16"],
     "int8": ["--quantization", "int8"],
+    "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16"],    # int8 values times bfloat16 activations
     "int4": ["--quantization", "int4"],
     "int4-bf16": ["--quantization", "int4", "--dtype", "bfloat16"],    # nibbles times bfloat16 activations
     "w4a8": ["--quantization", "w4a8"],
