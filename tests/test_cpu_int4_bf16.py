@@ -168,3 +168,20 @@ def test_engine_bfloat16_int4_greedy_same_through_the_form(tiny_hf_model_dir, mo
     bfloat16 slices it replaces: the same greedy tokens."""
     path = tiny_hf_model_dir("llama")
     assert _greedy(path, True, monkeypatch) == _greedy(path, False, monkeypatch)
+
+
+def test_the_form_without_vbmi(lib, tmp_path):
+    """The nibble placement for CPUs with AVX512_BF16 but no VBMI (Cooper Lake: two shifts and a blend, not
+    vpmultishiftqb), built here with -mno-avx512vbmi: the same exact product, the same bits as the VBMI build."""
+    from jobrunner.engine.run import cpu_decode as cd
+    path = tmp_path / "int4-no-vbmi.so"
+    cd.build_library(path, lambda cc, o: ci.int4_compile_command(cc, o, "native") + ["-mno-avx512vbmi"])
+    plain = ci.Int4Library(path)
+    assert plain.bf16
+    for n, k, group in ((64, 576, 32), (96, 200, 64), (32, 300, 128)):
+        packed, s, z = make(n, k, group, torch.float16, seed=n + k)
+        x = torch.randn(19, k).bfloat16()
+        for zeros in (z, None):
+            got = raw(plain, x, packed, s, zeros, group)
+            check(got, x, packed, s, zeros, group)
+            assert torch.equal(got, raw(lib, x, packed, s, zeros, group))
