@@ -52,6 +52,6 @@ def test_bfloat16_calls(kind, monkeypatch, rows):
     with torch.inference_mode():
         y = linear(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, N)
-    on_kernel = rows <= qm.BF16_KERNEL_ROWS or (kind == "int8" and linear._panel_path())
+    on_kernel = rows <= qm.BF16_KERNEL_ROWS or (kind == "int8" and linear.cpu_kernel.panel_path_for(K, linear.scales, linear.zeros))
     assert calls == ([torch.float32] if on_kernel else [])
     _check(y, x, linear.dequantize(torch.float32), on_kernel=on_kernel)

@@ -76,7 +76,8 @@ class Int8Linear(QuantLinear):
             return int8_matmul_cpu(x, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel)
         # bfloat16: widened for decode-sized calls, and for any call the panel path takes (float32's GEMM rate:
         # twice the bfloat16 slices dequantized at every call, int4 mode's int8 lm_head at 64 rows)
-        x32 = widened_bf16(x, self._panel_path()) if self.cpu_kernel is not None else None
+        x32 = None if self.cpu_kernel is None else widened_bf16(
+            x, self.cpu_kernel.panel_path_for(self.in_features, self.scales, self.zeros))
         if x32 is not None and self.cpu_kernel.takes(x32, self.scales, self.zeros):
             return int8_matmul_cpu(x32, self.qweight, self.scales, self.zeros, self.bias, self.cpu_kernel).to(x.dtype)
         y = int8_matmul(x, self.qweight, self.scales, self.bias)
@@ -84,11 +85,6 @@ class Int8Linear(QuantLinear):
 
     def forward_ref(self, x):
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def _panel_path(self) -> bool:
-        groups = self.scales.shape[1]
-        return self.cpu_kernel.panel_path(self.out_features, self.in_features // groups,
-                                          groups > 1 or self.zeros is not None)
 
     def _zero_terms(self, x):
         """x @ zeros' columns spread over their groups: each group's sum of x times its zero."""

@@ -118,13 +118,17 @@ class Int8Library:
         more (cpu_int8.c's affine), per channel ones at the end."""
         return self.panel_path(n, block[1] if block else k, block is not None and -(-k // block[1]) > 1)
 
+    def panel_path_for(self, k: int, scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
+        """panel_path for an int8 weight of K columns with these scales [N, groups] and zeros."""
+        groups = scales.shape[-1]
+        return self.panel_path(scales.shape[0], k // groups, groups > 1 or zeros is not None)
+
     def takes(self, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
         """Whether the kernel serves this call (else the caller's torch path does)."""
-        n, groups, k = scales.shape[0], scales.shape[-1], x.shape[-1]
-        affine = groups > 1 or zeros is not None
+        k = x.shape[-1]
         return (x.device.type == "cpu" and x.dtype == torch.float32 and scales.dtype == torch.float32
                 and (zeros is None or zeros.dtype == torch.float32)
-                and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path(n, k // groups, affine)))
+                and (x.numel() <= CPU_INT8_MAX_ROWS * k or self.panel_path_for(k, scales, zeros)))
 
     def takes_bf16_dot(self, x: torch.Tensor, zeros: torch.Tensor | None) -> bool:
         """Whether a bfloat16 call on a symmetric int8 weight runs the bf16 dot form (int8_dot_bf16_cpu): AVX512_BF16
@@ -174,16 +178,11 @@ def fp8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def fp8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                      bias: torch.Tensor | None, lib: Int8Library) -> torch.Tensor:
-    """x [..., K] bfloat16, taken as it is (weight-only fp8, or activations already rounded to e4m3 in bfloat16),
-    times the e4m3 weight in bfloat16 dot products (cpu_fp8_dot.c: exact products, summed in float32) ->
-    [..., N] bfloat16, rounded once."""
-    if not lib.fp8_dot:
-        raise RuntimeError(f"fp8_dot_bf16_cpu: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
-    n, k = qweight.shape[0], x.shape[-1]
+    """x [..., K] bfloat16 of a weight-only fp8 linear, taken as it is, times the e4m3 weight in bfloat16 dot
+    products (cpu_fp8_dot.c: exact products, summed in float32) -> [..., N] bfloat16, rounded once."""
+    _has_dot_form("fp8_dot_bf16_cpu", lib)
     bn, bk = _fp8_weight_checked("fp8_dot_bf16_cpu", x, qweight, scales, block, torch.bfloat16)
-    return run_over_rows("fp8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
-        x2.data_ptr(), stride, qweight.data_ptr(), 0, scales.data_ptr(), bk, bn, b, out.data_ptr(), x2.shape[0], n,
-        k, torch.get_num_threads())).to(torch.bfloat16)
+    return _dot_bf16(x, qweight, False, scales, bk, bn, bias, lib)
 
 
 def int8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -191,8 +190,7 @@ def int8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     """x [..., K] bfloat16 times a symmetric int8 weight (qweight [N, K] int8, scales [N, K // G] float32: per
     channel or groups of G) through the bf16 dot form (cpu_fp8_dot.c: an int8 value is exactly a bfloat16, so
     the products are exact and summed in float32) -> [..., N] bfloat16, rounded once."""
-    if not lib.fp8_dot:
-        raise RuntimeError(f"int8_dot_bf16_cpu: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
+    _has_dot_form("int8_dot_bf16_cpu", lib)
     n, k = qweight.shape
     if x.dtype != torch.bfloat16 or qweight.dtype != torch.int8 or scales.dtype != torch.float32 \
             or x.shape[-1] != k or scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1]:
@@ -200,10 +198,22 @@ def int8_dot_bf16_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                         f"{tuple(qweight.shape)} (int8), scales {scales.dtype} {tuple(scales.shape)} (float32 [N, G])")
     if not (qweight.is_contiguous() and scales.is_contiguous()):
         raise ValueError("int8_dot_bf16_cpu: qweight and scales contiguous")
-    group = k // scales.shape[1]
-    return run_over_rows("int8_dot", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
-        x2.data_ptr(), stride, qweight.data_ptr(), 1, scales.data_ptr(), group, 1, b, out.data_ptr(), x2.shape[0],
-        n, k, torch.get_num_threads())).to(torch.bfloat16)
+    return _dot_bf16(x, qweight, True, scales, k // scales.shape[1], 1, bias, lib)
+
+
+def _has_dot_form(where: str, lib: Int8Library) -> None:
+    if not lib.fp8_dot:
+        raise RuntimeError(f"{where}: {lib.path.name} has no bf16 form here (no AVX512_BF16, or turned off)")
+
+
+def _dot_bf16(x: torch.Tensor, qweight: torch.Tensor, int8: bool, scales: torch.Tensor, group: int, block_rows: int,
+              bias: torch.Tensor | None, lib: Int8Library) -> torch.Tensor:
+    """fp8_dot_matmul_bf16 over checked arguments: x [..., K] bfloat16 as it is, qweight [N, K] e4m3 or int8 (int8),
+    scales over blocks of block_rows x group -> [..., N] bfloat16."""
+    n, k = qweight.shape
+    return run_over_rows("dot_bf16", x, n, bias, lambda x2, stride, b, out: lib.dot_bf16(
+        x2.data_ptr(), stride, qweight.data_ptr(), int(int8), scales.data_ptr(), group, block_rows, b,
+        out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())).to(torch.bfloat16)
 
 
 def _fp8_weight_checked(where: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
