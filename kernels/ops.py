@@ -18,6 +18,7 @@ from jobrunner.kernels.matmul.cpu_int4 import (Int4Library, int4_bf16_matmul_cpu
 from jobrunner.kernels.matmul.cpu_w4a8 import W4A8Library, W4A8Weights, quantize_activations_ref, w4a8_compile_command, w4a8_library_name, w4a8_matmul_cpu, w4a8_matmul_ref, w4a8_pack, w4a8_quantize_cpu, w4a8_unpack
 from jobrunner.kernels.matmul.cpu_int8 import CPU_INT8_MAX_ROWS, Int8Library, fp8_matmul_cpu, int8_compile_command, int8_dot_bf16_cpu, int8_library_name, int8_matmul_cpu
 from jobrunner.kernels.matmul.invariant_matmul import InvariantLinear, invariant_linear
+from jobrunner.kernels.matmul.cpu_f32 import F32Library, f32_compile_command, f32_library_name, f32_matmul_cpu, pack_panels
 from jobrunner.kernels.matmul.cpu_linear import PACKED_DTYPES, PackedLinear, pack_linear, packed_error, packing_available
 from jobrunner.kernels.common.device import to_device
 from jobrunner.kernels.attention.kv_int8 import store_kv_int8
@@ -48,6 +49,8 @@ __all__ = [
     "int8_matmul_cpu", "int8_dot_bf16_cpu",
     # float32 and bfloat16 linears on the CPU over weights packed once for oneDNN
     "PACKED_DTYPES", "PackedLinear", "pack_linear", "packed_error", "packing_available",
+    # the float32 panel form of PackedLinear: its C library (engine/run/cpu_kernel_build.py builds and loads it)
+    "F32Library", "f32_compile_command", "f32_library_name", "f32_matmul_cpu", "pack_panels",
     # float linears on CUDA whose rows' sums keep one order whatever the batch (the batch-invariant mode's)
     "InvariantLinear", "invariant_linear",
     # layers

@@ -76,7 +76,7 @@ def check_model(model: nn.Module, decode_kernels) -> None:
     """ConfigError unless every linear of `model` is packed in its invariant form and the in-place attention
     kernel loads (decode_kernels: the runner's engine.run.cpu_decode.DecodeKernels)."""
     dense = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    loose = [name for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.min_rows < 2]
+    loose = [name for name, m in model.named_modules() if isinstance(m, PackedLinear) and not m.row_invariant]
     loose += [name for name, m in model.named_modules() if isinstance(m, Experts) and m.packed is None]
     if dense or loose:
         raise ConfigError(f"--deterministic: linears not packed for batch invariance: {', '.join((dense + loose)[:4])}"

@@ -14,7 +14,10 @@ linear then runs its kernel for the float32 calls the kernel takes (decode-sized
 (dequantize a slice, F.linear) otherwise. A model without such linears builds nothing; where no compiler
 works, one warning says so and those linears keep the old path.
 
-JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8, JOBRUNNER_CPU_FP8 and JOBRUNNER_CPU_W4A8: auto (the -march=native build, the default),
+The float32 panel kernel (kernels/matmul/cpu_f32.c) is not handed to linears here: packed_weights.pack_linears
+packs each float32 linear into its panels when panel_kernel() has it.
+
+JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8, JOBRUNNER_CPU_FP8, JOBRUNNER_CPU_W4A8 and JOBRUNNER_CPU_F32: auto (the -march=native build, the default),
 portable (the plain C build, no -march: its loop runs on any CPU) or off (the old path only); read when a
 model is built.
 """
@@ -32,8 +35,9 @@ from torch import nn
 from jobrunner.engine.quant.linear import Int4Linear, Int8Linear, W4A8Linear
 from jobrunner.engine.run.cpu_decode import build_library, env_mode, library_path
 from jobrunner.engine.shipped.shipped_linear import Fp8WeightLinear
-from jobrunner.kernels.ops import (Int4Library, Int8Library, W4A8Library, int4_compile_command, int4_library_name,
-                                   int8_compile_command, int8_library_name, w4a8_compile_command, w4a8_library_name)
+from jobrunner.kernels.ops import (F32Library, Int4Library, Int8Library, PackedLinear, W4A8Library, f32_compile_command,
+                                   f32_library_name, int4_compile_command, int4_library_name, int8_compile_command,
+                                   int8_library_name, w4a8_compile_command, w4a8_library_name)
 
 MODES = ("auto", "portable", "off")
 log = logging.getLogger("jobrunner")
@@ -51,6 +55,7 @@ class CpuMatmulKernel:
     weight: str                                  # that module's weight buffer (its device decides)
     float32: tuple[str, ...] = ()                # buffers the kernel reads as float32 (an exact upcast)
     takes_layout: bool = False                   # the linear repacks its buffers for the kernel: m.use_kernel(lib)
+    without: str = ""                            # what its linears do where it is missing (the warning's end)
 
 
 INT4 = CpuMatmulKernel("int4", "JOBRUNNER_CPU_INT4", int4_library_name, int4_compile_command, Int4Library,
@@ -62,6 +67,15 @@ FP8 = CpuMatmulKernel("fp8", "JOBRUNNER_CPU_FP8", int8_library_name, int8_compil
 W4A8 = CpuMatmulKernel("w4a8", "JOBRUNNER_CPU_W4A8", w4a8_library_name, w4a8_compile_command, W4A8Library,
                        W4A8Linear, "packed", takes_layout=True)
 KERNELS = (INT4, INT8, FP8, W4A8)
+# the float32 panel form of the packed linears: handed to packed_weights.pack_linears, which packs for it
+F32 = CpuMatmulKernel("f32", "JOBRUNNER_CPU_F32", f32_library_name, f32_compile_command, F32Library, PackedLinear,
+                      "weight", without="float32 linears keep oneDNN's packed weights (slower at decode sizes)")
+
+
+def panel_kernel() -> F32Library | None:
+    """The float32 panel kernel where its switch allows it and the build runs it (AVX-512), else None."""
+    lib = kernel_library(F32)
+    return lib if lib is not None and lib.isa != "none" else None
 
 
 def kernel_mode(kernel: CpuMatmulKernel) -> str:
@@ -86,8 +100,9 @@ def _loaded(kernel: CpuMatmulKernel, variant: str, cache: str):
     try:
         return kernel.load(ensure_kernel_library(kernel, variant))
     except Exception as e:   # noqa: BLE001 - no compiler, a compile error, a library this OS can't load
-        log.warning("the CPU %s matmul is not available (%s); %s linears convert a slice of their weight to "
-                    "float at every call instead (slower, same results)", kernel.name, e, kernel.name)
+        log.warning("the CPU %s matmul is not available (%s); %s", kernel.name, e, kernel.without or
+                    f"{kernel.name} linears convert a slice of their weight to float at every call instead (slower, "
+                    "same results)")
         return None
 
 

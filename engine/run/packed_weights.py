@@ -19,14 +19,15 @@ from jobrunner.kernels.ops import PACKED_DTYPES, pack_linear, packing_available
 log = logging.getLogger("engine")
 
 
-def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
+def pack_linears(model: nn.Module, batch_invariant: bool = False, panel_kernel=None) -> int | None:
     """Replaces model's float32 and bfloat16 nn.Linear modules by packed ones in place, one at a time
     (the dense weight is freed as its packed one arrives: no second copy of the model at load).
     Returns the bytes added (the tied head's copy), or None when nothing was packed: no oneDNN, or
     the first packing failed its check (then the model is left as it was). batch_invariant: each packed in
     its batch-invariant form (kernels/matmul/cpu_linear.py), each shape checked for it; a failure leaves
     linears unpacked (engine/run/batch_invariance.check_model refuses the model then); a mixture of
-    experts' float experts are packed too then, each expert's two projections (pack_experts)."""
+    experts' float experts are packed too then, each expert's two projections (pack_experts). panel_kernel:
+    cpu_f32's library (engine/run/cpu_kernel_build.panel_kernel), for float32 linears' panel form."""
     if not packing_available():
         log.info("engine: this torch has no oneDNN; linears run on F.linear")
         return None
@@ -38,7 +39,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> int | None:
     for name in names:
         m = model.get_submodule(name)
         try:
-            p = _pack_checked(m, checked, batch_invariant)
+            p = _pack_checked(m, checked, batch_invariant, panel_kernel)
         except (RuntimeError, ValueError) as e:
             log.warning("engine: packing %s failed (%s); %s on F.linear", name, e,
                         "every linear runs" if not packed else "it runs")
@@ -68,10 +69,11 @@ def pack_experts(model: nn.Module, checked: set) -> None:
                 log.warning("engine: packing the experts of %s failed (%s)", name, e)
 
 
-def _pack_checked(linear: nn.Linear, checked: set, batch_invariant: bool):
+def _pack_checked(linear: nn.Linear, checked: set, batch_invariant: bool, panel_kernel=None):
     """pack_linear, its check run once per shape (`checked` collects them): checking every linear cost the
     default model ~0.25 s of load."""
     shape = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None)
-    packed = pack_linear(linear, check=shape not in checked, batch_invariant=batch_invariant)
+    packed = pack_linear(linear, check=shape not in checked, batch_invariant=batch_invariant,
+                         panel_kernel=panel_kernel)
     checked.add(shape)
     return packed

@@ -26,7 +26,7 @@ from jobrunner.engine.run.model_runner import ModelRunner
 from jobrunner.engine.run.cpu_decode import DecodeKernels
 from jobrunner.engine.run.packed_weights import pack_linears
 from jobrunner.engine.run import batch_invariance
-from jobrunner.engine.run.cpu_kernel_build import attach_cpu_kernels
+from jobrunner.engine.run.cpu_kernel_build import attach_cpu_kernels, panel_kernel
 from jobrunner.engine.parallel.group import SINGLE, TensorParallel, building
 from jobrunner.engine.parallel.launch import Followers
 from jobrunner.engine.parallel.shards import check_split
@@ -188,7 +188,7 @@ def _build_shard(config: EngineConfig, bundle, device, dtype, kv_dtype, tp: Tens
             quantize_model(model, config.quantization, bundle, layers_done=model.quantized_as_loaded)
     weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     if config.packed_weights and device.type == "cpu":     # after quantizing: the float nn.Linear left
-        added = pack_linears(model, batch_invariant=config.batch_invariant)
+        added = pack_linears(model, batch_invariant=config.batch_invariant, panel_kernel=panel_kernel())
         model.packed_weights = added is not None
         weight_bytes += added or 0
     if config.batch_invariant:                             # read by the runner and EngineInfo

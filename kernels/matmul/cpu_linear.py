@@ -27,6 +27,8 @@ import functools
 import torch
 from torch import nn
 
+from jobrunner.kernels.matmul.cpu_f32 import f32_matmul_cpu, pack_panels, pad_bias
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -62,16 +64,33 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a weight in oneDNN's layout (PACKED_DTYPES); in/out_features as nn.Linear's."""
+    """nn.Linear's forward over a weight packed once; in/out_features as nn.Linear's. Two forms: oneDNN's
+    layout (PACKED_DTYPES), or, for float32 where `panel_kernel` (a cpu_f32.F32Library) is given, the panels of
+    cpu_f32.c's kernel, faster at decode sizes (cpu_f32.py). Either replaces the dense weight."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64, min_rows: int = 1):
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64, min_rows: int = 1, panel_kernel=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.min_rows = min_rows            # 2: batch-invariant (a lone row runs as two; module docstring)
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.panel_kernel = panel_kernel if linear.weight.dtype == torch.float32 else None
+        # 2: batch-invariant in oneDNN's form (a lone row runs as two; module docstring); the panel form is
+        # invariant at one row
+        self.min_rows = 1 if self.panel_kernel is not None else min_rows
+        if self.panel_kernel is not None:
+            self.register_buffer("weight", pack_panels(linear.weight))
+            self.bias = pad_bias(linear.bias, self.weight)
+        else:
+            self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                                                    batch_hint))
+            self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's product has the same bits at any rows a call (the batch-invariant mode's need)."""
+        return self.panel_kernel is not None or self.min_rows >= 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel_kernel is not None:
+            return f32_matmul_cpu(x, self.weight, self.bias, self.out_features, self.panel_kernel)
         if x.dim() == 2 and x.shape[0] < self.min_rows:
             x2 = x.expand(self.min_rows, -1) if x.shape[0] == 1 else x.new_zeros(self.min_rows, x.shape[1])
             return self._linear(x2.contiguous())[:x.shape[0]]
@@ -81,15 +100,17 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        form = "panels" if self.panel_kernel is not None else "packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
 
 
-def pack_linear(linear: nn.Linear, batch_hint: int = 64, check: bool = True, batch_invariant: bool = False
-                ) -> PackedLinear:
-    """linear packed; with `check`, ValueError when the packed product strays from F.linear's (a broken
-    build: one check per shape and dtype finds it, the kernel being the same), and, batch_invariant, when
-    a row's product depends on the rows beside it (check_row_invariant)."""
-    packed = PackedLinear(linear, batch_hint, min_rows=2 if batch_invariant else 1)
+def pack_linear(linear: nn.Linear, batch_hint: int = 64, check: bool = True, batch_invariant: bool = False,
+                panel_kernel=None) -> PackedLinear:
+    """linear packed (panel_kernel: the float32 panel form's library, or None: oneDNN's); with `check`, ValueError when
+    the packed product strays from F.linear's (a broken build: one check per shape and dtype finds it, the
+    kernel being the same), and, batch_invariant, when a row's product depends on the rows beside it
+    (check_row_invariant)."""
+    packed = PackedLinear(linear, batch_hint, min_rows=2 if batch_invariant else 1, panel_kernel=panel_kernel)
     if not check:
         return packed
     if batch_invariant:
