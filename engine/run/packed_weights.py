@@ -50,7 +50,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False, panel_kernel=N
         setattr(model.get_submodule(parent), attr, p)
         packed += 1
         if m is head and tied:
-            added += p.in_features * p.out_features * embed.weight.element_size()
+            added += p.weight.numel() * p.weight.element_size()       # panels: padded to whole panels
     if packed and batch_invariant:
         pack_experts(model, checked)
     return added if packed else None

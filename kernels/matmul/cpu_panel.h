@@ -58,12 +58,10 @@ static inline __attribute__((always_inline)) void load_transposed(const uint8_t 
 
 /* out[0 .. mr, 0 .. 32] (+)= X[r][k] P[k][c] over kn k-values (X: the rows' first k of the panel, row stride ldx;
    out row stride ldo). first: start from zero, else from out. The last panel of k passes scale (32 columns'
-   factors, or NULL) and bias (or NULL): out = acc * scale + bias. ahead: where to prefetch kn k-values of weights
-   from (or NULL). mr a constant after inlining. */
+   factors, or NULL) and bias (or NULL): out = acc * scale + bias. mr a constant after inlining. */
 static inline __attribute__((always_inline)) void panel_micro(const float *X, int64_t ldx, const float *P,
                                                               float *out, int64_t ldo, const int mr, int kn,
-                                                              int first, const float *scale, const float *bias,
-                                                              const float *ahead) {
+                                                              int first, const float *scale, const float *bias) {
     __m512 acc[PR][2];
     _Pragma("GCC unroll 12")
     for (int r = 0; r < mr; r++) {
@@ -72,10 +70,6 @@ static inline __attribute__((always_inline)) void panel_micro(const float *X, in
     }
     for (int k = 0; k < kn; k++) {
         const __m512 w0 = _mm512_load_ps(P + (size_t)k * PW), w1 = _mm512_load_ps(P + (size_t)k * PW + 16);
-        if (ahead) {    /* a panel read in place (cpu_f32.c): its next k-values into L2 while this block runs */
-            _mm_prefetch((const char *)(ahead + (size_t)k * PW), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + (size_t)k * PW + 16), _MM_HINT_T1);
-        }
         _Pragma("GCC unroll 12")
         for (int r = 0; r < mr; r++) {
             const __m512 xb = _mm512_set1_ps(X[(size_t)r * ldx + k]);
@@ -96,9 +90,9 @@ static inline __attribute__((always_inline)) void panel_micro(const float *X, in
 }
 
 /* M rows over the panel P in ceil(M / PR) blocks of near-equal size: panel_micro's arguments, X and out at
-   row 0 (the first block prefetches `ahead`). A row's sum does not depend on its block. */
+   row 0. A row's sum does not depend on its block. */
 static inline void panel_rows(const float *X, int64_t ldx, const float *P, float *out, int64_t ldo, int M, int kn,
-                              int first, const float *scale, const float *bias, const float *ahead) {
+                              int first, const float *scale, const float *bias) {
     const int tiles = (M + PR - 1) / PR;
     for (int t = 0, m = 0; t < tiles; t++) {
         const int mr = (M - m) / (tiles - t);    /* balanced: 16 rows run as 8 + 8, not 12 + 4 */
@@ -106,18 +100,18 @@ static inline void panel_rows(const float *X, int64_t ldx, const float *P, float
         float *o = out + (size_t)m * ldo;
         m += mr;
         switch (mr) {
-        case 12: panel_micro(x, ldx, P, o, ldo, 12, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 11: panel_micro(x, ldx, P, o, ldo, 11, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 10: panel_micro(x, ldx, P, o, ldo, 10, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 9: panel_micro(x, ldx, P, o, ldo, 9, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 8: panel_micro(x, ldx, P, o, ldo, 8, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 7: panel_micro(x, ldx, P, o, ldo, 7, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 6: panel_micro(x, ldx, P, o, ldo, 6, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 5: panel_micro(x, ldx, P, o, ldo, 5, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 4: panel_micro(x, ldx, P, o, ldo, 4, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 3: panel_micro(x, ldx, P, o, ldo, 3, kn, first, scale, bias, t ? NULL : ahead); break;
-        case 2: panel_micro(x, ldx, P, o, ldo, 2, kn, first, scale, bias, t ? NULL : ahead); break;
-        default: panel_micro(x, ldx, P, o, ldo, 1, kn, first, scale, bias, t ? NULL : ahead); break;
+        case 12: panel_micro(x, ldx, P, o, ldo, 12, kn, first, scale, bias); break;
+        case 11: panel_micro(x, ldx, P, o, ldo, 11, kn, first, scale, bias); break;
+        case 10: panel_micro(x, ldx, P, o, ldo, 10, kn, first, scale, bias); break;
+        case 9: panel_micro(x, ldx, P, o, ldo, 9, kn, first, scale, bias); break;
+        case 8: panel_micro(x, ldx, P, o, ldo, 8, kn, first, scale, bias); break;
+        case 7: panel_micro(x, ldx, P, o, ldo, 7, kn, first, scale, bias); break;
+        case 6: panel_micro(x, ldx, P, o, ldo, 6, kn, first, scale, bias); break;
+        case 5: panel_micro(x, ldx, P, o, ldo, 5, kn, first, scale, bias); break;
+        case 4: panel_micro(x, ldx, P, o, ldo, 4, kn, first, scale, bias); break;
+        case 3: panel_micro(x, ldx, P, o, ldo, 3, kn, first, scale, bias); break;
+        case 2: panel_micro(x, ldx, P, o, ldo, 2, kn, first, scale, bias); break;
+        default: panel_micro(x, ldx, P, o, ldo, 1, kn, first, scale, bias); break;
         }
     }
 }
@@ -156,7 +150,7 @@ static void panel_columns(const PanelJob *j, int m0, int M, int n0, int n1, floa
                 const int kn = c1 - k0 < j->kb ? c1 - k0 : j->kb, last = final && k0 + j->kb >= c1;
                 j->decode(j->kernel, n, k0, P);
                 panel_rows(A + (k0 - c0), lda, P, C, PW, M, kn, k0 == 0, last && scaled ? scale : NULL,
-                           last && j->bias ? j->bias + n : NULL, NULL);
+                           last && j->bias ? j->bias + n : NULL);
             }
             for (int m = 0; m < M; m++) memcpy(out + (size_t)m * j->N + n, C + (size_t)m * PW, PW * 4);
         }
@@ -165,7 +159,7 @@ static void panel_columns(const PanelJob *j, int m0, int M, int n0, int n1, floa
 
 /* The job over `threads` threads: each a run of whole panels, over slabs of SLAB rows; the last thread also runs
    the columns past the last whole panel through the tile loop. Without memory for A and C, the tile loop. */
-static __attribute__((unused)) void panel_run(const PanelJob *j, int threads) {
+static void panel_run(const PanelJob *j, int threads) {
     const int whole = j->N / PW, rows = j->M < SLAB ? j->M : SLAB;
     const int kc = panel_chunk(rows, j->kb);
     if (threads < 1) threads = 1;
