@@ -41,6 +41,7 @@ SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num
 # label -> our options (on the bfloat16 checkpoint unless the label names a GGUF file)
 OURS = {
     "float32": ["--dtype", "float32"],
+    "float32-onednn": ["--dtype", "float32"],      # float32 linears on oneDNN, not the panel kernel (ENV)
     "bfloat16": ["--dtype", "bfloat16"],
     "int8": ["--quantization", "int8"],
     "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16"],    # int8 values times bfloat16 activations
@@ -51,6 +52,7 @@ OURS = {
     "int4-Q4_0": ["--quantization", "int4"],
     "w4a8-Q4_0": ["--quantization", "w4a8"],
 }
+ENV = {"float32-onednn": {"JOBRUNNER_CPU_F32": "off"}}      # label -> environment its run adds
 LLAMACPP = ("F16", "Q8_0", "Q4_0")
 SYSTEMS = (*OURS, "transformers", *(f"llama.cpp-{q}" for q in LLAMACPP))
 LLAMA_FTYPE = {"Q8_0": 7, "Q4_0": 2}           # llama.h's LLAMA_FTYPE_MOSTLY_*
@@ -138,7 +140,7 @@ def run_one(system: str, w: W.Workload, data: Path, work: Path, ckpt: Path, gguf
             return {"system": system, "skipped": "no Q4_0 file (needs --llamacpp-python)"}
         job = ["--max-tokens", str(new), "--ignore-eos"] if new else ["--kind", "classify", "--labels", ",".join(w.labels)]
         return run_jobrunner(data, work / slug, ["-m", str(model), "--no-chat", *job, *OURS[system]], system=system,
-                             timeout=a.timeout)
+                             timeout=a.timeout, env=ENV.get(system))
     if system == "transformers":
         return run_transformers(data, ckpt, work / f"{slug}.json", new_tokens=new or 1, batch=w.num_rows,
                                 labels=() if new else w.labels, timeout=a.timeout)
