@@ -22,23 +22,10 @@ import time
 
 import torch
 
-from benchmarks.cpu_int4_bench import cpu_line
+from benchmarks.cpu_int4_bench import _median_s, cpu_line
 
 SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152),  # (K, N)
           "1B qkv": (2048, 3072), "1B gate_up": (2048, 16384), "1B down": (8192, 2048)}
-
-
-def _median_s(fns: dict, calls: int, repeats: int) -> dict:
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):                     # interleaved: load on the machine hits both alike
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t) / calls)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def kernel_part(ms: list[int], shapes: list[str], layers: int, repeats: int) -> None:

@@ -52,10 +52,13 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float -> [ceil(N / 32), K, 32] float32 panels (columns past N zero), 64-byte aligned as
     the kernel's aligned loads need (torch's CPU allocator aligns to 64)."""
     n, k = weight.shape
-    count = -(-n // PANEL_COLUMNS)
-    padded = torch.zeros(count * PANEL_COLUMNS, k, dtype=torch.float32)
-    padded[:n] = weight.detach()
-    panels = padded.view(count, PANEL_COLUMNS, k).transpose(1, 2).contiguous()
+    count, whole = -(-n // PANEL_COLUMNS), n // PANEL_COLUMNS
+    w = weight.detach()
+    panels = torch.empty(count, k, PANEL_COLUMNS, dtype=torch.float32)     # the one allocation (load's peak)
+    panels[:whole].copy_(w[:whole * PANEL_COLUMNS].view(whole, PANEL_COLUMNS, k).transpose(1, 2))
+    if whole < count:
+        panels[whole].zero_()
+        panels[whole, :, :n - whole * PANEL_COLUMNS].copy_(w[whole * PANEL_COLUMNS:].T)
     if panels.data_ptr() % 64:
         raise ValueError("pack_panels: torch's allocator returned memory not aligned to 64 bytes")
     return panels
