@@ -3,20 +3,19 @@
        out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])
 
    x        [M, K] float32 rows (row stride ldx)
-   panels   [ceil(N / 32)][K][32] float32: W's columns in panels of 32, zero past N (f32_pack_panels in Python)
+   panels   [ceil(N / 32)][K][32] float32: W's columns in panels of 32, zero past N (cpu_f32.pack_panels)
    bias     [ceil(N / 32) * 32] float32 (zero past N), or NULL
    out      [M, N] float32
 
    Threads split the panels; each streams its own once a call at any row count: a strip of up to 256 rows in
    blocks of up to 12, each block's sums in registers over a panel's k (columns() has the loops). At decode sizes
-   oneDNN's float32 reads its packed weight well below the memory's rate: at 1 to 16 rows this ran 1.2-2.6x
-   oneDNN's speed on the default model's and a 1B model's shapes, 1.0-1.3x at 64, 0.93-1.01x from 512 (AMD
-   EPYC Zen 4, 2 threads; RESULTS.md).
+   oneDNN's float32 reads its packed weight well below the memory's rate: this ran 1.3-1.7x oneDNN's speed at
+   one row, 1.0-1.4x at 4 to 16, 1.0-1.3x at 64 and 0.93-1.04x from 256 on the default model's and a 1B model's
+   shapes (AMD EPYC Zen 4, 2 threads; RESULTS.md).
 
    Each out[m, n] is one FMA chain over k in order from zero: its bits do not depend on the rows beside it,
    the row blocks, the chunks of k or the threads (the batch-invariant property, at one row too). AVX-512
    only: f32_kernel_isa() is 0 elsewhere and f32_matmul returns -3 (the caller keeps oneDNN). */
-#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
@@ -28,7 +27,7 @@
 #define PW 32                    /* columns a panel: two zmm */
 #define MR 12                    /* rows a micro-tile at most: 24 accumulators */
 #define STRIP 256                /* rows a pass over the weight (2,048 rows as one pass ran at 0.75x oneDNN) */
-#define A_BYTES (2 * 1024 * 1024)    /* x's chunk a thread copies: a strip's rows, as many k as fit (1 MB: 0.9x) */
+#define A_BYTES (2 * 1024 * 1024)    /* x's chunk a pass takes: a strip's rows, as many k as fit (1 MB: 0.9x) */
 
 /* C[0 .. mr, 0 .. 32] (+)= X[r][k] P[k][c] over kn k-values (X's rows ldx apart). first: from zero, else from C;
    bias (or NULL) added at the end. ahead: the first of `count` k-rows of another panel, `step` floats apart,
