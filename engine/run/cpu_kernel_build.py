@@ -18,8 +18,8 @@ The float32 panel kernel (kernels/matmul/cpu_f32.c) is not handed to linears her
 packs each float32 linear into its panels when panel_kernel() has it.
 
 JOBRUNNER_CPU_INT4, JOBRUNNER_CPU_INT8, JOBRUNNER_CPU_FP8, JOBRUNNER_CPU_W4A8 and JOBRUNNER_CPU_F32: auto (the -march=native build, the default),
-portable (the plain C build, no -march: its loop runs on any CPU) or off (the old path only); read when a
-model is built.
+portable (the plain C build, no -march: its loop runs on any CPU; f32 has none, so oneDNN) or off (the old
+path only); read when a model is built.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """A float32 matmul on CPU over a weight packed once into panels of 32 columns (cpu_f32.c beside this file).
 
-oneDNN's float32 over its own packed weight (cpu_linear.py) reads the weight at 60-80% of the memory's rate at
-decode sizes on a 2-core AVX-512 EPYC: at 1 to 16 rows it ran 1.1-2.5x slower than this kernel, which streams
-each thread's panels once a call (threads split N) and runs every block of rows over 128 k of a panel while it
-is in L1 (RESULTS.md: `python -m benchmarks.cpu_linear --f32-panels`). The weight is packed once at load and
-replaces oneDNN's copy (PackedLinear's panel form), so the model costs no more memory.
+oneDNN's float32 over its own packed weight (cpu_linear.py) reads the weight well below the memory's rate at
+decode sizes. This kernel streams each thread's panels once a call (threads split N) while blocks of up to 12
+rows keep their sums in registers over a panel's k: on a 2-core AVX-512 EPYC 1.3-1.7x oneDNN's speed at one
+row, 1.0-1.4x at 4 to 16, 0.93-1.04x from 256 (RESULTS.md: `python -m benchmarks.cpu_f32_bench`). The weight
+is packed once at load and replaces oneDNN's copy (PackedLinear's panel form), so the model costs no more
+memory.
 
 Sum order: each out[m, n] is one float32 FMA chain over k in order, so a row's bits do not depend on the rows
 beside it or the threads (batch-invariant at one row too, without oneDNN's two-row workaround), and differ
