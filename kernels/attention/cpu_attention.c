@@ -64,6 +64,20 @@ static inline uint16_t to_bf16(float f) {          /* round to nearest even; NaN
 static inline float from_f16(_Float16 x) { return (float)x; }
 static inline _Float16 to_f16(float x) { return (_Float16)x; }
 
+/* The item loop's inner calls (qk, pv), inlined: gcc kept them out of line, and the calls cost 5-8%. */
+#define INNER __attribute__((always_inline)) static inline
+
+/* Prefetching. A block is a few KB at a random place in the pool: too short for the hardware prefetcher to
+   find its stream before it ends. So while a block is computed, the next one is asked for (into L2), a few
+   lines between computations: share j of n asks for the block's lines [j * lines / n, (j + 1) * lines / n).
+   (Asked for in bursts of a row or more, the V pass read 1.2-1.3x slower: the requests queue or are dropped.)
+   After an item's last K block comes its first V block, after its last V block the thread's next item's
+   first K block. */
+static inline void prefetch_share(const char *block, int j, int n, int lines) {
+    if (!block) return;
+    for (int l = j * lines / n; l < (j + 1) * lines / n; l++) __builtin_prefetch(block + 64 * (size_t)l, 0, 2);
+}
+
 /* The two inner loops, per KV head: qk (pass 1's scores) and pv (pass 2's weighted sum of V). Written with
    AVX-512 intrinsics where the compiler targets them; portable loops elsewhere. (An omp simd reduction left
    gcc summing a dot product's lanes one by one through the stack: most of pass 1's time.) */
@@ -83,34 +97,55 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
-/* s[g * sstride] = q[g] . k for the G query heads of one KV head and one key row k (the cache's type, read
-   and widened once for four heads). q: the queries scaled, in float32; qt, scale: the queries as given and
-   the scale, for the variant that multiplies in the cache's type (bfloat16 below). */
+/* s[g * sstride + t] = q[g] . k[t * row] for the G query heads of one KV head over n consecutive key rows k:
+   four keys at a time, so each query vector is loaded once for four keys and one reduce4 sums a head's four
+   dot products into four adjacent scores. Each product's own sum (its FMAs in order of d, then reduce4's tree,
+   the same for each of the four inputs) does not depend on the grouping. q: the queries scaled, in float32;
+   qt, scale: the queries as given and the scale, for the variant that multiplies in the cache's type
+   (bfloat16 below). */
 #define DEFINE_QK(SUFFIX, T)                                                                                  \
-static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, \
-                                int G, int D) {                                                               \
+INNER void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, int row, \
+                       int n, int G, int D) {                                                                 \
     (void)qt; (void)scale;                                                                                    \
-    for (int g0 = 0; g0 < G; g0 += 4) {                                                                       \
-        const int gn = G - g0 < 4 ? G - g0 : 4;                                                               \
-        const float *q0 = q + (size_t)g0 * D;                                                                 \
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};   \
-        for (int d = 0; d < D; d += 16) {                                                                     \
-            const __mmask16 m = D - d >= 16 ? 0xffff : (__mmask16)((1u << (D - d)) - 1);                      \
-            const __m512 kv = vload_##SUFFIX(k + d, m);                                                       \
+    for (int t0 = 0; t0 < n; t0 += 4) {                                                                       \
+        const int tn = n - t0 < 4 ? n - t0 : 4;                                                               \
+        const T *k0 = k + (size_t)t0 * row;                                                                   \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                                   \
+            const int gn = G - g0 < 4 ? G - g0 : 4;                                                           \
+            const float *q0 = q + (size_t)g0 * D;                                                             \
+            __m512 a[4][4];                                                                                   \
             _Pragma("GCC unroll 4")                                                                           \
             for (int g = 0; g < 4; g++)                                                                       \
-                if (g < gn) a[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + (size_t)g * D + d), kv, a[g]); \
+                _Pragma("GCC unroll 4")                                                                       \
+                for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();                                    \
+            for (int d = 0; d < D; d += 16) {                                                                 \
+                const __mmask16 m = D - d >= 16 ? 0xffff : (__mmask16)((1u << (D - d)) - 1);                  \
+                __m512 kv[4];                                                                                 \
+                _Pragma("GCC unroll 4")                                                                       \
+                for (int j = 0; j < 4; j++)                                                                   \
+                    kv[j] = j < tn ? vload_##SUFFIX(k0 + (size_t)j * row + d, m) : _mm512_setzero_ps();       \
+                _Pragma("GCC unroll 4")                                                                       \
+                for (int g = 0; g < 4; g++) {                                                                 \
+                    if (g >= gn) break;                                                                       \
+                    const __m512 qv = _mm512_maskz_loadu_ps(m, q0 + (size_t)g * D + d);                       \
+                    _Pragma("GCC unroll 4")                                                                   \
+                    for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(qv, kv[j], a[g][j]);                \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 4")                                                                           \
+            for (int g = 0; g < 4; g++)                                                                       \
+                if (g < gn)                                                                                   \
+                    _mm_mask_storeu_ps(s + (size_t)(g0 + g) * sstride + t0, (__mmask8)((1u << tn) - 1),       \
+                                       reduce4(a[g][0], a[g][1], a[g][2], a[g][3]));                          \
         }                                                                                                     \
-        float r[4];                                                                                           \
-        _mm_storeu_ps(r, reduce4(a[0], a[1], a[2], a[3]));                                                    \
-        for (int g = 0; g < gn; g++) s[(size_t)(g0 + g) * sstride] = r[g];                                   \
     }                                                                                                         \
 }
 /* acc[g, :] += sum_t p[g * pstride + t] * v[t * row + :] for the G query heads of one KV head over n keys:
    the accumulators stay in registers for the whole run (through memory, each key's update waited on the
    last one's store: most of pass 2's time). 4 heads x 64 dims at a time: 16 of the 32 zmm registers. */
 #define DEFINE_PV(SUFFIX, T)                                                                                  \
-static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T *v, int row, int n, int G, int D) { \
+INNER void pv_##SUFFIX(float *acc, const float *p, int pstride, const T *v, int row, int n, int G, int D,   \
+                       const char *ahead, int share0, int shares, int lines) {                                \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                       \
         const int gn = G - g0 < 4 ? G - g0 : 4;                                                               \
         for (int d0 = 0; d0 < D; d0 += 64) {                                                                  \
@@ -129,6 +164,7 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
                                      : _mm512_setzero_ps();                                                   \
             for (int t = 0; t < n; t++) {                                                                     \
                 const T *vr = v + (size_t)t * row + d0;                                                       \
+                if (g0 == 0 && d0 == 0) prefetch_share(ahead, share0 + t, shares, lines);                     \
                 __m512 x[4];                                                                                  \
                 _Pragma("GCC unroll 4")                                                                       \
                 for (int c = 0; c < 4; c++) x[c] = vload_##SUFFIX(vr + 16 * c, m[c]);                         \
@@ -151,29 +187,35 @@ static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T 
 }
 #else
 #define DEFINE_QK(SUFFIX, T)                                                                                  \
-static inline void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, \
-                                int G, int D) {                                                               \
+INNER void qk_##SUFFIX(float *s, int sstride, const float *q, const T *qt, float scale, const T *k, int row, \
+                       int n, int G, int D) {                                                                 \
     (void)qt; (void)scale;                                                                                    \
-    for (int g = 0; g < G; g++) {                                                                             \
-        const float *qg = q + (size_t)g * D;                                                                  \
-        float lanes[8] = {0};                                                                                 \
-        int d = 0;                                                                                            \
-        for (; d + 8 <= D; d += 8)                                                                            \
-            for (int j = 0; j < 8; j++) lanes[j] += qg[d + j] * from_##SUFFIX(k[d + j]);                      \
-        float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])); \
-        for (; d < D; d++) sum += qg[d] * from_##SUFFIX(k[d]);                                                \
-        s[(size_t)g * sstride] = sum;                                                                         \
-    }                                                                                                         \
+    for (int t = 0; t < n; t++)                                                                               \
+        for (int g = 0; g < G; g++) {                                                                         \
+            const float *qg = q + (size_t)g * D;                                                              \
+            const T *kt = k + (size_t)t * row;                                                                \
+            float lanes[8] = {0};                                                                             \
+            int d = 0;                                                                                        \
+            for (; d + 8 <= D; d += 8)                                                                        \
+                for (int j = 0; j < 8; j++) lanes[j] += qg[d + j] * from_##SUFFIX(kt[d + j]);                 \
+            float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))                                       \
+                      + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));                                      \
+            for (; d < D; d++) sum += qg[d] * from_##SUFFIX(kt[d]);                                           \
+            s[(size_t)g * sstride + t] = sum;                                                                 \
+        }                                                                                                     \
 }
 #define DEFINE_PV(SUFFIX, T)                                                                                  \
-static inline void pv_##SUFFIX(float *acc, const float *p, int pstride, const T *v, int row, int n, int G, int D) { \
-    for (int t = 0; t < n; t++)                                                                               \
+INNER void pv_##SUFFIX(float *acc, const float *p, int pstride, const T *v, int row, int n, int G, int D,   \
+                       const char *ahead, int share0, int shares, int lines) {                                \
+    for (int t = 0; t < n; t++) {                                                                             \
+        prefetch_share(ahead, share0 + t, shares, lines);                                                     \
         for (int g = 0; g < G; g++) {                                                                         \
             const float pg = p[(size_t)g * pstride + t];                                                      \
             float *ag = acc + (size_t)g * D;                                                                  \
             _Pragma("omp simd")                                                                               \
             for (int d = 0; d < D; d++) ag[d] += pg * from_##SUFFIX(v[(size_t)t * row + d]);                  \
         }                                                                                                     \
+    }                                                                                                         \
 }
 #endif
 DEFINE_QK(f32, float)
@@ -182,24 +224,42 @@ DEFINE_QK(f16, _Float16)
 /* bfloat16 on AVX512_BF16: vdpbf16ps multiplies the queries and keys as given (each product exact in float32)
    and sums them in float32, 32 values an instruction, with no widening: pass 1 was mostly widening. The
    scale multiplies the sum, as torch's own bfloat16 attention scales its scores. */
-static inline void qk_bf16(float *s, int sstride, const float *q, const uint16_t *qt, float scale,
-                           const uint16_t *k, int G, int D) {
+INNER void qk_bf16(float *s, int sstride, const float *q, const uint16_t *qt, float scale, const uint16_t *k,
+                   int row, int n, int G, int D) {
     (void)q;
-    for (int g0 = 0; g0 < G; g0 += 4) {
-        const int gn = G - g0 < 4 ? G - g0 : 4;
-        const uint16_t *q0 = qt + (size_t)g0 * D;
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int d = 0; d < D; d += 32) {
-            const __mmask32 m = D - d >= 32 ? 0xffffffffu : (__mmask32)((1u << (D - d)) - 1);
-            const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, k + d);
+    for (int t0 = 0; t0 < n; t0 += 4) {
+        const int tn = n - t0 < 4 ? n - t0 : 4;
+        const uint16_t *k0 = k + (size_t)t0 * row;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int gn = G - g0 < 4 ? G - g0 : 4;
+            const uint16_t *q0 = qt + (size_t)g0 * D;
+            __m512 a[4][4];
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 32) {
+                const __mmask32 m = D - d >= 32 ? 0xffffffffu : (__mmask32)((1u << (D - d)) - 1);
+                __m512bh kv[4];
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++)
+                    kv[j] = (__m512bh)(j < tn ? _mm512_maskz_loadu_epi16(m, k0 + (size_t)j * row + d)
+                                              : _mm512_setzero_si512());
+#pragma GCC unroll 4
+                for (int g = 0; g < 4; g++) {
+                    if (g >= gn) break;
+                    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + (size_t)g * D + d);
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], qv, kv[j]);
+                }
+            }
+            const __m128 sc = _mm_set1_ps(scale);
 #pragma GCC unroll 4
             for (int g = 0; g < 4; g++)
                 if (g < gn)
-                    a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + (size_t)g * D + d), kv);
+                    _mm_mask_storeu_ps(s + (size_t)(g0 + g) * sstride + t0, (__mmask8)((1u << tn) - 1),
+                                       _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc));
         }
-        float r[4];
-        _mm_storeu_ps(r, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
-        for (int g = 0; g < gn; g++) s[(size_t)(g0 + g) * sstride] = r[g];
     }
 }
 #else
@@ -208,17 +268,6 @@ DEFINE_QK(bf16, uint16_t)
 DEFINE_PV(f32, float)
 DEFINE_PV(bf16, uint16_t)
 DEFINE_PV(f16, _Float16)
-
-/* Prefetching. A block is a few KB at a random place in the pool: too short for the hardware prefetcher to
-   find its stream before it ends. So while a block is computed, the next one is asked for (into L2), its BS
-   rows spread over this block's n keys (key j of n asks for rows [j*BS/n, (j+1)*BS/n)): the whole block,
-   whatever either block's share of keys. After an item's last K block comes its first V block, after its
-   last V block the thread's next item's first K block. */
-static inline void prefetch_rows(const char *block, int j, int n, int BS, int row_bytes) {
-    if (!block) return;
-    const char *lo = block + (size_t)(j * BS / n) * row_bytes, *hi = block + (size_t)((j + 1) * BS / n) * row_bytes;
-    for (const char *p = lo; p < hi; p += 64) __builtin_prefetch(p, 0, 2);
-}
 
 typedef struct { int b, start, stop; } Item;   /* keys [start, stop) of sequence b */
 
@@ -300,7 +349,7 @@ static inline const char *block_of(const Work *w, const void *cache, const Item 
 static void item_##SUFFIX(const Work *w, int it, const Item *next, float *qf, float *scores) {               \
     const Item *x = &w->items[it];                                                                            \
     const int Hq = w->Hq, G = w->G, D = w->D, BS = w->BS, row = w->row, split = w->split;                     \
-    const int len = x->stop - x->start, row_bytes = row * (int)sizeof(T);                                     \
+    const int len = x->stop - x->start, lines = (BS * row * (int)sizeof(T) + 63) / 64;                        \
     float *m = w->part + (size_t)it * Hq * (D + 2), *l = m + Hq, *acc = l + Hq;                               \
     const T *q = (const T *)w->q + (size_t)x->b * Hq * D;                                                     \
     for (int i = 0; i < Hq * D; i++) qf[i] = from_##SUFFIX(q[i]) * w->scale;                                  \
@@ -316,17 +365,20 @@ static void item_##SUFFIX(const Work *w, int it, const Item *next, float *qf, fl
                               : next ? block_of(w, w->k, next, next->start, sizeof(T)) : NULL;                \
             const int i0 = blk * BS + t0 - x->start;                                                          \
             if (pass == 0) {                                                                                  \
-                for (int t = t0; t < t1; t++) {                                                               \
-                    prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);                                     \
-                    for (int kh = 0; kh < w->Hk; kh++)                                                        \
+                for (int t = t0; t < t1; t += 4) {                                                            \
+                    const int n = t1 - t < 4 ? t1 - t : 4;                                                    \
+                    for (int kh = 0; kh < w->Hk; kh++) {                                                      \
+                        prefetch_share(ahead, (t - t0) / 4 * w->Hk + kh, (t1 - t0 + 3) / 4 * w->Hk, lines);   \
                         qk_##SUFFIX(scores + (size_t)kh * G * split + i0 + t - t0, split, qf + (size_t)kh * G * D, \
-                                    q + (size_t)kh * G * D, w->scale, kv + (size_t)t * row + (size_t)kh * D, G, D); \
+                                    q + (size_t)kh * G * D, w->scale, kv + (size_t)t * row + (size_t)kh * D, row, \
+                                    n, G, D);                                                                 \
+                    }                                                                                         \
                 }                                                                                             \
             } else {                                                                                          \
-                for (int t = t0; t < t1; t++) prefetch_rows(ahead, t - t0, t1 - t0, BS, row_bytes);          \
                 for (int kh = 0; kh < w->Hk; kh++)                                                            \
                     pv_##SUFFIX(acc + (size_t)kh * G * D, scores + (size_t)kh * G * split + i0, split,        \
-                                kv + (size_t)t0 * row + (size_t)kh * D, row, t1 - t0, G, D);                  \
+                                kv + (size_t)t0 * row + (size_t)kh * D, row, t1 - t0, G, D,                   \
+                                ahead, kh * (t1 - t0), w->Hk * (t1 - t0), lines);                             \
             }                                                                                                 \
         }                                                                                                     \
         if (pass == 0)                                                                                        \
