@@ -155,11 +155,13 @@ def test_dispatch_mixed_step(lib, int8, gen):
 def test_short_chunks_run_every_token_through_the_kernel_in_place(lib, gen, monkeypatch, window, softcap):
     """Speculative verify chunks (a row's last token and its drafts) and a prompt's few tokens after a prefix-cache
     hit: every token a row of the in-place kernel over its own keys (no gather of the cached context); a step
-    with a longer chunk, or of more rows, takes the chunk path. Both match the reference."""
+    with a longer chunk, or of more rows, takes the chunk path (the in-place prefill, or flash attention where
+    that does not serve). Both match the reference."""
     from jobrunner.kernels.attention import attention as A
     calls = []
-    chunk_path = A.prefill_attention_cpu
-    monkeypatch.setattr(A, "prefill_attention_cpu", lambda *a, **kw: calls.append(1) or chunk_path(*a, **kw))
+    in_place, flash = A._prefill_in_place, A.prefill_attention_cpu
+    monkeypatch.setattr(A, "_prefill_in_place", lambda *a, **kw: calls.append(1) or in_place(*a, **kw))
+    monkeypatch.setattr(A, "prefill_attention_cpu", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
     many = [(5, 40)] * A.SHORT_STEP_ROWS
     for seqs, chunked in (([(1, 21), (5, 300), (A.SHORT_CHUNK, 90), (2, 2)], False),
                           ([(1, 21), (5, 300), (A.SHORT_CHUNK + 1, 90)], True),

@@ -5,7 +5,7 @@ settings (a kernel, an accumulation order, the sampler, the tokenizer's handling
 format): the result cache (jobrunner/cache) keys on it, so results computed by an older numeric
 path are never served to a newer one.
 """
-NUMERICS_VERSION = 9     # 2: the CPU decode attention's softmax sum in fixed lanes; mean pooling's running sum
+NUMERICS_VERSION = 10    # 2: the CPU decode attention's softmax sum in fixed lanes; mean pooling's running sum
                          # 3: the CPU int4/int8/fp8 weight kernels; short prompt chunks in small steps through
                          #    the in-place decode attention
                          # 4: fp8 checkpoints with e4m3 activations through bfloat16 dot products on CPU
@@ -17,3 +17,5 @@ NUMERICS_VERSION = 9     # 2: the CPU decode attention's softmax sum in fixed la
                          #    any size widened to the int8 kernel where its panel path runs; bfloat16 fp8 calls through
                          #    the bf16 dot form (weight-only as they are, e4m3 activations widened and quantized in C)
                          # 9: float32 linears on AVX-512 CPUs through the panel kernel (kernels/matmul/cpu_f32.c), not oneDNN
+                         # 10: float32 prefill chunks on AVX-512 CPUs through the in-place kernel (cpu_attention.c), not
+                         #     torch's flash attention

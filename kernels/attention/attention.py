@@ -19,7 +19,7 @@ import torch
 
 from jobrunner.kernels.attention.metadata import AttentionMetadata
 from jobrunner.kernels.attention.reference import _decode_ref, _prefill_ref, paged_attention_ref, store_kv_ref
-from jobrunner.kernels.attention.cpu_attention import INVARIANT_SPLIT, decode_attention_cpu
+from jobrunner.kernels.attention.cpu_attention import INVARIANT_SPLIT, decode_attention_cpu, prefill_attention_in_place
 from jobrunner.kernels.attention.cpu_prefill import prefill_attention_cpu
 from jobrunner.kernels.common.triton_utils import use_triton
 
@@ -46,7 +46,8 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         out[:nd] = _decodes_cpu(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
     if meta.num_prefills:
         if softcap is None and not _window_cuts(meta, window):
-            prefill_attention_cpu(q[nd:], k_cache, v_cache, meta.prefill_plan(), scale, out=out[nd:])
+            if not _prefill_in_place(q, k_cache, v_cache, meta, scale, out):
+                prefill_attention_cpu(q[nd:], k_cache, v_cache, meta.prefill_plan(), scale, out=out[nd:])
         else:
             out[nd:] = _prefill_ref(q[nd:], k_cache, v_cache, meta, scale, None, None, window, softcap)
     return out
@@ -87,6 +88,22 @@ def _short_chunks_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torc
     except Exception as e:  # noqa: BLE001 - a library this process can't run: the chunk path, said once
         cpu_decode.set_aside(e)
         return None
+
+
+def _prefill_in_place(q, k_cache, v_cache, meta, scale, out) -> bool:
+    """The prefill rows of q into out through the in-place kernel, where the engine hands it out and it covers
+    the layer (float32 on AVX-512); False: cpu_prefill.py serves. A kernel that fails is set aside, as for decodes."""
+    cpu_decode = meta.cpu_decode
+    lib = cpu_decode.library() if cpu_decode is not None else None
+    if lib is None or not lib.covers_prefill(q, k_cache):
+        return False
+    nd = meta.num_decodes
+    try:
+        return prefill_attention_in_place(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                                          meta.seq_lens_t[nd:], scale, lib, out)
+    except Exception as e:  # noqa: BLE001 - a library this process can't run: the torch path, said once
+        cpu_decode.set_aside(e)
+        return False
 
 
 def _window_cuts(meta: AttentionMetadata, window: int | None) -> bool:

@@ -477,3 +477,222 @@ DEFINE_COMBINE(f16, _Float16)
 DEFINE_DECODE(float32, f32, float)
 DEFINE_DECODE(bfloat16, bf16, uint16_t)
 DEFINE_DECODE(float16, f16, _Float16)
+
+/* ---------------------------------------------------------------------------------------------------------------
+   Prefill attention in place (AVX-512; head_dim a multiple of 16; arithmetic in float32 whatever the cache's type).
+
+   q, out   [T, Hq, D]          the step's rows; chunk c's queries are rows [starts[c], starts[c + 1])
+   k, v     [NB, BS, Hk, D]     the layer's cache, this step's keys already written
+   tables   [n, W] int32        each chunk's blocks;  seq_lens [n]: its keys, the chunk's own included
+
+   The query at position p of its sequence sees keys [0, p] (positions: the chunk's last query is seq_len - 1):
+   the context and the chunk's own keys in one pass, causal, no merge. Work item: (chunk, KV head, tile of
+   PF_ROWS rows), a row one (query, head) of the KV head's G; the threads take items in turn. A thread copies its
+   (chunk, KV head)'s keys once into panels [keys / 32][D][32] and its values into rows [keys][D] (as far as its
+   items need), then each tile runs a flash loop over panels of 32 keys from key 0: scores in registers (12 rows
+   x 32 keys), an online softmax, the values' weighted sum. A row's sums run in an order fixed by its own keys:
+   its bits do not depend on the chunking, the batch or the threads. */
+#if defined(__AVX512F__)
+#define PF_ROWS 12
+#define PF_KEYS 32
+#define PREFILL_MAX_KEYS 65536   /* a thread's copies: 2 * keys * D floats (python/cpu_attention.py checks) */
+
+/* exp(x) for x <= 0, 16 lanes: exp_nonpos's reduction and polynomial */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* A thread's copy of one (chunk, KV head)'s keys and values in float32, filled up to `ready` keys (a multiple
+   of 32, the last panel's keys past seq_len zero: they are masked, and a zero value times a zero weight adds
+   nothing). */
+typedef struct { int chunk, kh, ready; float *kt, *vr; } PrefillCopy;
+
+#define DEFINE_PREFILL_COPY(SUFFIX, T)                                                                        \
+static void prefill_copy_##SUFFIX(PrefillCopy *c, const T *k, const T *v, const int32_t *table, int seq_len,  \
+                                  int need, int BS, int Hk, int D) {                                         \
+    const int row = Hk * D;                                                                                   \
+    for (int t = c->ready; t < need; t++) {                                                                   \
+        float *kp = c->kt + (size_t)(t / PF_KEYS) * D * PF_KEYS + t % PF_KEYS, *vp = c->vr + (size_t)t * D;   \
+        if (t < seq_len) {                                                                                    \
+            const size_t slot = (size_t)table[t / BS] * BS + t % BS;                                          \
+            const T *kr = k + slot * row + (size_t)c->kh * D, *vs = v + slot * row + (size_t)c->kh * D;       \
+            for (int d = 0; d < D; d++) kp[(size_t)d * PF_KEYS] = from_##SUFFIX(kr[d]);                       \
+            for (int d = 0; d < D; d++) vp[d] = from_##SUFFIX(vs[d]);                                         \
+        } else {                                                                                              \
+            for (int d = 0; d < D; d++) kp[(size_t)d * PF_KEYS] = 0.0f;                                       \
+            memset(vp, 0, sizeof(float) * (size_t)D);                                                         \
+        }                                                                                                     \
+    }                                                                                                         \
+    if (need > c->ready) c->ready = need;                                                                     \
+}
+
+/* One tile: R (<= PF_ROWS) rows of queries qs [PF_ROWS][D] (scaled; rows past R repeat the last), row r seeing
+   keys [0, last[r]]; leaves o[r] = softmax(scores) . values. */
+static void prefill_tile(const float *qs, const int *last, int R, const float *kt, const float *vr, int D, float *o,
+                         float *p) {
+    float m[PF_ROWS], l[PF_ROWS], corr[PF_ROWS];
+    for (int r = 0; r < PF_ROWS; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    memset(o, 0, sizeof(float) * PF_ROWS * (size_t)D);
+    const int kmax = last[R - 1];
+    for (int p0 = 0; p0 <= kmax; p0 += PF_KEYS) {
+        const float *panel = kt + (size_t)(p0 / PF_KEYS) * D * PF_KEYS;
+        __m512 s[PF_ROWS][2];
+        for (int r = 0; r < PF_ROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 k0 = _mm512_loadu_ps(panel + (size_t)d * PF_KEYS);
+            const __m512 k1 = _mm512_loadu_ps(panel + (size_t)d * PF_KEYS + 16);
+#pragma GCC unroll 12
+            for (int r = 0; r < PF_ROWS; r++) {
+                const __m512 qb = _mm512_set1_ps(qs[(size_t)r * D + d]);
+                s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
+                s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
+            }
+        }
+        for (int r = 0; r < PF_ROWS; r++) {
+            const int seen = last[r] - p0 + 1;        /* keys of this panel row r sees */
+            const __mmask16 v0 = seen >= 16 ? 0xffff : seen > 0 ? (__mmask16)((1u << seen) - 1) : 0;
+            const __mmask16 v1 = seen >= 32 ? 0xffff : seen > 16 ? (__mmask16)((1u << (seen - 16)) - 1) : 0;
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, v0, s[r][0]),
+                                                                _mm512_mask_mov_ps(ninf, v1, s[r][1])));
+            const float mnew = mx > m[r] ? mx : m[r];
+            corr[r] = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - mnew);
+            const __m512 mv = _mm512_set1_ps(mnew);
+            const __m512 e0 = _mm512_maskz_mov_ps(v0, exp16_nonpos(_mm512_sub_ps(s[r][0], mv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(v1, exp16_nonpos(_mm512_sub_ps(s[r][1], mv)));
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            m[r] = mnew;
+            _mm512_storeu_ps(p + r * PF_KEYS, e0);
+            _mm512_storeu_ps(p + r * PF_KEYS + 16, e1);
+        }
+        const int nt = kmax - p0 + 1 < PF_KEYS ? kmax - p0 + 1 : PF_KEYS;
+        const float *vpanel = vr + (size_t)p0 * D;
+        for (int r0 = 0; r0 < PF_ROWS; r0 += 6)
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int nv = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+                __m512 a[6][4];
+#pragma GCC unroll 6
+                for (int r = 0; r < 6; r++) {
+                    const __m512 c = _mm512_set1_ps(corr[r0 + r]);
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        a[r][j] = j < nv ? _mm512_mul_ps(c, _mm512_loadu_ps(o + (size_t)(r0 + r) * D + d0 + 16 * j))
+                                         : _mm512_setzero_ps();
+                }
+                for (int t = 0; t < nt; t++) {
+                    __m512 x[4];
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        x[j] = j < nv ? _mm512_loadu_ps(vpanel + (size_t)t * D + d0 + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+                    for (int r = 0; r < 6; r++) {
+                        const __m512 pb = _mm512_set1_ps(p[(r0 + r) * PF_KEYS + t]);
+#pragma GCC unroll 4
+                        for (int j = 0; j < 4; j++)
+                            if (j < nv) a[r][j] = _mm512_fmadd_ps(pb, x[j], a[r][j]);
+                    }
+                }
+#pragma GCC unroll 6
+                for (int r = 0; r < 6; r++)
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        if (j < nv) _mm512_storeu_ps(o + (size_t)(r0 + r) * D + d0 + 16 * j, a[r][j]);
+            }
+    }
+    for (int r = 0; r < R; r++) {
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < D; d++) o[(size_t)r * D + d] *= inv;
+    }
+}
+
+/* 0; -1: scratch could not be allocated; -2: arguments the kernel does not take (the caller's torch path serves) */
+#define DEFINE_PREFILL(NAME, SUFFIX, T)                                                                               \
+int prefill_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride,         \
+                             const int32_t *starts, const int32_t *seq_lens, T *out, int n, int Hq, int Hk, int D,    \
+                             int BS, float scale, int threads) {                                                      \
+    if (n <= 0) return 0;                                                                                             \
+    if (D % 16 || D <= 0 || Hk <= 0 || Hq % Hk) return -2;                                                            \
+    const int G = Hq / Hk;                                                                                            \
+    int max_keys = 0;                                                                                                 \
+    for (int c = 0; c < n; c++) {                                                                                     \
+        const int L = starts[c + 1] - starts[c];                                                                      \
+        if (L <= 0 || seq_lens[c] < L || seq_lens[c] > PREFILL_MAX_KEYS) return -2;                                   \
+        max_keys = seq_lens[c] > max_keys ? seq_lens[c] : max_keys;                                                   \
+    }                                                                                                                 \
+    /* items: (chunk, KV head, tile) in that order; item_start[c] = the chunk's first */                              \
+    long *item_start = malloc(sizeof(long) * (size_t)(n + 1));                                                        \
+    if (!item_start) return -1;                                                                                       \
+    item_start[0] = 0;                                                                                                \
+    for (int c = 0; c < n; c++) {                                                                                     \
+        const long tiles = ((long)(starts[c + 1] - starts[c]) * G + PF_ROWS - 1) / PF_ROWS;                           \
+        item_start[c + 1] = item_start[c] + tiles * Hk;                                                               \
+    }                                                                                                                 \
+    const long items = item_start[n];                                                                                 \
+    const int padded = (max_keys + PF_KEYS - 1) / PF_KEYS * PF_KEYS;                                                  \
+    int failed = 0;                                                                                                   \
+    _Pragma("omp parallel num_threads(threads)")                                                                      \
+    {                                                                                                                 \
+        PrefillCopy cp = {-1, -1, 0, NULL, NULL};                                                                     \
+        float *kt = malloc(sizeof(float) * (size_t)padded * D), *vr = malloc(sizeof(float) * (size_t)padded * D);     \
+        float *qs = malloc(sizeof(float) * (size_t)PF_ROWS * D * 2 + sizeof(float) * PF_ROWS * PF_KEYS);              \
+        if (!kt || !vr || !qs) {                                                                                      \
+            _Pragma("omp atomic write")                                                                           \
+            failed = 1;                                                                                               \
+        }                                                                                                             \
+        cp.kt = kt;                                                                                                   \
+        cp.vr = vr;                                                                                                   \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                   \
+        for (long it = 0; it < items; it++) {                                                                         \
+            if (failed) continue;                                                                                     \
+            int c = 0;                                                                                                \
+            while (item_start[c + 1] <= it) c++;                                                                      \
+            const long tiles = (item_start[c + 1] - item_start[c]) / Hk;                                              \
+            const int kh = (int)((it - item_start[c]) / tiles), tile = (int)((it - item_start[c]) % tiles);           \
+            const int L = starts[c + 1] - starts[c], ctx = seq_lens[c] - L;                                           \
+            const int f0 = tile * PF_ROWS, R = L * G - f0 < PF_ROWS ? L * G - f0 : PF_ROWS;                           \
+            int last[PF_ROWS];                                                                                        \
+            float *o = qs + (size_t)PF_ROWS * D, *p = o + (size_t)PF_ROWS * D;                                        \
+            for (int r = 0; r < PF_ROWS; r++) {                                                                       \
+                const int f = f0 + (r < R ? r : R - 1), pos = f / G, h = kh * G + f % G;                              \
+                last[r] = ctx + pos;                                                                                  \
+                const T *qr = q + ((size_t)(starts[c] + pos) * Hq + h) * D;                                           \
+                for (int d = 0; d < D; d++) qs[(size_t)r * D + d] = from_##SUFFIX(qr[d]) * scale;                     \
+            }                                                                                                         \
+            if (cp.chunk != c || cp.kh != kh) { cp.chunk = c; cp.kh = kh; cp.ready = 0; }                             \
+            const int need = (last[R - 1] / PF_KEYS + 1) * PF_KEYS;                                                   \
+            prefill_copy_##SUFFIX(&cp, k, v, tables + (int64_t)c * table_stride, seq_lens[c], need, BS, Hk, D);       \
+            prefill_tile(qs, last, R, kt, vr, D, o, p);                                                               \
+            for (int r = 0; r < R; r++) {                                                                             \
+                const int f = f0 + r;                                                                                 \
+                T *dst = out + ((size_t)(starts[c] + f / G) * Hq + kh * G + f % G) * D;                               \
+                for (int d = 0; d < D; d++) dst[d] = to_##SUFFIX(o[(size_t)r * D + d]);                               \
+            }                                                                                                         \
+        }                                                                                                             \
+        free(kt);                                                                                                     \
+        free(vr);                                                                                                     \
+        free(qs);                                                                                                     \
+    }                                                                                                                 \
+    free(item_start);                                                                                                 \
+    return failed ? -1 : 0;                                                                                           \
+}
+
+DEFINE_PREFILL_COPY(f32, float)
+DEFINE_PREFILL_COPY(bf16, uint16_t)
+DEFINE_PREFILL_COPY(f16, _Float16)
+DEFINE_PREFILL(float32, f32, float)
+DEFINE_PREFILL(bfloat16, bf16, uint16_t)
+DEFINE_PREFILL(float16, f16, _Float16)
+#endif

@@ -38,6 +38,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
 LIBS = ("-lm",)
 MAX_HEAD_DIM = 1024                          # the combine's stack buffer (cpu_attention.c)
 SPLIT_MAX = 4096                             # keys a split at most (cpu_attention.c)
+PREFILL_MAX_KEYS = 65536                     # a prefill chunk's keys at most (cpu_attention.c: a thread's copies)
 # Batch-invariant mode: every row's keys in splits of this many from its first key, whatever the batch and
 # the threads (cpu_attention.c; SPLIT_MIN there: below it a split's fixed costs show).
 INVARIANT_SPLIT = 256
@@ -67,10 +68,23 @@ class DecodeLibrary:
             fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr] + [i32] * 6 + [f32, f32, i32, i32]
             fn.restype = i32
             self.functions[dtype] = fn
+        # prefill chunks in place: AVX-512 builds only (elsewhere cpu_prefill.py serves)
+        self.prefill = {}
+        for dtype, name in DTYPES.items():
+            fn = getattr(lib, f"prefill_attention_{name}", None)
+            if fn is not None:
+                fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, ptr] + [i32] * 5 + [f32, i32]
+                fn.restype = i32
+                self.prefill[dtype] = fn
         self.path = path
 
     def covers(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.dtype in self.functions and k_cache.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
+                and q.device.type == "cpu")
+
+
+    def covers_prefill(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (q.dtype in self.prefill and k_cache.dtype == q.dtype and q.shape[-1] % 16 == 0
                 and q.device.type == "cpu")
 
 
@@ -120,3 +134,27 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if rc != 0:
         raise ValueError(f"decode_attention_cpu: the kernel refused its arguments ({rc})")
     return out
+
+
+def prefill_attention_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                               starts: torch.Tensor, seq_lens: torch.Tensor, scale: float, lib: DecodeLibrary,
+                               out: torch.Tensor) -> bool:
+    """Prefill chunks over a float cache (float32 arithmetic), read in place: chunk c's queries are rows [starts[c], starts[c + 1])
+    of q [T, Hq, D] (their keys written), its keys [0, seq_lens[c]) through tables[c]; each query at position p
+    sees keys [0, p]. Into out (like q). False where the kernel does not take the call (the caller's torch
+    path serves: a chunk past PREFILL_MAX_KEYS)."""
+    n = seq_lens.shape[0]
+    _, hq, d = q.shape
+    _, bs, hk, _ = k_cache.shape
+    if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and tables.stride(1) == 1 and starts.is_contiguous() and seq_lens.is_contiguous()
+            and starts.dtype == seq_lens.dtype == tables.dtype == torch.int32 and starts.shape[0] == n + 1):
+        raise ValueError("prefill_attention_in_place: contiguous q, out and caches; int32 tables, starts [n + 1], "
+                         "seq_lens [n]")
+    with torch.profiler.record_function("cpu_attention.prefill (in place)"):
+        rc = lib.prefill[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                         starts.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), n, hq, hk, d, bs, float(scale),
+                         torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("prefill_attention_in_place: the kernel could not allocate its scratch")
+    return rc == 0
