@@ -1,4 +1,5 @@
-/* Paged decode attention on CPU, reading the KV blocks in place (kernels/attention/cpu_attention.py loads it).
+/* Paged attention on CPU, reading the KV blocks in place (kernels/attention/cpu_attention.py loads it): decode
+   rows here, prefill chunks in the second half of the file.
 
    q        [B, Hq, D]            one query row per decode sequence
    k, v     [NB, BS, Hk, D]       the layer's cache: slot = block * BS + offset

@@ -1,4 +1,4 @@
-"""Paged decode attention on CPU that reads the KV blocks in place: no gather of the context per step.
+"""Paged attention on CPU that reads the KV blocks in place: no gather of the context per step.
 
 The torch reference (kernels/attention/reference.py) copies every decode sequence's blocks out of the pool with
 index_select at every layer of every step, pads them to the longest sequence, and runs SDPA at one query
@@ -17,10 +17,14 @@ runs no process and keeps no directory).
 
 Covered: float32, bfloat16 and float16 caches (arithmetic in float32), GQA/MQA/MHA, any head_dim up to
 MAX_HEAD_DIM, sliding windows, soft-capped scores, blocks shared between sequences. Not covered (the
-reference serves): int8 caches (kernels/attention/kv_int8.py), prefill chunks (kernels/attention/cpu_prefill.py),
-but in batch-invariant mode: then every prefill token is a row here of its own (its sequence's table, its
-position's keys), in fixed splits, so a token's bits are the same as a decode's at its position, whatever
-chunk, cached prefix or batch it came in (attention.py: paged_attention_cpu).
+reference serves): int8 caches (kernels/attention/kv_int8.py). In batch-invariant mode every prefill token is
+a row here of its own (its sequence's table, its position's keys), in fixed splits, so a token's bits are the
+same as a decode's at its position, whatever chunk, cached prefix or batch it came in (attention.py:
+paged_attention_cpu).
+
+Prefill chunks (prefill_attention_in_place; AVX-512 builds, head_dim a multiple of 16): each chunk's queries
+over its context and its own keys in one causal flash pass, reading the blocks in place (the second half of
+cpu_attention.c); elsewhere kernels/attention/cpu_prefill.py serves (torch's flash attention).
 """
 from __future__ import annotations
 

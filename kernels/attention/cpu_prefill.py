@@ -1,5 +1,7 @@
 """Prefill attention on CPU without a padded mask: every chunk's attention in two unmasked or causal parts
-through torch's fused CPU flash kernel, merged exactly by their logsumexps.
+through torch's fused CPU flash kernel, merged exactly by their logsumexps. Where the in-place kernel's prefill
+entry serves (kernels/attention/cpu_attention.py: AVX-512 builds, head_dim a multiple of 16) it runs instead;
+this is the path for other CPUs and head sizes.
 
 A chunk of L new tokens after c cached ones (kernels/attention/attention.py has the layout) sees, per query row i,
 the c context keys (all of them) and its own keys 0..i. So:
