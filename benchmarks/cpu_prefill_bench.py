@@ -1,12 +1,15 @@
-"""CPU prefill attention, one layer: the padded-SDPA reference against kernels/attention/cpu_prefill.py (issue 34 item 3).
+"""CPU prefill attention, one layer: the padded-SDPA reference, torch's flash attention (kernels/attention/
+cpu_prefill.py, issue 34 item 3) and the in-place kernel (cpu_attention.c's prefill entry, issue 62).
 
     python -m benchmarks.cpu_prefill_bench                 # the default model's heads, 2 threads
     python -m benchmarks.cpu_prefill_bench --threads 1     # CPU time is then the least disturbed by load
 
-Layouts: one 2048-token chunk; 64 chunks of 16-48 tokens over one cached 320-token prefix (the shared-
-prefix workload's steps), its blocks consecutive in the pool or shuffled; a 2048-token chunk after 2048
-cached tokens. 9 query heads over 3 KV heads, head_dim 64, block size 16. The two run in turn, round
-after round; each figure is a median (wall and process CPU time) and the ratio new / reference.
+Layouts: 4 prompts of 512 tokens and 16 of 128 (a prompt-only job's 2,048-token steps); one 2048-token chunk;
+64 chunks of 16-48 tokens over one cached 320-token prefix (the shared-prefix workload's steps), its blocks
+consecutive in the pool or shuffled; a 2048-token chunk after 2048 cached tokens. 9 query heads over 3 KV
+heads, head_dim 64, block size 16. The candidates run in turn, round after round; each figure is a median
+(wall and process CPU time); the ratios are CPU time against the reference's and the in-place kernel's
+speed over flash (wall). "-" where the kernel is not built for this CPU (no AVX-512).
 """
 from __future__ import annotations
 
@@ -55,24 +58,41 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from jobrunner.engine.run.cpu_decode import ensure_library
+    from jobrunner.kernels.attention import cpu_attention as ca
     from jobrunner.kernels.attention.reference import _prefill_ref
     from jobrunner.kernels.attention.cpu_prefill import prefill_attention_cpu
+    lib = ca.DecodeLibrary(ensure_library())
     rng = random.Random(args.seed)
     short = [(n, 320 + n) for n in (rng.randint(16, 48) for _ in range(64))]
-    cases = [("one 2048-token chunk", [(2048, 2048)], 0, True),
+    cases = [("4 prompts of 512 tokens", [(512, 512)] * 4, 0, True),
+             ("16 prompts of 128 tokens", [(128, 128)] * 16, 0, True),
+             ("one 2048-token chunk", [(2048, 2048)], 0, True),
              ("64 chunks over a 320-token prefix, consecutive blocks", short, 320, True),
              ("64 chunks over a 320-token prefix, shuffled blocks", short, 320, False),
              ("a 2048-token chunk after 2048 cached", [(2048, 4096)], 0, False)]
     print(f"{torch.get_num_threads()} threads; ms a layer, median of {args.rounds} rounds (wall / CPU)\n")
-    print("| layout | reference | cpu_prefill | ratio (CPU) |\n|---|---|---|---|")
+    print("| layout | reference | flash (cpu_prefill) | in place | flash / ref (CPU) | in place over flash |\n"
+          "|---|---|---|---|---|---|")
     for name, seqs, prefix, consecutive in cases:
         q, k, v, meta = layout(seqs, prefix, consecutive, rng)
-        ref = lambda: _prefill_ref(q, k, v, meta, D ** -0.5, None, None, None, None)  # noqa: E731
-        new = lambda: prefill_attention_cpu(q, k, v, meta.prefill_plan(), D ** -0.5)  # noqa: E731
-        torch.testing.assert_close(new(), ref(), atol=1e-5, rtol=1e-5)
-        rounds = [(_timed(ref), _timed(new)) for _ in range(args.rounds)]
-        (rw, rc), (nw, nc) = [[1e3 * statistics.median(r[i][j] for r in rounds) for j in (0, 1)] for i in (0, 1)]
-        print(f"| {name} | {rw:.1f} / {rc:.1f} | {nw:.1f} / {nc:.1f} | {nc / rc:.2f} |", flush=True)
+        out = torch.empty_like(q)
+        fns = {"ref": lambda: _prefill_ref(q, k, v, meta, D ** -0.5, None, None, None, None),
+               "flash": lambda: prefill_attention_cpu(q, k, v, meta.prefill_plan(), D ** -0.5)}
+        if lib.covers_prefill(q, k):
+            fns["in place"] = lambda: ca.prefill_attention_in_place(q, k, v, meta.block_tables, meta.query_start_loc,
+                                                                    meta.seq_lens_t, D ** -0.5, lib, out)
+        want = fns["ref"]()
+        torch.testing.assert_close(fns["flash"](), want, atol=1e-5, rtol=1e-5)
+        if "in place" in fns:
+            assert fns["in place"]()
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        rounds = [{n: _timed(f) for n, f in fns.items()} for _ in range(args.rounds)]
+        med = {n: [1e3 * statistics.median(r[n][j] for r in rounds) for j in (0, 1)] for n in fns}
+        cell = {n: f"{w:.1f} / {c:.1f}" for n, (w, c) in med.items()}
+        over = f"{med['flash'][0] / med['in place'][0]:.2f}x" if "in place" in med else "-"
+        print(f"| {name} | {cell['ref']} | {cell['flash']} | {cell.get('in place', '-')} | "
+              f"{med['flash'][1] / med['ref'][1]:.2f} | {over} |", flush=True)
     return 0
 
 
