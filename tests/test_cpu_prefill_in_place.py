@@ -58,6 +58,24 @@ def test_prefill_in_place_matches_reference(lib, gen, torch_path_calls, shape, s
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_over_a_shared_prefix(lib, gen, torch_path_calls, threads):
+    """Chunks whose first block is the same physical block (a cached prefix) and chunks beside them that share
+    nothing: a thread keeps the copied keys of the blocks two chunks share, and only those."""
+    seqs = [(20, 60), (7, 40), (30, 30), (25, 90), (18, 18), (40, 75)]
+    q, k, v, meta = make_step(seqs, 0, 9, 3, 64, 16, torch.float32, gen, share=True)
+    meta.cpu_decode = Handing(lib)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention(q, k, v, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, paged_attention_ref(q, k, v, meta, 0.125), **TOL[torch.float32])
+    assert not torch_path_calls
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_half_caches_widened_exactly(lib, gen, torch_path_calls, dtype):
     """bfloat16 and float16 caches: q, K and V widened exactly, float32 arithmetic, the output rounded once: within

@@ -487,11 +487,12 @@ DEFINE_DECODE(float16, f16, _Float16)
    tables   [n, W] int32        each chunk's blocks;  seq_lens [n]: its keys, the chunk's own included
 
    The query at position p of its sequence sees keys [0, p] (positions: the chunk's last query is seq_len - 1):
-   the context and the chunk's own keys in one pass, causal, no merge. Work item: (chunk, KV head, tile of
+   the context and the chunk's own keys in one pass, causal, no merge. Work item: (KV head, chunk, tile of
    PF_ROWS rows), a row one (query, head) of the KV head's G; the threads take items in turn. A thread copies its
-   (chunk, KV head)'s keys once into panels [keys / 32][D][32] and its values into rows [keys][D] (as far as its
-   items need), then each tile runs a flash loop over panels of 32 keys from key 0: scores in registers (12 rows
-   x 32 keys), an online softmax, the values' weighted sum. A row's sums run in an order fixed by its own keys:
+   (KV head, chunk)'s keys into panels [keys / 32][D][32] and its values into rows [keys][D] (as far as its items
+   need; the next chunk keeps the keys of the blocks both share, a common prefix), then each tile runs a flash
+   loop over panels of 32 keys from key 0: scores in registers (12 rows x 32 keys), an online softmax, the
+   values' weighted sum. A row's sums run in an order fixed by its own keys:
    its bits do not depend on the chunking, the batch or the threads. */
 #if defined(__AVX512F__)
 #define PF_ROWS 12
@@ -520,6 +521,19 @@ static inline __m512 exp16_nonpos(__m512 x) {
    of 32, the last panel's keys past seq_len zero: they are masked, and a zero value times a zero weight adds
    nothing). */
 typedef struct { int chunk, kh, ready; float *kt, *vr; } PrefillCopy;
+
+/* The keys of c->chunk's copy that chunk c can keep: those in the leading blocks both tables share (a shared
+   prefix: the same physical blocks, the same keys), below both sequences' lengths. */
+static int prefill_copy_kept(const PrefillCopy *c, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                             int chunk, int BS) {
+    if (c->chunk < 0) return 0;
+    const int32_t *a = tables + (int64_t)c->chunk * table_stride, *b = tables + (int64_t)chunk * table_stride;
+    const int lo = seq_lens[c->chunk] < seq_lens[chunk] ? seq_lens[c->chunk] : seq_lens[chunk];
+    int keys = 0;
+    while (keys < lo && a[keys / BS] == b[keys / BS]) keys += BS;
+    keys = keys < lo ? keys : lo;
+    return keys < c->ready ? keys : c->ready;
+}
 
 #define DEFINE_PREFILL_COPY(SUFFIX, T)                                                                        \
 static void prefill_copy_##SUFFIX(PrefillCopy *c, const T *k, const T *v, const int32_t *table, int seq_len,  \
@@ -633,15 +647,13 @@ int prefill_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *
         if (L <= 0 || seq_lens[c] < L || seq_lens[c] > PREFILL_MAX_KEYS) return -2;                                   \
         max_keys = seq_lens[c] > max_keys ? seq_lens[c] : max_keys;                                                   \
     }                                                                                                                 \
-    /* items: (chunk, KV head, tile) in that order; item_start[c] = the chunk's first */                              \
-    long *item_start = malloc(sizeof(long) * (size_t)(n + 1));                                                        \
-    if (!item_start) return -1;                                                                                       \
-    item_start[0] = 0;                                                                                                \
-    for (int c = 0; c < n; c++) {                                                                                     \
-        const long tiles = ((long)(starts[c + 1] - starts[c]) * G + PF_ROWS - 1) / PF_ROWS;                           \
-        item_start[c + 1] = item_start[c] + tiles * Hk;                                                               \
-    }                                                                                                                 \
-    const long items = item_start[n];                                                                                 \
+    /* items: (KV head, chunk, tile) in that order; tile_start[c]: the chunk's first among a KV head's tiles */       \
+    long *tile_start = malloc(sizeof(long) * (size_t)(n + 1));                                                        \
+    if (!tile_start) return -1;                                                                                       \
+    tile_start[0] = 0;                                                                                                \
+    for (int c = 0; c < n; c++)                                                                                       \
+        tile_start[c + 1] = tile_start[c] + ((long)(starts[c + 1] - starts[c]) * G + PF_ROWS - 1) / PF_ROWS;          \
+    const long per_head = tile_start[n], items = per_head * Hk;                                                       \
     const int padded = (max_keys + PF_KEYS - 1) / PF_KEYS * PF_KEYS;                                                  \
     int failed = 0;                                                                                                   \
     _Pragma("omp parallel num_threads(threads)")                                                                      \
@@ -658,10 +670,11 @@ int prefill_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *
         _Pragma("omp for schedule(dynamic, 1)")                                                                   \
         for (long it = 0; it < items; it++) {                                                                         \
             if (failed) continue;                                                                                     \
+            const int kh = (int)(it / per_head);                                                                      \
+            const long at = it % per_head;                                                                            \
             int c = 0;                                                                                                \
-            while (item_start[c + 1] <= it) c++;                                                                      \
-            const long tiles = (item_start[c + 1] - item_start[c]) / Hk;                                              \
-            const int kh = (int)((it - item_start[c]) / tiles), tile = (int)((it - item_start[c]) % tiles);           \
+            while (tile_start[c + 1] <= at) c++;                                                                      \
+            const int tile = (int)(at - tile_start[c]);                                                               \
             const int L = starts[c + 1] - starts[c], ctx = seq_lens[c] - L;                                           \
             const int f0 = tile * PF_ROWS, R = L * G - f0 < PF_ROWS ? L * G - f0 : PF_ROWS;                           \
             int last[PF_ROWS];                                                                                        \
@@ -672,7 +685,11 @@ int prefill_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *
                 const T *qr = q + ((size_t)(starts[c] + pos) * Hq + h) * D;                                           \
                 for (int d = 0; d < D; d++) qs[(size_t)r * D + d] = from_##SUFFIX(qr[d]) * scale;                     \
             }                                                                                                         \
-            if (cp.chunk != c || cp.kh != kh) { cp.chunk = c; cp.kh = kh; cp.ready = 0; }                             \
+            if (cp.chunk != c || cp.kh != kh) {                                                                       \
+                cp.ready = cp.kh == kh ? prefill_copy_kept(&cp, tables, table_stride, seq_lens, c, BS) : 0;           \
+                cp.chunk = c;                                                                                         \
+                cp.kh = kh;                                                                                           \
+            }                                                                                                         \
             const int need = (last[R - 1] / PF_KEYS + 1) * PF_KEYS;                                                   \
             prefill_copy_##SUFFIX(&cp, k, v, tables + (int64_t)c * table_stride, seq_lens[c], need, BS, Hk, D);       \
             prefill_tile(qs, last, R, kt, vr, D, o, p);                                                               \
@@ -686,7 +703,7 @@ int prefill_attention_##NAME(const T *q, const T *k, const T *v, const int32_t *
         free(vr);                                                                                                     \
         free(qs);                                                                                                     \
     }                                                                                                                 \
-    free(item_start);                                                                                                 \
+    free(tile_start);                                                                                                 \
     return failed ? -1 : 0;                                                                                           \
 }
 
