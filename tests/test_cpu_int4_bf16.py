@@ -155,19 +155,35 @@ def _greedy(model_dir, lib_form: bool, monkeypatch):
         off = ci.Int4Library(linears[0].cpu_kernel.path, bf16_form=False)
         for m in linears:
             m.cpu_kernel = off
-    reqs = [Request(str(i), p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    reqs = [Request(str(i), p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2))
             for i, p in enumerate(([5, 6, 7, 8], [11, 200, 3, 3, 64, 90, 17], [9] * 20, [1, 2], [4] * 9,
                                    [3, 1, 4, 1, 5], [100] * 3, [7, 7], list(range(20, 31))))]
-    outs = {o.id: o.token_ids for o in eng.generate(reqs)}
+    outs = {o.id: o.completions[0] for o in eng.generate(reqs)}
     assert bool(calls) == lib_form
     return [outs[str(i)] for i in range(len(reqs))]
 
 
+def assert_same_greedy_up_to_ties(a, b, tie=0.05):
+    """Rows of greedy completions with top-2 logprobs: the same tokens, or the same up to a step where each
+    run's token is within `tie` of the other's in both runs' logprobs (bfloat16 logits tie exactly at times:
+    the two forms round differently, and a tie breaks either way); after it the rows are not compared."""
+    for x, y in zip(a, b):
+        if x.token_ids == y.token_ids:
+            continue
+        j = next(i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t)
+        for own, other in ((x, y), (y, x)):
+            top = dict(own.logprobs[j].top)
+            assert other.token_ids[j] in top, (j, own.logprobs[j], other.token_ids[j])
+            assert top[own.token_ids[j]] - top[other.token_ids[j]] <= tie, (j, own.logprobs[j])
+
+
 def test_engine_bfloat16_int4_greedy_same_through_the_form(tiny_hf_model_dir, monkeypatch, lib):
     """A bfloat16 int4 model: the form (prefill and 9-row decode) against the widened float32 kernel and the
-    bfloat16 slices it replaces: the same greedy tokens."""
+    bfloat16 slices it replaces: the same greedy tokens, up to a tie."""
     path = tiny_hf_model_dir("llama")
-    assert _greedy(path, True, monkeypatch) == _greedy(path, False, monkeypatch)
+    form, widened = _greedy(path, True, monkeypatch), _greedy(path, False, monkeypatch)
+    assert_same_greedy_up_to_ties(form, widened)
+    assert sum(x.token_ids == y.token_ids for x, y in zip(form, widened)) >= len(form) - 2
 
 
 def test_the_form_without_vbmi(lib, tmp_path):
