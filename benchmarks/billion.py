@@ -14,8 +14,9 @@ imports llama_cpp. Workloads, no chat template, EOS ignored:
   shared-prefix             16 rows sharing a ~290-token few-shot prefix, 16 new tokens each
   shared-prefix/classify    the same rows classified (every label scored; not llama.cpp: it has no such job)
 Every system runs as a child process; wall excludes model load; peak memory is the child's
-(ru_maxrss: floored at this driver's own few hundred MB, far below a 1B model's). The result JSON and
-a Markdown table go to benchmarks/results/; speeds are reported, never checked.
+(ru_maxrss: floored at this driver's own few hundred MB, far below a 1B model's; the model is made in a
+child of its own so that the floor stays there). The result JSON and a Markdown table go to
+benchmarks/results/; speeds are reported, never checked.
 """
 from __future__ import annotations
 
@@ -197,7 +198,10 @@ def main(argv=None) -> int:
     if bad := [s for s in systems if s not in SYSTEMS]:
         raise SystemExit(f"--systems: unknown {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
     a.llamacpp_python = llamacpp_python(a.llamacpp_python)[0]
-    ckpt = make_model(model_dir(a.layers), a.layers)
+    # made in a child: the ~4 GB it takes would stay in this driver's peak, which every child's ru_maxrss inherits
+    ckpt = model_dir(a.layers)
+    subprocess.run([sys.executable, "-c", f"from benchmarks.billion import make_model as m; from pathlib import Path; "
+                    f"m(Path({str(ckpt)!r}), {a.layers})"], check=True)
     ggufs = make_ggufs(ckpt, a.llamacpp_python)
     tok = W.our_tokenizer(str(ckpt))
     stamp = report.timestamp()
