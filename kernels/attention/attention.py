@@ -98,9 +98,14 @@ def _prefill_in_place(q, k_cache, v_cache, meta, scale, out) -> bool:
     if lib is None or not lib.covers_prefill(q, k_cache):
         return False
     nd = meta.num_decodes
+    dense = q.contiguous()                              # a view of a fused projection: the kernel reads rows densely
+    into = out if out.is_contiguous() else torch.empty_like(dense)
     try:
-        return prefill_attention_in_place(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                                          meta.seq_lens_t[nd:], scale, lib, out)
+        done = prefill_attention_in_place(dense, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                                          meta.seq_lens_t[nd:], scale, lib, into)
+        if done and into is not out:
+            out[nd:] = into[nd:]
+        return done
     except Exception as e:  # noqa: BLE001 - a library this process can't run: the torch path, said once
         cpu_decode.set_aside(e)
         return False
@@ -120,8 +125,8 @@ def _decodes_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Ten
     if lib is not None and lib.covers(q, k_cache):
         nd = meta.num_decodes
         try:
-            return decode_attention_cpu(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd], scale,
-                                        window, softcap, lib)
+            return decode_attention_cpu(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
+                                        scale, window, softcap, lib)
         except Exception as e:  # noqa: BLE001 - a library this process can't run: fall back, say so once
             cpu_decode.set_aside(e)
     return _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)
