@@ -28,10 +28,12 @@ def paged_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
                         softcap: float | None = None) -> torch.Tensor:
     """The torch path for a float cache: decode rows through kernels/attention/cpu_attention.py (blocks read in place)
     when the step's meta.cpu_decode hands out the loaded kernel, else gathered (_decode_ref); prefill rows
-    through kernels/attention/cpu_prefill.py where it covers the layer, else gathered (_prefill_ref).
+    through the same kernel where it covers the layer (_prefill_in_place), else kernels/attention/cpu_prefill.py
+    where that does, else gathered (_prefill_ref).
     meta.batch_invariant: every row, decode or prefill, through the in-place kernel (_invariant_cpu)."""
     if not meta._prepared:
         meta.prepare()
+    q = q.contiguous()          # the in-place kernels read rows densely (a view of a fused projection is not)
     window = meta.sliding_window if sliding else None
     if meta.batch_invariant:
         return _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
@@ -72,7 +74,7 @@ def _invariant_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.T
         raise RuntimeError("batch-invariant attention needs the in-place CPU kernel (kernels/attention/cpu_attention.c) "
                            f"for a {k_cache.dtype} cache; it is not loaded (a C compiler, JOBRUNNER_CPU_DECODE=auto)")
     tables, seq_lens = meta.token_rows()
-    return decode_attention_cpu(q.contiguous(), k_cache, v_cache, tables, seq_lens, scale, window, softcap, lib,
+    return decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, lib,
                                 split=INVARIANT_SPLIT)
 
 
@@ -84,28 +86,24 @@ def _short_chunks_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torc
     if lib is None or not lib.covers(q, k_cache):
         return None
     try:
-        return decode_attention_cpu(q.contiguous(), k_cache, v_cache, *meta.token_rows(), scale, window, softcap, lib)
+        return decode_attention_cpu(q, k_cache, v_cache, *meta.token_rows(), scale, window, softcap, lib)
     except Exception as e:  # noqa: BLE001 - a library this process can't run: the chunk path, said once
         cpu_decode.set_aside(e)
         return None
 
 
 def _prefill_in_place(q, k_cache, v_cache, meta, scale, out) -> bool:
-    """The prefill rows of q into out through the in-place kernel, where the engine hands it out and it covers
-    the layer (float32 on AVX-512); False: cpu_prefill.py serves. A kernel that fails is set aside, as for decodes."""
+    """The prefill rows of q into out (both dense) through the in-place kernel, where the engine hands it out and
+    it covers the layer (AVX-512 builds); False: cpu_prefill.py serves. A kernel that fails is set aside, as for
+    decodes."""
     cpu_decode = meta.cpu_decode
     lib = cpu_decode.library() if cpu_decode is not None else None
     if lib is None or not lib.covers_prefill(q, k_cache):
         return False
     nd = meta.num_decodes
-    dense = q.contiguous()                              # a view of a fused projection: the kernel reads rows densely
-    into = out if out.is_contiguous() else torch.empty_like(dense)
     try:
-        done = prefill_attention_in_place(dense, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                                          meta.seq_lens_t[nd:], scale, lib, into)
-        if done and into is not out:
-            out[nd:] = into[nd:]
-        return done
+        return prefill_attention_in_place(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                                          meta.seq_lens_t[nd:], scale, lib, out)
     except Exception as e:  # noqa: BLE001 - a library this process can't run: the torch path, said once
         cpu_decode.set_aside(e)
         return False
@@ -125,8 +123,8 @@ def _decodes_cpu(q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Ten
     if lib is not None and lib.covers(q, k_cache):
         nd = meta.num_decodes
         try:
-            return decode_attention_cpu(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd],
-                                        scale, window, softcap, lib)
+            return decode_attention_cpu(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_t[:nd], scale,
+                                        window, softcap, lib)
         except Exception as e:  # noqa: BLE001 - a library this process can't run: fall back, say so once
             cpu_decode.set_aside(e)
     return _decode_ref(q, k_cache, v_cache, meta, scale, None, None, window, softcap)

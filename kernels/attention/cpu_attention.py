@@ -86,7 +86,6 @@ class DecodeLibrary:
         return (q.dtype in self.functions and k_cache.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
                 and q.device.type == "cpu")
 
-
     def covers_prefill(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.dtype in self.prefill and k_cache.dtype == q.dtype and q.shape[-1] % 16 == 0
                 and q.device.type == "cpu")
@@ -143,10 +142,10 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def prefill_attention_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                                starts: torch.Tensor, seq_lens: torch.Tensor, scale: float, lib: DecodeLibrary,
                                out: torch.Tensor) -> bool:
-    """Prefill chunks over a float cache (float32 arithmetic), read in place: chunk c's queries are rows [starts[c], starts[c + 1])
-    of q [T, Hq, D] (their keys written), its keys [0, seq_lens[c]) through tables[c]; each query at position p
-    sees keys [0, p]. Into out (like q). False where the kernel does not take the call (the caller's torch
-    path serves: a chunk past PREFILL_MAX_KEYS)."""
+    """Prefill chunks over a float cache (float32 arithmetic), read in place: chunk c's queries are rows
+    [starts[c], starts[c + 1]) of q [T, Hq, D] (their keys written), its keys [0, seq_lens[c]) through tables[c];
+    each query at position p sees keys [0, p]. Into out (like q). False where the kernel does not take the call
+    (the caller's torch path serves: a chunk past PREFILL_MAX_KEYS)."""
     n = seq_lens.shape[0]
     _, hq, d = q.shape
     _, bs, hk, _ = k_cache.shape
@@ -156,9 +155,9 @@ def prefill_attention_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError("prefill_attention_in_place: contiguous q, out and caches; int32 tables, starts [n + 1], "
                          "seq_lens [n]")
     with torch.profiler.record_function("cpu_attention.prefill (in place)"):
-        rc = lib.prefill[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                         starts.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), n, hq, hk, d, bs, float(scale),
-                         torch.get_num_threads())
+        rc = lib.prefill[q.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                  tables.stride(0), starts.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), n, hq, hk,
+                                  d, bs, float(scale), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("prefill_attention_in_place: the kernel could not allocate its scratch")
     return rc == 0
