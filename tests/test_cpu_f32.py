@@ -11,20 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobrunner.engine.run import cpu_decode as cd
+from jobrunner.engine.run import cpu_kernel_build as cb
 from jobrunner.kernels.matmul import cpu_f32 as cf
 from jobrunner.kernels.ops import PackedLinear, pack_linear, packed_error, packing_available
+from tests.cpu_builds import build_variants
 from tests.tiny import engine_for, hf_model
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, cf.F32Library]:
-    out = {}
-    for variant in ("native", "portable"):
-        path = tmp_path_factory.mktemp(variant) / cf.f32_library_name(variant)
-        cd.build_library(path, lambda cc, o, v=variant: cf.f32_compile_command(cc, o, v))
-        out[variant] = cf.F32Library(path)
-    return out
+    return build_variants(cb.F32, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

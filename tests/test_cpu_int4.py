@@ -19,22 +19,18 @@ from jobrunner.engine.config.engine_config import EngineConfig
 from jobrunner.engine.api.request import Request, SamplingParams
 from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.quant.linear import Int4Linear
-from jobrunner.engine.run import cpu_decode as cd
 from jobrunner.engine.run import cpu_kernel_build as cb
 from jobrunner.engine.shipped.shipped_linear import PermutedInput
 from jobrunner.kernels.matmul import cpu_int4 as ci
 from jobrunner.kernels.matmul import quant_matmul as qm
+from tests.cpu_builds import build_variants
 
 SHAPES = ((37, 100), (130, 200), (64, 576), (5, 33), (19, 160))     # (N, K): K not a multiple of 64 mostly
 
 
 @pytest.fixture(scope="session")
 def libs(tmp_path_factory) -> dict[str, ci.Int4Library]:
-    out = {}
-    for variant in ci.VARIANTS:
-        path = tmp_path_factory.mktemp(variant) / ci.int4_library_name(variant)
-        cd.build_library(path, lambda cc, o, v=variant: ci.int4_compile_command(cc, o, v))
-        out[variant] = ci.Int4Library(path)
+    out = build_variants(cb.INT4, tmp_path_factory, ci.VARIANTS)
     out["native-portable-loop"] = ci.Int4Library(out["native"].path, portable=True)
     return out
 

@@ -20,10 +20,10 @@ from jobrunner.engine.config.engine_config import EngineConfig
 from jobrunner.engine.core.engine import Engine
 from jobrunner.engine.quant import linear as ql
 from jobrunner.engine.quant.linear import Int8Linear
-from jobrunner.engine.run import cpu_decode as cd
 from jobrunner.engine.run import cpu_kernel_build as cb
 from jobrunner.kernels.matmul import cpu_int8 as c8
 from jobrunner.kernels.matmul import quant_matmul as qm
+from tests.cpu_builds import build_variants
 
 SHAPES = ((37, 96), (130, 192), (5, 128), (19, 384), (64, 576))     # (N, K): N off the 4-column tiles
 ODD_K = ((37, 100), (3, 33), (50, 577))                             # per channel only: K off the 16 lanes
@@ -31,11 +31,7 @@ ODD_K = ((37, 100), (3, 33), (50, 577))                             # per channe
 
 @pytest.fixture(scope="session")
 def libs(tmp_path_factory) -> dict[str, c8.Int8Library]:
-    out = {}
-    for variant in c8.VARIANTS:
-        path = tmp_path_factory.mktemp(f"int8-{variant}") / c8.int8_library_name(variant)
-        cd.build_library(path, lambda cc, o, v=variant: c8.int8_compile_command(cc, o, v))
-        out[variant] = c8.Int8Library(path)
+    out = build_variants(cb.INT8, tmp_path_factory, c8.VARIANTS)
     out["native-portable-loop"] = c8.Int8Library(out["native"].path, portable=True)
     return out
 

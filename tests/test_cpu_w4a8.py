@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jobrunner.engine.run import cpu_decode as cd
+from jobrunner.engine.run import cpu_kernel_build as cb
 from jobrunner.kernels.matmul import cpu_w4a8 as cw
 from jobrunner.kernels.matmul import quant_matmul as qm
+from tests.cpu_builds import build_variants
 
 SHAPES = ((40, 100), (40, 96), (19, 200), (130, 64))     # (N, K): N off the 16-column blocks, K off the groups
 BUILDS = ("native", "portable", "native-portable-loop")
@@ -24,11 +25,7 @@ BUILDS = ("native", "portable", "native-portable-loop")
 
 @pytest.fixture(scope="session")
 def libs(tmp_path_factory) -> dict[str, cw.W4A8Library]:
-    out = {}
-    for variant in ("native", "portable"):
-        path = tmp_path_factory.mktemp(variant) / cw.w4a8_library_name(variant)
-        cd.build_library(path, lambda cc, o, v=variant: cw.w4a8_compile_command(cc, o, v))
-        out[variant] = cw.W4A8Library(path)
+    out = build_variants(cb.W4A8, tmp_path_factory)
     out["native-portable-loop"] = cw.W4A8Library(out["native"].path, portable=True)
     return out
 
